@@ -1,0 +1,222 @@
+"""Bring up torch.distributed from MPI: no MASTER_ADDR, no hostfile, no guessing.
+
+Rank 0 picks the rendezvous address deliberately (loopback when every rank
+shares one node; otherwise the first of its interfaces that *every* rank can
+actually connect to, tested over TCP) and starts the TCPStore on a free port
+the kernel gives it, so there is no race for a port.  The address and port
+travel to the other ranks over MPI.  ``MASTER_ADDR``/``MASTER_PORT`` win when
+the user sets them.
+"""
+
+import datetime
+import fcntl
+import logging
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcnet.errors import RestartableError, UsageError
+from hpcnet.world import World, agree_on_error
+
+log = logging.getLogger(__name__)
+
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+
+
+@dataclass(frozen=True, slots=True)
+class Interface:
+    """A network interface as seen from /sys/class/net."""
+
+    name: str
+    address: str
+    speed_mbps: int
+    """Link speed reported by the kernel; -1 when unknown (virtual links)."""
+    infiniband: bool
+
+
+def interfaces(sys_net: Path = Path("/sys/class/net")) -> list[Interface]:
+    """Up, non-loopback interfaces with an IPv4 address, fastest first."""
+    found = []
+    for _, name in socket.if_nameindex():
+        if name == "lo":
+            continue
+        base = sys_net / name
+        try:
+            if (base / "operstate").read_text().strip() not in ("up", "unknown"):
+                continue
+        except OSError:
+            continue
+        address = _ipv4_address(name)
+        if address is None:
+            continue
+        try:
+            speed = int((base / "speed").read_text().strip())
+        except (OSError, ValueError):
+            speed = -1
+        infiniband = (base / "device" / "infiniband").exists() or name.startswith("ib")
+        found.append(Interface(name, address, speed, infiniband))
+    # InfiniBand (IPoIB) first, then by speed; virtual bridges (docker0, virbr)
+    # last, since they are usually not reachable from other hosts.
+    virtual = ("docker", "virbr", "veth", "br-")
+    return sorted(found, key=lambda i: (i.name.startswith(virtual), not i.infiniband, -i.speed_mbps, i.name))
+
+
+def _ipv4_address(name: str) -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            packed = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _can_connect(address: str, port: int, timeout_s: float) -> bool:
+    try:
+        with socket.create_connection((address, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def choose_address(comm: Any, world: World, *, interface: str = "", probe_port: int) -> tuple[str, str]:
+    """Collective: the rendezvous address (and interface name) every rank can reach.
+
+    Args:
+        comm: the communicator of the job.
+        world: its layout.
+        interface: a user-chosen interface name (``dist.interface``), or empty.
+        probe_port: a port rank 0 listens on, used to test reachability.
+    """
+    if world.num_nodes == 1 and not interface:
+        return "127.0.0.1", "lo"
+    error = None
+    candidates: list[tuple[str, str]] = []
+    if world.rank == 0:
+        found = interfaces()
+        if interface:
+            found = [i for i in found if i.name == interface]
+            if not found:
+                error = UsageError(f"dist.interface: rank 0 on {world.hostname} has no interface {interface!r} "
+                                   "that is up with an IPv4 address")
+        candidates = [(i.address, i.name) for i in found]
+        if not found and error is None:
+            error = RestartableError(f"rank 0 on {world.hostname} has no usable network interface")
+    agree_on_error(comm, error)
+    candidates = comm.bcast(candidates, root=0)
+    from mpi4py import MPI
+
+    for address, name in candidates:
+        ok = world.rank == 0 or _can_connect(address, probe_port, timeout_s=2.0)
+        if comm.allreduce(int(ok), op=MPI.MIN):
+            return address, name
+    raise RestartableError(
+        f"no interface of rank 0 ({world.hostname}) is reachable from every rank; tried "
+        + ", ".join(f"{n} ({a})" for a, n in candidates) + "; set dist.interface")
+
+
+def _set_default_env(name: str, value: str) -> None:
+    if name not in os.environ:
+        os.environ[name] = value
+        log.debug("set %s=%s", name, value)
+
+
+@dataclass(slots=True)
+class DataPlane:
+    """The torch.distributed process group hpcnet communicates gradients on."""
+
+    backend: str
+    address: str
+    port: int
+    interface: str
+    group: Any
+    store: Any
+
+    def close(self) -> None:
+        """Tear the process group down (idempotent)."""
+        import torch.distributed as dist
+
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group()
+        self.group = None
+        self.store = None
+
+
+def resolve_backend(backend: str, device: Any) -> str:
+    """'auto' -> nccl on a GPU, gloo on a CPU; reject nccl on CPU tensors."""
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise UsageError("dist.backend: 'nccl' needs a GPU device (dist.device is cpu or no GPU is visible)")
+    return backend
+
+
+def init_data_plane(comm: Any, world: World, *, backend: str, device: Any, timeout_s: float,
+                    interface: str = "") -> DataPlane:
+    """Collective: initialise torch.distributed's default group over the ranks of ``comm``.
+
+    Args:
+        comm: the MPI communicator whose ranks form the group (rank order kept).
+        world: its layout (``hpcnet.world.discover``).
+        backend: 'auto', 'nccl' or 'gloo'.
+        device: this rank's torch device.
+        timeout_s: store and collective timeout.
+        interface: network interface to use across nodes, or empty to choose.
+    """
+    import torch.distributed as dist
+    from torch.distributed import TCPStore
+
+    backend = resolve_backend(backend, device)
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialised in this process")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    env_addr, env_port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    store = None
+    error: BaseException | None = None
+    port = 0
+    if world.rank == 0:
+        try:
+            port = int(env_port) if env_port else 0
+            # Port 0: the kernel picks a free port and the store keeps it bound.
+            store = TCPStore("0.0.0.0", port, world.size, is_master=True, timeout=timeout,
+                             wait_for_workers=False)
+            port = store.port
+        except ValueError:
+            error = UsageError(f"MASTER_PORT={env_port!r} is not a port number")
+        except Exception as exc:  # noqa: BLE001 - shared with every rank below
+            error = RestartableError(f"rank 0 could not start the rendezvous store on port {port}: {exc}")
+    agree_on_error(comm, error)
+    port = comm.bcast(port, root=0)
+    if env_addr:
+        address, ifname = env_addr, interface
+    else:
+        address, ifname = choose_address(comm, world, interface=interface, probe_port=port)
+    if ifname and ifname != "lo" and world.num_nodes > 1:
+        # NCCL and gloo each pick an interface on their own; make them use the
+        # one every rank has been shown to reach.
+        _set_default_env("NCCL_SOCKET_IFNAME", ifname)
+        _set_default_env("GLOO_SOCKET_IFNAME", ifname)
+    if backend == "nccl" and not Path("/sys/class/infiniband").exists():
+        _set_default_env("NCCL_IB_DISABLE", "1")
+    error = None
+    try:
+        if world.rank != 0:
+            store = TCPStore(address, port, world.size, is_master=False, timeout=timeout)
+    except Exception as exc:  # noqa: BLE001
+        error = RestartableError(f"rank {world.rank} on {world.hostname} cannot reach the rendezvous "
+                                 f"store at {address}:{port}: {exc}")
+    agree_on_error(comm, error)
+    kwargs: dict[str, Any] = {}
+    if backend == "nccl":
+        kwargs["device_id"] = device  # eager NCCL communicator creation
+    try:
+        dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size,
+                                timeout=timeout, **kwargs)
+        error = None
+    except Exception as exc:  # noqa: BLE001
+        error = RestartableError(f"rank {world.rank}: init_process_group({backend!r}) failed: {exc}")
+    agree_on_error(comm, error)
+    log.info("torch.distributed %s: %d ranks, rendezvous %s:%d (%s)", backend, world.size, address, port, ifname)
+    return DataPlane(backend, address, port, ifname, dist.group.WORLD, store)

@@ -1,0 +1,431 @@
+"""The configuration tree: dataclasses with a docstring under every field.
+
+A run is configured by the defaults below, then an optional TOML file
+(``--config run.toml``), then command-line overrides of dotted keys
+(``train.steps=200`` or ``--train.steps 200``).  Validation errors name the
+dotted option.  ``python -m hpcnet.train --help`` prints every option with
+its docstring, read from this file's source.
+"""
+
+import ast
+import dataclasses
+import difflib
+import hashlib
+import inspect
+import json
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpcnet.errors import ConfigError
+from hpcnet.importing import is_import_path
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    name: str = "hpcnet"
+    """Run name; the run directory is ``<run.dir>/<run.name>-<timestamp>`` unless run.dir_exact is set."""
+    dir: str = "runs"
+    """Parent directory of run directories (logs, metrics, resolved config)."""
+    dir_exact: bool = False
+    """Use ``run.dir`` itself as the run directory instead of a new timestamped one inside it."""
+    seed: int = 0
+    """Seed for model initialisation, data order and every rank's RNG."""
+    log_every: int = 10
+    """Print a progress line on rank 0 every this many steps."""
+    metrics: str = "rank0"
+    """Write JSON-lines metrics from: 'rank0', 'all' ranks, or 'none'."""
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"run.name: {self.name!r} must be a non-empty name without '/'")
+        if self.log_every < 1:
+            raise ConfigError("run.log_every must be at least 1")
+        if self.metrics not in ("rank0", "all", "none"):
+            raise ConfigError(f"run.metrics: {self.metrics!r} is not one of 'rank0', 'all', 'none'")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    name: str = "resnet_tiny"
+    """Built-in model: resnet18/34/50/101/152, resnet_tiny, mlp or transformer."""
+    factory: str = ""
+    """Import path 'package.module:function' of your own model factory, called as fn(info, **options); overrides model.name."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the model factory, e.g. model.options.hidden=[1024,1024]."""
+
+    def __post_init__(self) -> None:
+        if self.factory and not is_import_path(self.factory):
+            raise ConfigError(f"model.factory: {self.factory!r} is not of the form 'package.module:function'")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    dataset: str = "synthetic-images"
+    """'synthetic-images', 'synthetic-tokens', a path to an HDF5 file, or 'package.module:function'."""
+    dir: str = "data"
+    """Where the built-in synthetic datasets are generated (once) and cached."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for a dataset factory given by import path."""
+    shuffle: bool = True
+    """Reshuffle the training set every epoch (a seeded permutation)."""
+
+    def __post_init__(self) -> None:
+        if not self.dataset:
+            raise ConfigError("data.dataset must not be empty")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    name: str = "sgd"
+    """Optimizer: 'sgd' (with momentum) or 'adamw'."""
+    lr: float = 0.05
+    """Peak learning rate, reached at the end of warm-up."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    nesterov: bool = False
+    """Use Nesterov momentum with SGD."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 5e-4
+    """Weight decay (decoupled for AdamW)."""
+    warmup_steps: int = 20
+    """Linear warm-up from 0 to optim.lr over this many steps."""
+    decay: str = "cosine"
+    """Learning-rate decay after warm-up: 'cosine', 'linear' or 'constant'."""
+    min_lr_ratio: float = 0.05
+    """Final learning rate as a fraction of optim.lr."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ("sgd", "adamw"):
+            raise ConfigError(f"optim.name: {self.name!r} is not one of 'sgd', 'adamw'")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"optim.lr must be a positive number, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"optim.momentum must be in [0, 1), got {self.momentum}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.decay not in ("cosine", "linear", "constant"):
+            raise ConfigError(f"optim.decay: {self.decay!r} is not one of 'cosine', 'linear', 'constant'")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.grad_clip < 0:
+            raise ConfigError(f"optim.grad_clip must be >= 0, got {self.grad_clip}")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    steps: int = 300
+    """Number of optimizer steps."""
+    batch_size: int = 32
+    """Samples per rank per step; the global batch is batch_size * world size."""
+    eval_every: int = 100
+    """Evaluate on the held-out split every this many steps (and at the end); 0 disables."""
+    eval_batches: int = 0
+    """Limit evaluation to this many batches per rank; 0 evaluates the whole split."""
+    threads: int = 0
+    """Torch CPU threads per rank; 0 divides the node's cores among its ranks."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ConfigError(f"train.steps must be at least 1, got {self.steps}")
+        if self.batch_size < 1:
+            raise ConfigError(f"train.batch_size must be at least 1, got {self.batch_size}")
+        for name in ("eval_every", "eval_batches", "threads"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True, slots=True)
+class DistConfig:
+    backend: str = "auto"
+    """Data-plane backend: 'auto' (nccl on GPU, gloo on CPU), 'nccl' or 'gloo'."""
+    device: str = "auto"
+    """'auto' (cuda:<local rank> when GPUs exist, else cpu), 'cpu' or 'cuda'."""
+    timeout_s: float = 600.0
+    """Timeout of torch.distributed set-up and collectives, in seconds."""
+    interface: str = ""
+    """Network interface for the data plane (e.g. ib0); empty chooses one reachable by every rank."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "nccl", "gloo"):
+            raise ConfigError(f"dist.backend: {self.backend!r} is not one of 'auto', 'nccl', 'gloo'")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"dist.device: {self.device!r} is not one of 'auto', 'cpu', 'cuda'")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"dist.timeout_s must be positive, got {self.timeout_s}")
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    """Run directory, seed and logging."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Which model to train."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Which dataset to train on."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Steps, batch size, evaluation."""
+    dist: DistConfig = field(default_factory=DistConfig)
+    """Distributed data plane."""
+
+
+# --- building a Config from nested dicts ------------------------------------
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, option: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; convert where lossless."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _coerce(value, arg, option)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{option}: bad value {value!r}")
+    if origin is list:
+        if isinstance(value, str):
+            value = [parse_value(v.strip()) for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{option}: expected a list, got {value!r}")
+        (item,) = typing.get_args(tp) or (Any,)
+        return [_coerce(v, item, f"{option}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{option}: expected a table of key = value, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+            return value.lower() in ("true", "yes", "on", "1")
+        raise ConfigError(f"{option}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{option}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{option}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # e.g. run.name=2024 from the command line
+        raise ConfigError(f"{option}: expected a string, got {value!r}")
+    raise ConfigError(f"{option}: unsupported type {_type_name(tp)}")
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        option = f"{prefix}{key}"
+        if key not in hints:
+            raise ConfigError(_unknown(option, cls, prefix))
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{option}: is a section; set its keys, e.g. {option}.{_field_names(tp)[0]}=...")
+            kwargs[key] = _build(tp, value, f"{option}.")
+        else:
+            kwargs[key] = _coerce(value, tp, option)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {exc}") from exc
+
+
+def _unknown(option: str, cls: type, prefix: str) -> str:
+    known = [f"{prefix}{name}" for name in _field_names(cls)]
+    close = difflib.get_close_matches(option, known, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else f"; known here: {', '.join(known)}"
+    return f"unknown option '{option}'{hint}"
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def parse_value(text: str) -> Any:
+    """Parse a command-line value as a TOML literal, else keep it as a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    if not all(parts):
+        raise ConfigError(f"bad option name {key!r}")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"option {key!r} sets a key inside a value that is not a table")
+    node[parts[-1]] = value
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """Turn ``["train.steps=5", "--optim.lr", "0.1", "--data.shuffle"]`` into a nested dict."""
+    tree: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        key = arg[2:] if arg.startswith("--") else arg
+        if "=" in key:
+            key, text = key.split("=", 1)
+            value = parse_value(text)
+        elif arg.startswith("--") and i + 1 < len(args) and not args[i + 1].startswith("--") and "=" not in args[i + 1]:
+            value = parse_value(args[i + 1])
+            i += 1
+        elif arg.startswith("--"):
+            value = True  # a bare flag, e.g. --data.shuffle
+        else:
+            raise ConfigError(f"cannot read argument {arg!r}: write options as section.key=value")
+        _set_dotted(tree, key, value)
+        i += 1
+    return tree
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Build the configuration from defaults, a TOML file and dotted overrides.
+
+    Args:
+        path: a TOML file with sections [run], [model], ...; None for defaults.
+        overrides: command-line arguments such as ``train.steps=100``.
+    """
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            tree = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"--config: file {str(path)!r} not found") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"--config: cannot read {str(path)!r}: {exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"--config: {str(path)!r} is not valid TOML: {exc}") from None
+    tree = _merge(tree, parse_overrides(overrides or []))
+    return _build(Config, tree, "")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The configuration as plain nested dicts (JSON and TOML friendly)."""
+    return dataclasses.asdict(cfg)
+
+
+def config_hash(cfg: Config) -> str:
+    """A digest of the resolved configuration, equal on ranks that hold equal configs."""
+    text = json.dumps(to_dict(cfg), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def check_same_config(comm: Any, cfg: Config) -> None:
+    """Raise ConfigError on every rank unless all ranks of ``comm`` hold the same config."""
+    digests = comm.allgather(config_hash(cfg))
+    if len(set(digests)) > 1:
+        groups: dict[str, list[int]] = {}
+        for rank, digest in enumerate(digests):
+            groups.setdefault(digest, []).append(rank)
+        majority = max(groups.values(), key=len)
+        odd = sorted(r for ranks in groups.values() if ranks is not majority for r in ranks)
+        raise ConfigError(
+            f"ranks disagree on the configuration: ranks {odd} differ from ranks {majority[:8]}"
+            f"{'...' if len(majority) > 8 else ''} (same command line and config file on every rank?)"
+        )
+
+
+# --- TOML output and --help ----------------------------------------------------
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved configuration as TOML that ``--config`` reads back."""
+    lines = []
+    for section, values in to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
+        lines.append("")
+    return "\n".join(lines)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstrings written under each field of a dataclass, read from source."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            docs[node.target.id] = following.value.value
+    return docs
+
+
+def describe_options(cfg: Config | None = None) -> str:
+    """Every option with its current value and docstring, for ``--help``."""
+    cfg = cfg or Config()
+    hints = typing.get_type_hints(Config)
+    lines = []
+    for section in _field_names(Config):
+        cls = hints[section]
+        docs = field_docs(cls)
+        lines.append(f"[{section}]  {field_docs(Config).get(section, '')}")
+        for name in _field_names(cls):
+            value = getattr(getattr(cfg, section), name)
+            lines.append(f"  {section}.{name} = {_toml_value(value)}")
+            lines.append(f"      {docs.get(name, '')}")
+    return "\n".join(lines)

@@ -1,0 +1,358 @@
+"""hpcnet's training entry point: data-parallel training, one loop you can read.
+
+Launch:
+    mpirun -np 4 python -m mpi4py -m hpcnet.train [--config run.toml] [section.key=value ...]
+    python -m hpcnet.train                       # a single process works too
+    python -m hpcnet.train --help                # every option, with its doc
+
+Every rank runs the same loop on its own slice of each global batch; the
+gradients are averaged across ranks, so N ranks with batch B train exactly as
+one rank with batch N*B would.
+"""
+
+import argparse
+import json
+import logging
+import math
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpcnet import __version__
+from hpcnet.allreduce import GradientAverager, average_buffers, broadcast_module
+from hpcnet.bootstrap import DataPlane, init_data_plane
+from hpcnet.config import Config, OptimConfig, check_same_config, describe_options, load_config, to_dict, to_toml
+from hpcnet.data import BatchLoader, GlobalBatchSampler, eval_indices, open_dataset
+from hpcnet.errors import ExitCode
+from hpcnet.models import build_model, count_parameters
+from hpcnet.runlog import MetricsWriter, close_logging, format_duration, make_run_dir, setup_logging
+from hpcnet.world import World, choose_device, cpu_threads, discover, exit_code_of, is_agreed, shared_errors
+
+log = logging.getLogger("hpcnet.train")
+
+
+class StopRequest:
+    """Remember a SIGINT/SIGTERM/SIGUSR2 so the loop can stop at a step boundary.
+
+    The signal handler only sets a flag; the ranks agree on it once per step,
+    so all of them stop after the same step even when only one was signalled.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> "StopRequest":
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        self.signum = signum
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+@dataclass
+class TrainResult:
+    """What ``run`` returns: the trained model and a summary of the run."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    summary: dict[str, Any] = field(default_factory=dict)
+    exit_code: int = ExitCode.OK
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """SGD with momentum or AdamW; no weight decay on biases and norm weights (1-d tensors)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
+
+
+def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
+    """Learning rate at ``step`` as a fraction of ``optim.lr``: linear warm-up, then decay."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.decay == "constant":
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.decay == "cosine" else 1 - progress
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+
+def loss_and_correct(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy and the number of correct predictions (tokens or images)."""
+    logits = logits.reshape(-1, logits.shape[-1])
+    targets = targets.reshape(-1)
+    loss = F.cross_entropy(logits, targets)
+    correct = (logits.argmax(dim=-1) == targets).sum()
+    return loss, correct
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, split: Any, comm: Any, *, batch_size: int, max_batches: int,
+             device: torch.device) -> dict[str, float]:
+    """Loss and accuracy on the held-out split, each rank on its own shard (collective)."""
+    from mpi4py import MPI
+
+    was_training = model.training
+    model.eval()
+    indices = eval_indices(len(split), comm.Get_rank(), comm.Get_size())
+    totals = np.zeros(3)  # loss sum, correct, count
+    for n, start in enumerate(range(0, len(indices), batch_size)):
+        if max_batches and n >= max_batches:
+            break
+        inputs, targets = split.read(indices[start:start + batch_size])
+        inputs, targets = inputs.to(device), targets.to(device)
+        loss, correct = loss_and_correct(model(inputs), targets)
+        count = targets.numel()
+        totals += (loss.item() * count, correct.item(), count)
+    comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
+    model.train(was_training)
+    count = max(totals[2], 1)
+    return {"eval_loss": totals[0] / count, "eval_accuracy": totals[1] / count}
+
+
+def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopRequest | None = None) -> TrainResult:
+    """Train with ``cfg`` on the ranks of ``comm`` (collective).
+
+    Args:
+        cfg: the resolved configuration, equal on every rank.
+        comm: the MPI communicator of the job.
+        plane: an initialised data plane over the same ranks; created (and
+            closed) here when None and there is more than one rank.
+        stop: where signal handlers record a stop request, or None.
+    """
+    from mpi4py import MPI
+
+    t_start = time.perf_counter()
+    comm = comm.Dup()  # hpcnet's control-plane traffic never mixes with the caller's
+    own_plane = False
+    try:
+        world = discover(comm)
+        check_same_config(comm, cfg)
+        run_dir = make_run_dir(comm, cfg.run.dir, cfg.run.name, exact=cfg.run.dir_exact)
+        setup_logging(run_dir, world.rank)
+        torch.set_num_threads(cpu_threads(world, cfg.train.threads))
+        with shared_errors(comm):
+            device = choose_device(world, cfg.dist.device)
+        if world.is_main:
+            (run_dir / "config.toml").write_text(to_toml(cfg))
+            log.info("hpcnet %s, torch %s: %d rank(s) on %d node(s) (%s), device %s, %d threads/rank",
+                     __version__, torch.__version__, world.size, world.num_nodes, world.launcher,
+                     device, torch.get_num_threads())
+            log.info("run directory: %s\nresolved config:\n%s", run_dir, to_toml(cfg))
+        if plane is None and world.size > 1:
+            plane = init_data_plane(comm, world, backend=cfg.dist.backend, device=device,
+                                    timeout_s=cfg.dist.timeout_s, interface=cfg.dist.interface)
+            own_plane = True
+        group = plane.group if plane is not None else None
+
+        # Data: every rank opens the same files and validates them alike, so a
+        # bad dataset is the same clear error everywhere.
+        with shared_errors(comm):
+            train_split = open_dataset(cfg.data.dataset, "train", directory=cfg.data.dir, comm=comm,
+                                       options=cfg.data.options, seed=cfg.run.seed)
+            eval_split = open_dataset(cfg.data.dataset, "eval", directory=cfg.data.dir, comm=comm,
+                                      options=cfg.data.options, seed=cfg.run.seed)
+            sampler = GlobalBatchSampler(len(train_split), batch_size=cfg.train.batch_size,
+                                         rank=world.rank, world_size=world.size,
+                                         seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+
+        # Model: the same seed on every rank, then rank 0's weights broadcast,
+        # so a rank-dependent factory cannot make the replicas diverge.
+        torch.manual_seed(cfg.run.seed)
+        with shared_errors(comm):
+            model = build_model(cfg.model.name, train_split.info, cfg.model.options,
+                                factory=cfg.model.factory).to(device)
+        broadcast_module(model, group=group, world_size=world.size)
+        optimizer = build_optimizer(model, cfg.optim)
+        averager = GradientAverager(list(model.parameters()), group=group, world_size=world.size)
+        torch.manual_seed(cfg.run.seed + 1 + world.rank)  # dropout etc. differ per rank
+        random.seed(cfg.run.seed + world.rank)
+        metrics = MetricsWriter(run_dir / f"metrics.rank{world.rank}.jsonl"
+                                if cfg.run.metrics == "all" or (cfg.run.metrics == "rank0" and world.is_main)
+                                else None)
+        if world.is_main:
+            log.info("model %s: %s parameters; dataset %s: %d train / %d eval samples; global batch %d",
+                     cfg.model.factory or cfg.model.name, f"{count_parameters(model):,}", cfg.data.dataset,
+                     len(train_split), len(eval_split), cfg.train.batch_size * world.size)
+
+        result = TrainResult(model, optimizer)
+        loader = BatchLoader(train_split, sampler)
+        try:
+            result.summary = _loop(cfg, comm, world, model, optimizer, averager, loader, eval_split,
+                                   device, group, metrics, stop)
+        finally:
+            loader.close()
+            metrics.close()
+        summary = result.summary
+        summary.update(world_size=world.size, wall_s=time.perf_counter() - t_start, run_dir=str(run_dir))
+        if summary.get("stopped_by_signal"):
+            result.exit_code = (ExitCode.INTERRUPTED if summary["stopped_by_signal"] == signal.SIGINT
+                                else ExitCode.PREEMPTED)
+        if world.is_main:
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            log.info("done: %d steps in %s, final loss %.4f%s", summary["steps"], format_duration(summary["wall_s"]),
+                     summary["final_loss"], "".join(f", {k} {v:.4f}" for k, v in summary.get("eval", {}).items()))
+        return result
+    finally:
+        if own_plane and plane is not None:
+            plane.close()
+        comm.Free()
+
+
+def _loop(cfg: Config, comm: Any, world: World, model: nn.Module, optimizer: torch.optim.Optimizer,
+          averager: GradientAverager, loader: BatchLoader, eval_split: Any, device: torch.device,
+          group: Any, metrics: MetricsWriter, stop: StopRequest | None) -> dict[str, Any]:
+    from mpi4py import MPI
+
+    total = cfg.train.steps
+    global_batch = cfg.train.batch_size * world.size
+    evaluation: dict[str, float] = {}
+    loss_value = float("nan")
+    t_loop = t_last = time.perf_counter()
+    last_step = 0
+    stopped_by = 0
+    model.train()
+    step = 0
+    while step < total:
+        # Agree on a stop request first, so every rank leaves after the same step.
+        stopped_by = comm.allreduce(stop.signum if stop else 0, op=MPI.MAX)
+        if stopped_by:
+            log.warning("stopping after step %d/%d on %s", step, total, signal.Signals(stopped_by).name)
+            break
+        for group_ in optimizer.param_groups:
+            group_["lr"] = cfg.optim.lr * lr_factor(step, total, cfg.optim)
+        inputs, targets = loader.next()
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        loss, _ = loss_and_correct(model(inputs), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        averager.average()
+        if cfg.optim.grad_clip > 0:
+            nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        optimizer.step()
+        step += 1
+
+        if step % cfg.run.log_every == 0 or step == total:
+            local_loss = loss.item()
+            loss_value = comm.allreduce(local_loss, op=MPI.SUM) / world.size
+            now = time.perf_counter()
+            rate = (step - last_step) * global_batch / max(now - t_last, 1e-9)
+            eta = (now - t_loop) / step * (total - step)
+            if world.is_main:
+                log.info("step %*d/%d | loss %.4f | lr %.2e | %.0f samples/s | eta %s", len(str(total)), step,
+                         total, loss_value, optimizer.param_groups[0]["lr"], rate, format_duration(eta))
+            metrics.write(step=step, loss=local_loss, global_loss=loss_value,
+                          lr=optimizer.param_groups[0]["lr"], samples_per_s=rate, epoch=loader.sampler.epoch)
+            t_last, last_step = now, step
+        if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == total):
+            average_buffers(model, group=group, world_size=world.size)
+            evaluation = evaluate(model, eval_split, comm, batch_size=cfg.train.batch_size,
+                                  max_batches=cfg.train.eval_batches, device=device)
+            if world.is_main:
+                log.info("eval at step %d: loss %.4f, accuracy %.2f%%", step, evaluation["eval_loss"],
+                         100 * evaluation["eval_accuracy"])
+            metrics.write(step=step, **evaluation)
+    if step and step % cfg.run.log_every and step != total:  # stopped between log lines
+        loss_value = comm.allreduce(loss.item(), op=MPI.SUM) / world.size
+    average_buffers(model, group=group, world_size=world.size)
+    elapsed = time.perf_counter() - t_loop
+    return {
+        "steps": step,
+        "final_loss": loss_value,
+        "eval": evaluation,
+        "samples_per_s": step * global_batch / max(elapsed, 1e-9),
+        "stopped_by_signal": stopped_by,
+    }
+
+
+def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="python -m hpcnet.train", add_help=False,
+        description="Data-parallel training over MPI. Options are section.key=value (or --section.key value).",
+    )
+    parser.add_argument("--config", help="a TOML file with [run], [model], [data], [optim], [train], [dist]")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("-h", "--help", action="store_true", help="show every option and exit")
+    return parser.parse_known_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m hpcnet.train``; the only place that uses COMM_WORLD."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    args, overrides = _parse_args(sys.argv[1:] if argv is None else argv)
+    rank = comm.Get_rank()
+    if args.help:
+        if rank == 0:
+            print(__doc__.strip() + "\n\nOptions (defaults shown):\n" + describe_options())
+        return ExitCode.OK
+    stop = StopRequest().install()
+    try:
+        with shared_errors(comm):  # a config file missing on one node fails everywhere
+            cfg = load_config(args.config, overrides)
+        if args.print_config:
+            if rank == 0:
+                print(to_toml(cfg), end="")
+            return ExitCode.OK
+        return run(cfg, comm, stop=stop).exit_code
+    except Exception as exc:  # noqa: BLE001 - reported, then a documented status
+        code = exit_code_of(exc)
+        logger = logging.getLogger("hpcnet")
+        if is_agreed(exc):
+            # Every rank reached the same verdict; rank 0 says it for all.
+            logger.debug("stopping: %s", exc, exc_info=True)
+            if rank == 0:
+                print(f"hpcnet: error: {exc}", file=sys.stderr)
+            return code
+        # This rank alone failed: the others may be inside a collective and
+        # would wait forever, so end the whole job now.
+        logger.error("rank %d failed: %s: %s", rank, type(exc).__name__, exc, exc_info=True)
+        print(f"hpcnet: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        close_logging()
+        comm.Abort(code)
+        return code
+    finally:
+        stop.restore()
+        close_logging()
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code:
+        # Every rank returns the same status; finalize cleanly so the launcher
+        # reports our status rather than an MPI_Abort (python -m mpi4py aborts
+        # on any non-zero SystemExit).
+        from mpi4py import MPI
+
+        if not MPI.Is_finalized():
+            MPI.Finalize()
+    sys.exit(code)

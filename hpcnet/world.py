@@ -1,0 +1,241 @@
+"""Who is where: ranks, nodes and devices, discovered through MPI.
+
+The MPI communicator is the source of truth for rank and size.  The launcher's
+environment (SLURM, Open MPI, MPICH/PMI, PMIx) is read through one mapping
+table, ``SCHEDULER_ENV``, for job ids and to catch a classic mistake: ``srun``
+without ``--mpi=pmix`` starts N singleton MPI processes that each think they
+are alone.
+"""
+
+import contextlib
+import os
+import socket
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hpcnet.errors import ExitCode, RestartableError, UsageError
+
+# One table for every scheduler variable hpcnet reads (after submitit's
+# slurm.py): launcher -> our name -> environment variable.
+SCHEDULER_ENV: dict[str, dict[str, str]] = {
+    "slurm": {
+        "job_id": "SLURM_JOB_ID",
+        "global_rank": "SLURM_PROCID",
+        "world_size": "SLURM_NTASKS",
+        "local_rank": "SLURM_LOCALID",
+        "node_index": "SLURM_NODEID",
+        "num_nodes": "SLURM_JOB_NUM_NODES",
+        "cpus_per_task": "SLURM_CPUS_PER_TASK",
+        "restart_count": "SLURM_RESTART_COUNT",
+    },
+    "openmpi": {
+        "job_id": "OMPI_MCA_orte_ess_jobid",
+        "global_rank": "OMPI_COMM_WORLD_RANK",
+        "world_size": "OMPI_COMM_WORLD_SIZE",
+        "local_rank": "OMPI_COMM_WORLD_LOCAL_RANK",
+        "local_size": "OMPI_COMM_WORLD_LOCAL_SIZE",
+    },
+    "pmix": {
+        "global_rank": "PMIX_RANK",
+    },
+    "hydra": {  # MPICH and Intel MPI
+        "global_rank": "PMI_RANK",
+        "world_size": "PMI_SIZE",
+        "local_rank": "MPI_LOCALRANKID",
+        "local_size": "MPI_LOCALNRANKS",
+    },
+}
+# Environment variable that splits one machine into virtual nodes of this many
+# ranks each, so multi-node code paths can be tested on a single host.
+VIRTUAL_NODE_ENV = "HPCNET_RANKS_PER_NODE"
+
+
+def launcher_env(environ: Mapping[str, str] | None = None) -> tuple[str, dict[str, str]]:
+    """Return the launcher that started this process and its variables by our names.
+
+    SLURM wins over the MPI runtime, because ``mpirun`` inside ``sbatch`` is
+    still a SLURM job.  ``("singleton", {})`` when nothing is set.
+    """
+    environ = os.environ if environ is None else environ
+    for launcher, table in SCHEDULER_ENV.items():
+        values = {name: environ[var] for name, var in table.items() if var in environ}
+        if "global_rank" in values or (launcher == "slurm" and "job_id" in values):
+            return launcher, values
+    return "singleton", {}
+
+
+@dataclass(frozen=True, slots=True)
+class World:
+    """The layout of one MPI job, equal in content on every rank but rank fields."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    node_index: int
+    num_nodes: int
+    hostname: str
+    hostnames: tuple[str, ...]
+    """Host of every rank, indexed by rank."""
+    launcher: str
+    job_id: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def node_layout(hostnames: list[str], ranks_per_node: int = 0) -> list[tuple[int, int, int]]:
+    """Per rank, ``(node_index, local_rank, local_size)`` from hosts (pure logic).
+
+    Nodes are numbered in order of their lowest rank.  ``ranks_per_node > 0``
+    splits ranks into virtual nodes of consecutive ranks instead.
+    """
+    if ranks_per_node > 0:
+        keys = [r // ranks_per_node for r in range(len(hostnames))]
+    else:
+        keys = list(hostnames)
+    order: dict[Any, int] = {}
+    members: dict[Any, list[int]] = {}
+    for rank, key in enumerate(keys):
+        order.setdefault(key, len(order))
+        members.setdefault(key, []).append(rank)
+    return [(order[key], members[key].index(rank), len(members[key])) for rank, key in enumerate(keys)]
+
+
+def discover(comm: Any, environ: Mapping[str, str] | None = None) -> World:
+    """Discover the world of ``comm`` (collective).
+
+    Local ranks come from ``Split_type(COMM_TYPE_SHARED)`` (ranks sharing
+    memory), unless ``HPCNET_RANKS_PER_NODE`` asks for virtual nodes.
+    """
+    from mpi4py import MPI
+
+    environ = os.environ if environ is None else environ
+    launcher, values = launcher_env(environ)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1 and int(values.get("world_size", "1") or 1) > 1:
+        # Every process is a singleton: the launcher did not wire up MPI.
+        raise UsageError(
+            f"this process is MPI rank 0 of 1, but {launcher} started {values['world_size']} tasks: "
+            "the processes did not join one MPI job (with srun use --mpi=pmix; check `srun --mpi=list`)"
+        )
+    hostname = MPI.Get_processor_name() or socket.gethostname()
+    hostnames = comm.allgather(hostname)
+    try:
+        virtual = int(environ.get(VIRTUAL_NODE_ENV, "0") or 0)
+    except ValueError:
+        raise UsageError(f"{VIRTUAL_NODE_ENV}={environ[VIRTUAL_NODE_ENV]!r} is not an integer") from None
+    if virtual > 0:
+        node_index, local_rank, local_size = node_layout(hostnames, virtual)[rank]
+    else:
+        # Shared-memory split is what the hardware says; hostnames can lie
+        # (containers) and are only a label here.
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+        try:
+            local_rank, local_size = local.Get_rank(), local.Get_size()
+            leader_rank = local.bcast(rank, root=0)
+        finally:
+            local.Free()
+        leaders = sorted(set(comm.allgather(leader_rank)))
+        node_index = leaders.index(leader_rank)
+    num_nodes = comm.allreduce(node_index, op=MPI.MAX) + 1
+    return World(
+        rank=rank, size=size, local_rank=local_rank, local_size=local_size,
+        node_index=node_index, num_nodes=num_nodes, hostname=hostname,
+        hostnames=tuple(hostnames), launcher=launcher, job_id=values.get("job_id", ""),
+    )
+
+
+def cpu_threads(world: World, requested: int = 0) -> int:
+    """Torch threads for this rank: ``requested``, or the node's cores divided among its ranks."""
+    if requested > 0:
+        return requested
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // world.local_size)
+
+
+def choose_device(world: World, requested: str = "auto") -> Any:
+    """``cuda:<local rank>`` when GPUs exist (or are asked for), else the CPU."""
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    if requested == "cuda" and not has_cuda:
+        raise UsageError(f"dist.device: 'cuda' was requested but rank {world.rank} on {world.hostname} sees no GPU")
+    if requested == "cpu" or not has_cuda:
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if world.local_size > count:
+        # Sharing a GPU between ranks works but is rarely intended.
+        import logging
+        logging.getLogger(__name__).warning(
+            "%d ranks on %s share %d GPU(s)", world.local_size, world.hostname, count)
+    device = torch.device("cuda", world.local_rank % count)
+    torch.cuda.set_device(device)
+    return device
+
+
+class PeerError(RuntimeError):
+    """An error raised on another rank, re-raised here so every rank stops alike."""
+
+    def __init__(self, rank: int, kind: str, message: str, exit_code: int) -> None:
+        super().__init__(f"rank {rank}: {kind}: {message}")
+        self.rank = rank
+        self.exit_code = exit_code
+
+
+def exit_code_of(error: BaseException) -> int:
+    """The documented exit status for an exception (see ``ExitCode``)."""
+    if isinstance(error, KeyboardInterrupt):
+        return ExitCode.INTERRUPTED
+    return int(getattr(error, "exit_code", ExitCode.CODE_ERROR))
+
+
+def agree_on_error(comm: Any, error: BaseException | None) -> None:
+    """Collective: raise on every rank if any rank of ``comm`` has an error.
+
+    The rank that failed re-raises its own exception; the others raise a
+    ``PeerError`` (or a ``UsageError`` for user mistakes, with the same
+    message) naming the first failed rank, so no rank is left waiting in a
+    later collective.
+    """
+    report = None if error is None else (type(error).__name__, str(error), exit_code_of(error))
+    reports = comm.allgather(report)
+    failed = [(rank, rep) for rank, rep in enumerate(reports) if rep is not None]
+    if not failed:
+        return
+    if error is None:
+        rank, (kind, message, code) = failed[0]
+        if code == ExitCode.USAGE_ERROR:
+            error = UsageError(message)
+        elif code == ExitCode.RESTARTABLE:
+            error = RestartableError(f"rank {rank}: {message}")
+        else:
+            error = PeerError(rank, kind, message, code)
+    # Every rank now raises: the entry point may exit cleanly instead of aborting.
+    error.hpcnet_agreed = True  # type: ignore[attr-defined]
+    raise error
+
+
+def is_agreed(error: BaseException) -> bool:
+    """True when every rank raised ``error`` (or its echo) through ``agree_on_error``."""
+    return bool(getattr(error, "hpcnet_agreed", False))
+
+
+@contextlib.contextmanager
+def shared_errors(comm: Any) -> Iterator[None]:
+    """Run a block on every rank and share its outcome (collective on exit).
+
+    Use it around work that may fail on some ranks only (opening a file,
+    parsing a dataset) before the next collective.
+    """
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - shared, then re-raised
+        agree_on_error(comm, exc)
+        raise
+    agree_on_error(comm, None)

@@ -1,0 +1,13 @@
+# Sourced by the scripts in this folder: set-up, then the environment that
+# Open MPI needs on a developer machine or CI (root, fewer cores than ranks).
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$root/scripts/setup.sh"
+export PATH="${HPCNET_VENV:-$root/.venv}/bin:$PATH"
+if [ "$(id -u)" = 0 ]; then
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+fi
+# More ranks than cores is fine for functional runs on a laptop or CI box.
+export OMPI_MCA_rmaps_base_oversubscribe=1
+# Quiet Open MPI's warning about a missing high-speed network on one machine.
+export OMPI_MCA_btl_base_warn_component_unused=0
+cd "$root"

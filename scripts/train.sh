@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up (if needed), then train the built-in default: NP ranks (default 2)
+# under mpirun on this machine.  Extra arguments are hpcnet options, e.g.
+#   scripts/train.sh train.steps=500 model.name=mlp
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+np="${NP:-2}"
+exec mpirun -np "$np" python -m mpi4py -m hpcnet.train "$@"

@@ -1,0 +1,68 @@
+"""Shared fixtures: the MPI communicator, a data plane, and launching hpcnet with mpirun."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mpi4py import MPI
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    # Ranks of one pytest job race on pytest's own temp folder: give each its own.
+    if MPI.COMM_WORLD.Get_size() > 1 and not config.option.basetemp:
+        base = Path(os.environ.get("TMPDIR", "/tmp")) / f"hpcnet-pytest-{os.getppid()}-rank{MPI.COMM_WORLD.Get_rank()}"
+        config.option.basetemp = str(base)
+
+
+@pytest.fixture
+def comm():
+    """A private duplicate of COMM_WORLD, freed after the test."""
+    dup = MPI.COMM_WORLD.Dup()
+    yield dup
+    dup.Free()
+
+
+@pytest.fixture(scope="session")
+def data_plane():
+    """torch.distributed (gloo) over COMM_WORLD, initialised once per session."""
+    from hpcnet.bootstrap import init_data_plane
+    from hpcnet.world import discover
+
+    import torch
+
+    comm = MPI.COMM_WORLD.Dup()
+    world = discover(comm)
+    plane = init_data_plane(comm, world, backend="gloo", device=torch.device("cpu"), timeout_s=120)
+    yield plane
+    plane.close()
+    comm.Free()
+
+
+def clean_env(**extra):
+    """The environment for a child mpirun: none of this process's MPI wiring."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", OMPI_MCA_btl_base_warn_component_unused="0",
+               PYTHONPATH=str(ROOT))
+    env.update(extra)
+    return env
+
+
+@pytest.fixture
+def launch(tmp_path):
+    """Run ``mpirun -np N python -m mpi4py -m <module> args`` and return the CompletedProcess."""
+    if MPI.COMM_WORLD.Get_size() > 1:
+        pytest.skip("launches its own mpirun; runs in the serial pass")
+
+    def _launch(np, *args, module="hpcnet.train", timeout=180, env=None):
+        """``module=None`` runs the script named by the first argument instead."""
+        target = ["-m", module] if module else []
+        cmd = ["mpirun", "-np", str(np), sys.executable, "-m", "mpi4py", *target, *args]
+        return subprocess.run(cmd, cwd=tmp_path, env=clean_env(**(env or {})), capture_output=True,
+                              text=True, timeout=timeout)
+
+    return _launch

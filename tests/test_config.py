@@ -1,0 +1,108 @@
+"""Config: defaults, TOML files, dotted overrides, errors that name the option."""
+
+import pytest
+from mpi4py import MPI
+
+from hpcnet.config import (Config, check_same_config, config_hash, describe_options, field_docs, load_config,
+                           parse_overrides, to_toml)
+from hpcnet.errors import ConfigError
+
+
+def test_defaults_are_valid():
+    cfg = load_config()
+    assert cfg == Config()
+    assert cfg.train.steps > 0 and cfg.model.name == "resnet_tiny"
+
+
+def test_overrides_in_both_spellings():
+    cfg = load_config(overrides=["train.steps=7", "--optim.lr", "0.5", "--optim.name=adamw",
+                                 "model.options.hidden=[64, 32]", "optim.betas=0.8,0.9", "--data.shuffle=false"])
+    assert cfg.train.steps == 7
+    assert cfg.optim.lr == 0.5 and cfg.optim.name == "adamw"
+    assert cfg.model.options == {"hidden": [64, 32]}
+    assert cfg.optim.betas == [0.8, 0.9]
+    assert cfg.data.shuffle is False
+
+
+def test_bare_flag_and_numbers_as_strings():
+    assert parse_overrides(["--data.shuffle"]) == {"data": {"shuffle": True}}
+    assert load_config(overrides=["run.name=2024"]).run.name == "2024"
+    assert load_config(overrides=["optim.lr=1"]).optim.lr == 1.0
+
+
+def test_toml_file_then_overrides(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[train]\nsteps = 11\nbatch_size = 8\n[model]\nname = "mlp"\noptions = {hidden = [16]}\n')
+    cfg = load_config(path, ["train.steps=12"])
+    assert (cfg.train.steps, cfg.train.batch_size, cfg.model.name) == (12, 8, "mlp")
+    assert cfg.model.options == {"hidden": [16]}
+
+
+def test_resolved_toml_round_trips(tmp_path):
+    cfg = load_config(overrides=["model.options.hidden=[8,4]", "data.dataset=/x/y.h5", 'run.name=a"b'])
+    path = tmp_path / "resolved.toml"
+    path.write_text(to_toml(cfg))
+    assert load_config(path) == cfg
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["train.stepz=3"], "did you mean 'train.steps'"),
+    (["train.steps=abc"], "train.steps: expected an integer"),
+    (["train.steps=0"], "train.steps must be at least 1"),
+    (["optim.name=lamb"], "optim.name"),
+    (["optim.lr=-1"], "optim.lr"),
+    (["optim.betas=[0.9]"], "optim.betas"),
+    (["data.shuffle=maybe"], "data.shuffle: expected true or false"),
+    (["train=3"], "train: is a section"),
+    (["nosuch.key=1"], "unknown option 'nosuch'"),
+    (["model.factory=notapath"], "model.factory"),
+    (["dist.backend=mpi2"], "dist.backend"),
+    (["run.metrics=some"], "run.metrics"),
+    (["positional"], "section.key=value"),
+])
+def test_errors_name_the_option(args, needle):
+    with pytest.raises(ConfigError, match=None) as info:
+        load_config(overrides=args)
+    assert needle in str(info.value)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="--config: file .* not found"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nsteps = ")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("[train]\nbatch = 3\n")
+    with pytest.raises(ConfigError, match="train.batch"):
+        load_config(unknown)
+
+
+def test_every_field_is_documented():
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(Config)
+    for section in dataclasses.fields(Config):
+        docs = field_docs(hints[section.name])
+        for f in dataclasses.fields(hints[section.name]):
+            assert docs.get(f.name), f"{section.name}.{f.name} has no docstring"
+    text = describe_options()
+    assert "train.steps = 300" in text and "Number of optimizer steps" in text
+
+
+def test_hash_tracks_content():
+    assert config_hash(load_config()) == config_hash(load_config())
+    assert config_hash(load_config()) != config_hash(load_config(overrides=["train.steps=5"]))
+
+
+@pytest.mark.mpi
+def test_same_config_passes_and_mismatch_fails_on_every_rank(comm):
+    check_same_config(comm, load_config())
+    if comm.Get_size() == 1:
+        return
+    cfg = load_config(overrides=[f"train.steps={100 + (comm.Get_rank() == comm.Get_size() - 1)}"])
+    with pytest.raises(ConfigError, match=rf"ranks \[{comm.Get_size() - 1}\] differ"):
+        check_same_config(comm, cfg)
+    comm.Barrier()

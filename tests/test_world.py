@@ -1,0 +1,90 @@
+"""World discovery, scheduler variables, device choice and shared errors."""
+
+import socket
+
+import pytest
+import torch
+
+from hpcnet.errors import ConfigError, UsageError
+from hpcnet.world import (SCHEDULER_ENV, agree_on_error, choose_device, cpu_threads, discover, is_agreed,
+                          launcher_env, node_layout, shared_errors)
+
+
+def test_launcher_env_table():
+    assert launcher_env({}) == ("singleton", {})
+    name, values = launcher_env({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "8",
+                                 "OMPI_COMM_WORLD_LOCAL_RANK": "1"})
+    assert name == "openmpi" and values == {"global_rank": "3", "world_size": "8", "local_rank": "1"}
+    # mpirun inside sbatch is still a SLURM job
+    name, values = launcher_env({"SLURM_JOB_ID": "42", "OMPI_COMM_WORLD_RANK": "0"})
+    assert name == "slurm" and values["job_id"] == "42"
+    assert launcher_env({"PMI_RANK": "2", "PMI_SIZE": "4"})[0] == "hydra"
+    for table in SCHEDULER_ENV.values():
+        assert "global_rank" in table
+
+
+def test_node_layout_pure():
+    hosts = ["a", "a", "b", "b", "a", "c"]
+    assert node_layout(hosts) == [(0, 0, 3), (0, 1, 3), (1, 0, 2), (1, 1, 2), (0, 2, 3), (2, 0, 1)]
+    assert node_layout(["h"] * 5, ranks_per_node=2) == [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2), (2, 0, 1)]
+
+
+@pytest.mark.mpi
+def test_discover(comm):
+    world = discover(comm, environ={})
+    assert (world.rank, world.size) == (comm.Get_rank(), comm.Get_size())
+    # one machine: one node, every rank local
+    assert world.num_nodes == 1 and world.node_index == 0
+    assert world.local_size == comm.Get_size() and world.local_rank == comm.Get_rank()
+    assert len(world.hostnames) == world.size and world.hostname in world.hostnames
+    assert world.launcher == "singleton"
+
+
+@pytest.mark.mpi
+def test_virtual_nodes(comm):
+    world = discover(comm, environ={"HPCNET_RANKS_PER_NODE": "2"})
+    size = comm.Get_size()
+    assert world.num_nodes == (size + 1) // 2
+    assert (world.node_index, world.local_rank) == divmod(comm.Get_rank(), 2)
+    with pytest.raises(UsageError, match="HPCNET_RANKS_PER_NODE"):
+        discover(comm, environ={"HPCNET_RANKS_PER_NODE": "two"})
+
+
+def test_srun_without_pmix_is_caught():
+    from mpi4py import MPI
+
+    comm = MPI.COMM_SELF  # a singleton, as each process of a bare `srun python` is
+    with pytest.raises(UsageError, match="--mpi=pmix"):
+        discover(comm, environ={"SLURM_JOB_ID": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"})
+
+
+@pytest.mark.mpi
+def test_device_and_threads(comm):
+    world = discover(comm, environ={})
+    if not torch.cuda.is_available():
+        assert choose_device(world, "auto").type == "cpu"
+        with pytest.raises(UsageError, match="dist.device: 'cuda'"):
+            choose_device(world, "cuda")
+    assert choose_device(world, "cpu").type == "cpu"
+    assert cpu_threads(world, 3) == 3
+    assert cpu_threads(world) >= 1
+
+
+@pytest.mark.mpi
+def test_shared_errors_raise_on_every_rank(comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    with pytest.raises(ConfigError if rank == size - 1 else UsageError, match="bad option x") as info:
+        with shared_errors(comm):
+            if rank == size - 1:
+                raise ConfigError("bad option x")
+    assert is_agreed(info.value)
+    with pytest.raises(RuntimeError if rank else KeyError, match=r"rank 0: KeyError: .*boom" if rank else "boom"):
+        with shared_errors(comm):
+            if rank == 0:
+                raise KeyError("boom")
+    agree_on_error(comm, None)  # nothing pending: returns on every rank
+    comm.Barrier()
+
+
+def test_hostname_is_real():
+    assert socket.gethostname()
