@@ -169,6 +169,34 @@ class DistConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    dir: str = ""
+    """Checkpoint directory; empty means '<run.dir>/<run.name>.ckpt', shared by every run of that name."""
+    every_steps: int = 0
+    """Save every this many steps; 0 saves by time only."""
+    every_s: float = 300.0
+    """Save when this many seconds have passed since the last save; 0 disables time-based saves."""
+    keep: int = 3
+    """Keep the newest this many full checkpoints (and the increments that depend on them)."""
+    full_every: int = 4
+    """Every this many saves is a full checkpoint; the saves between are incremental. 1 makes every save full."""
+    async_save: bool = True
+    """Write in the background: the loop blocks only for a snapshot to host memory."""
+    at_end: bool = True
+    """Save once more when training finishes."""
+    resume: str = ""
+    """'' starts fresh, 'auto' resumes from the newest committed checkpoint (fresh if none), or a checkpoint path."""
+
+    def __post_init__(self) -> None:
+        for name in ("every_steps", "keep", "full_every"):
+            if getattr(self, name) < (1 if name in ("keep", "full_every") else 0):
+                raise ConfigError(f"checkpoint.{name} must be at least {1 if name != 'every_steps' else 0}, "
+                                  f"got {getattr(self, name)}")
+        if self.every_s < 0:
+            raise ConfigError(f"checkpoint.every_s must be >= 0, got {self.every_s}")
+
+
+@dataclass(kw_only=True, slots=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     """Run directory, seed and logging."""
@@ -182,6 +210,8 @@ class Config:
     """Steps, batch size, evaluation."""
     dist: DistConfig = field(default_factory=DistConfig)
     """Distributed data plane."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Parallel-HDF5 checkpoints: when to save, what to keep, resume."""
 
 
 # --- building a Config from nested dicts ------------------------------------

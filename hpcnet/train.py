@@ -268,7 +268,7 @@ def _loop(cfg: Config, comm: Any, world: World, model: nn.Module, optimizer: tor
                 log.info("step %*d/%d | loss %.4f | lr %.2e | %.0f samples/s | eta %s", len(str(total)), step,
                          total, loss_value, optimizer.param_groups[0]["lr"], rate, format_duration(eta))
             metrics.write(step=step, loss=local_loss, global_loss=loss_value,
-                          lr=optimizer.param_groups[0]["lr"], samples_per_s=rate, epoch=loader.sampler.epoch)
+                          lr=optimizer.param_groups[0]["lr"], samples_per_s=rate, epoch=loader.epoch)
             t_last, last_step = now, step
         if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == total):
             average_buffers(model, group=group, world_size=world.size)

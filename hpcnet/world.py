@@ -115,7 +115,7 @@ def discover(comm: Any, environ: Mapping[str, str] | None = None) -> World:
     environ = os.environ if environ is None else environ
     launcher, values = launcher_env(environ)
     rank, size = comm.Get_rank(), comm.Get_size()
-    if size == 1 and int(values.get("world_size", "1") or 1) > 1:
+    if MPI.COMM_WORLD.Get_size() == 1 and int(values.get("world_size", "1") or 1) > 1:
         # Every process is a singleton: the launcher did not wire up MPI.
         raise UsageError(
             f"this process is MPI rank 0 of 1, but {launcher} started {values['world_size']} tasks: "

@@ -1,0 +1,223 @@
+"""The training loop: equivalence across world sizes and with DDP, and end-to-end launches."""
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from hpcnet.config import load_config
+from hpcnet.data import GlobalBatchSampler, generate_images, open_dataset
+from hpcnet.errors import ExitCode
+from hpcnet.models import build_model
+from hpcnet.train import build_optimizer, loss_and_correct, lr_factor, run
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_lr_schedule_shape():
+    cfg = load_config(overrides=["optim.warmup_steps=10", "optim.min_lr_ratio=0.1"]).optim
+    factors = [lr_factor(s, 100, cfg) for s in range(100)]
+    assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(factors[9:], factors[10:]))  # decays monotonically
+    assert factors[-1] == pytest.approx(0.1, abs=0.01)
+    const = load_config(overrides=["optim.decay=constant", "optim.warmup_steps=0"]).optim
+    assert {lr_factor(s, 50, const) for s in range(50)} == {1.0}
+
+
+def _shared_dataset(comm, directory: Path) -> Path:
+    path = directory / "tiny-images.h5"
+    if comm.Get_rank() == 0:
+        generate_images(path, num_train=512, num_eval=128, shape=(1, 8, 8), num_classes=4, seed=3)
+    comm.Barrier()
+    return path
+
+
+def _config(dataset: Path, run_dir: Path, batch: int, *extra: str):
+    return load_config(overrides=[
+        f"data.dataset={dataset}", f"run.dir={run_dir}", "run.dir_exact=true", f"train.batch_size={batch}",
+        "train.steps=6", "train.eval_every=0", "model.name=mlp", "model.options.hidden=[32]",
+        "optim.warmup_steps=2", "optim.grad_clip=0.5", "optim.lr=0.2", "run.log_every=3", *extra])
+
+
+def _params(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_n_ranks_equal_one_rank_with_n_times_the_batch(comm, data_plane, mpi_tmp_path, optim):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    dataset = _shared_dataset(comm, mpi_tmp_path)
+    batch = 8
+    dist_result = run(_config(dataset, mpi_tmp_path / f"dist-{optim}", batch, f"optim.name={optim}"), comm,
+                      plane=data_plane)
+    # The same training on one rank with the whole global batch, on every rank.
+    ref = run(_config(dataset, mpi_tmp_path / f"ref-{optim}-{rank}", batch * size, f"optim.name={optim}"),
+              MPI.COMM_SELF)
+    torch.testing.assert_close(_params(dist_result.model), _params(ref.model), rtol=1e-4, atol=1e-5)
+    assert dist_result.summary["steps"] == 6
+    assert dist_result.summary["final_loss"] == pytest.approx(ref.summary["final_loss"], rel=1e-5)
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+def test_matches_torch_ddp(comm, data_plane, mpi_tmp_path):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    dataset = _shared_dataset(comm, mpi_tmp_path)
+    cfg = _config(dataset, mpi_tmp_path / "ddp-ours", 8)
+    ours = run(cfg, comm, plane=data_plane)
+
+    split = open_dataset(str(dataset), "train", directory=str(mpi_tmp_path), comm=comm, options={})
+    torch.manual_seed(cfg.run.seed)
+    model = DDP(build_model(cfg.model.name, split.info, cfg.model.options))
+    optimizer = build_optimizer(model.module, cfg.optim)
+    sampler = GlobalBatchSampler(len(split), batch_size=8, rank=rank, world_size=size, seed=cfg.run.seed,
+                                 shuffle=True)
+    for step in range(cfg.train.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.optim.lr * lr_factor(step, cfg.train.steps, cfg.optim)
+        inputs, targets = split.read(sampler.next_indices())
+        loss, _ = loss_and_correct(model(inputs), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        optimizer.step()
+    torch.testing.assert_close(_params(ours.model), _params(model.module), rtol=1e-4, atol=1e-5)
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+def test_run_writes_its_directory(comm, data_plane, mpi_tmp_path):
+    dataset = _shared_dataset(comm, mpi_tmp_path)
+    run_dir = mpi_tmp_path / "files"
+    result = run(_config(dataset, run_dir, 4, "train.eval_every=3", "run.metrics=all"), comm, plane=data_plane)
+    assert (run_dir / f"rank{comm.Get_rank()}.log").exists()
+    records = [json.loads(line) for line in (run_dir / f"metrics.rank{comm.Get_rank()}.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [3, 6]
+    assert [r["step"] for r in records if "eval_loss" in r] == [3, 6]
+    assert 0 <= result.summary["eval"]["eval_accuracy"] <= 1
+    comm.Barrier()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["world_size"] == comm.Get_size()
+    assert load_config(run_dir / "config.toml").train.batch_size == 4
+
+
+# --- launches: the real entry point under mpirun -----------------------------
+
+def _tiny_args(tmp_path: Path, *extra: str) -> list[str]:
+    return [f"data.dir={tmp_path / 'data'}", f"run.dir={tmp_path / 'runs'}", "train.steps=20",
+            "train.eval_every=10", "run.log_every=5", "model.name=mlp", "train.batch_size=16", *extra]
+
+
+@pytest.mark.launch
+def test_launch_trains_and_loss_falls(launch, tmp_path):
+    out = launch(2, *_tiny_args(tmp_path, "train.steps=60", "optim.lr=0.05"), timeout=240)
+    assert out.returncode == 0, out.stderr
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+) \|", out.stderr)]
+    assert len(losses) == 12 and losses[-1] < 0.8 * losses[0], out.stderr
+    assert "eval at step 60" in out.stderr and "samples/s" in out.stderr
+    assert "[rank 1]" not in out.stderr  # other ranks stay quiet on the console
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert {"config.toml", "rank0.log", "rank1.log", "summary.json", "metrics.rank0.jsonl"} <= {
+        p.name for p in run_dir.iterdir()}
+    assert (tmp_path / "data" / "synthetic-images.h5").exists()
+
+
+@pytest.mark.launch
+def test_plain_python_single_process(tmp_path):
+    import subprocess
+
+    from tests.conftest import clean_env
+
+    out = subprocess.run([sys.executable, "-m", "hpcnet.train", *_tiny_args(tmp_path, "train.steps=5")],
+                         env=clean_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "1 rank(s) on 1 node(s) (singleton)" in out.stderr
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("args, needle", [
+    (["train.stepz=3"], "did you mean 'train.steps'"),
+    (["data.dataset=/nonexistent/set.h5"], "/nonexistent/set.h5"),
+    (["model.name=resnet19"], "model.name: unknown model 'resnet19'"),
+    (["--config", "/nonexistent.toml"], "--config: file '/nonexistent.toml' not found"),
+    (["run.dir=/proc/hpcnet-cannot-write"], "run.dir: cannot create run directory"),
+])
+def test_bad_input_fails_cleanly_on_every_rank(launch, tmp_path, args, needle):
+    started = time.monotonic()
+    out = launch(2, *_tiny_args(tmp_path), *args, timeout=120)
+    assert out.returncode == ExitCode.USAGE_ERROR, out.stdout + out.stderr
+    assert needle in out.stderr
+    assert "MPI_ABORT" not in out.stderr  # every rank agreed and exited; nothing was aborted
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.launch
+def test_code_error_on_one_rank_ends_the_job(launch, tmp_path):
+    """A bug that raises on one rank only must not leave the other waiting."""
+    (tmp_path / "badmodel.py").write_text(
+        "import torch\nfrom mpi4py import MPI\n"
+        "class Bad(torch.nn.Linear):\n"
+        "    def forward(self, x):\n"
+        "        if MPI.COMM_WORLD.Get_rank() == 1:\n"
+        "            raise ZeroDivisionError('model bug on rank 1')\n"
+        "        return super().forward(x.flatten(1))\n"
+        "def make(info):\n    return Bad(3 * 32 * 32, info.num_classes)\n")
+    out = launch(2, *_tiny_args(tmp_path, "model.factory=badmodel:make"), timeout=120,
+                 env={"PYTHONPATH": f"{tmp_path}:{ROOT}"})
+    assert out.returncode == ExitCode.CODE_ERROR
+    assert "rank 1: ZeroDivisionError: model bug on rank 1" in out.stderr
+
+
+@pytest.mark.launch
+def test_sigterm_to_one_rank_stops_all(launch, tmp_path):
+    """SIGTERM (what SLURM sends) to one rank: every rank stops after the same step."""
+    import subprocess
+
+    from tests.conftest import clean_env
+
+    cmd = ["mpirun", "-np", "2", sys.executable, "-m", "mpi4py", "-m", "hpcnet.train",
+           *_tiny_args(tmp_path, "train.steps=100000", "run.metrics=all", "run.log_every=1")]
+    proc = subprocess.Popen(cmd, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 90
+        metrics = None
+        while time.monotonic() < deadline and metrics is None:
+            time.sleep(0.5)
+            found = list((tmp_path / "runs").glob("*/metrics.rank1.jsonl"))
+            metrics = found[0] if found and found[0].stat().st_size > 0 else None
+        assert metrics is not None, "training did not start"
+        ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(ranks) == 2
+        os.kill(int(ranks[-1]), signal.SIGTERM)  # one rank only
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == ExitCode.PREEMPTED, err
+    assert "stopping after step" in err and "SIGTERM" in err
+    steps = [json.loads(line)["step"] for p in sorted(metrics.parent.glob("metrics.rank*.jsonl"))
+             for line in p.read_text().splitlines()[-1:]]
+    assert len(steps) == 2 and steps[0] == steps[1]
+
+
+@pytest.mark.launch
+def test_readme_user_model_and_dataset(launch, tmp_path):
+    """The worked example of the README runs as written."""
+    readme = (ROOT / "README.md").read_text()
+    code = re.search(r"```python\n# mywork.py\n(.*?)```", readme, re.S).group(1)
+    (tmp_path / "mywork.py").write_text(code)
+    out = launch(2, *_tiny_args(tmp_path, "model.factory=mywork:make_model", "model.options.hidden=64",
+                                "data.dataset=mywork:make_dataset", "data.options.n=1024"),
+                 env={"PYTHONPATH": f"{tmp_path}:{ROOT}"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "model mywork:make_model" in out.stderr
