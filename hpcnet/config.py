@@ -130,11 +130,13 @@ class TrainConfig:
     steps: int = 300
     """Number of optimizer steps."""
     batch_size: int = 32
-    """Samples per rank per step; the global batch is batch_size * world size."""
+    """Samples per rank per micro-batch; the global batch is batch_size * grad_accumulation * world size."""
     eval_every: int = 100
     """Evaluate on the held-out split every this many steps (and at the end); 0 disables."""
     eval_batches: int = 0
     """Limit evaluation to this many batches per rank; 0 evaluates the whole split."""
+    grad_accumulation: int = 1
+    """Micro-batches per optimizer step; gradients are communicated once per step, after the last."""
     threads: int = 0
     """Torch CPU threads per rank; 0 divides the node's cores among its ranks."""
 
@@ -143,6 +145,8 @@ class TrainConfig:
             raise ConfigError(f"train.steps must be at least 1, got {self.steps}")
         if self.batch_size < 1:
             raise ConfigError(f"train.batch_size must be at least 1, got {self.batch_size}")
+        if self.grad_accumulation < 1:
+            raise ConfigError(f"train.grad_accumulation must be at least 1, got {self.grad_accumulation}")
         for name in ("eval_every", "eval_batches", "threads"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
@@ -151,21 +155,54 @@ class TrainConfig:
 @dataclass(kw_only=True, slots=True)
 class DistConfig:
     backend: str = "auto"
-    """Data-plane backend: 'auto' (nccl on GPU, gloo on CPU), 'nccl' or 'gloo'."""
+    """Gradient all-reduce backend: 'auto' (nccl on GPU, mpi on CPU), 'nccl', 'gloo' or 'mpi'."""
     device: str = "auto"
     """'auto' (cuda:<local rank> when GPUs exist, else cpu), 'cpu' or 'cuda'."""
     timeout_s: float = 600.0
-    """Timeout of torch.distributed set-up and collectives, in seconds."""
+    """Timeout of torch.distributed set-up and of each step's gradient all-reduce, in seconds."""
     interface: str = ""
     """Network interface for the data plane (e.g. ib0); empty chooses one reachable by every rank."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size in MiB; buckets are reduced while backward still runs."""
+    first_bucket_mb: float = 1.0
+    """Size of the first bucket (the last layers), small so communication starts early; 0 = bucket_mb."""
+    hierarchical: str = "auto"
+    """Hierarchical all-reduce across nodes: 'auto' (when >1 node and >1 rank per node), 'on' or 'off'."""
+    compression: str = "none"
+    """Wire format of gradients: 'none', 'fp16' or 'bf16' (nccl and gloo backends)."""
+    fallback: str = "auto"
+    """Backend to continue on when the primary fails: 'auto' (gloo for nccl/mpi, mpi for gloo), 'gloo', 'mpi', 'none'."""
+    find_unused: bool = False
+    """Allow parameters that get no gradient in a step (treated as zero); off makes that an error."""
+    probe: bool = True
+    """Measure the topology (latency and bandwidth between ranks) at start-up; written to topology.json."""
+    fail_at_step: int = 0
+    """Fault injection: make the primary backend fail at this step (0 = never)."""
+    fail_ranks: list[int] = field(default_factory=list)
+    """Fault injection: the ranks on which the failure is seen; empty = every rank."""
 
     def __post_init__(self) -> None:
-        if self.backend not in ("auto", "nccl", "gloo"):
-            raise ConfigError(f"dist.backend: {self.backend!r} is not one of 'auto', 'nccl', 'gloo'")
+        if self.backend not in ("auto", "nccl", "gloo", "mpi"):
+            raise ConfigError(f"dist.backend: {self.backend!r} is not one of 'auto', 'nccl', 'gloo', 'mpi'")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"dist.device: {self.device!r} is not one of 'auto', 'cpu', 'cuda'")
         if not self.timeout_s > 0:
             raise ConfigError(f"dist.timeout_s must be positive, got {self.timeout_s}")
+        if not self.bucket_mb > 0:
+            raise ConfigError(f"dist.bucket_mb must be positive, got {self.bucket_mb}")
+        if self.first_bucket_mb < 0:
+            raise ConfigError(f"dist.first_bucket_mb must be >= 0, got {self.first_bucket_mb}")
+        if self.hierarchical not in ("auto", "on", "off"):
+            raise ConfigError(f"dist.hierarchical: {self.hierarchical!r} is not one of 'auto', 'on', 'off'")
+        if self.compression not in ("none", "fp16", "bf16"):
+            raise ConfigError(f"dist.compression: {self.compression!r} is not one of 'none', 'fp16', 'bf16'")
+        if self.compression != "none" and self.backend == "mpi":
+            raise ConfigError("dist.compression: fp16/bf16 wire formats need dist.backend 'nccl' or 'gloo' "
+                              "(MPI has no half-precision sum)")
+        if self.fallback not in ("auto", "gloo", "mpi", "none"):
+            raise ConfigError(f"dist.fallback: {self.fallback!r} is not one of 'auto', 'gloo', 'mpi', 'none'")
+        if self.fail_at_step < 0:
+            raise ConfigError(f"dist.fail_at_step must be >= 0, got {self.fail_at_step}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -400,10 +437,12 @@ def check_same_config(comm: Any, cfg: Config) -> None:
             groups.setdefault(digest, []).append(rank)
         majority = max(groups.values(), key=len)
         odd = sorted(r for ranks in groups.values() if ranks is not majority for r in ranks)
-        raise ConfigError(
+        from hpcnet.world import agreed
+
+        raise agreed(ConfigError(
             f"ranks disagree on the configuration: ranks {odd} differ from ranks {majority[:8]}"
             f"{'...' if len(majority) > 8 else ''} (same command line and config file on every rank?)"
-        )
+        ))
 
 
 # --- TOML output and --help ----------------------------------------------------

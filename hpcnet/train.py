@@ -29,13 +29,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpcnet import __version__
-from hpcnet.allreduce import GradientAverager, average_buffers, broadcast_module
 from hpcnet.bootstrap import DataPlane, init_data_plane
 from hpcnet.config import Config, OptimConfig, check_same_config, describe_options, load_config, to_dict, to_toml
 from hpcnet.data import BatchLoader, GlobalBatchSampler, eval_indices, open_dataset
+from hpcnet.dataparallel import DataParallel
 from hpcnet.errors import ExitCode
 from hpcnet.models import build_model, count_parameters
 from hpcnet.runlog import MetricsWriter, close_logging, format_duration, make_run_dir, setup_logging
+from hpcnet.topology import probe, recommend
 from hpcnet.world import World, choose_device, cpu_threads, discover, exit_code_of, is_agreed, shared_errors
 
 log = logging.getLogger("hpcnet.train")
@@ -103,6 +104,11 @@ def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
 
 
+def compute_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The training loss of one micro-batch."""
+    return loss_and_correct(model(inputs), targets)[0]
+
+
 def loss_and_correct(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy and the number of correct predictions (tokens or images)."""
     logits = logits.reshape(-1, logits.shape[-1])
@@ -165,11 +171,25 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
                      __version__, torch.__version__, world.size, world.num_nodes, world.launcher,
                      device, torch.get_num_threads())
             log.info("run directory: %s\nresolved config:\n%s", run_dir, to_toml(cfg))
+        hint = None
+        interface = cfg.dist.interface
+        if cfg.dist.probe and world.size > 1:
+            # Measured latency/bandwidth pick the network interface and the
+            # all-reduce path (flat or hierarchical).
+            topology = probe(comm, world, budget_s=2.0)
+            advice = recommend(topology)
+            hint = advice["hierarchical"]
+            if world.is_main:
+                topology.write(run_dir / "topology.json")
+                log.info("%s", topology.summary())
+            if not interface and world.num_nodes > 1 and advice["nccl_socket_ifname"]:
+                interface = advice["nccl_socket_ifname"]
+            if advice["nccl_ib_disable"] and device.type == "cuda":
+                os.environ.setdefault("NCCL_IB_DISABLE", "1")
         if plane is None and world.size > 1:
-            plane = init_data_plane(comm, world, backend=cfg.dist.backend, device=device,
-                                    timeout_s=cfg.dist.timeout_s, interface=cfg.dist.interface)
+            plane = init_data_plane(comm, world, backend="auto", device=device,
+                                    timeout_s=cfg.dist.timeout_s, interface=interface)
             own_plane = True
-        group = plane.group if plane is not None else None
 
         # Data: every rank opens the same files and validates them alike, so a
         # bad dataset is the same clear error everywhere.
@@ -182,15 +202,15 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
                                          rank=world.rank, world_size=world.size,
                                          seed=cfg.run.seed, shuffle=cfg.data.shuffle)
 
-        # Model: the same seed on every rank, then rank 0's weights broadcast,
-        # so a rank-dependent factory cannot make the replicas diverge.
+        # Model: the same seed on every rank, then rank 0's weights broadcast
+        # (inside DataParallel), so a rank-dependent factory cannot make the
+        # replicas diverge.
         torch.manual_seed(cfg.run.seed)
         with shared_errors(comm):
             model = build_model(cfg.model.name, train_split.info, cfg.model.options,
                                 factory=cfg.model.factory).to(device)
-        broadcast_module(model, group=group, world_size=world.size)
+        dp = DataParallel(model, comm, world, cfg.dist, device=device, hierarchical_hint=hint)
         optimizer = build_optimizer(model, cfg.optim)
-        averager = GradientAverager(list(model.parameters()), group=group, world_size=world.size)
         torch.manual_seed(cfg.run.seed + 1 + world.rank)  # dropout etc. differ per rank
         random.seed(cfg.run.seed + world.rank)
         metrics = MetricsWriter(run_dir / f"metrics.rank{world.rank}.jsonl"
@@ -199,18 +219,20 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
         if world.is_main:
             log.info("model %s: %s parameters; dataset %s: %d train / %d eval samples; global batch %d",
                      cfg.model.factory or cfg.model.name, f"{count_parameters(model):,}", cfg.data.dataset,
-                     len(train_split), len(eval_split), cfg.train.batch_size * world.size)
+                     len(train_split), len(eval_split), cfg.train.batch_size * cfg.train.grad_accumulation * world.size)
+            log.info("%s", dp.describe())
 
         result = TrainResult(model, optimizer)
         loader = BatchLoader(train_split, sampler)
         try:
-            result.summary = _loop(cfg, comm, world, model, optimizer, averager, loader, eval_split,
-                                   device, group, metrics, stop)
+            result.summary = _loop(cfg, comm, world, dp, optimizer, loader, eval_split, device, metrics, stop)
         finally:
             loader.close()
             metrics.close()
+            dp.close()
         summary = result.summary
-        summary.update(world_size=world.size, wall_s=time.perf_counter() - t_start, run_dir=str(run_dir))
+        summary.update(world_size=world.size, wall_s=time.perf_counter() - t_start, run_dir=str(run_dir),
+                       comm=dp.summary())
         if summary.get("stopped_by_signal"):
             result.exit_code = (ExitCode.INTERRUPTED if summary["stopped_by_signal"] == signal.SIGINT
                                 else ExitCode.PREEMPTED)
@@ -225,13 +247,14 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
         comm.Free()
 
 
-def _loop(cfg: Config, comm: Any, world: World, model: nn.Module, optimizer: torch.optim.Optimizer,
-          averager: GradientAverager, loader: BatchLoader, eval_split: Any, device: torch.device,
-          group: Any, metrics: MetricsWriter, stop: StopRequest | None) -> dict[str, Any]:
+def _loop(cfg: Config, comm: Any, world: World, dp: DataParallel, optimizer: torch.optim.Optimizer,
+          loader: BatchLoader, eval_split: Any, device: torch.device, metrics: MetricsWriter,
+          stop: StopRequest | None) -> dict[str, Any]:
     from mpi4py import MPI
 
+    model = dp.model
     total = cfg.train.steps
-    global_batch = cfg.train.batch_size * world.size
+    global_batch = cfg.train.batch_size * cfg.train.grad_accumulation * world.size
     evaluation: dict[str, float] = {}
     loss_value = float("nan")
     t_loop = t_last = time.perf_counter()
@@ -247,12 +270,9 @@ def _loop(cfg: Config, comm: Any, world: World, model: nn.Module, optimizer: tor
             break
         for group_ in optimizer.param_groups:
             group_["lr"] = cfg.optim.lr * lr_factor(step, total, cfg.optim)
-        inputs, targets = loader.next()
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        loss, _ = loss_and_correct(model(inputs), targets)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        averager.average()
+        batches = [tuple(t.to(device, non_blocking=True) for t in loader.next())
+                   for _ in range(cfg.train.grad_accumulation)]
+        loss = dp.step(batches, compute_loss)  # forward, backward, gradients averaged across ranks
         if cfg.optim.grad_clip > 0:
             nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         optimizer.step()
@@ -271,7 +291,7 @@ def _loop(cfg: Config, comm: Any, world: World, model: nn.Module, optimizer: tor
                           lr=optimizer.param_groups[0]["lr"], samples_per_s=rate, epoch=loader.epoch)
             t_last, last_step = now, step
         if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == total):
-            average_buffers(model, group=group, world_size=world.size)
+            dp.sync_buffers()
             evaluation = evaluate(model, eval_split, comm, batch_size=cfg.train.batch_size,
                                   max_batches=cfg.train.eval_batches, device=device)
             if world.is_main:
@@ -280,7 +300,7 @@ def _loop(cfg: Config, comm: Any, world: World, model: nn.Module, optimizer: tor
             metrics.write(step=step, **evaluation)
     if step and step % cfg.run.log_every and step != total:  # stopped between log lines
         loss_value = comm.allreduce(loss.item(), op=MPI.SUM) / world.size
-    average_buffers(model, group=group, world_size=world.size)
+    dp.sync_buffers()
     elapsed = time.perf_counter() - t_loop
     return {
         "steps": step,

@@ -221,6 +221,12 @@ def agree_on_error(comm: Any, error: BaseException | None) -> None:
     raise error
 
 
+def agreed(error: BaseException) -> BaseException:
+    """Mark an error that every rank raises by itself after a collective check."""
+    error.hpcnet_agreed = True  # type: ignore[attr-defined]
+    return error
+
+
 def is_agreed(error: BaseException) -> bool:
     """True when every rank raised ``error`` (or its echo) through ``agree_on_error``."""
     return bool(getattr(error, "hpcnet_agreed", False))

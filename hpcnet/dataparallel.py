@@ -1,0 +1,232 @@
+"""Data parallelism: one model replica per rank, gradients averaged every step.
+
+``DataParallel`` chooses the transport (NCCL on GPU, MPI on CPU, gloo on
+request; flat or hierarchical from the measured topology), runs a step's
+micro-batches with communication only after the last one, and when the
+transport fails on any rank it switches every rank to the fallback and redoes
+the step from the same batch, parameters and RNG state, so the result equals
+a run without the failure.
+"""
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from hpcnet.allreduce import Reducer, average_buffers, broadcast_module
+from hpcnet.config import DistConfig
+from hpcnet.errors import RestartableError, UsageError
+from hpcnet.transport import (CommFailure, FaultyTransport, HierarchicalTransport, MpiTransport, TorchTransport,
+                              Transport, cuda_aware_mpi)
+from hpcnet.world import World, agreed
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Which transports to use (pure decision, see ``plan_transport``)."""
+
+    primary: str
+    hierarchical: bool
+    fallback: str | None
+
+
+def plan_transport(cfg: DistConfig, *, device_type: str, num_nodes: int, min_local_size: int,
+                   cuda_aware: bool = False) -> Plan:
+    """Decide the primary backend, flat or hierarchical, and the fallback (pure logic).
+
+    Args:
+        cfg: the ``dist`` options.
+        device_type: 'cpu' or 'cuda'.
+        num_nodes: nodes in the job (virtual nodes count).
+        min_local_size: ranks on the node with the fewest.
+        cuda_aware: the MPI library can read GPU memory.
+    """
+    gpu = device_type == "cuda"
+    primary = cfg.backend if cfg.backend != "auto" else ("nccl" if gpu else "mpi")
+    if primary == "nccl" and not gpu:
+        raise UsageError("dist.backend: 'nccl' needs a GPU device (dist.device is cpu or no GPU is visible)")
+    if primary == "mpi" and gpu and not cuda_aware:
+        raise UsageError("dist.backend: 'mpi' on GPU tensors needs a CUDA-aware MPI; use 'nccl'")
+    if cfg.hierarchical == "auto":
+        hierarchical = num_nodes > 1 and min_local_size > 1
+    else:
+        hierarchical = cfg.hierarchical == "on"
+    if cfg.fallback == "none":
+        fallback = None
+    elif cfg.fallback == "auto":
+        fallback = "mpi" if primary == "gloo" and (not gpu or cuda_aware) else "gloo"
+    else:
+        fallback = cfg.fallback
+    if fallback == primary and fallback != "gloo":
+        fallback = None  # a fresh gloo group is a real alternative; the same MPI communicator is not
+    if fallback == "mpi" and gpu and not cuda_aware:
+        raise UsageError("dist.fallback: 'mpi' on GPU tensors needs a CUDA-aware MPI; use 'gloo'")
+    return Plan(primary, hierarchical, fallback)
+
+
+def build_transport(kind: str, hierarchical: bool, comm: Any, world: World) -> Transport:
+    """Create a transport over the ranks of ``comm`` (collective)."""
+    if hierarchical and world.size > 1:
+        return HierarchicalTransport(comm, node_index=world.node_index, local_rank=world.local_rank, kind=kind)
+    if kind == "mpi":
+        return MpiTransport(comm)
+    import torch.distributed as dist
+
+    if world.size == 1:
+        return TorchTransport(None, kind, 1)
+    group = dist.group.WORLD if dist.get_backend() == kind else dist.new_group(backend=kind)
+    return TorchTransport(group, kind, world.size)
+
+
+def check_same_model(model: nn.Module, comm: Any) -> None:
+    """Raise on every rank unless all ranks hold the same parameter names, shapes and dtypes (collective).
+
+    Mismatched replicas would otherwise pair unrelated buffers in the
+    collectives, or wait forever for a bucket another rank does not have.
+    """
+    import hashlib
+
+    layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in [*model.named_parameters(), *model.named_buffers()]]
+    digest = hashlib.sha256(repr(layout).encode()).hexdigest()
+    digests = comm.allgather(digest)
+    if len(set(digests)) > 1:
+        first = comm.bcast(layout, root=0)
+        odd = [r for r, d in enumerate(digests) if d != digests[0]]
+        diff = next((f"{a} vs {b}" for a, b in zip(first, layout) if a != b), None)
+        if diff is None and len(first) != len(layout):
+            diff = f"{len(first)} tensors on rank 0, {len(layout)} here"
+        raise agreed(UsageError(f"the model differs across ranks: ranks {odd} do not match rank 0"
+                         + (f" (rank {comm.Get_rank()}: {diff})" if diff else "")))
+
+
+class DataParallel:
+    """Keep model replicas equal across the ranks of ``comm`` and average their gradients.
+
+    Args:
+        model: the replica on this rank (already on its device).
+        comm: the MPI communicator of the job (the control plane).
+        world: its layout.
+        cfg: the ``dist`` options.
+        hierarchical_hint: the topology probe's advice, used when
+            ``dist.hierarchical`` is 'auto' (None: decide from the world).
+    """
+
+    def __init__(self, model: nn.Module, comm: Any, world: World, cfg: DistConfig, *,
+                 device: torch.device, hierarchical_hint: bool | None = None) -> None:
+        self.model = model
+        self.comm = comm
+        self.world = world
+        self.cfg = cfg
+        self.device = device
+        min_local = comm.allreduce(world.local_size, op=_mpi_min())
+        plan = plan_transport(cfg, device_type=device.type, num_nodes=world.num_nodes, min_local_size=min_local,
+                              cuda_aware=device.type == "cuda" and cuda_aware_mpi())
+        if cfg.hierarchical == "auto" and hierarchical_hint is not None:
+            plan = Plan(plan.primary, hierarchical_hint, plan.fallback)
+        self.plan = plan
+        check_same_model(model, comm)
+        transport = build_transport(plan.primary, plan.hierarchical, comm, world)
+        if cfg.fail_at_step:
+            transport = FaultyTransport(transport, fail=not cfg.fail_ranks or world.rank in cfg.fail_ranks)
+        broadcast_module(model, comm)  # replicas start equal even if initialisation differed
+        self.reducer = Reducer(
+            list(model.named_parameters()), transport, comm,
+            bucket_bytes=int(cfg.bucket_mb * 2**20), first_bucket_bytes=int(cfg.first_bucket_mb * 2**20),
+            compression=_DTYPES[cfg.compression], find_unused=cfg.find_unused, timeout_s=cfg.timeout_s)
+        self.step_count = 0
+
+    @property
+    def backend(self) -> str:
+        return self.reducer.transport.name
+
+    def describe(self) -> str:
+        sizes = [b.buffer.numel() * b.buffer.element_size() / 2**20 for b in self.reducer.buckets]
+        return (f"gradients: {self.backend} all-reduce{' (hierarchical)' if self.plan.hierarchical else ''}, "
+                f"{len(sizes)} bucket(s) of {', '.join(f'{s:.1f}' for s in sizes[:6])}"
+                f"{' ...' if len(sizes) > 6 else ''} MiB, compression {self.cfg.compression}, "
+                f"fallback {self.plan.fallback or 'none'}")
+
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
+             loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Forward and backward over the micro-batches, then average the gradients.
+
+        Returns the mean loss over the micro-batches (a tensor on the device).
+        Raises RestartableError on every rank when the transport failed and no
+        fallback is left.
+        """
+        self.step_count += 1
+        self.reducer.arm_fault(self.step_count == self.cfg.fail_at_step)
+        # What the step may change besides gradients: a retry restores them.
+        saved = self._snapshot() if self.plan.fallback else None
+        while True:
+            loss = self._forward_backward(batches, loss_fn)
+            try:
+                self.reducer.finish()
+                return loss
+            except CommFailure as exc:
+                if self.plan.fallback is None or saved is None:
+                    raise agreed(RestartableError(f"step {self.step_count}: {exc}; no fallback left")) from exc
+                self.reducer.arm_fault(False)
+                fallback = build_transport(self.plan.fallback, False, self.comm, self.world)
+                self.reducer.switch(fallback, str(exc), self.step_count)
+                self.plan = Plan(self.plan.fallback, False, None)
+                self._restore(saved)
+
+    def _forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                          loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        self.reducer.zero_grad()
+        total = torch.zeros((), device=self.device)
+        n = len(batches)
+        for k, (inputs, targets) in enumerate(batches):
+            # Communicate only after the last micro-batch.
+            context = self.reducer.no_sync() if k < n - 1 else contextlib.nullcontext()
+            with context:
+                loss = loss_fn(self.model, inputs, targets) / n
+                loss.backward()
+            total += loss.detach()
+        return total
+
+    def _snapshot(self) -> dict[str, Any]:
+        state = {"cpu_rng": torch.get_rng_state(),
+                 "buffers": [b.detach().clone() for b in self.model.buffers()]}
+        if self.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["cpu_rng"])
+        if "cuda_rng" in state:
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        with torch.no_grad():
+            for buf, saved in zip(self.model.buffers(), state["buffers"]):
+                buf.copy_(saved)
+
+    def sync_buffers(self) -> None:
+        """Average BatchNorm statistics across ranks (before evaluation and saving)."""
+        average_buffers(self.model, self.comm)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        with self.reducer.no_sync():
+            yield
+
+    def summary(self) -> dict[str, Any]:
+        stats = self.reducer.stats
+        return {"backend": self.backend, "hierarchical": self.plan.hierarchical, "fallbacks": stats.fallbacks,
+                "bytes_reduced": stats.bytes_reduced}
+
+    def close(self) -> None:
+        self.reducer.close()
+
+
+def _mpi_min() -> Any:
+    from mpi4py import MPI
+
+    return MPI.MIN

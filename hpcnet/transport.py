@@ -1,0 +1,266 @@
+"""Transports: how one flat gradient bucket is summed across ranks.
+
+Each transport starts a sum-all-reduce of a 1-d tensor in place and returns a
+handle whose ``wait`` finishes it.  Three kinds:
+
+- ``TorchTransport``: ``torch.distributed.all_reduce(async_op=True)`` on a
+  NCCL or gloo group; NCCL and gloo progress on their own threads.
+- ``MpiTransport``: ``MPI_Allreduce`` on the tensor's memory (no copy),
+  issued from one worker thread per transport on a private communicator so it
+  runs while autograd computes the next gradients (mpi4py releases the GIL in
+  MPI calls; MPI is initialised with ``MPI_THREAD_MULTIPLE``).  Open MPI
+  progresses non-blocking collectives only inside MPI calls, which is why a
+  thread and not ``Iallreduce``.
+- ``HierarchicalTransport``: reduce-scatter inside the node, all-reduce of
+  each shard among the ranks with the same local rank on other nodes, then
+  all-gather inside the node, so each byte crosses the inter-node network
+  once per node rather than once per rank.
+"""
+
+import concurrent.futures
+import time
+from typing import Any, Protocol
+
+import torch
+
+
+class CommFailure(RuntimeError):
+    """A collective of the data plane failed or timed out on some rank."""
+
+
+class Handle(Protocol):
+    def wait(self, timeout_s: float) -> None:
+        """Finish the operation; raise CommFailure after ``timeout_s`` seconds."""
+
+
+class Transport(Protocol):
+    name: str
+
+    def start(self, flat: torch.Tensor) -> Handle: ...
+
+    def close(self) -> None: ...
+
+
+class _Done:
+    """The handle of an operation that already finished (one rank, or synchronous)."""
+
+    def wait(self, timeout_s: float) -> None:
+        return None
+
+
+class _TorchHandle:
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def wait(self, timeout_s: float) -> None:
+        import datetime
+
+        try:
+            ok = self.work.wait(datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:  # gloo/NCCL errors and timeouts
+            raise CommFailure(f"all-reduce failed: {exc}") from exc
+        if ok is False:
+            raise CommFailure(f"all-reduce did not finish within {timeout_s:.0f} s")
+
+
+class _FutureHandle:
+    def __init__(self, future: concurrent.futures.Future) -> None:
+        self.future = future
+
+    def wait(self, timeout_s: float) -> None:
+        try:
+            self.future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise CommFailure(f"all-reduce did not finish within {timeout_s:.0f} s") from None
+        except CommFailure:
+            raise
+        except Exception as exc:  # MPI errors raised in the worker
+            raise CommFailure(f"all-reduce failed: {type(exc).__name__}: {exc}") from exc
+
+
+class TorchTransport:
+    """All-reduce over a torch.distributed process group (NCCL on GPU, gloo on CPU)."""
+
+    def __init__(self, group: Any, backend: str, size: int) -> None:
+        self.group = group
+        self.name = backend
+        self.size = size
+
+    def start(self, flat: torch.Tensor) -> Handle:
+        import torch.distributed as dist
+
+        if self.size == 1:
+            return _Done()
+        return _TorchHandle(dist.all_reduce(flat, group=self.group, async_op=True))
+
+    def close(self) -> None:
+        self.group = None
+
+
+def _mpi_buffer(flat: torch.Tensor) -> Any:
+    """The tensor's memory as an MPI buffer, without a copy.
+
+    CPU tensors go through numpy; CUDA tensors (CUDA-aware MPI only) through
+    ``__cuda_array_interface__``, which mpi4py reads directly.
+    """
+    return flat.numpy() if flat.device.type == "cpu" else flat
+
+
+class MpiTransport:
+    """All-reduce with MPI from a worker thread, in submission order."""
+
+    name = "mpi"
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm.Dup()  # its own message space: never matched against other traffic
+        self.size = self.comm.Get_size()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcnet-mpi-allreduce")
+
+    def _allreduce(self, flat: torch.Tensor) -> None:
+        from mpi4py import MPI
+
+        self.comm.Allreduce(MPI.IN_PLACE, _mpi_buffer(flat), op=MPI.SUM)
+
+    def start(self, flat: torch.Tensor) -> Handle:
+        if self.size == 1:
+            return _Done()
+        if flat.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"the mpi transport sums float32/float64 buckets, not {flat.dtype}")
+        return _FutureHandle(self._pool.submit(self._allreduce, flat))
+
+    def close(self) -> None:
+        # A worker stuck in a collective that will never finish cannot be
+        # joined; leave it (daemon-like) rather than hang the caller.
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class HierarchicalTransport:
+    """Reduce-scatter in the node, all-reduce across nodes, all-gather in the node.
+
+    Args:
+        comm: the job's communicator.
+        node_index, local_rank: this rank's place (``World``, virtual nodes allowed).
+        kind: 'mpi' (MPI collectives from a worker thread) or a torch backend
+            ('gloo', 'nccl') for which subgroups are created (collective over
+            every rank of the default group).
+    """
+
+    def __init__(self, comm: Any, *, node_index: int, local_rank: int, kind: str) -> None:
+        self.kind = kind
+        self.name = f"hierarchical-{kind}"
+        self.size = comm.Get_size()
+        self.local = comm.Split(color=node_index, key=local_rank)
+        self.cross = comm.Split(color=local_rank, key=node_index)
+        self.local_size = self.local.Get_size()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcnet-hier-allreduce")
+        self._local_group = self._cross_group = None
+        if kind != "mpi":
+            import torch.distributed as dist
+
+            # new_group is collective over the default group: every rank
+            # creates every subgroup, in the same order.
+            nodes = comm.allgather((node_index, local_rank))
+            by_node: dict[int, list[int]] = {}
+            by_local: dict[int, list[int]] = {}
+            for rank, (node, local) in enumerate(nodes):
+                by_node.setdefault(node, []).append(rank)
+                by_local.setdefault(local, []).append(rank)
+            self._local_group, _ = dist.new_subgroups_by_enumeration(list(by_node.values()), backend=kind)
+            self._cross_group, _ = dist.new_subgroups_by_enumeration(list(by_local.values()), backend=kind)
+
+    def _run(self, flat: torch.Tensor) -> None:
+        n = flat.numel()
+        pad = (-n) % self.local_size
+        # Reduce-scatter needs equal shards; a padded copy only when needed.
+        work = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
+        shard = work.numel() // self.local_size
+        out = torch.empty(shard, dtype=work.dtype, device=work.device)  # this rank's reduced shard
+        if self.kind == "mpi":
+            from mpi4py import MPI
+
+            self.local.Reduce_scatter_block(_mpi_buffer(work), _mpi_buffer(out), op=MPI.SUM)
+            if self.cross.Get_size() > 1:
+                self.cross.Allreduce(MPI.IN_PLACE, _mpi_buffer(out), op=MPI.SUM)
+            self.local.Allgather(_mpi_buffer(out), _mpi_buffer(work))
+        else:
+            import torch.distributed as dist
+
+            # torch >= 2.13 renamed these (the old names warn); clusters may run older torch.
+            reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            reduce_scatter(out, work, group=self._local_group)
+            if self.cross.Get_size() > 1:
+                dist.all_reduce(out, group=self._cross_group)
+            all_gather(work, out, group=self._local_group)
+        if pad:
+            flat.copy_(work[:n])
+
+    def start(self, flat: torch.Tensor) -> Handle:
+        if self.size == 1:
+            return _Done()
+        return _FutureHandle(self._pool.submit(self._run, flat))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for comm in (self.local, self.cross):
+            comm.Free()
+
+
+class FaultyTransport:
+    """Fault injection: the wrapped transport's result fails on chosen ranks at one step.
+
+    The collective itself still runs (so no rank is left inside it); the
+    chosen ranks then report an error, as a NCCL error seen by one rank would.
+    """
+
+    def __init__(self, inner: Transport, *, fail: bool) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.fail = fail
+        self.armed = False
+
+    def start(self, flat: torch.Tensor) -> Handle:
+        handle = self.inner.start(flat)
+        if self.armed and self.fail:
+            return _FailingHandle(handle)
+        return handle
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class _FailingHandle:
+    def __init__(self, inner: Handle) -> None:
+        self.inner = inner
+
+    def wait(self, timeout_s: float) -> None:
+        self.inner.wait(timeout_s)
+        raise CommFailure("injected communication failure (dist.fail_at_step)")
+
+
+def wait_all(handles: list[Handle], timeout_s: float) -> BaseException | None:
+    """Wait for every handle (``timeout_s`` in all); return the first error instead of raising.
+
+    The caller shares the outcome with the other ranks before raising, so a
+    failure seen by one rank becomes the same failure on every rank.
+    """
+    deadline = time.monotonic() + timeout_s
+    error: BaseException | None = None
+    for handle in handles:
+        try:
+            handle.wait(max(0.0, deadline - time.monotonic()))
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
+            error = error or exc
+    return error
+
+
+def cuda_aware_mpi() -> bool:
+    """True when the MPI library says it can read CUDA device memory."""
+    try:
+        from mpi4py import MPI
+
+        query = getattr(MPI, "Query_cuda_support", None)
+        return bool(query()) if query else False
+    except Exception:  # noqa: BLE001 - an MPI without the query is not CUDA-aware for us
+        return False
+

@@ -1,0 +1,189 @@
+"""The communication layer: buckets, overlap, backends, hierarchy, fallback, accumulation."""
+
+import pytest
+import torch
+from mpi4py import MPI
+from torch import nn
+
+from hpcnet.allreduce import Reducer, plan_buckets
+from hpcnet.config import DistConfig, load_config
+from hpcnet.dataparallel import DataParallel, Plan, build_transport, plan_transport
+from hpcnet.errors import RestartableError, UsageError
+from hpcnet.transport import CommFailure
+from hpcnet.world import discover
+
+
+def test_plan_buckets_reverse_order_and_caps():
+    assert plan_buckets([4, 4, 4, 4], 8) == [[3, 2], [1, 0]]
+    assert plan_buckets([4, 4, 4, 4], 8, first_bucket_bytes=4) == [[3], [2, 1], [0]]
+    assert plan_buckets([100, 1, 1], 8) == [[2, 1], [0]]  # an oversized tensor gets its own bucket
+    every = sorted(i for b in plan_buckets(list(range(1, 50)), 64, 16) for i in b)
+    assert every == list(range(49))
+    with pytest.raises(ValueError):
+        plan_buckets([1], 0)
+
+
+@pytest.mark.parametrize("cfg, kw, expected", [
+    ({}, dict(device_type="cpu", num_nodes=1, min_local_size=4), Plan("mpi", False, "gloo")),
+    ({}, dict(device_type="cuda", num_nodes=2, min_local_size=8), Plan("nccl", True, "gloo")),
+    ({}, dict(device_type="cuda", num_nodes=2, min_local_size=1), Plan("nccl", False, "gloo")),
+    ({"backend": "gloo"}, dict(device_type="cpu", num_nodes=1, min_local_size=2), Plan("gloo", False, "mpi")),
+    ({"hierarchical": "on", "fallback": "none"}, dict(device_type="cpu", num_nodes=1, min_local_size=2),
+     Plan("mpi", True, None)),
+    ({"backend": "mpi", "fallback": "mpi"}, dict(device_type="cpu", num_nodes=1, min_local_size=2),
+     Plan("mpi", False, None)),
+])
+def test_plan_transport(cfg, kw, expected):
+    assert plan_transport(DistConfig(**cfg), **kw) == expected
+
+
+def test_plan_transport_errors():
+    with pytest.raises(UsageError, match="dist.backend: 'nccl' needs a GPU"):
+        plan_transport(DistConfig(backend="nccl"), device_type="cpu", num_nodes=1, min_local_size=1)
+    with pytest.raises(UsageError, match="CUDA-aware"):
+        plan_transport(DistConfig(backend="mpi"), device_type="cuda", num_nodes=1, min_local_size=1)
+    with pytest.raises(Exception, match="dist.compression"):
+        load_config(overrides=["dist.backend=mpi", "dist.compression=bf16"])
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 64)
+        self.b = nn.Linear(64, 64)
+        self.c = nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def _reference_grads(model, x, y, comm):
+    """Plain reduction: local gradients, then one MPI allreduce each, divided by the size."""
+    loss = nn.functional.cross_entropy(model(x), y)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    out = []
+    for g in grads:
+        g = g.clone()
+        comm.Allreduce(MPI.IN_PLACE, g.numpy(), op=MPI.SUM)
+        out.append(g / comm.Get_size())
+    return out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind, hierarchical, compression", [
+    ("mpi", False, None), ("gloo", False, None), ("mpi", True, None), ("gloo", True, None),
+    ("gloo", False, torch.bfloat16),
+])
+def test_bucketed_overlapped_equals_plain(comm, data_plane, kind, hierarchical, compression):
+    world = discover(comm, environ={"HPCNET_RANKS_PER_NODE": "2"} if hierarchical else {})
+    torch.manual_seed(0)
+    model = Net()
+    torch.manual_seed(100 + comm.Get_rank())  # different data on every rank
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    expected = _reference_grads(model, x, y, comm)
+    # tiny buckets: many of them, launched from hooks during backward
+    reducer = Reducer(list(model.named_parameters()), build_transport(kind, hierarchical, comm, world), comm,
+                      bucket_bytes=4096, first_bucket_bytes=512, compression=compression)
+    assert len(reducer.buckets) >= 4
+    launched_during_backward = []
+    reducer.buckets[0].params[0].register_post_accumulate_grad_hook(
+        lambda p: launched_during_backward.append(reducer.buckets[0].launched))
+    reducer.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    reducer.finish()
+    tol = dict(rtol=2e-2, atol=2e-3) if compression else dict(rtol=1e-5, atol=1e-6)
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, g, **tol)
+    assert launched_during_backward == [True]  # the last layer's bucket went out before backward ended
+    reducer.close()
+
+
+@pytest.mark.mpi
+def test_unused_parameters(comm):
+    world = discover(comm, environ={})
+
+    class Partial(Net):
+        def forward(self, x):
+            return self.c(torch.relu(self.a(x)) @ torch.eye(64))  # self.b unused
+
+    torch.manual_seed(0)
+    model = Partial()
+    x, y = torch.randn(4, 16), torch.randint(0, 4, (4,))
+    reducer = Reducer(list(model.named_parameters()), build_transport("mpi", False, comm, world), comm,
+                      bucket_bytes=2**20)
+    reducer.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"no gradient this step \(b\.bias, b\.weight\).*dist.find_unused"):
+        reducer.finish()
+    reducer.close()
+    reducer = Reducer(list(model.named_parameters()), build_transport("mpi", False, comm, world), comm,
+                      bucket_bytes=2**20, find_unused=True)
+    reducer.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    reducer.finish()
+    assert torch.all(model.b.weight.grad == 0)
+    reducer.close()
+
+
+@pytest.mark.mpi
+def test_mismatched_models_are_an_error_on_every_rank(comm):
+    world = discover(comm, environ={})
+    model = nn.Linear(4, 4 + (comm.Get_rank() == comm.Get_size() - 1 and comm.Get_size() > 1))
+    if comm.Get_size() == 1:
+        DataParallel(model, comm, world, DistConfig(), device=torch.device("cpu")).close()
+        return
+    with pytest.raises(UsageError, match=rf"model differs across ranks: ranks \[{comm.Get_size() - 1}\]"):
+        DataParallel(model, comm, world, DistConfig(), device=torch.device("cpu"))
+
+
+# --- whole runs -------------------------------------------------------------
+
+def _run(comm, plane, tmp, name, *extra):
+    from hpcnet.data import generate_images
+    from hpcnet.train import run
+
+    path = tmp / "tiny.h5"
+    if comm.Get_rank() == 0 and not path.exists():
+        generate_images(path, num_train=256, num_eval=64, shape=(1, 8, 8), num_classes=4, seed=5)
+    comm.Barrier()
+    cfg = load_config(overrides=[
+        f"data.dataset={path}", f"run.dir={tmp / name}", "run.dir_exact=true", "train.batch_size=4",
+        "train.steps=6", "train.eval_every=0", "model.name=mlp", "model.options.hidden=[32, 32]",
+        "optim.name=adamw", "optim.lr=0.01", "dist.bucket_mb=0.002", "dist.first_bucket_mb=0.001",
+        "dist.probe=false", *extra])
+    result = run(cfg, comm, plane=plane)
+    return torch.cat([p.detach().reshape(-1) for p in result.model.parameters()]), result.summary
+
+
+@pytest.mark.mpi
+def test_backends_train_alike(comm, data_plane, mpi_tmp_path, monkeypatch):
+    base, summary = _run(comm, data_plane, mpi_tmp_path, "mpi", "dist.backend=mpi")
+    assert summary["comm"]["backend"] == "mpi"
+    for name, extra in [("gloo", ["dist.backend=gloo"]), ("hier", ["dist.hierarchical=on"])]:
+        monkeypatch.setenv("HPCNET_RANKS_PER_NODE", "2")
+        params, summary = _run(comm, data_plane, mpi_tmp_path, name, *extra)
+        torch.testing.assert_close(params, base, rtol=1e-4, atol=1e-5)
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+def test_fallback_mid_run_gives_the_same_parameters(comm, data_plane, mpi_tmp_path):
+    base, _ = _run(comm, data_plane, mpi_tmp_path, "nofault", "dist.backend=gloo")
+    last = comm.Get_size() - 1
+    params, summary = _run(comm, data_plane, mpi_tmp_path, "fault", "dist.backend=gloo", "dist.fail_at_step=3",
+                           f"dist.fail_ranks=[{last}]")
+    fallbacks = summary["comm"]["fallbacks"]
+    assert [(f["step"], f["from"], f["to"]) for f in fallbacks] == [(3, "gloo", "mpi")]
+    assert summary["comm"]["backend"] == "mpi"
+    torch.testing.assert_close(params, base, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RestartableError, match="no fallback left"):
+        _run(comm, data_plane, mpi_tmp_path, "nofallback", "dist.fail_at_step=2", "dist.fallback=none")
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+def test_accumulation_matches_a_large_batch(comm, data_plane, mpi_tmp_path):
+    big, _ = _run(comm, data_plane, mpi_tmp_path, "big", "train.batch_size=8")
+    accumulated, _ = _run(comm, data_plane, mpi_tmp_path, "acc", "train.batch_size=4", "train.grad_accumulation=2")
+    torch.testing.assert_close(accumulated, big, rtol=1e-4, atol=1e-5)
+    comm.Barrier()
