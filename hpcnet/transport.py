@@ -168,7 +168,8 @@ class HierarchicalTransport:
             self._local_group, _ = dist.new_subgroups_by_enumeration(list(by_node.values()), backend=kind)
             self._cross_group, _ = dist.new_subgroups_by_enumeration(list(by_local.values()), backend=kind)
 
-    def _run(self, flat: torch.Tensor) -> None:
+    def _phases(self, flat: torch.Tensor, async_op: bool) -> tuple[torch.Tensor, Any]:
+        """Run (or, for NCCL, enqueue) the three phases; return the padded work buffer and the last work."""
         n = flat.numel()
         pad = (-n) % self.local_size
         # Reduce-scatter needs equal shards; a padded copy only when needed.
@@ -182,28 +183,51 @@ class HierarchicalTransport:
             if self.cross.Get_size() > 1:
                 self.cross.Allreduce(MPI.IN_PLACE, _mpi_buffer(out), op=MPI.SUM)
             self.local.Allgather(_mpi_buffer(out), _mpi_buffer(work))
-        else:
-            import torch.distributed as dist
+            return work, None
+        import torch.distributed as dist
 
-            # torch >= 2.13 renamed these (the old names warn); clusters may run older torch.
-            reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            reduce_scatter(out, work, group=self._local_group)
-            if self.cross.Get_size() > 1:
-                dist.all_reduce(out, group=self._cross_group)
-            all_gather(work, out, group=self._local_group)
-        if pad:
-            flat.copy_(work[:n])
+        # torch >= 2.13 renamed these (the old names warn); clusters may run older torch.
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        reduce_scatter(out, work, group=self._local_group, async_op=async_op)
+        if self.cross.Get_size() > 1:
+            dist.all_reduce(out, group=self._cross_group, async_op=async_op)
+        last = all_gather(work, out, group=self._local_group, async_op=async_op)
+        return work, last
+
+    def _run(self, flat: torch.Tensor) -> None:
+        work, _ = self._phases(flat, async_op=False)
+        if work is not flat:
+            flat.copy_(work[:flat.numel()])
 
     def start(self, flat: torch.Tensor) -> Handle:
         if self.size == 1:
             return _Done()
+        if self.kind == "nccl":
+            # NCCL orders collectives on its stream: enqueue all three phases
+            # from this thread (the device is already current here).
+            work, last = self._phases(flat, async_op=True)
+            return _PaddedHandle(_TorchHandle(last), flat, work)
+        # gloo runs each group's operations on its own threads, so the phases
+        # are sequenced by one worker thread.
         return _FutureHandle(self._pool.submit(self._run, flat))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for comm in (self.local, self.cross):
             comm.Free()
+
+
+class _PaddedHandle:
+    """Wait for the last phase, then copy the result out of a padded work buffer."""
+
+    def __init__(self, inner: Handle, flat: torch.Tensor, work: torch.Tensor) -> None:
+        self.inner, self.flat, self.work = inner, flat, work
+
+    def wait(self, timeout_s: float) -> None:
+        self.inner.wait(timeout_s)
+        if self.work is not self.flat:
+            self.flat.copy_(self.work[:self.flat.numel()])
 
 
 class FaultyTransport:
