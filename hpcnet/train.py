@@ -20,7 +20,6 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,7 +29,7 @@ from torch import nn
 
 from hpcnet import __version__
 from hpcnet.bootstrap import DataPlane, init_data_plane
-from hpcnet.config import Config, OptimConfig, check_same_config, describe_options, load_config, to_dict, to_toml
+from hpcnet.config import Config, OptimConfig, check_same_config, describe_options, load_config, to_toml
 from hpcnet.data import BatchLoader, GlobalBatchSampler, eval_indices, open_dataset
 from hpcnet.dataparallel import DataParallel
 from hpcnet.errors import ExitCode
@@ -152,8 +151,6 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
             closed) here when None and there is more than one rank.
         stop: where signal handlers record a stop request, or None.
     """
-    from mpi4py import MPI
-
     t_start = time.perf_counter()
     comm = comm.Dup()  # hpcnet's control-plane traffic never mixes with the caller's
     own_plane = False

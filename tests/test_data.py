@@ -499,9 +499,11 @@ def small_synthetic(monkeypatch):
     """Make the built-in generators write tiny files, so ensure_synthetic tests are fast."""
     tokens_small = generate_tokens
     images_small = generate_images
-    monkeypatch.setattr(data, "generate_tokens",
+    from hpcnet import synthetic
+
+    monkeypatch.setattr(synthetic, "generate_tokens",
                         lambda path, *, seed: tokens_small(path, num_train=64, num_eval=16, seq_len=8, seed=seed))
-    monkeypatch.setattr(data, "generate_images",
+    monkeypatch.setattr(synthetic, "generate_images",
                         lambda path, *, seed: images_small(path, num_train=64, num_eval=16, shape=(1, 4, 4),
                                                            seed=seed))
 
