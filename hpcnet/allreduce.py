@@ -280,16 +280,23 @@ def broadcast_module(module: nn.Module, comm: Any) -> None:
                 tensor.copy_(host)
 
 
-def average_buffers(module: nn.Module, comm: Any) -> None:
-    """Average floating-point buffers (BatchNorm statistics) across ranks (collective, MPI)."""
-    size = comm.Get_size()
-    if size == 1:
-        return
-    from mpi4py import MPI
+def broadcast_buffers(module: nn.Module, comm: Any) -> None:
+    """Make every rank's buffers (BatchNorm statistics) equal to rank 0's (collective, MPI).
 
+    As DDP does before each forward: replicas then stay bit-identical, so a
+    checkpoint of rank 0's buffers restores every rank exactly.  One
+    broadcast per dtype, not one per buffer.
+    """
+    if comm.Get_size() == 1:
+        return
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for buf in module.buffers():
+        groups.setdefault(buf.dtype, []).append(buf)
     with torch.no_grad():
-        for buf in module.buffers():
-            if buf.is_floating_point():
-                host = buf.detach().to("cpu", torch.float64)
-                comm.Allreduce(MPI.IN_PLACE, host.numpy(), op=MPI.SUM)
-                buf.copy_(host / size)
+        for dtype, bufs in sorted(groups.items(), key=lambda kv: str(kv[0])):
+            flat = torch.cat([b.detach().reshape(-1).cpu() for b in bufs])
+            comm.Bcast(flat.view(torch.uint8).numpy(), root=0)
+            offset = 0
+            for b in bufs:
+                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                offset += b.numel()

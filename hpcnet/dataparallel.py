@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from hpcnet.allreduce import Reducer, average_buffers, broadcast_module
+from hpcnet.allreduce import Reducer, broadcast_buffers, broadcast_module
 from hpcnet.config import DistConfig
 from hpcnet.errors import RestartableError, UsageError
 from hpcnet.transport import (CommFailure, FaultyTransport, HierarchicalTransport, MpiTransport, TorchTransport,
@@ -141,6 +141,7 @@ class DataParallel:
             bucket_bytes=int(cfg.bucket_mb * 2**20), first_bucket_bytes=int(cfg.first_bucket_mb * 2**20),
             compression=_DTYPES[cfg.compression], find_unused=cfg.find_unused, timeout_s=cfg.timeout_s)
         self.step_count = 0
+        self._has_buffers = any(True for _ in model.buffers())
 
     @property
     def backend(self) -> str:
@@ -162,6 +163,7 @@ class DataParallel:
         fallback is left.
         """
         self.step_count += 1
+        self.sync_buffers()  # replicas start every step bit-identical, as with DDP's broadcast_buffers
         self.reducer.arm_fault(self.step_count == self.cfg.fail_at_step)
         # What the step may change besides gradients: a retry restores them.
         saved = self._snapshot() if self.plan.fallback else None
@@ -209,8 +211,9 @@ class DataParallel:
                 buf.copy_(saved)
 
     def sync_buffers(self) -> None:
-        """Average BatchNorm statistics across ranks (before evaluation and saving)."""
-        average_buffers(self.model, self.comm)
+        """Give every rank rank 0's buffers (BatchNorm statistics); collective."""
+        if self._has_buffers:
+            broadcast_buffers(self.model, self.comm)
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -29,6 +29,7 @@ from torch import nn
 
 from hpcnet import __version__
 from hpcnet.bootstrap import DataPlane, init_data_plane
+from hpcnet.checkpoint import CheckpointManager
 from hpcnet.config import Config, OptimConfig, check_same_config, describe_options, load_config, to_toml
 from hpcnet.data import BatchLoader, GlobalBatchSampler, eval_indices, open_dataset
 from hpcnet.dataparallel import DataParallel
@@ -36,6 +37,7 @@ from hpcnet.errors import ExitCode
 from hpcnet.models import build_model, count_parameters
 from hpcnet.runlog import MetricsWriter, close_logging, format_duration, make_run_dir, setup_logging
 from hpcnet.topology import probe, recommend
+from hpcnet.trainstate import StepBoundary, TrainState, checkpoint_dir, should_save
 from hpcnet.world import World, choose_device, cpu_threads, discover, exit_code_of, is_agreed, shared_errors
 
 log = logging.getLogger("hpcnet.train")
@@ -219,12 +221,20 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
                      len(train_split), len(eval_split), cfg.train.batch_size * cfg.train.grad_accumulation * world.size)
             log.info("%s", dp.describe())
 
+        manager = CheckpointManager(comm, checkpoint_dir(cfg), keep=cfg.checkpoint.keep,
+                                    full_every=cfg.checkpoint.full_every, async_save=cfg.checkpoint.async_save)
+        state = TrainState(cfg, model, optimizer, sampler, manager)
         result = TrainResult(model, optimizer)
-        loader = BatchLoader(train_split, sampler)
+        loader = None
         try:
-            result.summary = _loop(cfg, comm, world, dp, optimizer, loader, eval_split, device, metrics, stop)
+            start_step = state.resume(cfg.checkpoint.resume, rank=world.rank) if cfg.checkpoint.resume else 0
+            loader = BatchLoader(train_split, sampler)  # after resume: it reads ahead from the sampler's position
+            result.summary = _loop(cfg, comm, world, dp, optimizer, loader, eval_split, device, metrics, stop,
+                                   state, start_step)
         finally:
-            loader.close()
+            manager.close()  # a checkpoint still being written is committed before we leave
+            if loader is not None:
+                loader.close()
             metrics.close()
             dp.close()
         summary = result.summary
@@ -246,7 +256,7 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
 
 def _loop(cfg: Config, comm: Any, world: World, dp: DataParallel, optimizer: torch.optim.Optimizer,
           loader: BatchLoader, eval_split: Any, device: torch.device, metrics: MetricsWriter,
-          stop: StopRequest | None) -> dict[str, Any]:
+          stop: StopRequest | None, state: TrainState, start_step: int) -> dict[str, Any]:
     from mpi4py import MPI
 
     model = dp.model
@@ -255,16 +265,11 @@ def _loop(cfg: Config, comm: Any, world: World, dp: DataParallel, optimizer: tor
     evaluation: dict[str, float] = {}
     loss_value = float("nan")
     t_loop = t_last = time.perf_counter()
-    last_step = 0
+    step = last_step = start_step
+    boundary = StepBoundary(cfg.checkpoint.every_s)
     stopped_by = 0
     model.train()
-    step = 0
     while step < total:
-        # Agree on a stop request first, so every rank leaves after the same step.
-        stopped_by = comm.allreduce(stop.signum if stop else 0, op=MPI.MAX)
-        if stopped_by:
-            log.warning("stopping after step %d/%d on %s", step, total, signal.Signals(stopped_by).name)
-            break
         for group_ in optimizer.param_groups:
             group_["lr"] = cfg.optim.lr * lr_factor(step, total, cfg.optim)
         batches = [tuple(t.to(device, non_blocking=True) for t in loader.next())
@@ -280,7 +285,7 @@ def _loop(cfg: Config, comm: Any, world: World, dp: DataParallel, optimizer: tor
             loss_value = comm.allreduce(local_loss, op=MPI.SUM) / world.size
             now = time.perf_counter()
             rate = (step - last_step) * global_batch / max(now - t_last, 1e-9)
-            eta = (now - t_loop) / step * (total - step)
+            eta = (now - t_loop) / (step - start_step) * (total - step)
             if world.is_main:
                 log.info("step %*d/%d | loss %.4f | lr %.2e | %.0f samples/s | eta %s", len(str(total)), step,
                          total, loss_value, optimizer.param_groups[0]["lr"], rate, format_duration(eta))
@@ -295,15 +300,28 @@ def _loop(cfg: Config, comm: Any, world: World, dp: DataParallel, optimizer: tor
                 log.info("eval at step %d: loss %.4f, accuracy %.2f%%", step, evaluation["eval_loss"],
                          100 * evaluation["eval_accuracy"])
             metrics.write(step=step, **evaluation)
-    if step and step % cfg.run.log_every and step != total:  # stopped between log lines
+
+        # Step boundary: every rank agrees on stopping and saving after this step.
+        stopped_by, time_due = boundary.agree(comm, stop.signum if stop else 0)
+        if (should_save(step, every_steps=cfg.checkpoint.every_steps, time_due=time_due, stopping=bool(stopped_by))
+                or (step == total and cfg.checkpoint.at_end)):
+            dp.sync_buffers()
+            state.save(step, loader.state_dict())
+            boundary.saved()
+        if stopped_by:
+            log.warning("stopping after step %d/%d on %s (checkpoint saved)", step, total,
+                        signal.Signals(stopped_by).name)
+            break
+    if step > start_step and step % cfg.run.log_every and step != total:  # stopped between log lines
         loss_value = comm.allreduce(loss.item(), op=MPI.SUM) / world.size
     dp.sync_buffers()
     elapsed = time.perf_counter() - t_loop
     return {
         "steps": step,
+        "start_step": start_step,
         "final_loss": loss_value,
         "eval": evaluation,
-        "samples_per_s": step * global_batch / max(elapsed, 1e-9),
+        "samples_per_s": (step - start_step) * global_batch / max(elapsed, 1e-9),
         "stopped_by_signal": stopped_by,
     }
 
@@ -314,6 +332,8 @@ def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         description="Data-parallel training over MPI. Options are section.key=value (or --section.key value).",
     )
     parser.add_argument("--config", help="a TOML file with [run], [model], [data], [optim], [train], [dist]")
+    parser.add_argument("--resume", metavar="auto|PATH",
+                        help="resume from the newest checkpoint ('auto') or a checkpoint file (= checkpoint.resume)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("-h", "--help", action="store_true", help="show every option and exit")
     return parser.parse_known_args(argv)
@@ -333,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopRequest().install()
     try:
         with shared_errors(comm):  # a config file missing on one node fails everywhere
-            cfg = load_config(args.config, overrides)
+            cfg = load_config(args.config, overrides + ([f"checkpoint.resume={args.resume}"] if args.resume else []))
         if args.print_config:
             if rank == 0:
                 print(to_toml(cfg), end="")

@@ -1,0 +1,357 @@
+"""All-reduce bandwidth of hpcnet's transports against raw mpi4py and torch.distributed, size by size.
+
+Launch:
+    mpirun -np 2 python -m mpi4py -m hpcnet.bench allreduce [--max-size 256MiB] [--json out.json]
+
+For every size, each method (hpcnet's transports and their peers: raw
+``comm.Allreduce`` and ``torch.distributed.all_reduce``) runs a block of
+iterations in turn, and the turns repeat for several rounds in a rotating
+order, so that a load change on a shared machine hits every method alike.
+Figures are medians over the rounds; the spread is (max - min) / median.
+Bandwidths follow nccl-tests: algbw = bytes / time, busbw = algbw * 2(n-1)/n.
+"""
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hpcnet.bench.common import (busbw, algbw, describe_environment, environment, format_size, load_average,
+                                 max_over_ranks, parse_size, size_sweep, summarize, table, write_json)
+
+TARGET_SIZE = 25 * 2**20
+"""The size of the issue's target (hpcnet busbw >= 0.95 x raw MPI): the default gradient bucket."""
+TARGET_RATIO = 0.95
+
+
+class Runner:
+    """One method prepared on one buffer: ``run`` sums ``tensor`` across the ranks in place."""
+
+    def __init__(self, run: Callable[[], Any], tensor: torch.Tensor, close: Callable[[], Any] | None = None):
+        self.run = run
+        self.tensor = tensor
+        """What the method reduces: set before and read after ``run`` (the correctness check)."""
+        self.close = close or (lambda: None)
+
+
+@dataclass
+class Method:
+    """One way to sum a flat float32 tensor across the ranks."""
+
+    name: str
+    peer: str
+    """The method this one is compared with ('' for the peers themselves)."""
+    device: str
+    prepare: Callable[[torch.Tensor], Runner]
+    result_scale: float = 1.0
+    """Factor between the sum and what the method leaves (1/n for an average)."""
+
+
+TIMEOUT_S = 120.0
+
+
+def build_methods(comm: Any, world: Any, *, device: torch.device, reducer: bool,
+                  cleanup: list[Callable[[], Any]]) -> list[Method]:
+    """The methods this job can run: hpcnet's transports and their raw peers (collective).
+
+    Args:
+        comm: the job's communicator.
+        world: its layout (``hpcnet.world.discover``).
+        device: this rank's device; NCCL methods are added on GPUs.
+        reducer: add the Reducer over one flat parameter (hpcnet's full bucket path).
+        cleanup: receives what must be closed after the benchmark.
+    """
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    from hpcnet.allreduce import Reducer
+    from hpcnet.dataparallel import build_transport
+    from hpcnet.transport import TorchTransport
+
+    methods: list[Method] = []
+    peer_comm = comm.Dup()  # the raw peer gets a private communicator too, as MpiTransport does
+    cleanup.append(peer_comm.Free)
+
+    def raw_mpi(buf: torch.Tensor) -> Runner:
+        array = buf.numpy()
+        return Runner(lambda: peer_comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM), buf)
+
+    def raw_torch(group: Any) -> Callable[[torch.Tensor], Runner]:
+        return lambda buf: Runner(lambda: dist.all_reduce(buf, group=group), buf)
+
+    def hpcnet_transport(transport: Any) -> Callable[[torch.Tensor], Runner]:
+        cleanup.append(transport.close)
+        return lambda buf: Runner(lambda: transport.start(buf).wait(TIMEOUT_S), buf)
+
+    methods.append(Method("mpi4py", "", "cpu", raw_mpi))
+    methods.append(Method("hpcnet-mpi", "mpi4py", "cpu", hpcnet_transport(build_transport("mpi", False, comm, world))))
+    gloo_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    methods.append(Method("torch-gloo", "", "cpu", raw_torch(gloo_group)))
+    methods.append(Method("hpcnet-gloo", "torch-gloo", "cpu",
+                          hpcnet_transport(TorchTransport(gloo_group, "gloo", world.size))))
+    primary, primary_peer = ("nccl", "torch-nccl") if device.type == "cuda" else ("mpi", "mpi4py")
+    if device.type == "cuda":
+        nccl_group = dist.group.WORLD if dist.get_backend() == "nccl" else dist.new_group(backend="nccl")
+        methods.append(Method("torch-nccl", "", "cuda", raw_torch(nccl_group)))
+        methods.append(Method("hpcnet-nccl", "torch-nccl", "cuda",
+                              hpcnet_transport(TorchTransport(nccl_group, "nccl", world.size))))
+    if world.num_nodes > 1:  # real nodes, or virtual ones from HPCNET_RANKS_PER_NODE
+        methods.append(Method(f"hpcnet-hierarchical-{primary}", primary_peer, device.type,
+                              hpcnet_transport(build_transport(primary, True, comm, world))))
+    if reducer:
+        def reducer_path(buf: torch.Tensor) -> Runner:
+            # hpcnet's whole bucket path for one flat parameter: autograd
+            # accumulates a (zero) gradient into the bucket view, the hook
+            # launches the bucket, finish() agrees over the control plane,
+            # waits and averages.
+            param = torch.nn.Parameter(torch.zeros_like(buf))
+            zeros = torch.zeros_like(buf)
+            red = Reducer([("flat", param)], build_transport(primary, False, comm, world), comm,
+                          bucket_bytes=buf.numel() * buf.element_size(), first_bucket_bytes=0, timeout_s=TIMEOUT_S)
+
+            def run() -> None:
+                param.backward(zeros)
+                red.finish()
+
+            return Runner(run, param.grad, close=red.close)
+
+        methods.append(Method(f"hpcnet-reducer-{primary}", primary_peer, device.type, reducer_path,
+                              result_scale=1 / world.size))
+    return methods
+
+
+def _check(method: Method, runner: Runner, comm: Any) -> str | None:
+    """Run once on (rank + 1) everywhere and compare with n(n+1)/2 (scaled): None or an error message."""
+    n, rank = comm.Get_size(), comm.Get_rank()
+    runner.tensor.fill_(rank + 1)
+    runner.run()
+    _sync(runner.tensor)
+    expected = n * (n + 1) / 2 * method.result_scale
+    got = [runner.tensor[0].item(), runner.tensor[-1].item()]
+    if any(abs(g - expected) > 1e-6 * expected for g in got):
+        return f"{method.name}: wrong sum on rank {rank}: {got} instead of {expected}"
+    return None
+
+
+def _sync(tensor: torch.Tensor) -> None:
+    if tensor.device.type == "cuda":
+        torch.cuda.synchronize(tensor.device)
+
+
+def _time_block(runner: Runner, iters: int, comm: Any) -> float:
+    """Seconds per operation of ``iters`` back-to-back operations, slowest rank (collective)."""
+    comm.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        runner.run()
+    _sync(runner.tensor)
+    return max_over_ranks(comm, time.perf_counter() - t0) / iters
+
+
+def bench_size(methods: list[Method], nbytes: int, comm: Any, args: argparse.Namespace,
+               device: torch.device) -> dict[str, Any]:
+    """Every method at one size, alternating in rounds (collective)."""
+    from hpcnet.world import agreed
+
+    numel = max(1, nbytes // 4)  # float32
+    buffers = {"cpu": torch.zeros(numel, dtype=torch.float32)}
+    if device.type == "cuda":
+        buffers["cuda"] = torch.zeros(numel, dtype=torch.float32, device=device)
+    runners: list[Runner] = []
+    estimates = []
+    try:
+        for method in methods:
+            runner = method.prepare(buffers[method.device])
+            runners.append(runner)
+            errors = [e for e in comm.allgather(_check(method, runner, comm)) if e]
+            if errors:
+                raise agreed(RuntimeError("; ".join(errors)))
+            runner.tensor.zero_()  # zeros stay zeros: no growth towards inf, no denormals
+            estimates.append(_time_block(runner, args.warmup, comm))
+        if args.iters:
+            iters = args.iters
+        else:
+            iters = int(min(args.max_iters, max(1, args.time_budget_s / (args.rounds * sum(estimates)))))
+        iters = comm.bcast(iters, root=0)  # every rank must issue the same collectives
+        times: dict[str, list[float]] = {m.name: [] for m in methods}
+        iters_used = []
+        order = list(zip(methods, runners))
+        t_start = time.perf_counter()
+        for r in range(args.rounds):
+            # Rotate the order each round, so no method always follows the same one.
+            shift = r % len(order)
+            for method, runner in order[shift:] + order[:shift]:
+                times[method.name].append(_time_block(runner, iters, comm))
+            iters_used.append(iters)
+            if not args.iters and r + 1 < args.rounds:
+                # The warm-up estimate can be far off on a loaded machine: keep
+                # the size within its budget by shrinking (never growing) the
+                # blocks of the remaining rounds.
+                left_s = args.time_budget_s - (time.perf_counter() - t_start)
+                round_s = sum(times[m.name][-1] for m in methods) * iters
+                fit = int(iters * max(0.0, left_s) / (args.rounds - r - 1) / max(round_s, 1e-9))
+                iters = comm.bcast(min(iters, max(1, fit)), root=0)
+    finally:
+        for runner in runners:
+            runner.close()
+    n = comm.Get_size()
+    size = numel * 4
+    result: dict[str, Any] = {"size_bytes": size, "count": numel, "iters": iters_used[0],
+                              "iters_per_round": iters_used, "methods": {}}
+    for method in methods:
+        t = times[method.name]
+        entry = {
+            "time_s": summarize(t),
+            "algbw_GBps": summarize([algbw(size, x) / 1e9 for x in t]),
+            "busbw_GBps": summarize([busbw(size, x, n) / 1e9 for x in t]),
+            "time_s_rounds": t,
+        }
+        for label, peer in (("vs_peer", method.peer), ("vs_mpi4py", "" if method.name == "mpi4py" else "mpi4py")):
+            if peer:
+                # Paired per round (same moment, same load), then the median.
+                entry[f"ratio_{label}"] = summarize([p / x for p, x in zip(times[peer], t)])
+        result["methods"][method.name] = entry
+    return result
+
+
+def format_results(results: list[dict[str, Any]], methods: list[Method], rounds: int) -> str:
+    names = [m.name for m in methods]
+    ratio_of = [m.name for m in methods if m.name.startswith("hpcnet") and m.peer]
+    header = ["size", "iters", "mpi4py us"] + [f"{n} busbw" for n in names] + [f"{n}/{m.peer}" for n in ratio_of
+                                                                               for m in methods if m.name == n]
+    rows = []
+    for res in results:
+        row = [format_size(res["size_bytes"]), str(res["iters"]),
+               f"{res['methods']['mpi4py']['time_s']['median'] * 1e6:.1f}"]
+        for n in names:
+            bw = res["methods"][n]["busbw_GBps"]
+            row.append(f"{bw['median']:.3f} ({bw['spread'] * 100:.0f}%)")
+        for n in ratio_of:
+            row.append(f"{res['methods'][n]['ratio_vs_peer']['median']:.2f}")
+        rows.append(row)
+    return (f"busbw in GB/s (1e9 B/s), median of {rounds} alternating rounds (spread = (max-min)/median); "
+            f"ratios are per-round paired busbw ratios, median\n" + table(header, rows))
+
+
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m hpcnet.bench allreduce",
+                                     description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--sizes", default="", help="comma-separated sizes (e.g. 1KiB,25MiB); overrides the sweep")
+    parser.add_argument("--min-size", default="1KiB", help="smallest size of the sweep (default 1KiB)")
+    parser.add_argument("--max-size", default="256MiB", help="largest size of the sweep (default 256MiB)")
+    parser.add_argument("--factor", type=int, default=4, help="size step of the sweep (default x4); 25MiB is added")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per size (default 5)")
+    parser.add_argument("--iters", type=int, default=0,
+                        help="iterations per method per round; 0 (default) sizes them from --time-budget-s")
+    parser.add_argument("--max-iters", type=int, default=2000, help="cap on automatic iterations (default 2000)")
+    parser.add_argument("--warmup", type=int, default=2, help="warm-up iterations per method per size (default 2)")
+    parser.add_argument("--time-budget-s", type=float, default=4.0,
+                        help="timed seconds per size, all methods and rounds together (default 4); at least one "
+                             "iteration per method and round is always run")
+    parser.add_argument("--no-reducer", action="store_true", help="leave out the Reducer (full bucket path)")
+    parser.add_argument("--methods", default="", help="comma-separated subset of the methods to run")
+    parser.add_argument("--json", default="", help="also write the results to this JSON file (rank 0)")
+    args = parser.parse_args(argv)
+    for name in ("rounds", "max_iters", "warmup"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.iters < 0 or args.time_budget_s <= 0:
+        parser.error("--iters must be >= 0 and --time-budget-s > 0")
+    try:
+        if args.sizes:
+            args.size_list = sorted({parse_size(s) for s in args.sizes.split(",") if s.strip()})
+        else:
+            args.size_list = size_sweep(parse_size(args.min_size), parse_size(args.max_size), args.factor,
+                                        extra=(TARGET_SIZE,))
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m hpcnet.bench allreduce``; the only place that uses COMM_WORLD."""
+    from mpi4py import MPI
+
+    from hpcnet.bootstrap import init_data_plane
+    from hpcnet.world import choose_device, cpu_threads, discover, shared_errors
+
+    args = _parse_args(sys.argv[1:] if argv is None else argv)
+    comm = MPI.COMM_WORLD.Dup()
+    rank0 = comm.Get_rank() == 0
+    world = discover(comm)
+    torch.set_num_threads(cpu_threads(world))
+    with shared_errors(comm):
+        device = choose_device(world)
+    env = environment(comm)
+    if rank0:
+        print(describe_environment(env), flush=True)
+    if world.size < 2 and rank0:
+        print("note: one rank; every all-reduce is a no-op (launch under mpirun -np 2 or more)")
+    plane = init_data_plane(comm, world, backend="auto", device=device, timeout_s=TIMEOUT_S)
+    cleanup: list[Callable[[], Any]] = []
+    try:
+        methods = build_methods(comm, world, device=device, reducer=not args.no_reducer, cleanup=cleanup)
+        if args.methods:
+            wanted = [s.strip() for s in args.methods.split(",") if s.strip()]
+            unknown = sorted(set(wanted) - {m.name for m in methods})
+            if unknown:
+                if rank0:
+                    print(f"hpcnet.bench allreduce: unknown method(s) {', '.join(unknown)}; "
+                          f"available: {', '.join(m.name for m in methods)}", file=sys.stderr)
+                return 2
+            # A compared method needs its peer in the same rounds.
+            keep = set(wanted) | {m.peer for m in methods if m.name in wanted and m.peer}
+            methods = [m for m in methods if m.name in keep]
+        if rank0:
+            print(f"methods: {', '.join(m.name for m in methods)}; sizes: "
+                  f"{', '.join(format_size(s) for s in args.size_list)}", flush=True)
+        results = []
+        t_start = time.perf_counter()
+        for nbytes in args.size_list:
+            t0 = time.perf_counter()
+            res = bench_size(methods, nbytes, comm, args, device)
+            res["wall_s"] = time.perf_counter() - t0
+            results.append(res)
+            if rank0:
+                line = ", ".join(f"{n} {e['busbw_GBps']['median']:.3f}" for n, e in res["methods"].items())
+                print(f"  {format_size(nbytes):>7s}: {line} GB/s ({res['iters']} iters x {args.rounds} rounds, "
+                      f"{res['wall_s']:.1f} s)", flush=True)
+        env["load_average_end"] = load_average()
+        summary = _target(results)
+        if rank0:
+            print()
+            print(format_results(results, methods, args.rounds))
+            print(f"load average at end: {', '.join(f'{x:.2f}' for x in env['load_average_end'])}; "
+                  f"{time.perf_counter() - t_start:.0f} s")
+            if summary:
+                print(f"target: hpcnet-mpi busbw at {format_size(summary['size_bytes'])} = "
+                      f"{summary['ratio']:.3f} x raw MPI Allreduce (target >= {TARGET_RATIO}): "
+                      f"{'met' if summary['met'] else 'NOT met'}")
+            if args.json:
+                write_json(args.json, {
+                    "benchmark": "allreduce", "environment": env, "rounds": args.rounds,
+                    "methods": [{"name": m.name, "peer": m.peer, "device": m.device} for m in methods],
+                    "results": results, "target": summary,
+                    "ratio_hpcnet_mpi_vs_mpi4py": {str(r["size_bytes"]): r["methods"]["hpcnet-mpi"]["ratio_vs_peer"]
+                                                   ["median"] for r in results if "hpcnet-mpi" in r["methods"]},
+                })
+        return 0
+    finally:
+        for close in reversed(cleanup):
+            close()
+        plane.close()
+        comm.Free()
+
+
+def _target(results: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The issue's target at the size closest to 25 MiB, when hpcnet-mpi ran."""
+    candidates = [r for r in results if "hpcnet-mpi" in r["methods"]]
+    if not candidates:
+        return None
+    res = min(candidates, key=lambda r: abs(r["size_bytes"] - TARGET_SIZE))
+    ratio = res["methods"]["hpcnet-mpi"]["ratio_vs_peer"]["median"]
+    return {"size_bytes": res["size_bytes"], "ratio": ratio, "target": TARGET_RATIO, "met": ratio >= TARGET_RATIO}

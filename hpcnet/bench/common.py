@@ -1,0 +1,146 @@
+"""Helpers shared by the benchmarks: sizes, bandwidth formulas, robust statistics, tables.
+
+The formulas and the parsing are pure functions (tested on one process); the
+few helpers that communicate take the communicator as a parameter.
+"""
+
+import json
+import os
+import platform
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+          "g": 2**30, "gb": 10**9, "gib": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '4096', '64KiB', '25MiB', '1.5G' (K/M/G without 'B' are binary, KB/MB/GB decimal)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (examples: 4096, 64KiB, 25MiB, 1GiB)")
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if value != int(value) or value <= 0:
+        raise ValueError(f"a size must be a positive whole number of bytes, got {text!r}")
+    return int(value)
+
+
+def format_size(nbytes: int) -> str:
+    """'1KiB', '25MiB', '1.5MiB', '1000B': the shortest exact-ish binary form."""
+    for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= factor:
+            value = nbytes / factor
+            return f"{value:.0f}{unit}" if value == int(value) else f"{value:.3g}{unit}"
+    return f"{nbytes}B"
+
+
+def size_sweep(min_bytes: int, max_bytes: int, factor: int, extra: tuple[int, ...] = ()) -> list[int]:
+    """Sizes min, min*factor, ... up to max, plus ``extra`` sizes within the range, sorted and unique."""
+    if min_bytes <= 0 or max_bytes < min_bytes:
+        raise ValueError(f"need 0 < min size <= max size, got {min_bytes} and {max_bytes}")
+    if factor < 2:
+        raise ValueError(f"the size factor must be at least 2, got {factor}")
+    sizes = set()
+    size = min_bytes
+    while size <= max_bytes:
+        sizes.add(size)
+        size *= factor
+    sizes.update(s for s in extra if min_bytes <= s <= max_bytes)
+    return sorted(sizes)
+
+
+def algbw(nbytes: int, seconds: float) -> float:
+    """Algorithm bandwidth in bytes/s (nccl-tests): the buffer size over the time of one operation."""
+    return nbytes / seconds
+
+
+def busbw(nbytes: int, seconds: float, world_size: int) -> float:
+    """AllReduce bus bandwidth in bytes/s (nccl-tests): algbw * 2(n-1)/n, comparable across rank counts."""
+    return algbw(nbytes, seconds) * 2 * (world_size - 1) / world_size
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    """Median and spread (min, max, and max-min relative to the median) of per-round figures."""
+    if not values:
+        raise ValueError("no values to summarize")
+    median = statistics.median(values)
+    return {"median": median, "min": min(values), "max": max(values),
+            "spread": (max(values) - min(values)) / median if median else 0.0}
+
+
+def load_average() -> tuple[float, float, float]:
+    """The 1, 5 and 15 minute load averages (zeros where the OS has none)."""
+    try:
+        return os.getloadavg()
+    except OSError:
+        return (0.0, 0.0, 0.0)
+
+
+def bound_cpus() -> int:
+    """CPUs this process may run on (mpirun binds each rank to one core by default)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def environment(comm: Any) -> dict[str, Any]:
+    """What a reader needs to judge the figures: host, cores, load, library versions (collective)."""
+    import torch
+    from mpi4py import MPI
+
+    hosts = comm.allgather(platform.node())
+    return {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "hosts": sorted(set(hosts)),
+        "world_size": comm.Get_size(),
+        "cores_per_host": os.cpu_count() or 1,
+        "cpus_bound_per_rank": comm.allgather(bound_cpus()),
+        "load_average_start": load_average(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "mpi4py": __import__("mpi4py").__version__,
+        "mpi_library": MPI.Get_library_version().strip("\x00 \n").splitlines()[0].rstrip(", "),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def describe_environment(env: dict[str, Any]) -> str:
+    load = ", ".join(f"{x:.2f}" for x in env["load_average_start"])
+    return (f"{env['world_size']} ranks on {len(env['hosts'])} host(s) ({', '.join(env['hosts'][:4])}), "
+            f"{env['cores_per_host']} cores/host, CPUs bound per rank {env['cpus_bound_per_rank']}, "
+            f"torch threads/rank {env['torch_threads']}, load average {load} (1/5/15 min) at start\n"
+            f"torch {env['torch']}, mpi4py {env['mpi4py']}, {env['mpi_library']}"
+            + (f", GPU {env['cuda']}" if env["cuda"] else ""))
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """A plain text table, columns right-aligned except the first."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = []
+    for k, row in enumerate([header, *rows]):
+        cells = [str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_json(path: str, payload: dict[str, Any]) -> None:
+    """Write ``payload`` atomically (a reader never sees half a file)."""
+    target = Path(path)
+    if target.parent != Path(""):
+        target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, target)
+
+
+def max_over_ranks(comm: Any, seconds: float) -> float:
+    """The slowest rank's time (collective): a collective is done when the last rank is done."""
+    from mpi4py import MPI
+
+    return comm.allreduce(seconds, op=MPI.MAX)

@@ -1,0 +1,480 @@
+"""Checkpoints: sharded, incremental, atomic parallel-HDF5 files, resumable at any world size.
+
+The training loop flattens its state (``flatten_state``, ``rng_state``) and
+hands it to a ``CheckpointManager``, which writes one HDF5 file per save with
+every rank writing about 1/N of the bytes (layout: ``hpcnet.ckpt_format``;
+the collective write and verified read: ``hpcnet.ckpt_io``)::
+
+    manager = CheckpointManager(comm, cfg.checkpoint.dir, keep=cfg.checkpoint.keep,
+                                full_every=cfg.checkpoint.full_every, async_save=cfg.checkpoint.async_save)
+    loaded = manager.load("auto")             # None: nothing to resume from
+    if loaded:
+        restore_state(model, optimizer, loaded.tensors, loaded.meta["state"])
+        ...
+    tensors, state_meta = flatten_state(model, optimizer)
+    manager.save(step, tensors, {"state": state_meta, "config": ..., "sampler": ...}, rng_state())
+    ...
+    manager.close()
+
+Threads: with ``async_save`` the write runs in one background thread on a
+duplicated communicator.  h5py serialises its calls with one process-wide
+lock, held for a whole call (the GIL is released during the I/O), so a data
+loader reading HDF5 meanwhile waits at most for one write call (a piece of at
+most ``WRITE_PIECE_BYTES`` per rank).  A deadlock would need a thread that
+holds that lock while waiting for another rank; only the writer does (inside
+collective calls), and the peer writer it waits for needs only its own
+process's lock, which serial readers always give back.  So the one rule is:
+no other *parallel* (``driver="mpio"``) HDF5 in the same process while a save
+is in flight; every method of the manager first finishes the save in flight.
+"""
+
+import json
+import logging
+import os
+import random
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import hpcnet
+from hpcnet.ckpt_format import (TMP_SUFFIX, CheckpointInfo, Plan, TensorSpec, check_names_nest,
+                                make_spec, plan_ownership, resolve_chain, sha256_hex)
+from hpcnet.ckpt_io import (CheckpointCorrupt, SaveJob, dtype_name, read_chain, read_info, scan, to_storage,
+                            write_checkpoint)
+from hpcnet.errors import UsageError
+from hpcnet.world import agree_on_error, shared_errors
+
+__all__ = ["CheckpointCorrupt", "CheckpointInfo", "CheckpointManager", "Loaded", "flatten_state", "load_checkpoint",
+           "restore_state", "rng_state", "set_rng_state"]
+
+log = logging.getLogger("hpcnet.checkpoint")
+
+
+# --- state <-> tensors + JSON ----------------------------------------------------
+
+def flatten_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Model and optimizer state as named tensors (not copied) and JSON-able meta.
+
+    Tensors are ``model/<state_dict key>`` and ``optim/<param index>/<state
+    key>`` (Adam's ``step`` tensors included); the meta holds the optimizer's
+    class, its param groups' hyper-parameters and member params, and any
+    non-tensor per-param state.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"model state {key!r} is a {type(value).__name__}, not a tensor; it cannot be saved")
+        tensors[f"model/{key}"] = value
+    state = optimizer.state_dict()
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, per_param in state["state"].items():
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim/{index}/{key}"] = value
+            else:
+                scalars.setdefault(str(index), {})[key] = value
+    meta = {"optimizer": type(optimizer).__name__, "param_groups": state["param_groups"], "state_scalars": scalars}
+    try:
+        json.dumps(meta)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"optimizer {type(optimizer).__name__}: param groups or state are not JSON-able: {exc}") from None
+    return tensors, json.loads(json.dumps(meta))
+
+
+def restore_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, tensors: dict[str, torch.Tensor],
+                  meta: dict[str, Any]) -> None:
+    """Load what ``flatten_state`` produced back into ``model`` and ``optimizer`` (exact, strict).
+
+    Raises UsageError when the checkpoint does not fit the model or optimizer.
+    """
+    model_state = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+    missing, unexpected = set(model.state_dict()) - set(model_state), set(model_state) - set(model.state_dict())
+    if missing or unexpected:
+        raise UsageError(f"checkpoint does not match the model: missing {sorted(missing)[:5]}, "
+                         f"unexpected {sorted(unexpected)[:5]}")
+    model.load_state_dict(model_state)
+    if optimizer is None:
+        return
+    if meta.get("optimizer") != type(optimizer).__name__:
+        raise UsageError(f"checkpoint holds {meta.get('optimizer')!r} state, the optimizer is {type(optimizer).__name__}")
+    per_param: dict[int, dict[str, Any]] = {}
+    for name, value in tensors.items():
+        if name.startswith("optim/"):
+            _, index, key = name.split("/", 2)
+            per_param.setdefault(int(index), {})[key] = value
+    for index, values in meta.get("state_scalars", {}).items():
+        per_param.setdefault(int(index), {}).update(values)
+    groups = meta["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise UsageError(f"checkpoint has {len(groups)} optimizer param groups, the optimizer {len(optimizer.param_groups)}")
+    for saved, live in zip(groups, optimizer.param_groups):
+        for key, value in saved.items():  # JSON made tuples lists; give them back their type
+            if isinstance(live.get(key), tuple) and isinstance(value, list):
+                saved[key] = tuple(value)
+    try:
+        optimizer.load_state_dict({"state": per_param, "param_groups": groups})
+    except (ValueError, KeyError) as exc:
+        raise UsageError(f"checkpoint does not match the optimizer: {exc}") from None
+
+
+def rng_state() -> dict[str, Any]:
+    """This rank's torch (CPU and CUDA), numpy and ``random`` generator states, as JSON-able values."""
+    name, key, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state().numpy().tobytes().hex(),
+        "numpy": {"name": name, "key": key.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(cached)},
+        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [s.numpy().tobytes().hex() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def _hex_bytes(value: Any, length: int, what: str) -> torch.Tensor:
+    if not isinstance(value, str) or len(value) != 2 * length:
+        raise ValueError(f"RNG state {what}: expected {length} bytes of hex")
+    return torch.frombuffer(bytearray(bytes.fromhex(value)), dtype=torch.uint8)
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what ``rng_state`` returned; ValueError if the values are not of the expected form."""
+    try:
+        torch_state = _hex_bytes(state["torch"], torch.get_rng_state().numel(), "torch")
+        np_state = state["numpy"]
+        key = np.array(np_state["key"], dtype=np.uint32)
+        if np_state["name"] != "MT19937" or key.shape != (624,):
+            raise ValueError("RNG state numpy: not an MT19937 state")
+        py_state = state["python"]
+        internal = tuple(int(v) for v in py_state["internal"])
+        if py_state["version"] != 3 or len(internal) != 625:
+            raise ValueError("RNG state python: not a version-3 state")
+        gauss = py_state["gauss_next"]
+        if gauss is not None and not isinstance(gauss, float):
+            raise ValueError("RNG state python: bad gauss_next")
+        np_tuple = ("MT19937", key, int(np_state["pos"]), int(np_state["has_gauss"]), float(np_state["cached_gaussian"]))
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"RNG state is malformed: {exc!r}") from None
+    torch.set_rng_state(torch_state)
+    np.random.set_state(np_tuple)
+    random.setstate((3, internal, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = state["cuda"]
+        length = torch.cuda.get_rng_state().numel()
+        if isinstance(cuda, list) and len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all([_hex_bytes(s, length, "cuda") for s in cuda])
+
+
+# --- loading -------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Loaded:
+    """A loaded checkpoint: full logical tensors (CPU), the meta, and this rank's rank_state."""
+
+    path: Path
+    step: int
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+    rank_state: dict[str, Any] | None
+    """This rank's saved state; None on ranks at or beyond the saved world size
+    (resuming on more ranks): seed those afresh, e.g. from run.seed and rank."""
+    saved_world_size: int
+    skipped: list[str] = field(default_factory=list)
+    """Why newer checkpoints were passed over ('auto' only)."""
+
+
+def _candidates(which: str, directory: Path | None) -> tuple[list[tuple[str, list[str] | None, str]], bool, str,
+                                                               list[str]]:
+    """Rank 0: the checkpoints to try, newest first, as (path, chain or None, why not); uncommitted files."""
+    if which == "auto":
+        if directory is None:
+            raise UsageError("load('auto') needs the checkpoint directory")
+        folder, target, explicit = directory, None, False
+    else:
+        path = Path(which)
+        if not which or not path.exists():
+            if path.name.endswith(TMP_SUFFIX) or Path(which + TMP_SUFFIX).exists():
+                raise UsageError(f"checkpoint {which!r} was never committed (a save that did not finish)")
+            raise UsageError(f"checkpoint {which!r} does not exist")
+        if path.is_dir():
+            folder, target, explicit = path, None, False
+        elif path.name.endswith(TMP_SUFFIX):
+            raise UsageError(f"checkpoint {which!r} is an uncommitted (half-written) file; it cannot be loaded")
+        else:
+            folder, target, explicit = path.parent, path, True
+    infos, stale = scan(folder)
+    if target is not None:
+        info = next((i for i in infos if Path(i.path) == target), None) or read_info(target)
+        if info.kind == "unreadable":
+            raise UsageError(f"checkpoint {str(target)!r} cannot be read: {info.error}")
+        infos = [*[i for i in infos if i.path != info.path], info]
+        todo = [info]
+    else:
+        todo = sorted(infos, key=lambda i: i.step, reverse=True)
+    out = []
+    for info in todo:
+        if info.kind == "unreadable":
+            out.append((info.path, None, str(info.error)))
+            continue
+        try:
+            out.append((info.path, [i.path for i in resolve_chain(infos, info)], ""))
+        except ValueError as exc:
+            out.append((info.path, None, str(exc)))
+    return out, explicit, str(target or folder), [str(p) for p in stale]
+
+
+def load_checkpoint(comm: Any, which: str = "auto", directory: str | Path | None = None) -> Loaded | None:
+    """Collective: load a checkpoint, verified, on every rank of ``comm`` (any world size).
+
+    Args:
+        comm: the ranks that load; each gets the full tensors.
+        which: 'auto' (newest in ``directory`` that verifies; corrupt ones are
+            skipped with a warning; None if there is none), a directory (the
+            same, but UsageError if none), or a checkpoint file (UsageError if
+            it is missing, uncommitted or fails verification).
+        directory: the checkpoint directory, for 'auto'.
+    """
+    plan = None
+    with shared_errors(comm):
+        if comm.Get_rank() == 0:
+            plan = _candidates(which, None if directory is None else Path(directory))
+    candidates, explicit, where, stale = comm.bcast(plan, root=0)
+    for tmp in stale:
+        log.warning("ignoring uncommitted checkpoint %s (a save that did not finish)", tmp)
+    skipped = []
+    for path, chain, why in candidates:
+        if chain is not None:
+            try:
+                result = read_chain(comm, [Path(p) for p in chain])
+            except CheckpointCorrupt as exc:
+                why = str(exc).removeprefix(f"{path}: ")
+            else:
+                return Loaded(Path(path), result.attrs["step"], result.tensors, result.meta, result.rank_state,
+                              result.attrs["world_size"], skipped)
+        if explicit:
+            raise UsageError(f"checkpoint {path!r} cannot be loaded: {why}")
+        log.warning("skipping checkpoint %s: %s; trying the previous one", path, why)
+        skipped.append(f"{path}: {why}")
+    if which != "auto":
+        raise UsageError(f"no loadable checkpoint in {where!r}" + (f" ({len(skipped)} skipped)" if skipped else ""))
+    return None
+
+
+# --- the manager -----------------------------------------------------------------
+
+@dataclass(slots=True)
+class _Previous:
+    """What the next increment is a difference to."""
+
+    info: CheckpointInfo
+    base: CheckpointInfo
+    spec_digest: str
+    plan: Plan
+    hashes: dict[int, np.ndarray]
+    saves_since_full: int
+
+
+def _versions() -> dict[str, str]:
+    import h5py
+    from mpi4py import MPI
+
+    return {"hpcnet": hpcnet.__version__, "torch": torch.__version__, "numpy": np.__version__,
+            "h5py": h5py.version.version, "hdf5": h5py.version.hdf5_version,
+            "mpi": MPI.Get_library_version().splitlines()[0].strip()}
+
+
+def _dumps(value: Any, what: str) -> bytes:
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{what} is not JSON-serialisable: {exc}") from None
+
+
+class CheckpointManager:
+    """Save, list and load the checkpoints of one directory, collectively over ``comm``.
+
+    Every method is collective: call it on every rank of ``comm`` in the same order.
+    """
+
+    def __init__(self, comm: Any, directory: str | Path, *, keep: int = 3, full_every: int = 4,
+                 async_save: bool = True) -> None:
+        from mpi4py import MPI
+
+        if keep < 1 or full_every < 1:
+            raise ValueError("keep and full_every must be at least 1")
+        self.comm = comm
+        self.directory = Path(directory)
+        self.keep = keep
+        self.full_every = full_every
+        error = None
+        if comm.Get_rank() == 0:
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                probe = self.directory / f".write-test-{os.getpid()}"
+                probe.write_bytes(b"")
+                probe.unlink()
+            except OSError as exc:
+                error = UsageError(f"checkpoint.dir: cannot write to checkpoint directory {str(self.directory)!r}: "
+                                   f"{exc.strerror or exc}")
+        agree_on_error(comm, error)
+        error = None if self.directory.is_dir() else UsageError(
+            f"checkpoint.dir: {str(self.directory)!r} is not visible on rank {comm.Get_rank()}; use a shared file system")
+        agree_on_error(comm, error)
+        self.async_save = async_save and MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+        if async_save and not self.async_save and comm.Get_rank() == 0:
+            log.warning("MPI was initialised without MPI_THREAD_MULTIPLE: checkpoints are saved synchronously")
+        self._io_comm = comm.Dup()  # the writer's own: its collectives never mix with the caller's
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._previous: _Previous | None = None
+        self.last_timings: dict[str, float] = {}
+        """Seconds spent: blocking (in save), snapshot, hash, write, commit (after wait)."""
+
+    # -- saving --
+
+    def save(self, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+             rank_state: dict[str, Any]) -> Path:
+        """Collective: checkpoint ``tensors`` at ``step``; return the path it will have once committed.
+
+        Blocks until the previous save is done and this rank's share is copied
+        to host memory; with ``async_save`` the rest runs in the background
+        (``wait()`` to finish it).  Tensors must be equal on every rank (data
+        parallel): each rank writes only its share.  ``meta`` (JSON-able, equal on
+        all ranks) gets ``meta["checkpoint"]`` added: step, wall time, world
+        size, kind and library versions.  ``rank_state`` (JSON-able) is
+        per rank.  JSON turns tuples into lists and keys into strings.
+        """
+        self._check_open()
+        t0 = time.perf_counter()
+        self.wait()
+        comm, rank, size = self.comm, self.comm.Get_rank(), self.comm.Get_size()
+        created = comm.bcast(time.time(), root=0)
+        specs: list[TensorSpec] = []
+        with shared_errors(comm):
+            if not isinstance(step, int) or step < 0:
+                raise ValueError(f"step must be an integer >= 0, got {step!r}")
+            for name, tensor in tensors.items():
+                if not isinstance(tensor, torch.Tensor):
+                    raise ValueError(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+                specs.append(make_spec(name, dtype_name(tensor), tuple(tensor.shape)))
+            check_names_nest([s.name for s in specs])
+            spec_digest = sha256_hex(_dumps([s.to_json() for s in specs], "tensors"))
+            previous = self._previous
+            incremental = (previous is not None and previous.spec_digest == spec_digest
+                           and step > previous.info.step and previous.saves_since_full + 1 < self.full_every)
+            kind = "incremental" if incremental else "full"
+            full_meta = dict(meta)
+            full_meta["checkpoint"] = {"step": step, "wall_time_unix": created, "world_size": size, "kind": kind,
+                                       "versions": _versions()}
+            meta_bytes = _dumps(full_meta, "meta")
+            rank_bytes = _dumps(rank_state, "rank_state")
+        digests = comm.allgather((step, spec_digest, sha256_hex(meta_bytes)))
+        if len(set(digests)) > 1:
+            odd = [r for r, d in enumerate(digests) if d != digests[0]]
+            raise ValueError(f"checkpoint save: ranks {odd} pass a different step, tensor list or meta than rank 0")
+        plan = previous.plan if incremental else plan_ownership(specs, size)
+        t1 = time.perf_counter()
+        with shared_errors(comm):
+            arrays = {i: self._snapshot(tensors[specs[i].name], specs[i], piece.block_lo, piece.block_hi)
+                      for i, piece in plan.owned(rank)}
+        job = SaveJob(directory=self.directory, step=step, kind=kind, uid=comm.bcast(uuid.uuid4().hex, root=0),
+                      created_unix=created, specs=specs, plan=plan, arrays=arrays, meta_bytes=meta_bytes,
+                      rank_state_bytes=rank_bytes, keep=self.keep)
+        if incremental:
+            job.parent, job.base, job.prev_hashes = previous.info, previous.base, previous.hashes
+        since_full = previous.saves_since_full + 1 if incremental else 0
+        self.last_timings = {"snapshot_s": time.perf_counter() - t1}
+        if self.async_save:
+            self._thread = threading.Thread(target=self._write_in_background, args=(job, spec_digest, since_full),
+                                            name="hpcnet-checkpoint", daemon=True)
+            self._thread.start()
+            self.last_timings["blocking_s"] = time.perf_counter() - t0
+        else:
+            self._write(job, spec_digest, since_full)
+            self.last_timings["blocking_s"] = time.perf_counter() - t0
+        return job.path
+
+    @staticmethod
+    def _snapshot(tensor: torch.Tensor, spec: TensorSpec, block_lo: int, block_hi: int) -> np.ndarray:
+        """A private host copy of this rank's rows, in the storage dtype."""
+        source = tensor.detach()
+        if spec.shape:
+            lo, hi = spec.block_range_rows(block_lo, block_hi)
+            source = source[lo:hi]
+        host = torch.empty(source.shape, dtype=source.dtype, device="cpu")
+        host.copy_(source)
+        return to_storage(host)
+
+    def _write(self, job: SaveJob, spec_digest: str, since_full: int) -> None:
+        self._previous = None  # a failed save must not become the base of an increment
+        result = write_checkpoint(self._io_comm, job)
+        base = result.info if job.kind == "full" else job.base
+        assert base is not None
+        self._previous = _Previous(result.info, base, spec_digest, job.plan, result.hashes, since_full)
+        self.last_timings.update(result.timings)
+        self.last_timings["bytes"] = result.bytes_written
+
+    def _write_in_background(self, job: SaveJob, spec_digest: str, since_full: int) -> None:
+        try:
+            self._write(job, spec_digest, since_full)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on every rank by wait()
+            self._error = exc
+
+    def wait(self) -> None:
+        """Collective: finish the save in flight; re-raise its error on every rank."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        agree_on_error(self.comm, error)
+
+    # -- listing and loading --
+
+    def committed(self) -> list[CheckpointInfo]:
+        """Collective: the committed checkpoints, oldest first (unreadable ones with kind 'unreadable')."""
+        self._check_open()
+        infos = None
+        with shared_errors(self.comm):
+            if self.comm.Get_rank() == 0:
+                infos = scan(self.directory)[0]
+        return self.comm.bcast(infos, root=0)
+
+    def load(self, which: str = "auto") -> Loaded | None:
+        """Collective: load a checkpoint; see ``load_checkpoint``.
+
+        Returns None when ``which='auto'`` finds nothing.  ``Loaded.rank_state``
+        is None on ranks beyond the saved world size: seed those afresh.  The
+        next save after a load is a full checkpoint.
+        """
+        self._check_open()
+        self.wait()
+        return load_checkpoint(self.comm, which, self.directory)
+
+    def close(self) -> None:
+        """Collective: finish the save in flight and free the writer's communicator (idempotent)."""
+        if self._io_comm is None:
+            return
+        try:
+            self.wait()
+        finally:
+            self._io_comm.Free()
+            self._io_comm = None
+
+    def _check_open(self) -> None:
+        if self._io_comm is None:
+            raise RuntimeError("the CheckpointManager is closed")
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+

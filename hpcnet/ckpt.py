@@ -1,0 +1,165 @@
+"""Inspect, verify and export hpcnet checkpoints from the command line (one process, no mpirun).
+
+    python -m hpcnet.ckpt list    DIR_OR_FILE    committed checkpoints: step, kind, base, size
+    python -m hpcnet.ckpt inspect DIR_OR_FILE    one checkpoint (the newest in a directory): attributes, meta, tensors
+    python -m hpcnet.ckpt verify  DIR_OR_FILE    read and check every checksum of each checkpoint's chain
+    python -m hpcnet.ckpt export  DIR_OR_FILE [-o OUT]
+                                                 the model's state_dict as a plain torch file:
+                                                 torch.load(OUT, weights_only=True) reads it without hpcnet or MPI
+
+Exit status: 0 fine, 1 a checkpoint failed verification, 2 a bad path or argument.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from hpcnet.errors import ExitCode, UsageError
+
+
+def _targets(path: Path) -> list[Path]:
+    from hpcnet.ckpt_io import scan
+
+    if path.is_dir():
+        return [Path(i.path) for i in scan(path)[0]]
+    if path.exists():
+        return [path]
+    raise UsageError(f"{str(path)!r} does not exist")
+
+
+def cmd_list(path: Path, out: Any) -> int:
+    from hpcnet.ckpt_io import read_info, scan
+
+    infos, stale = scan(path) if path.is_dir() else ([read_info(path)], []) if path.exists() else (None, None)
+    if infos is None:
+        raise UsageError(f"{str(path)!r} does not exist")
+    print(f"{'step':>10}  {'kind':<11}  {'MB':>9}  {'ranks':>5}  {'file':<20}  base / problem", file=out)
+    for info in infos:
+        size_mb = os.path.getsize(info.path) / 1e6
+        note = info.error if info.error else (info.base or "")
+        print(f"{info.step:>10}  {info.kind:<11}  {size_mb:>9.2f}  {info.world_size:>5}  {info.name:<20}  {note}",
+              file=out)
+    for tmp in stale:
+        print(f"{'':>10}  {'uncommitted':<11}  {os.path.getsize(tmp) / 1e6:>9.2f}  {'':>5}  {tmp.name}  "
+              "(a save that did not finish; never loaded)", file=out)
+    if not infos and not stale:
+        print(f"(no checkpoints in {path})", file=out)
+    return 0
+
+
+def cmd_inspect(path: Path, out: Any) -> int:
+    from hpcnet.ckpt_format import resolve_chain
+    from hpcnet.ckpt_io import open_read, read_header, read_json, scan
+
+    targets = _targets(path)
+    if not targets:
+        raise UsageError(f"no checkpoints in {str(path)!r}")
+    target = targets[-1]
+    try:
+        with open_read(target) as f:
+            attrs, index = read_header(f, target)
+            meta = read_json(f, "meta", attrs["meta_sha256"])
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{str(target)!r} is not a readable hpcnet checkpoint: {exc}") from None
+    print(f"file: {target}  ({os.path.getsize(target) / 1e6:.2f} MB)", file=out)
+    for key, value in attrs.items():
+        print(f"  {key}: {value}", file=out)
+    infos = scan(target.parent)[0]
+    info = next((i for i in infos if Path(i.path) == target), None)
+    if info is not None:
+        try:
+            print("chain: " + " -> ".join(i.name for i in resolve_chain(infos, info)), file=out)
+        except ValueError as exc:
+            print(f"chain: BROKEN ({exc})", file=out)
+    print("meta['checkpoint']: " + json.dumps(meta.get("checkpoint"), sort_keys=True), file=out)
+    print("meta keys: " + ", ".join(sorted(meta)), file=out)
+    stored = "changed blocks" if attrs["kind"] == "incremental" else "blocks"
+    print(f"tensors ({len(index)}):", file=out)
+    total = 0
+    for entry in index:
+        spec = entry["spec"]
+        total += spec.nbytes
+        print(f"  {spec.name:<48} {spec.dtype:<9} {str(list(spec.shape)):<18} {spec.nbytes / 1e6:>10.3f} MB  "
+              f"{entry['n_hashes']}/{spec.n_blocks} {stored}", file=out)
+    print(f"logical size: {total / 1e6:.2f} MB", file=out)
+    return 0
+
+
+def cmd_verify(path: Path, out: Any) -> int:
+    from mpi4py import MPI
+
+    from hpcnet.checkpoint import load_checkpoint
+
+    targets = _targets(path)
+    if not targets:
+        raise UsageError(f"no checkpoints in {str(path)!r}")
+    failed = 0
+    for target in targets:
+        try:
+            loaded = load_checkpoint(MPI.COMM_SELF, str(target))
+        except UsageError as exc:
+            failed += 1
+            print(f"FAILED {target.name}: {exc}", file=out)
+        else:
+            assert loaded is not None
+            size = sum(t.numel() * t.element_size() for t in loaded.tensors.values())
+            print(f"ok     {target.name}: step {loaded.step}, {len(loaded.tensors)} tensors, {size / 1e6:.2f} MB",
+                  file=out)
+    return 1 if failed else 0
+
+
+def cmd_export(path: Path, output: str | None, out: Any) -> int:
+    import torch
+    from mpi4py import MPI
+
+    from hpcnet.checkpoint import load_checkpoint
+
+    loaded = load_checkpoint(MPI.COMM_SELF, str(path))
+    assert loaded is not None
+    state = {k.removeprefix("model/"): v.clone() for k, v in loaded.tensors.items() if k.startswith("model/")}
+    if not state:
+        raise UsageError(f"{str(loaded.path)!r} holds no model/ tensors")
+    target = Path(output) if output else Path(loaded.path.stem + ".pt")
+    tmp = target.with_name(target.name + ".tmp")
+    try:
+        with open(tmp, "wb") as handle:
+            torch.save(state, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except OSError as exc:
+        raise UsageError(f"cannot write {str(target)!r}: {exc.strerror or exc}") from None
+    print(f"wrote {target}: state_dict of {len(state)} tensors from {loaded.path} (step {loaded.step}); "
+          f"read it with torch.load({str(target)!r}, weights_only=True)", file=out)
+    return 0
+
+
+def main(argv: list[str] | None = None, out: Any = None) -> int:
+    out = out or sys.stdout
+    parser = argparse.ArgumentParser(prog="python -m hpcnet.ckpt", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("list", "inspect", "verify", "export"):
+        p = sub.add_parser(name)
+        p.add_argument("path", help="a checkpoint directory or file")
+        if name == "export":
+            p.add_argument("-o", "--output", help="output file (default: <checkpoint name>.pt here)")
+    args = parser.parse_args(argv)
+    path = Path(args.path)
+    try:
+        if args.command == "list":
+            return cmd_list(path, out)
+        if args.command == "inspect":
+            return cmd_inspect(path, out)
+        if args.command == "verify":
+            return cmd_verify(path, out)
+        return cmd_export(path, args.output, out)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return int(ExitCode.USAGE_ERROR)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,355 @@
+"""The checkpoint file format as pure logic: names, dtypes, blocks, ownership, chains.
+
+Nothing here communicates or touches HDF5; ``hpcnet.checkpoint`` does.  The
+layout of one checkpoint file (``ckpt-<step>.h5``)::
+
+    /                      attrs: format, format_version, kind ('full' | 'incremental'),
+                           step, uid, parent, parent_uid, base, base_uid, world_size,
+                           hash, created_unix, index_sha256, meta_sha256
+    /index                 uint8: JSON list of tensors (name, dtype, shape, block_rows,
+                           hash_offset, n_hashes): the source of truth for the datasets
+    /meta                  uint8: JSON of the caller's meta plus meta["checkpoint"]
+    /hashes                uint64: sha256 (first 8 bytes, little-endian) of every block,
+                           tensor after tensor (incremental: of the changed blocks only)
+    /blocks                int64, incremental only: the changed block numbers, aligned with /hashes
+    /rank_state            uint8 (world_size, width): rank r's JSON in row r, padded with spaces
+    /rank_state_hashes     uint64 (world_size,): hash of each row
+    /tensors/<name>        full: the logical shape; incremental: the changed rows, packed
+                           (block after block); absent when nothing changed
+
+A *block* is ``block_rows`` consecutive rows (first-dimension slices) of a
+tensor, at least ``BLOCK_BYTES``: the unit of hashing, of change detection and
+of ownership.
+"""
+
+import hashlib
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+FORMAT = "hpcnet.checkpoint"
+FORMAT_VERSION = 1
+HASH_NAME = "sha256-64"
+BLOCK_BYTES = 1024
+"""Smallest block.  Sparse updates touch whole rows at random (an embedding
+lookup), so a block of one row is what makes an increment small; rows shorter
+than this are grouped, because below ~1 KiB the per-block cost (a hash call of
+~1 us, 16 bytes of hash and index) stops being small against the data."""
+SPLIT_MIN_BYTES = 256 << 10
+"""Tensors this large are split by blocks across all ranks and written
+collectively; smaller ones are written whole by one rank each, independently,
+so a model of many small tensors makes no flood of tiny collective writes.
+Whole tensors can unbalance the ranks by at most the largest of them, so the
+cut is low enough to keep that a few percent of a typical model."""
+WRITE_PIECE_BYTES = 64 << 20
+"""Largest piece one rank passes to one h5py write call: h5py holds its global
+lock for a whole call, and other threads (the data loader) must get a turn."""
+MAX_NAME_CHARS = 1024
+MAX_JSON_BYTES = 256 << 20
+
+CKPT_NAME_RE = re.compile(r"^ckpt-(\d{10,19})\.h5$")
+TMP_SUFFIX = ".tmp"
+LATEST_NAME = "latest"
+_COMPONENT_RE = re.compile(r"^[A-Za-z0-9_.:+\-]+$")
+UID_RE = re.compile(r"^[0-9a-f]{32}$")
+
+# torch dtype name -> (numpy storage dtype, raw).  ``raw`` dtypes have no HDF5
+# equivalent: the dataset holds their bits and an attribute ``dtype`` says what they are.
+DTYPES: dict[str, tuple[str, bool]] = {
+    "float64": ("<f8", False), "float32": ("<f4", False), "float16": ("<f2", False),
+    "bfloat16": ("<u2", True),
+    "int64": ("<i8", False), "int32": ("<i4", False), "int16": ("<i2", False), "int8": ("|i1", False),
+    "uint64": ("<u8", False), "uint32": ("<u4", False), "uint16": ("<u2", False), "uint8": ("|u1", False),
+    "bool": ("|u1", True),
+    "float8_e4m3fn": ("|u1", True), "float8_e5m2": ("|u1", True),
+}
+
+
+def checkpoint_name(step: int) -> str:
+    """The committed file name of the checkpoint of ``step``."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"ckpt-{step:010d}.h5"
+
+
+def check_tensor_name(name: str) -> None:
+    """Raise ValueError unless ``name`` can be an HDF5 path below /tensors."""
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS:
+        raise ValueError(f"tensor name {name!r} must be a string of 1 to {MAX_NAME_CHARS} characters")
+    for part in name.split("/"):
+        if part in (".", "..") or not _COMPONENT_RE.match(part):
+            raise ValueError(f"tensor name {name!r}: each '/'-separated part must match [A-Za-z0-9_.:+-]+ "
+                             "and not be '.' or '..'")
+
+
+def check_names_nest(names: list[str]) -> None:
+    """Raise ValueError if a name is also a group of another (``a/b`` and ``a/b/c``) or repeats."""
+    seen = set(names)
+    if len(seen) != len(names):
+        raise ValueError("tensor names repeat")
+    for name in names:
+        parts = name.split("/")
+        for i in range(1, len(parts)):
+            if "/".join(parts[:i]) in seen:
+                raise ValueError(f"tensor name {'/'.join(parts[:i])!r} is also a group in {name!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """What is known of one tensor before its data: name, dtype, logical shape, blocks."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    block_rows: int
+
+    @property
+    def storage(self) -> np.dtype:
+        return np.dtype(DTYPES[self.dtype][0])
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return self.shape[1:]
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.row_shape) * self.storage.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    @property
+    def n_blocks(self) -> int:
+        return -(-self.rows // self.block_rows) if self.nbytes else 0
+
+    def block_range_rows(self, block_lo: int, block_hi: int) -> tuple[int, int]:
+        """Rows ``[lo, hi)`` covered by blocks ``[block_lo, block_hi)``."""
+        return block_lo * self.block_rows, min(block_hi * self.block_rows, self.rows)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "block_rows": self.block_rows}
+
+
+def make_spec(name: str, dtype: str, shape: tuple[int, ...]) -> TensorSpec:
+    """The spec of a tensor about to be saved; blocks of at least ``BLOCK_BYTES``."""
+    check_tensor_name(name)
+    if dtype not in DTYPES:
+        raise ValueError(f"tensor {name!r}: dtype {dtype} is not supported in checkpoints "
+                         f"(supported: {', '.join(DTYPES)})")
+    row_bytes = math.prod(shape[1:]) * np.dtype(DTYPES[dtype][0]).itemsize
+    block_rows = max(1, -(-BLOCK_BYTES // row_bytes)) if row_bytes else 1
+    return TensorSpec(name, dtype, tuple(int(s) for s in shape), block_rows)
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Blocks ``[block_lo, block_hi)`` of one tensor, owned (written, read) by ``rank``."""
+
+    rank: int
+    block_lo: int
+    block_hi: int
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Who owns what: per tensor, its pieces in rank order."""
+
+    world_size: int
+    pieces: tuple[tuple[Piece, ...], ...]
+    split: tuple[bool, ...]
+    """Per tensor: split across every rank (each owns at least one block) and written collectively."""
+    rank_bytes: tuple[int, ...]
+
+    def owned(self, rank: int) -> list[tuple[int, Piece]]:
+        """``(tensor index, piece)`` of every piece ``rank`` owns, in tensor order."""
+        return [(i, p) for i, pieces in enumerate(self.pieces) for p in pieces if p.rank == rank]
+
+
+def plan_ownership(specs: list[TensorSpec], world_size: int, *, split_min_bytes: int = SPLIT_MIN_BYTES) -> Plan:
+    """Assign every block of every tensor to exactly one rank, about 1/N of the bytes each (pure).
+
+    Tensors of at least ``split_min_bytes`` with at least ``world_size`` blocks
+    are cut into ``world_size`` contiguous block ranges, one per rank in rank
+    order.  The others go whole to the least-loaded rank, largest first.
+    Deterministic: equal inputs give equal plans on every rank.
+    """
+    if world_size < 1:
+        raise ValueError("world_size must be at least 1")
+    loads = [0] * world_size
+    pieces: list[tuple[Piece, ...]] = [()] * len(specs)
+    split = [False] * len(specs)
+    whole = []
+    for i, spec in enumerate(specs):
+        n = spec.n_blocks
+        if n == 0:
+            continue
+        if spec.nbytes >= split_min_bytes and n >= world_size:
+            cuts = [r * n // world_size for r in range(world_size + 1)]
+            pieces[i] = tuple(Piece(r, cuts[r], cuts[r + 1]) for r in range(world_size))
+            split[i] = True
+            for r in range(world_size):
+                lo, hi = spec.block_range_rows(cuts[r], cuts[r + 1])
+                loads[r] += (hi - lo) * spec.row_bytes
+        else:
+            whole.append(i)
+    for i in sorted(whole, key=lambda i: (-specs[i].nbytes, specs[i].name)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        pieces[i] = (Piece(rank, 0, specs[i].n_blocks),)
+        loads[rank] += specs[i].nbytes
+    return Plan(world_size, tuple(pieces), tuple(split), tuple(loads))
+
+
+def write_pieces(rows_per_rank: list[int], piece_rows_max: int) -> int:
+    """How many collective calls split a tensor whose ranks own ``rows_per_rank`` rows (pure).
+
+    Every rank must pass a non-empty selection to every call, so never more
+    calls than the smallest share has rows.
+    """
+    wanted = max(1, -(-max(rows_per_rank) // max(1, piece_rows_max)))
+    return max(1, min(wanted, min(rows_per_rank)))
+
+
+def block_hashes(data: np.ndarray, block_bytes: int) -> np.ndarray:
+    """sha256 of each ``block_bytes`` slice of ``data``'s bytes (the last may be short), as uint64.
+
+    hashlib releases the GIL on slices of 2 KiB and more, so other threads run meanwhile.
+    """
+    view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    n = -(-len(view) // block_bytes)
+    digests = b"".join(hashlib.sha256(view[i * block_bytes:(i + 1) * block_bytes]).digest()[:8] for i in range(n))
+    return np.frombuffer(digests, dtype="<u8").copy()
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# --- the index ----------------------------------------------------------------
+
+def parse_index(text: Any, kind: str) -> list[dict[str, Any]]:
+    """Validate the decoded /index JSON of a ``kind`` checkpoint; raise ValueError naming the fault."""
+    if not isinstance(text, list):
+        raise ValueError("/index is not a list")
+    entries = []
+    names = []
+    expect_offset = 0
+    for n, entry in enumerate(text):
+        if not isinstance(entry, dict) or set(entry) != {"name", "dtype", "shape", "block_rows", "hash_offset",
+                                                          "n_hashes"}:
+            raise ValueError(f"/index entry {n} has unexpected keys")
+        name, dtype, shape = entry["name"], entry["dtype"], entry["shape"]
+        check_tensor_name(name)
+        if dtype not in DTYPES:
+            raise ValueError(f"/index entry {name!r}: unknown dtype {dtype!r}")
+        if (not isinstance(shape, list) or len(shape) > 32
+                or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**48 for s in shape)):
+            raise ValueError(f"/index entry {name!r}: bad shape {shape!r}")
+        for key in ("block_rows", "hash_offset", "n_hashes"):
+            value = entry[key]
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**48:
+                raise ValueError(f"/index entry {name!r}: bad {key} {value!r}")
+        spec = TensorSpec(name, dtype, tuple(shape), entry["block_rows"])
+        if spec.block_rows < 1 or spec.nbytes >= 2**50:
+            raise ValueError(f"/index entry {name!r}: bad block_rows or size")
+        if entry["hash_offset"] != expect_offset or entry["n_hashes"] > spec.n_blocks or (
+                kind == "full" and entry["n_hashes"] != spec.n_blocks):
+            raise ValueError(f"/index entry {name!r}: hash_offset/n_hashes do not fit the blocks")
+        expect_offset += entry["n_hashes"]
+        names.append(name)
+        entries.append({"spec": spec, "hash_offset": entry["hash_offset"], "n_hashes": entry["n_hashes"]})
+    check_names_nest(names)
+    return entries
+
+
+def packed_rows(spec: TensorSpec, blocks: np.ndarray) -> int:
+    """Rows of the packed dataset holding ``blocks`` (sorted) of ``spec`` in an increment."""
+    if len(blocks) == 0:
+        return 0
+    last = int(blocks[-1])
+    lo, hi = spec.block_range_rows(last, last + 1)
+    return (len(blocks) - 1) * spec.block_rows + (hi - lo)
+
+
+# --- checkpoints on disk: chains and retention -------------------------------
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """One committed checkpoint file, as listed from its root attributes."""
+
+    step: int
+    path: str
+    kind: str
+    """'full', 'incremental', or 'unreadable' (then ``error`` says why)."""
+    base: str | None = None
+    """File name of the full checkpoint an incremental builds on (None for a full one)."""
+    parent: str | None = None
+    """File name of the checkpoint an incremental is a difference to."""
+    uid: str = ""
+    parent_uid: str = ""
+    base_uid: str = ""
+    world_size: int = 0
+    error: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit("/", 1)[-1]
+
+
+def resolve_chain(infos: list[CheckpointInfo], target: CheckpointInfo) -> list[CheckpointInfo]:
+    """The files to read for ``target``: its full base first, then each increment (pure).
+
+    Raises ValueError naming the missing or replaced link.
+    """
+    by_name = {info.name: info for info in infos}
+    chain = [target]
+    seen = {target.name}
+    while chain[-1].kind == "incremental":
+        child = chain[-1]
+        parent = by_name.get(child.parent or "")
+        if parent is None or parent.kind == "unreadable":
+            why = "is missing" if parent is None else f"is unreadable ({parent.error})"
+            raise ValueError(f"{child.name} builds on {child.parent}, which {why}")
+        if parent.uid != child.parent_uid:
+            raise ValueError(f"{child.name} builds on {child.parent}, but that file was replaced by another save")
+        if parent.name in seen or len(chain) > 100_000:
+            raise ValueError(f"{child.name}: the chain of increments loops")
+        seen.add(parent.name)
+        chain.append(parent)
+    if target.kind == "incremental" and (chain[-1].name != target.base or chain[-1].uid != target.base_uid):
+        raise ValueError(f"{target.name}: its chain ends at {chain[-1].name}, not at its base {target.base}")
+    if chain[-1].kind != "full":
+        raise ValueError(f"{target.name}: cannot be read ({chain[-1].error})")
+    return chain[::-1]
+
+
+def plan_retention(infos: list[CheckpointInfo], keep: int) -> list[CheckpointInfo]:
+    """The checkpoints to delete so that the newest ``keep`` full ones and their increments stay (pure).
+
+    ``infos`` oldest first.  Only readable checkpoints older than the oldest
+    kept full one are candidates, and none that a kept increment builds on
+    (through any number of links) is deleted, even after a rollback mixed chains.
+    """
+    if keep < 1:
+        raise ValueError("keep must be at least 1")
+    fulls = [i for i in infos if i.kind == "full"]
+    if len(fulls) <= keep:
+        return []
+    oldest_kept = fulls[-keep]
+    doomed = {i.name for i in infos if i.kind != "unreadable" and i.step < oldest_kept.step}
+    by_name = {i.name: i for i in infos}
+    for info in infos:
+        if info.name in doomed:
+            continue
+        link = info
+        while link.kind == "incremental" and link.parent in by_name:
+            link = by_name[link.parent]
+            doomed.discard(link.name)
+    return [i for i in infos if i.name in doomed]

@@ -1,0 +1,679 @@
+"""Checkpoint files on disk: the collective parallel-HDF5 write, the verified read, listing.
+
+Writing follows the parallel-HDF5 rules: every rank creates every dataset and
+attribute with the same arguments; collective writes only where every rank has
+at least one row to write (tensors split across all ranks, the per-rank RNG
+table); everything else is written independently by its one owner.  A failed
+write does not make a rank leave the sequence of collective calls early: errors
+are collected and shared at the end of each phase, so a failure is an error on
+every rank, never a hang.
+
+Reading opens committed files with serial h5py (no MPI-IO, no collective, so
+nothing can hang), each rank reads and verifies the blocks it owns under a plan
+for the *current* world size, and the ranks then exchange the pieces, so every
+rank ends with the full logical tensors.
+"""
+
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hpcnet.ckpt_format import (CKPT_NAME_RE, DTYPES, FORMAT, FORMAT_VERSION, HASH_NAME, LATEST_NAME,
+                                MAX_JSON_BYTES, TMP_SUFFIX, UID_RE, WRITE_PIECE_BYTES, CheckpointInfo, Plan,
+                                TensorSpec, block_hashes, packed_rows, parse_index, plan_ownership,
+                                plan_retention, sha256_hex, write_pieces)
+from hpcnet.world import agree_on_error
+
+log = logging.getLogger("hpcnet.checkpoint")
+
+# torch dtypes numpy cannot hold: reinterpret their bits as an integer of the same width.
+_BITS_VIEW = {"bfloat16": (torch.int16, "<u2"), "bool": (torch.uint8, "|u1"),
+              "float8_e4m3fn": (torch.uint8, "|u1"), "float8_e5m2": (torch.uint8, "|u1")}
+
+
+class CheckpointCorrupt(RuntimeError):
+    """A checkpoint failed verification; raised on every rank alike. The message names file and dataset."""
+
+
+def dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def to_storage(host: torch.Tensor) -> np.ndarray:
+    """A numpy view, in the storage dtype, of a contiguous CPU tensor."""
+    name = dtype_name(host)
+    if name in _BITS_VIEW:
+        view_dtype, storage = _BITS_VIEW[name]
+        return host.view(view_dtype).numpy().view(storage)
+    return host.numpy().view(DTYPES[name][0])
+
+
+def from_storage(array: np.ndarray, dtype: str) -> torch.Tensor:
+    """The torch tensor (sharing memory) that ``array`` stores for ``dtype``."""
+    if dtype in _BITS_VIEW:
+        view_dtype, _ = _BITS_VIEW[dtype]
+        raw = array.view(np.int16 if view_dtype == torch.int16 else np.uint8)
+        return torch.from_numpy(raw).view(getattr(torch, dtype))
+    return torch.from_numpy(array.view(array.dtype.newbyteorder("=")))
+
+
+# --- writing -----------------------------------------------------------------
+
+@dataclass(slots=True)
+class SaveJob:
+    """One rank's part of one save, snapshotted to host memory: all the background writer needs."""
+
+    directory: Path
+    step: int
+    kind: str
+    uid: str
+    created_unix: float
+    specs: list[TensorSpec]
+    plan: Plan
+    arrays: dict[int, np.ndarray]
+    """Tensor index -> this rank's rows of it (storage dtype), for every piece this rank owns."""
+    meta_bytes: bytes
+    rank_state_bytes: bytes
+    keep: int
+    parent: CheckpointInfo | None = None
+    base: CheckpointInfo | None = None
+    prev_hashes: dict[int, np.ndarray] | None = None
+
+    @property
+    def path(self) -> Path:
+        return self.directory / f"ckpt-{self.step:010d}.h5"
+
+
+@dataclass(slots=True)
+class SaveResult:
+    info: CheckpointInfo
+    hashes: dict[int, np.ndarray]
+    timings: dict[str, float] = field(default_factory=dict)
+    bytes_written: int = 0
+
+
+def _gather_to_root(comm: Any, local: np.ndarray, counts: np.ndarray) -> np.ndarray | None:
+    """Gatherv of uint64/int64 arrays whose per-rank sizes every rank knows; rank 0 gets the concatenation."""
+    from mpi4py import MPI
+
+    local = np.ascontiguousarray(local, dtype="<u8")
+    if comm.Get_rank() != 0:
+        comm.Gatherv(local, None, root=0)
+        return None
+    out = np.empty(int(counts.sum()), dtype="<u8")
+    displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    comm.Gatherv(local, [out, counts.tolist(), displs.tolist(), MPI.UINT64_T], root=0)
+    return out
+
+
+def _tensor_major(flat: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Reorder rank-major per-(rank, tensor) runs of ``flat`` (counts[rank, tensor]) tensor-major."""
+    ends = np.cumsum(counts.reshape(-1))
+    starts = ends - counts.reshape(-1)
+    size, n = counts.shape
+    runs = [flat[starts[r * n + i]:ends[r * n + i]] for i in range(n) for r in range(size)]
+    return np.concatenate(runs) if runs else flat[:0]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_latest(directory: Path, name: str) -> None:
+    """Point ``latest`` at ``name`` atomically (for people and scripts; loading scans the directory)."""
+    tmp = directory / (LATEST_NAME + TMP_SUFFIX)
+    with open(tmp, "w") as handle:
+        handle.write(name + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, directory / LATEST_NAME)
+    _fsync_dir(directory)
+
+
+def _rows_of_blocks(spec: TensorSpec, blocks: np.ndarray, first_block: int) -> np.ndarray:
+    """Row numbers, relative to block ``first_block``, of the rows of (relative) ``blocks``."""
+    rows = (blocks[:, None] * spec.block_rows + np.arange(spec.block_rows)[None, :]).reshape(-1)
+    return rows[rows < spec.rows - first_block * spec.block_rows]
+
+
+@dataclass(slots=True)
+class _Layout:
+    """What every rank must agree on before creating the file (sizes), and rank 0's tables."""
+
+    counts: np.ndarray
+    """[rank, tensor, 0]: hashes (blocks) rank writes; [rank, tensor, 1]: rows it writes."""
+    index_bytes: bytes
+    hashes: np.ndarray | None
+    blocks: np.ndarray | None
+    rank_width: int
+    rank_hashes: list[int] | None
+
+
+def _hash_snapshot(comm: Any, job: SaveJob) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+    """Hash this rank's blocks; for an increment also find the changed ones (collective for errors)."""
+    hashes: dict[int, np.ndarray] = {}
+    changed: dict[int, np.ndarray] = {}
+    error: BaseException | None = None
+    try:
+        for i, array in job.arrays.items():
+            spec = job.specs[i]
+            hashes[i] = block_hashes(array, spec.block_rows * spec.row_bytes)
+            if job.kind == "incremental":
+                previous = job.prev_hashes[i]  # type: ignore[index]
+                changed[i] = np.flatnonzero(hashes[i] != previous)
+    except Exception as exc:  # noqa: BLE001 - shared below
+        error = exc
+    agree_on_error(comm, error)
+    return hashes, changed
+
+
+def _exchange_layout(comm: Any, job: SaveJob, hashes: dict[int, np.ndarray],
+                     changed: dict[int, np.ndarray]) -> _Layout:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    incremental = job.kind == "incremental"
+    owned = job.plan.owned(rank)
+    local = np.zeros((len(job.specs), 2), dtype=np.int64)
+    for i, piece in owned:
+        spec = job.specs[i]
+        if incremental:
+            local[i] = len(changed[i]), len(_rows_of_blocks(spec, changed[i], piece.block_lo))
+        else:
+            lo, hi = spec.block_range_rows(piece.block_lo, piece.block_hi)
+            local[i] = piece.block_hi - piece.block_lo, hi - lo
+    counts = np.empty((size, len(job.specs), 2), dtype=np.int64)
+    comm.Allgather(local, counts)
+    n_hashes = counts[:, :, 0].sum(axis=0)
+    offsets = np.concatenate([[0], np.cumsum(n_hashes)[:-1]]).astype(np.int64)
+    index = [dict(spec.to_json(), hash_offset=int(offsets[i]), n_hashes=int(n_hashes[i]))
+             for i, spec in enumerate(job.specs)]
+    per_rank = counts[:, :, 0].sum(axis=1)
+    mine = [hashes[i][changed[i]] if incremental else hashes[i] for i, _ in owned]
+    all_hashes = _gather_to_root(comm, np.concatenate(mine) if mine else np.zeros(0, "<u8"), per_rank)
+    all_blocks = None
+    if incremental:
+        numbers = [changed[i] + piece.block_lo for i, piece in owned]
+        all_blocks = _gather_to_root(comm, np.concatenate(numbers) if numbers else np.zeros(0, "<u8"), per_rank)
+    if rank == 0:
+        all_hashes = _tensor_major(all_hashes, counts[:, :, 0])
+        if all_blocks is not None:
+            all_blocks = _tensor_major(all_blocks, counts[:, :, 0]).view("<i8")
+    width = max(comm.allgather(len(job.rank_state_bytes)))
+    row = job.rank_state_bytes.ljust(width, b" ")
+    rank_hashes = comm.gather(int(block_hashes(np.frombuffer(row, np.uint8), width)[0]), root=0)
+    return _Layout(counts, json.dumps(index, separators=(",", ":")).encode(), all_hashes, all_blocks, width,
+                   rank_hashes)
+
+
+def _write_file(comm: Any, job: SaveJob, tmp: Path, layout: _Layout, changed: dict[int, np.ndarray],
+                attrs: dict[str, Any]) -> tuple[int, list[BaseException]]:
+    """Create and fill ``tmp`` (collective).  Errors are collected, never raised between collective calls."""
+    import h5py
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    incremental = job.kind == "incremental"
+    owned = job.plan.owned(rank)
+    counts = layout.counts
+    errors: list[BaseException] = []
+    written = 0
+    f = h5py.File(tmp, "w", driver="mpio", comm=comm)
+    try:
+        # Structure: the same calls with the same arguments on every rank.
+        for key, value in attrs.items():
+            f.attrs[key] = value
+        n_hashes = int(counts[:, :, 0].sum())
+        tables: dict[str, tuple[str, int, Any]] = {
+            "meta": ("u1", len(job.meta_bytes), np.frombuffer(job.meta_bytes, np.uint8)),
+            "index": ("u1", len(layout.index_bytes), np.frombuffer(layout.index_bytes, np.uint8)),
+            "hashes": ("<u8", n_hashes, layout.hashes),
+            "rank_state_hashes": ("<u8", size, np.array(layout.rank_hashes or [], dtype="<u8")),
+        }
+        if incremental:
+            tables["blocks"] = ("<i8", n_hashes, layout.blocks)
+        d_tables = {name: f.create_dataset(name, shape=(n,), dtype=dtype, fill_time="never")
+                    for name, (dtype, n, _) in tables.items()}
+        d_rank = f.create_dataset("rank_state", shape=(size, layout.rank_width), dtype="u1", fill_time="never")
+        d_tensors: dict[int, Any] = {}
+        for i, spec in enumerate(job.specs):
+            rows = int(counts[:, i, 1].sum())
+            if incremental and rows == 0:
+                continue  # nothing changed: no dataset
+            shape = (rows, *spec.row_shape) if incremental else spec.shape
+            d_tensors[i] = f.create_dataset(f"tensors/{spec.name}", shape=shape, dtype=spec.storage,
+                                            fill_time="never")
+            if DTYPES[spec.dtype][1]:
+                d_tensors[i].attrs["dtype"] = spec.dtype
+        # Collective writes, where every rank has rows: split tensors of a full
+        # checkpoint, in pieces (h5py's lock is held for a whole call), and the rank table.
+        for i, spec in enumerate(job.specs):
+            if incremental or not job.plan.split[i]:
+                continue
+            rows_per_rank = counts[:, i, 1].tolist()
+            calls = write_pieces(rows_per_rank, WRITE_PIECE_BYTES // max(1, spec.row_bytes))
+            first = int(counts[:rank, i, 1].sum())
+            array, d = job.arrays[i], d_tensors[i]
+            n = len(array)
+            for c in range(calls):
+                a, b = c * n // calls, (c + 1) * n // calls
+                try:
+                    with d.collective:
+                        d[first + a:first + b] = array[a:b]
+                    written += array[a:b].nbytes
+                except Exception as exc:  # noqa: BLE001 - keep taking part in the calls; shared later
+                    errors.append(exc)
+        try:
+            with d_rank.collective:
+                d_rank[rank:rank + 1] = np.frombuffer(job.rank_state_bytes.ljust(layout.rank_width, b" "),
+                                                      np.uint8)[None, :]
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+        # Independent writes: whole small tensors, packed increments, rank 0's tables.
+        for i, piece in owned:
+            spec = job.specs[i]
+            if (incremental and counts[rank, i, 1] == 0) or (not incremental and job.plan.split[i]):
+                continue
+            array, d = job.arrays[i], d_tensors[i]
+            try:
+                if incremental:
+                    data = array[_rows_of_blocks(spec, changed[i], piece.block_lo)] if spec.shape else array[None]
+                    first = int(counts[:rank, i, 1].sum())
+                    d[first:first + len(data)] = data
+                else:
+                    data = array
+                    d[()] = data
+                written += data.nbytes
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+        if rank == 0:
+            for name, (_, n, data) in tables.items():
+                try:
+                    if n:
+                        d_tables[name][...] = data
+                except Exception as exc:  # noqa: BLE001
+                    errors.append(exc)
+    finally:
+        try:
+            f.close()
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+    try:
+        fd = os.open(tmp, os.O_RDONLY)  # each rank flushes its own writes (it matters on parallel file systems)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        errors.append(exc)
+    return written, errors
+
+
+def write_checkpoint(comm: Any, job: SaveJob) -> SaveResult:
+    """Collective over ``comm``: hash, write, fsync, commit and prune one checkpoint.
+
+    Any failure raises on every rank (agreed), and the temporary file is removed.
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    incremental = job.kind == "incremental"
+    t0 = time.perf_counter()
+    hashes, changed = _hash_snapshot(comm, job)
+    t1 = time.perf_counter()
+    layout = _exchange_layout(comm, job, hashes, changed)
+    attrs = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "kind": job.kind, "step": job.step, "uid": job.uid,
+        "parent": job.parent.name if incremental else "", "parent_uid": job.parent.uid if incremental else "",
+        "base": job.base.name if incremental else "", "base_uid": job.base.uid if incremental else "",
+        "world_size": size, "hash": HASH_NAME, "created_unix": job.created_unix,
+        "index_sha256": sha256_hex(layout.index_bytes), "meta_sha256": sha256_hex(job.meta_bytes),
+    }
+    tmp = job.path.with_name(job.path.name + TMP_SUFFIX)
+    error: BaseException | None = None
+    if rank == 0:  # a plain create first: one clear error rather than MPI-IO errors on some ranks
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+        except OSError as exc:
+            error = OSError(f"cannot create checkpoint file {str(tmp)!r}: {exc.strerror or exc}")
+    agree_on_error(comm, error)
+    t2 = time.perf_counter()
+    written, errors = _write_file(comm, job, tmp, layout, changed, attrs)
+    error = OSError(f"writing checkpoint {str(tmp)!r} failed: {errors[0]}") if errors else None
+    try:
+        agree_on_error(comm, error)
+    except BaseException:
+        if rank == 0:
+            tmp.unlink(missing_ok=True)
+        raise
+    t3 = time.perf_counter()
+    if rank == 0:
+        try:
+            os.replace(tmp, job.path)
+            _fsync_dir(job.directory)
+            write_latest(job.directory, job.path.name)
+        except OSError as exc:
+            error = OSError(f"committing checkpoint {str(job.path)!r} failed: {exc.strerror or exc}")
+        else:
+            prune(job.directory, job.keep)
+    agree_on_error(comm, error)
+    info = CheckpointInfo(step=job.step, path=str(job.path), kind=job.kind, uid=job.uid,
+                          base=attrs["base"] or None, parent=attrs["parent"] or None, base_uid=attrs["base_uid"],
+                          parent_uid=attrs["parent_uid"], world_size=size)
+    timings = {"hash_s": t1 - t0, "layout_s": t2 - t1, "write_s": t3 - t2, "commit_s": time.perf_counter() - t3}
+    return SaveResult(info, hashes, timings, comm.allreduce(written))
+
+
+def prune(directory: Path, keep: int) -> list[str]:
+    """Delete what ``plan_retention`` says and stale temporary files (rank 0 only; never raises)."""
+    removed = []
+    infos, stale = scan(directory)
+    for item in [*plan_retention(infos, keep), *stale]:
+        path = Path(item.path) if isinstance(item, CheckpointInfo) else item
+        try:
+            path.unlink()
+            removed.append(path.name)
+        except OSError as exc:
+            log.warning("could not delete old checkpoint %s: %s", path, exc.strerror or exc)
+    if removed:
+        log.info("deleted %s", ", ".join(removed))
+    return removed
+
+
+# --- listing -----------------------------------------------------------------
+
+_ATTR_TYPES: dict[str, type] = {
+    "format": str, "format_version": int, "kind": str, "step": int, "uid": str, "parent": str,
+    "parent_uid": str, "base": str, "base_uid": str, "world_size": int, "hash": str,
+    "created_unix": float, "index_sha256": str, "meta_sha256": str,
+}
+
+
+def read_attrs(f: Any, path: Path) -> dict[str, Any]:
+    """The validated root attributes of an open checkpoint; ValueError names what is wrong."""
+    out: dict[str, Any] = {}
+    for key, kind in _ATTR_TYPES.items():
+        if key not in f.attrs:
+            raise ValueError(f"attribute {key!r} is missing (not an hpcnet checkpoint?)")
+        value = f.attrs[key]
+        if kind is str:
+            if not isinstance(value, str) or len(value) > 256:
+                raise ValueError(f"attribute {key!r} is not a short string")
+        elif kind is int:
+            if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+                raise ValueError(f"attribute {key!r} is not an integer")
+            value = int(value)
+        elif not isinstance(value, (float, np.floating)):
+            raise ValueError(f"attribute {key!r} is not a number")
+        out[key] = kind(value)
+    if out["format"] != FORMAT or out["format_version"] != FORMAT_VERSION:
+        raise ValueError(f"format {out['format']!r} version {out['format_version']} is not "
+                         f"{FORMAT!r} version {FORMAT_VERSION}")
+    if out["kind"] not in ("full", "incremental") or out["hash"] != HASH_NAME:
+        raise ValueError(f"unknown kind {out['kind']!r} or hash {out['hash']!r}")
+    if not 0 <= out["step"] < 10**19 or not 1 <= out["world_size"] <= 1 << 24 or not UID_RE.match(out["uid"]):
+        raise ValueError("step, world_size or uid out of range")
+    for key in ("parent", "base"):
+        if out["kind"] == "incremental" and not (CKPT_NAME_RE.match(out[key]) and UID_RE.match(out[key + "_uid"])):
+            raise ValueError(f"attribute {key!r} is not a checkpoint name")
+    if not all(len(out[k]) == 64 and all(c in "0123456789abcdef" for c in out[k])
+               for k in ("index_sha256", "meta_sha256")):
+        raise ValueError("index or meta checksum attribute malformed")
+    return out
+
+
+def open_read(path: Path) -> Any:
+    """Open a checkpoint with serial h5py, read-only, no file locks (committed files never change)."""
+    import h5py
+
+    return h5py.File(path, "r", locking=False)
+
+
+def read_info(path: Path) -> CheckpointInfo:
+    """The root attributes of one checkpoint file; ``kind='unreadable'`` with ``error`` if it fails."""
+    match = CKPT_NAME_RE.match(path.name)
+    step = int(match.group(1)) if match else -1
+    try:
+        with open_read(path) as f:
+            a = read_attrs(f, path)
+    except Exception as exc:  # noqa: BLE001 - an unreadable file is listed, not fatal
+        return CheckpointInfo(step=step, path=str(path), kind="unreadable", error=f"{type(exc).__name__}: {exc}")
+    return CheckpointInfo(step=a["step"], path=str(path), kind=a["kind"], base=a["base"] or None,
+                          parent=a["parent"] or None, uid=a["uid"], parent_uid=a["parent_uid"],
+                          base_uid=a["base_uid"], world_size=a["world_size"])
+
+
+def scan(directory: Path) -> tuple[list[CheckpointInfo], list[Path]]:
+    """Committed checkpoints in ``directory`` (oldest first) and uncommitted ``.tmp`` files."""
+    committed, stale = [], []
+    try:
+        entries = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return [], []
+    for entry in entries:
+        if CKPT_NAME_RE.match(entry):
+            committed.append(read_info(directory / entry))
+        elif entry.endswith(TMP_SUFFIX) and CKPT_NAME_RE.match(entry.removesuffix(TMP_SUFFIX)):
+            stale.append(directory / entry)
+    return sorted(committed, key=lambda i: (i.step, i.name)), stale
+
+
+# --- reading -----------------------------------------------------------------
+
+@dataclass(slots=True)
+class ReadResult:
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+    rank_state: dict[str, Any] | None
+    attrs: dict[str, Any]
+
+
+def _checked(f: Any, name: str, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+    """The dataset ``name``, if it is a plain one of this shape and dtype (no filters, no external files)."""
+    import h5py
+
+    d = f.get(name)
+    if not isinstance(d, h5py.Dataset):
+        raise ValueError("missing or not a dataset")
+    if d.shape != shape or d.dtype != dtype:
+        raise ValueError(f"has shape {d.shape} and dtype {d.dtype}, expected {shape} and {dtype}")
+    plist = d.id.get_create_plist()
+    # A filter would load a plugin library; external storage would read other files.
+    if d.is_virtual or plist.get_nfilters() or plist.get_external_count():
+        raise ValueError("uses filters, external or virtual storage, which hpcnet checkpoints never do")
+    return d
+
+
+def read_json(f: Any, name: str, digest: str, limit: int = MAX_JSON_BYTES) -> Any:
+    """Read a uint8 JSON dataset, check its sha256 against ``digest``, parse it with json.loads only."""
+    import h5py
+
+    d = f.get(name)
+    if not isinstance(d, h5py.Dataset) or d.ndim != 1 or d.dtype != np.uint8 or d.shape[0] > limit:
+        raise ValueError("missing, of the wrong type, or too large")
+    raw = _checked(f, name, d.shape, np.dtype(np.uint8))[()].tobytes()
+    if sha256_hex(raw) != digest:
+        raise ValueError("checksum mismatch")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"is not valid JSON ({type(exc).__name__})") from None
+
+
+def read_header(f: Any, path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Validated root attributes and index of an open checkpoint."""
+    attrs = read_attrs(f, path)
+    try:
+        index = parse_index(read_json(f, "index", attrs["index_sha256"]), attrs["kind"])
+    except ValueError as exc:
+        raise ValueError(f"dataset /index: {exc}") from None
+    return attrs, index
+
+
+def _verify(got: np.ndarray, want: np.ndarray, spec: TensorSpec, blocks: np.ndarray) -> None:
+    bad = np.flatnonzero(got != want)
+    if len(bad):
+        lo, hi = spec.block_range_rows(int(blocks[bad[0]]), int(blocks[bad[0]]) + 1)
+        raise ValueError(f"checksum mismatch in {len(bad)} block(s), first at rows {lo}-{hi - 1}")
+
+
+def _read_owned(f: Any, attrs: dict[str, Any], index: list[dict[str, Any]], owned: list, out: dict[int, np.ndarray],
+                file_hashes: np.ndarray, file_blocks: np.ndarray | None) -> None:
+    """Read (and verify) this rank's pieces from one file of a chain into ``out``."""
+    for i, piece in owned:
+        entry = index[i]
+        spec: TensorSpec = entry["spec"]
+        dataset = f"/tensors/{spec.name}"
+        try:
+            block_bytes = spec.block_rows * spec.row_bytes
+            hashes = file_hashes[entry["hash_offset"]:entry["hash_offset"] + entry["n_hashes"]]
+            target = out[i].reshape(spec.rows, *spec.row_shape)
+            if attrs["kind"] == "full":
+                d = _checked(f, dataset, spec.shape, spec.storage)
+                lo, hi = spec.block_range_rows(piece.block_lo, piece.block_hi)
+                if spec.shape:
+                    d.read_direct(target, np.s_[lo:hi], np.s_[lo:hi])
+                else:
+                    target[0] = d[()]
+                blocks = np.arange(piece.block_lo, piece.block_hi)
+                _verify(block_hashes(target[lo:hi], block_bytes), hashes[blocks], spec, blocks)
+                continue
+            if entry["n_hashes"] == 0:
+                continue
+            numbers = file_blocks[entry["hash_offset"]:entry["hash_offset"] + entry["n_hashes"]]
+            if np.any(numbers < 0) or np.any(numbers >= spec.n_blocks) or np.any(np.diff(numbers) <= 0):
+                raise ValueError("/blocks of this tensor are not increasing block numbers")
+            a, b = np.searchsorted(numbers, [piece.block_lo, piece.block_hi])
+            if a == b:
+                continue
+            d = _checked(f, dataset, (packed_rows(spec, numbers), *spec.row_shape), spec.storage)
+            mine = numbers[a:b]
+            packed = d[a * spec.block_rows:a * spec.block_rows + packed_rows(spec, mine)]
+            got = np.empty(len(mine), dtype="<u8")
+            for k, block in enumerate(mine):
+                lo, hi = spec.block_range_rows(int(block), int(block) + 1)
+                rows = packed[k * spec.block_rows:k * spec.block_rows + hi - lo]
+                got[k] = block_hashes(rows, block_bytes)[0]
+                target[lo:hi] = rows
+            _verify(got, hashes[a:b], spec, mine)
+        except Exception as exc:  # noqa: BLE001 - reported with file and dataset by the caller
+            raise ValueError(f"dataset {dataset}: {exc}") from None
+
+
+def _allgatherv_inplace(comm: Any, buffer: np.ndarray, counts: list[int], displs: list[int]) -> None:
+    """Allgatherv of byte ranges of ``buffer`` in place, in units large enough for MPI's int counts."""
+    from mpi4py import MPI
+
+    if comm.Get_size() == 1 or not any(counts):
+        return
+    unit = math.gcd(*counts, *displs) or 1
+    if max(max(counts), max(displs)) // unit >= 2**31:
+        raise ValueError("piece too large for one MPI call")
+    datatype = MPI.BYTE if unit == 1 else MPI.BYTE.Create_contiguous(unit).Commit()
+    try:
+        comm.Allgatherv(MPI.IN_PLACE, [buffer.reshape(-1).view(np.uint8), [c // unit for c in counts],
+                                       [d // unit for d in displs], datatype])
+    finally:
+        if unit != 1:
+            datatype.Free()
+
+
+def read_chain(comm: Any, chain: list[Path]) -> ReadResult:
+    """Collective: read the chain (full base first, increments after), verify it, return full tensors.
+
+    Raises CheckpointCorrupt on every rank if any rank finds a fault; the
+    message names the file and the dataset.
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    out: dict[int, np.ndarray] = {}
+    result: ReadResult | None = None
+    specs: list[TensorSpec] = []
+    plan: Plan | None = None
+    error = None
+    current = chain[-1]
+    try:
+        headers = []
+        for path in chain:
+            current = path
+            with open_read(path) as f:
+                attrs, index = read_header(f, path)
+                headers.append((attrs, index))
+        current = chain[-1]
+        specs = [e["spec"] for e in headers[-1][1]]
+        for path, (_, index) in zip(chain, headers):
+            if [e["spec"] for e in index] != specs:
+                raise ValueError(f"{path.name} holds other tensors than {chain[-1].name} (a broken chain)")
+        plan = plan_ownership(specs, size)
+        owned = plan.owned(rank)
+        out = {i: np.empty(spec.shape, dtype=spec.storage) for i, spec in enumerate(specs)}
+        for path, (attrs, index) in zip(chain, headers):
+            current = path
+            with open_read(path) as f:
+                file_hashes = _checked(f, "hashes", (sum(e["n_hashes"] for e in index),), np.dtype("<u8"))[()]
+                file_blocks = None
+                if attrs["kind"] == "incremental":
+                    file_blocks = _checked(f, "blocks", file_hashes.shape, np.dtype("<i8"))[()]
+                _read_owned(f, attrs, index, owned, out, file_hashes, file_blocks)
+        attrs = headers[-1][0]
+        with open_read(chain[-1]) as f:
+            try:
+                meta = read_json(f, "meta", attrs["meta_sha256"])
+            except ValueError as exc:
+                raise ValueError(f"dataset /meta: {exc}") from None
+            if not isinstance(meta, dict):
+                raise ValueError("dataset /meta: not a JSON object")
+            rank_state = None
+            if rank < attrs["world_size"]:
+                table = f.get("rank_state")
+                width = table.shape[1] if table is not None and table.ndim == 2 else -1
+                try:
+                    row = _checked(f, "rank_state", (attrs["world_size"], width), np.dtype(np.uint8))[rank]
+                    want = _checked(f, "rank_state_hashes", (attrs["world_size"],), np.dtype("<u8"))[rank]
+                    if block_hashes(row, width)[0] != want:
+                        raise ValueError(f"checksum mismatch in row {rank}")
+                    rank_state = json.loads(row.tobytes().decode("utf-8"))
+                    if not isinstance(rank_state, dict):
+                        raise ValueError(f"row {rank} is not a JSON object")
+                except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+                    raise ValueError(f"dataset /rank_state: {exc}") from None
+        result = ReadResult({}, meta, rank_state, attrs)
+    except Exception as exc:  # noqa: BLE001 - shared below, with the file named
+        error = CheckpointCorrupt(f"{current}: {exc}")
+    reports = comm.allgather(None if error is None else str(error))
+    failed = [r for r in reports if r is not None]
+    if failed:
+        raise error if error is not None else CheckpointCorrupt(failed[0])
+    assert plan is not None and result is not None
+    # Exchange: each split tensor in place, whole small tensors packed into one buffer.
+    small = [i for i in range(len(specs)) if not plan.split[i] and plan.pieces[i]]
+    for i, spec in enumerate(specs):
+        if plan.split[i]:
+            ranges = [spec.block_range_rows(p.block_lo, p.block_hi) for p in plan.pieces[i]]
+            _allgatherv_inplace(comm, out[i], [(hi - lo) * spec.row_bytes for lo, hi in ranges],
+                                [lo * spec.row_bytes for lo, _ in ranges])
+    if size > 1 and small:
+        by_rank: list[list[int]] = [[] for _ in range(size)]
+        for i in small:
+            by_rank[plan.pieces[i][0].rank].append(i)
+        counts = [sum(specs[i].nbytes for i in ids) for ids in by_rank]
+        displs = [sum(counts[:r]) for r in range(size)]
+        packed = np.empty(sum(counts), dtype=np.uint8)
+        pos = displs[rank]
+        for i in by_rank[rank]:
+            packed[pos:pos + specs[i].nbytes] = out[i].reshape(-1).view(np.uint8)
+            pos += specs[i].nbytes
+        _allgatherv_inplace(comm, packed, counts, displs)
+        for r, ids in enumerate(by_rank):
+            pos = displs[r]
+            for i in ids:
+                out[i].reshape(-1).view(np.uint8)[:] = packed[pos:pos + specs[i].nbytes]
+                pos += specs[i].nbytes
+    result.tensors = {spec.name: from_storage(out[i], spec.dtype).reshape(spec.shape) for i, spec in enumerate(specs)}
+    return result
