@@ -234,6 +234,66 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class MonitorConfig:
+    heartbeat_interval_s: float = 2.0
+    """Every rank sends a heartbeat this often (a background thread on its own communicator)."""
+    heartbeat_misses: int = 3
+    """A rank that misses this many heartbeats in a row is declared failed."""
+    stall_timeout_s: float = 0.0
+    """A collective running longer than this is a stall; 0 derives it from the observed step time (see stall_floor_s)."""
+    stall_floor_s: float = 30.0
+    """The smallest stall timeout when it is derived from the step time."""
+    memory_every_steps: int = 50
+    """Sample resident memory (and GPU memory) every this many steps; 0 disables the leak watch."""
+    memory_window: int = 10
+    """Samples in the window over which steady growth is judged."""
+    memory_growth_mb: float = 256.0
+    """Warn when memory grew by more than this over the window, steadily."""
+
+    def __post_init__(self) -> None:
+        if not self.heartbeat_interval_s > 0:
+            raise ConfigError(f"monitor.heartbeat_interval_s must be positive, got {self.heartbeat_interval_s}")
+        if self.heartbeat_misses < 1:
+            raise ConfigError(f"monitor.heartbeat_misses must be at least 1, got {self.heartbeat_misses}")
+        for name in ("stall_timeout_s", "stall_floor_s", "memory_growth_mb"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"monitor.{name} must be >= 0, got {getattr(self, name)}")
+        if self.memory_every_steps < 0:
+            raise ConfigError(f"monitor.memory_every_steps must be >= 0, got {self.memory_every_steps}")
+        if self.memory_window < 2:
+            raise ConfigError(f"monitor.memory_window must be at least 2, got {self.memory_window}")
+
+
+@dataclass(kw_only=True, slots=True)
+class FaultConfig:
+    kill_at_step: int = 0
+    """Fault injection: SIGKILL the chosen rank when it reaches this step (0 = never)."""
+    hang_at_step: int = 0
+    """Fault injection: the chosen rank stops (SIGSTOP) at this step."""
+    sleep_at_step: int = 0
+    """Fault injection: the chosen rank sleeps fault.sleep_s at this step (a hang that ends)."""
+    sleep_s: float = 0.0
+    """Seconds for fault.sleep_at_step."""
+    slow_s: float = 0.0
+    """Fault injection: the chosen rank sleeps this long in every step (a straggler)."""
+    corrupt_checkpoint: bool = False
+    """Fault injection: corrupt the newest committed checkpoint before resuming."""
+    fill_disk_at_step: int = 0
+    """Fault injection: checkpoint writes from this step on fail with ENOSPC (a full file system)."""
+    rank: int = -1
+    """The rank the fault hits; -1 = the last rank."""
+    only_attempt: int = 0
+    """Inject only in this attempt of hpcnet.launch (1 = the first); 0 = every attempt."""
+
+    def __post_init__(self) -> None:
+        for name in ("kill_at_step", "hang_at_step", "sleep_at_step", "fill_disk_at_step", "only_attempt"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"fault.{name} must be >= 0, got {getattr(self, name)}")
+        if self.sleep_s < 0 or self.slow_s < 0:
+            raise ConfigError("fault.sleep_s and fault.slow_s must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     """Run directory, seed and logging."""
@@ -249,6 +309,10 @@ class Config:
     """Distributed data plane."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Parallel-HDF5 checkpoints: when to save, what to keep, resume."""
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    """Heartbeats, stall and desync detection, memory-leak watch."""
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    """Fault injection for testing recovery (all off by default)."""
 
 
 # --- building a Config from nested dicts ------------------------------------
