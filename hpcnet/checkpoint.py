@@ -189,6 +189,8 @@ class Loaded:
     saved_world_size: int
     skipped: list[str] = field(default_factory=list)
     """Why newer checkpoints were passed over ('auto' only)."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds this rank spent reading and verifying, waiting for the others, exchanging."""
 
 
 def _candidates(which: str, directory: Path | None) -> tuple[list[tuple[str, list[str] | None, str]], bool, str,
@@ -258,7 +260,7 @@ def load_checkpoint(comm: Any, which: str = "auto", directory: str | Path | None
                 why = str(exc).removeprefix(f"{path}: ")
             else:
                 return Loaded(Path(path), result.attrs["step"], result.tensors, result.meta, result.rank_state,
-                              result.attrs["world_size"], skipped)
+                              result.attrs["world_size"], skipped, result.timings)
         if explicit:
             raise UsageError(f"checkpoint {path!r} cannot be loaded: {why}")
         log.warning("skipping checkpoint %s: %s; trying the previous one", path, why)
@@ -383,8 +385,10 @@ class CheckpointManager:
         plan = previous.plan if incremental else plan_ownership(specs, size)
         t1 = time.perf_counter()
         with shared_errors(comm):
-            arrays = {i: self._snapshot(tensors[specs[i].name], specs[i], piece.block_lo, piece.block_hi)
-                      for i, piece in plan.owned(rank)}
+            # A synchronous save returns only when written: nothing can change the
+            # tensors meanwhile, so it writes from them directly where it can.
+            arrays = {i: self._snapshot(tensors[specs[i].name], specs[i], piece.block_lo, piece.block_hi,
+                                        copy=self.async_save) for i, piece in plan.owned(rank)}
         job = SaveJob(directory=self.directory, step=step, kind=kind, uid=comm.bcast(uuid.uuid4().hex, root=0),
                       created_unix=created, specs=specs, plan=plan, arrays=arrays, meta_bytes=meta_bytes,
                       rank_state_bytes=rank_bytes, keep=self.keep)
@@ -403,12 +407,14 @@ class CheckpointManager:
         return job.path
 
     @staticmethod
-    def _snapshot(tensor: torch.Tensor, spec: TensorSpec, block_lo: int, block_hi: int) -> np.ndarray:
-        """A private host copy of this rank's rows, in the storage dtype."""
+    def _snapshot(tensor: torch.Tensor, spec: TensorSpec, block_lo: int, block_hi: int, copy: bool) -> np.ndarray:
+        """This rank's rows in the storage dtype: a private host copy, or (``copy=False``) a view where possible."""
         source = tensor.detach()
         if spec.shape:
             lo, hi = spec.block_range_rows(block_lo, block_hi)
             source = source[lo:hi]
+        if not copy and source.device.type == "cpu" and source.is_contiguous():
+            return to_storage(source)
         host = torch.empty(source.shape, dtype=source.dtype, device="cpu")
         host.copy_(source)
         return to_storage(host)

@@ -10,7 +10,8 @@ tensors, is saved and loaded by:
 - disk: every rank writes its 1/N share of the bytes to its own file and
   fsyncs (N writers), and rank 0 alone writes all of them (1 writer); the
   faster is the limit;
-- hpcnet: a full checkpoint, synchronous; asynchronous (the time ``save``
+- hpcnet: a full checkpoint, synchronous (collective MPI-IO writes, the
+  default, and independent ones, ``hpcnet.ckpt_io.COLLECTIVE_WRITES``); asynchronous (the time ``save``
   blocks, and the time until ``wait`` returns); load on every rank;
 - torch.save of the state on rank 0 (replicated: nothing to gather), fsynced;
   load: ``torch.load(weights_only=True)`` on every rank;
@@ -19,7 +20,12 @@ tensors, is saved and loaded by:
 
 Every save includes fsync.  Before each load the files are dropped from the
 page cache (``posix_fadvise(DONTNEED)``) so loads read the disk where the
-kernel allows.  Rates are logical state bytes / seconds, best of ``--repeat``.
+kernel allows.  Before each save the method's older output is deleted and the
+file systems synced, untimed, so no method pays for another's clean-up (the
+disk here is mounted with ``discard``).  Rates are logical state bytes /
+seconds, best of ``--repeat``
+rounds; each round runs every method once, in an order rotated from round to
+round, so that a change of load on a shared machine hits every method alike.
 """
 
 import argparse
@@ -74,31 +80,24 @@ def write_fsync(path: Path, data: memoryview) -> None:
         os.fsync(handle.fileno())
 
 
-def timed(comm: Any, fn: Callable[[], Any], repeat: int, before: Callable[[], Any] | None = None) -> float:
-    """Best wall time over ``repeat`` runs, barrier to barrier (the slowest rank counts)."""
-    best = float("inf")
-    for _ in range(repeat):
-        if before is not None:
-            before()
-        comm.Barrier()
-        t0 = time.perf_counter()
-        fn()
-        comm.Barrier()
-        best = min(best, comm.allreduce(time.perf_counter() - t0, op=_max()))
-    return best
-
-
-def _max() -> Any:
+def timed(comm: Any, fn: Callable[[], Any], before: Callable[[], Any] | None = None) -> float:
+    """Wall time of one run, barrier to barrier (the slowest rank counts)."""
     from mpi4py import MPI
 
-    return MPI.MAX
+    if before is not None:
+        before()
+    comm.Barrier()
+    t0 = time.perf_counter()
+    fn()
+    comm.Barrier()
+    return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
 
 
 def run(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """Collective: every measurement, in one run; returns the results (equal on all ranks)."""
+    """Collective: every measurement, in rotating rounds; returns the results (equal on all ranks)."""
     import numpy as np
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from mpi4py import MPI
 
     from hpcnet.checkpoint import CheckpointManager
 
@@ -106,7 +105,7 @@ def run(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     base = Path(args.dir)
     state = make_state(int(args.size_mb * 1e6))
     nbytes = state_bytes(state)
-    results: dict[str, Any] = {"world_size": size, "state_bytes": nbytes, "tensors": len(state), "repeat": args.repeat}
+    results: dict[str, Any] = {"world_size": size, "state_bytes": nbytes, "tensors": len(state), "rounds": args.repeat}
 
     def fresh(name: str) -> Path:
         path = base / name
@@ -116,38 +115,42 @@ def run(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
         comm.Barrier()
         return path
 
-    # The disk: N writers of 1/N each, and one writer of everything.
-    disk = fresh("disk")
+    disk, torch_dir, dcp_dir = fresh("disk"), fresh("torch-save"), fresh("dcp")
     share = np.random.default_rng(rank).integers(0, 255, size=nbytes // size, dtype=np.uint8)
-    results["disk_n_writers_s"] = timed(comm, lambda: write_fsync(disk / f"part{rank}", memoryview(share)), args.repeat)
     whole = np.random.default_rng(9).integers(0, 255, size=nbytes, dtype=np.uint8) if rank == 0 else None
-    results["disk_1_writer_s"] = timed(
-        comm, lambda: rank == 0 and write_fsync(disk / "whole", memoryview(whole)), args.repeat)
-    del share, whole
+    # keep=2: the save deletes nothing (the bench's own clean-up does, untimed, like for the others).
+    sync = CheckpointManager(comm, fresh("hpcnet-sync"), keep=2, full_every=1, async_save=False)
+    background = CheckpointManager(comm, fresh("hpcnet-async"), keep=2, full_every=1, async_save=True)
+    results["hpcnet_async_mode"] = "background thread" if background.async_save else "synchronous (no THREAD_MULTIPLE)"
+    steps = iter(range(1, 1_000_000))
+    dcp_saves = iter(range(1_000_000))
+    blocking: list[float] = []
+    phases: dict[str, float] = {}
+    dcp_target = {k: torch.empty_like(v) for k, v in state.items()}
+    plane = None
+    if size > 1:
+        from hpcnet.bootstrap import init_data_plane
+        from hpcnet.world import discover
 
-    # hpcnet: synchronous, asynchronous, load.
-    sync_dir, async_dir = fresh("hpcnet-sync"), fresh("hpcnet-async")
-    with CheckpointManager(comm, sync_dir, keep=1, full_every=1, async_save=False) as manager:
-        step = iter(range(1, 1000))
-        results["hpcnet_save_s"] = timed(comm, lambda: manager.save(next(step), state, {}, {}), args.repeat)
-        results["hpcnet_save_phases"] = dict(manager.last_timings)
-        latest = manager.committed()[-1].path
-        results["hpcnet_load_s"] = timed(comm, lambda: manager.load(latest), args.repeat,
-                                         before=lambda: drop_cache([Path(latest)]))
-    with CheckpointManager(comm, async_dir, keep=1, full_every=1, async_save=True) as manager:
-        blocking = []
+        plane = init_data_plane(comm, discover(comm), backend="gloo", device=torch.device("cpu"), timeout_s=600)
 
-        def save_async() -> None:
-            manager.save(next(step), state, {}, {})
-            blocking.append(comm.allreduce(manager.last_timings["blocking_s"], op=_max()))
-            manager.wait()
+    def hpcnet_sync() -> None:
+        sync.save(next(steps), state, {}, {})
+        phases.update(sync.last_timings)
 
-        results["hpcnet_async_total_s"] = timed(comm, save_async, args.repeat)
-        results["hpcnet_async_blocking_s"] = min(blocking)
-        results["hpcnet_async_mode"] = "background thread" if manager.async_save else "synchronous (no THREAD_MULTIPLE)"
+    def hpcnet_independent() -> None:
+        from hpcnet import ckpt_io
 
-    # torch.save on rank 0, torch.load everywhere.
-    torch_dir = fresh("torch-save")
+        ckpt_io.COLLECTIVE_WRITES = False
+        try:
+            sync.save(next(steps), state, {}, {})
+        finally:
+            ckpt_io.COLLECTIVE_WRITES = True
+
+    def hpcnet_async() -> None:
+        background.save(next(steps), state, {}, {})
+        blocking.append(comm.allreduce(background.last_timings["blocking_s"], op=MPI.MAX))
+        background.wait()
 
     def torch_save() -> None:
         if rank == 0:
@@ -156,38 +159,64 @@ def run(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
                 handle.flush()
                 os.fsync(handle.fileno())
 
-    results["torch_save_s"] = timed(comm, torch_save, args.repeat)
-    results["torch_load_s"] = timed(comm, lambda: torch.load(torch_dir / "state.pt", weights_only=True), args.repeat,
-                                    before=lambda: drop_cache([torch_dir]))
+    def dcp_save() -> None:
+        target = dcp_dir / f"save{next(dcp_saves)}"
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(target, sync_files=True), no_dist=size == 1)
 
-    # torch.distributed.checkpoint over gloo on the same ranks.
-    plane = None
-    if size > 1:
-        from hpcnet.bootstrap import init_data_plane
-        from hpcnet.world import discover
+    def newest(directory: Path, pattern: str) -> Path:
+        return max(directory.glob(pattern), key=lambda p: p.stat().st_mtime)
 
-        plane = init_data_plane(comm, discover(comm), backend="gloo", device=torch.device("cpu"), timeout_s=600)
+    def clean_slate(directory: Path, pattern: str, keep_newest: bool = True) -> Callable[[], None]:
+        """Before a save, untimed: delete the method's older output and let the file system settle.
+
+        The disk here is mounted with ``discard``: without this, deleting and
+        truncating files hands the next method, whichever it is, the cost.
+        """
+        def before() -> None:
+            if rank == 0:
+                old = sorted(directory.glob(pattern), key=lambda p: p.stat().st_mtime)
+                for path in old[:-1] if keep_newest else old:
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+                os.sync()
+            comm.Barrier()
+        return before
+
+    methods: list[tuple[str, Callable[[], Any], Callable[[], Any] | None]] = [
+        ("disk_n_writers", lambda: write_fsync(disk / f"part{rank}", memoryview(share)),
+         clean_slate(disk, "part*", keep_newest=False)),
+        ("disk_1_writer", lambda: rank == 0 and write_fsync(disk / "whole", memoryview(whole)),
+         clean_slate(disk, "whole", keep_newest=False)),
+        ("hpcnet_save", hpcnet_sync, clean_slate(sync.directory, "ckpt-*.h5")),
+        ("hpcnet_save_independent", hpcnet_independent, clean_slate(sync.directory, "ckpt-*.h5")),
+        ("hpcnet_async_total", hpcnet_async, clean_slate(background.directory, "ckpt-*.h5")),
+        ("torch_save", torch_save, clean_slate(torch_dir, "state.pt", keep_newest=False)),
+        ("dcp_save", dcp_save, clean_slate(dcp_dir, "save*")),
+        ("hpcnet_load", lambda: sync.load(str(newest(sync.directory, "ckpt-*.h5"))),
+         lambda: drop_cache([newest(sync.directory, "ckpt-*.h5")])),
+        ("torch_load", lambda: torch.load(torch_dir / "state.pt", weights_only=True), lambda: drop_cache([torch_dir])),
+        ("dcp_load", lambda: dcp.load(dcp_target, storage_reader=dcp.FileSystemReader(newest(dcp_dir, "save*")),
+                                      no_dist=size == 1), lambda: drop_cache([newest(dcp_dir, "save*")])),
+    ]
+    times: dict[str, list[float]] = {name: [] for name, _, _ in methods}
     try:
-        dcp_dir = fresh("dcp")
-        counter = iter(range(1000))
-
-        def dcp_save() -> None:
-            target = dcp_dir / f"save{next(counter)}"
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(target, sync_files=True), no_dist=size == 1)
-
-        results["dcp_save_s"] = timed(comm, dcp_save, args.repeat)
-        target = {k: torch.empty_like(v) for k, v in state.items()}
-        first = dcp_dir / "save0"
-        results["dcp_load_s"] = timed(
-            comm, lambda: dcp.load(target, storage_reader=dcp.FileSystemReader(first), no_dist=size == 1),
-            args.repeat, before=lambda: drop_cache([first]))
-        assert all(torch.equal(target[k], state[k]) for k in state)
+        for round_ in range(args.repeat):  # the first round saves before it loads
+            shift = round_ % len(methods)
+            for name, fn, before in methods[shift:] + methods[:shift]:
+                times[name].append(timed(comm, fn, before))
+        assert all(torch.equal(dcp_target[k], state[k]) for k in state)
     finally:
+        sync.close()
+        background.close()
         if plane is not None:
             plane.close()
         comm.Barrier()
         if rank == 0 and not args.keep:
             shutil.rmtree(base, ignore_errors=True)
+    for name, values in times.items():
+        results[f"{name}_s"] = min(values)
+        results[f"{name}_all_s"] = values
+    results["hpcnet_async_blocking_s"] = min(blocking)
+    results["hpcnet_save_phases"] = {k: v for k, v in phases.items() if k.endswith("_s")}
     return results
 
 
@@ -199,8 +228,10 @@ def report(results: dict[str, Any]) -> str:
         ("disk, fsync'd, N writers", results["disk_n_writers_s"], ""),
         ("disk, fsync'd, 1 writer", results["disk_1_writer_s"], ""),
         ("hpcnet save (sync, full)", results["hpcnet_save_s"], f"{limit_s / results['hpcnet_save_s']:.0%} of disk"),
+        ("  the same, independent MPI-IO writes", results["hpcnet_save_independent_s"],
+         f"{limit_s / results['hpcnet_save_independent_s']:.0%} of disk"),
         ("hpcnet save (async): blocking", results["hpcnet_async_blocking_s"], "time save() blocks"),
-        ("hpcnet save (async): until written", results["hpcnet_async_total_s"], ""),
+        ("hpcnet save (async): until written", results["hpcnet_async_total_s"], "save() + wait()"),
         ("hpcnet load (every rank, full state)", results["hpcnet_load_s"], ""),
         ("torch.save on rank 0", results["torch_save_s"], ""),
         ("torch.load on every rank", results["torch_load_s"], ""),
@@ -210,7 +241,7 @@ def report(results: dict[str, Any]) -> str:
          f"hpcnet is {results['dcp_load_s'] / results['hpcnet_load_s']:.2f}x"),
     ]
     lines = [f"checkpoint benchmark: {nbytes / 1e6:.0f} MB state, {results['tensors']} tensors, "
-             f"{results['world_size']} rank(s), best of {results['repeat']}",
+             f"{results['world_size']} rank(s), best of {results['rounds']} rounds",
              f"{'':<40} {'seconds':>8} {'GB/s':>7}  note"]
     for name, seconds, note in rows:
         lines.append(f"{name:<40} {seconds:>8.3f} {nbytes / seconds / 1e9:>7.3f}  {note}")
@@ -229,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpcnet.bench checkpoint", description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=float, default=512.0, help="state size in MB (default 512)")
     parser.add_argument("--dir", default="bench-checkpoint", help="scratch directory on the file system to test")
-    parser.add_argument("--repeat", type=int, default=2, help="runs per measurement; the best counts")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds (each runs every method once); the best counts")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--keep", action="store_true", help="keep the files written")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

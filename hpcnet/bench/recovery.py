@@ -1,0 +1,300 @@
+"""Recovery time: kill -9 one rank mid-run (and SIGSTOP one) under hpcnet.launch; how long until training resumes.
+
+Run (not under mpirun: it starts the supervisor, which starts mpirun)::
+
+    python -m hpcnet.bench recovery [--np 2] [--steps 40] [--every-steps 10] [--kill-at 25] [--json out.json]
+
+Kill: ``python -m hpcnet.launch -- mpirun -np N ... hpcnet.train
+fault.kill_at_step=K fault.only_attempt=1``: the last rank SIGKILLs itself
+after step K; the supervisor restarts the job with ``--resume auto`` and it
+recomputes the steps since the last checkpoint.  The phases come from the
+timestamps the processes write anyway (log lines: milliseconds; metrics JSON
+lines; the supervisor's launch.json):
+
+    detection    the kill -> the launcher reports the dead rank
+    teardown     -> the launcher has exited (every rank gone)
+    back-off     -> the supervisor starts the next attempt (--backoff-s)
+    restart      -> training is ready to load a checkpoint: process start,
+                    imports, MPI init (first log line), topology probe,
+                    torch.distributed, dataset + model + optimizer
+    load         -> the checkpoint is read, verified and restored
+    first step   -> the first step after the resume is done
+    = kill -> first completed step after the restart (the headline figure);
+    recompute    the steps since the checkpoint, until the step of the kill.
+
+Hang: the same with ``fault.hang_at_step``: the rank SIGSTOPs itself, MPI
+notices nothing, and the heartbeat monitor (``hpcnet.monitor``) must declare
+it failed (failure.json, status 75); detection is the SIGSTOP -> the time in
+failure.json.
+
+``--startup`` (default on) also times the pieces of a process start on their
+own (mpirun, python, import torch, MPI init, torch._dynamo, which the first
+optimizer constructor imports), to show what the restart phase is made of.
+"""
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hpcnet.bench.common import load_average, table, write_json
+
+_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank (\d+) (\w+) ([\w.]+): (.*)$")
+
+
+def log_events(path: Path) -> list[tuple[float, str]]:
+    """(unix time, message) of every record in a rank log (local-time stamps with milliseconds)."""
+    events = []
+    for line in path.read_text(errors="replace").splitlines():
+        match = _LOG_TIME.match(line)
+        if match:
+            stamp = datetime.datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            events.append((stamp, match.group(5)))
+    return events
+
+
+def first_event(events: list[tuple[float, str]], pattern: str) -> tuple[float, re.Match] | None:
+    """The first event whose message matches ``pattern``."""
+    regex = re.compile(pattern)
+    for stamp, message in events:
+        match = regex.search(message)
+        if match:
+            return stamp, match
+    return None
+
+
+def step_times(path: Path) -> dict[int, float]:
+    """Step -> unix time it was logged, from a metrics JSON-lines file (training lines only)."""
+    out: dict[int, float] = {}
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if "loss" in record and "time" in record:
+            out.setdefault(int(record["step"]), float(record["time"]))
+    return out
+
+
+def _supervise(out_dir: Path, name: str, train_args: list[str], args: argparse.Namespace,
+               timeout_s: float) -> tuple[int, float, Path]:
+    command = [sys.executable, "-m", "hpcnet.launch", "--max-restarts", "1", "--backoff-s", str(args.backoff_s),
+               "--", "mpirun", "-np", str(args.np), sys.executable, "-m", "mpi4py", "-m", "hpcnet.train",
+               f"run.dir={out_dir}", f"run.name={name}", *train_args]
+    t0 = time.monotonic()
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    wall = time.monotonic() - t0
+    launch_dirs = sorted(out_dir.glob(f"{name}-*/launch.json"))
+    if not launch_dirs:
+        raise RuntimeError(f"{name}: no launch.json (status {proc.returncode}):\n{proc.stderr[-3000:]}")
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr)
+    return proc.returncode, wall, launch_dirs[-1].parent
+
+
+def _restart_phases(launch_dir: Path, record: dict[str, Any], fault_step: int, fault_time: float,
+                    detected: float | None) -> dict[str, Any]:
+    """The phases from the fault to the first step after the restart, and the recomputation."""
+    first, second = record["attempts"][0], record["attempts"][1]
+    events = log_events(launch_dir / "attempt-2" / "rank0.log")
+    setup = events[0][0] if events else None
+    probe = first_event(events, r"^topology: ")
+    plane = first_event(events, r"^torch\.distributed ")
+    model = first_event(events, r"^model ")
+    resumed = first_event(events, r"^resumed from .* at step (\d+)")
+    if model is None or resumed is None or setup is None:
+        raise RuntimeError(f"attempt 2 in {launch_dir} did not resume (see its rank0.log)")
+    resume_step = int(resumed[1].group(1))
+    steps = step_times(launch_dir / "attempt-2" / "metrics.rank0.jsonl")
+    t_first = steps[resume_step + 1]
+    t_caught = steps.get(fault_step)
+    before = step_times(launch_dir / "attempt-1" / "metrics.rank0.jsonl")
+    gaps = [before[s] - before[s - 1] for s in range(2, fault_step) if s in before and s - 1 in before]
+    phases = {
+        "detection_s": (detected or first["end_unix"]) - fault_time,
+        "teardown_s": first["end_unix"] - (detected or first["end_unix"]),
+        "backoff_s": second["start_unix"] - first["end_unix"],
+        "restart_s": model[0] - second["start_unix"],
+        "restart_split": {
+            "process_start_to_first_log_s": setup - second["start_unix"],
+            "topology_probe_s": (probe[0] - setup) if probe else 0.0,
+            "torch_distributed_s": plane[0] - (probe[0] if probe else setup) if plane else 0.0,
+            "dataset_model_optimizer_s": model[0] - (plane[0] if plane else probe[0] if probe else setup),
+        },
+        "load_s": resumed[0] - model[0],
+        "first_step_s": t_first - resumed[0],
+        "total_to_first_step_s": t_first - fault_time,
+        "recompute_s": (t_caught - resumed[0]) if t_caught else None,
+        "total_to_caught_up_s": (t_caught - fault_time) if t_caught else None,
+        "resumed_at_step": resume_step,
+        "fault_step": fault_step,
+        "steps_recomputed": fault_step - resume_step,
+        "step_time_before_s": sorted(gaps)[len(gaps) // 2] if gaps else None,
+    }
+    return phases
+
+
+def measure_kill(out_dir: Path, train_args: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    status, wall, launch_dir = _supervise(out_dir, "kill", [*train_args, f"fault.kill_at_step={args.kill_at}",
+                                                           "fault.only_attempt=1"], args, timeout_s=600)
+    record = json.loads((launch_dir / "launch.json").read_text())
+    victim = args.np - 1
+    killed = first_event(log_events(launch_dir / "attempt-1" / f"rank{victim}.log"), r"kills itself \(SIGKILL\)")
+    if status != 0 or killed is None or len(record["attempts"]) != 2:
+        raise RuntimeError(f"kill run: status {status}, {len(record['attempts'])} attempt(s) in {launch_dir}")
+    phases = _restart_phases(launch_dir, record, args.kill_at, killed[0], record["attempts"][0]["launcher_report_unix"])
+    return {"status": status, "wall_s": wall, "launch_dir": str(launch_dir),
+            "first_attempt_status": record["attempts"][0]["status"], "cause": record["attempts"][0]["cause"], **phases}
+
+
+def measure_hang(out_dir: Path, train_args: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    status, wall, launch_dir = _supervise(out_dir, "hang", [*train_args, f"fault.hang_at_step={args.kill_at}",
+                                                           "fault.only_attempt=1"], args, timeout_s=600)
+    record = json.loads((launch_dir / "launch.json").read_text())
+    victim = args.np - 1
+    stopped = first_event(log_events(launch_dir / "attempt-1" / f"rank{victim}.log"), r"stops itself \(SIGSTOP\)")
+    failure_path = launch_dir / "attempt-1" / "failure.json"
+    failure = json.loads(failure_path.read_text()) if failure_path.exists() else {}
+    detected = failure.get("detected_wall") or (failure_path.stat().st_mtime if failure_path.exists() else None)
+    out: dict[str, Any] = {"status": status, "wall_s": wall, "launch_dir": str(launch_dir),
+                           "first_attempt_status": record["attempts"][0]["status"],
+                           "cause": record["attempts"][0]["cause"], "failure_kind": failure.get("kind")}
+    if stopped is None or detected is None:
+        out["error"] = "no SIGSTOP record or no failure.json: the hang was not detected"
+        return out
+    out["hang_detection_s"] = detected - stopped[0]
+    if status == 0 and len(record["attempts"]) == 2:
+        out.update(_restart_phases(launch_dir, record, args.kill_at, stopped[0], detected))
+    return out
+
+
+def _timed(command: list[str], env: dict[str, str] | None = None) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(command, check=True, capture_output=True, timeout=300, env=env)
+    return time.perf_counter() - t0
+
+
+def measure_startup(args: argparse.Namespace) -> dict[str, float]:
+    """Best of two: what one (re)start of an MPI + torch process costs, piece by piece."""
+    py = sys.executable
+    mpirun = ["mpirun", "-np", str(args.np)]
+    probes = {
+        "mpirun_python_s": [*mpirun, py, "-c", "pass"],
+        "mpirun_python_mpi_init_s": [*mpirun, py, "-c", "from mpi4py import MPI; MPI.COMM_WORLD.Barrier()"],
+        "mpirun_import_torch_h5py_mpi_s": [*mpirun, py, "-c",
+                                           "import torch, h5py; from mpi4py import MPI; MPI.COMM_WORLD.Barrier()"],
+        "mpirun_import_hpcnet_train_s": [*mpirun, py, "-c", "import hpcnet.train; from mpi4py import MPI; "
+                                                            "MPI.COMM_WORLD.Barrier()"],
+    }
+    out = {name: min(_timed(cmd) for _ in range(2)) for name, cmd in probes.items()}
+    code = ("import time, torch; t = time.perf_counter(); import torch._dynamo; "
+            "print(time.perf_counter() - t)")
+    out["torch_dynamo_import_s"] = min(
+        float(subprocess.run([py, "-c", code], capture_output=True, text=True, check=True, timeout=300).stdout)
+        for _ in range(2))
+    return out
+
+
+def _row(name: str, value: float | None, what: str) -> list[str]:
+    return [name, "-" if value is None else f"{value:.2f}", what]
+
+
+def report(kill: dict[str, Any] | None, hang: dict[str, Any] | None, startup: dict[str, float] | None) -> str:
+    lines = []
+    if kill:
+        split = kill["restart_split"]
+        rows = [
+            _row("detection", kill["detection_s"], "kill -9 -> mpirun reports the dead rank"),
+            _row("teardown", kill["teardown_s"], "-> mpirun has exited"),
+            _row("back-off", kill["backoff_s"], "-> next attempt starts (--backoff-s)"),
+            _row("restart", kill["restart_s"], "-> ready to load (below)"),
+            _row("  to first log line", split["process_start_to_first_log_s"],
+                 "mpirun, python, import torch/h5py, MPI init, run dir"),
+            _row("  topology probe", split["topology_probe_s"], "dist.probe"),
+            _row("  torch.distributed", split["torch_distributed_s"], "gloo group (the fallback plane)"),
+            _row("  dataset/model/optim", split["dataset_model_optimizer_s"],
+                 "incl. torch._dynamo import by the optimizer"),
+            _row("checkpoint load", kill["load_s"], f"read + verify + restore step {kill['resumed_at_step']}"),
+            _row("first step", kill["first_step_s"], f"step {kill['resumed_at_step'] + 1}"),
+            _row("= kill -> first step", kill["total_to_first_step_s"], "the headline figure"),
+            _row("recompute", kill["recompute_s"],
+                 f"{kill['steps_recomputed']} steps since the checkpoint (step time before "
+                 f"{kill['step_time_before_s'] or 0:.3f} s)"),
+            _row("= kill -> caught up", kill["total_to_caught_up_s"], f"back at step {kill['fault_step']}"),
+        ]
+        lines += [f"kill -9 of the last rank at step {kill['fault_step']} "
+                  f"(first attempt: status {kill['first_attempt_status']}, {kill['cause']}):",
+                  table(["phase", "seconds", "what"], rows), ""]
+    if hang:
+        if "hang_detection_s" in hang:
+            rows = [_row("hang detection", hang["hang_detection_s"],
+                         f"SIGSTOP -> failure.json ({hang.get('failure_kind')})")]
+            if "total_to_first_step_s" in hang:
+                rows += [_row("teardown", hang["teardown_s"], "-> mpirun has exited"),
+                         _row("restart + load + step", hang["total_to_first_step_s"] - hang["hang_detection_s"]
+                              - hang["teardown_s"], "as above"),
+                         _row("= stop -> first step", hang["total_to_first_step_s"], "")]
+            lines += [f"SIGSTOP of the last rank (first attempt: status {hang['first_attempt_status']}, "
+                      f"{hang['cause']}):", table(["phase", "seconds", "what"], rows), ""]
+        else:
+            lines += [f"hang: {hang.get('error') or hang.get('skipped')}", ""]
+    if startup:
+        rows = [[k.removesuffix("_s"), f"{v:.2f}"] for k, v in startup.items()]
+        lines += ["start-up pieces (best of 2, separate processes):", table(["what", "seconds"], rows), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hpcnet.bench recovery", description=__doc__.splitlines()[0])
+    parser.add_argument("--np", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    parser.add_argument("--every-steps", type=int, default=10, help="checkpoint.every_steps (default 10)")
+    parser.add_argument("--kill-at", type=int, default=25, help="step after which the rank is killed/stopped")
+    parser.add_argument("--backoff-s", type=float, default=0.0, help="hpcnet.launch --backoff-s (default 0)")
+    parser.add_argument("--dir", default="", help="where runs go (default: a new directory under /tmp)")
+    parser.add_argument("--data-dir", default="data", help="data.dir with the synthetic dataset (default data)")
+    parser.add_argument("--no-hang", action="store_true", help="skip the hang measurement")
+    parser.add_argument("--no-startup", action="store_true", help="skip the start-up pieces")
+    parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("train_args", nargs="*", help="extra hpcnet.train options, e.g. dist.probe=false")
+    args = parser.parse_args(argv)
+    if not 0 < args.every_steps < args.kill_at < args.steps:
+        parser.error("need 0 < --every-steps < --kill-at < --steps")
+    out_dir = Path(args.dir) if args.dir else Path(f"/tmp/hpcnet-recovery-{os.getpid()}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train_args = [f"data.dir={Path(args.data_dir).absolute()}", "model.name=mlp", "train.batch_size=16",
+                  f"train.steps={args.steps}", "train.eval_every=0", "run.log_every=1",
+                  f"checkpoint.every_steps={args.every_steps}", *args.train_args]
+    load_start = load_average()
+    kill = measure_kill(out_dir, train_args, args)
+    hang: dict[str, Any] | None = None
+    if not args.no_hang:
+        if importlib.util.find_spec("hpcnet.monitor") is None:
+            hang = {"skipped": "hpcnet.monitor is not there: a SIGSTOPped rank would never be detected"}
+        else:
+            hang = measure_hang(out_dir, train_args, args)
+    startup = None if args.no_startup else measure_startup(args)
+    text = report(kill, hang, startup)
+    print(f"recovery benchmark: {args.np} ranks, model mlp, {os.cpu_count()} cores, load average "
+          f"{', '.join(f'{x:.2f}' for x in load_start)} at start; runs in {out_dir}\n")
+    print(text)
+    payload = {"np": args.np, "train_args": train_args, "load_average_start": load_start,
+               "load_average_end": load_average(), "kill": kill, "hang": hang, "startup": startup}
+    if args.json:
+        write_json(args.json, payload)
+    else:
+        print(json.dumps(payload, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""Fault injection: kill, hang or slow a rank, corrupt a checkpoint, fill the disk.
+
+Everything is off by default and configured by the ``[fault]`` options
+(``hpcnet.config.FaultConfig``), so a fault travels with the command line
+and works under any launcher::
+
+    python -m hpcnet.launch -- mpirun -np 4 python -m mpi4py -m hpcnet.train \\
+        fault.kill_at_step=30 fault.only_attempt=1 checkpoint.every_steps=10
+
+The training loop calls three hooks, each one line:
+
+- ``at_step(step)`` after every optimizer step, on every rank; only the
+  chosen rank (``fault.rank``, -1 = the last) acts: SIGKILL itself
+  (``kill_at_step``: a dead peer, what MPI notices), SIGSTOP itself
+  (``hang_at_step``: a hung peer, what only heartbeats notice), sleep once
+  (``sleep_at_step`` + ``sleep_s``: a hang that ends) or in every step
+  (``slow_s``: a straggler, which is not a failure).  The step is the one
+  just completed, before its checkpoint: a rank killed at step K loses the
+  steps since the last checkpoint, which the next attempt recomputes.
+- ``before_resume(checkpoint_dir, comm)`` when resuming: rank 0 flips bytes
+  inside a tensor dataset of the newest committed checkpoint
+  (``corrupt_checkpoint``), as bit rot would, below HDF5 (the file still
+  opens; only the block checksums can tell), so ``--resume auto`` must skip
+  it and take the previous one.
+- the constructor arms ``hpcnet.ckpt_io.write_fault`` for
+  ``fill_disk_at_step``: every save of that step or later fails with
+  ``OSError(ENOSPC)`` where hpcnet checks the free space before writing.
+  The file system is shared, so this hits every rank alike (``fault.rank``
+  does not apply).  A full disk is not worth restarting (status 2): the next
+  attempt would fail at its first save, after recomputing everything since
+  the last checkpoint.
+
+``fault.only_attempt = k`` injects only in attempt k of ``hpcnet.launch``
+(which sets ``HPCNET_ATTEMPT``; a run without it is attempt 1), so a
+restarted run gets past the fault; 0 injects in every attempt.
+"""
+
+import errno
+import logging
+import os
+import signal
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from hpcnet import ckpt_io
+from hpcnet.config import FaultConfig
+from hpcnet.errors import ConfigError
+from hpcnet.world import World, agreed, shared_errors
+
+log = logging.getLogger("hpcnet.faults")
+
+ATTEMPT_ENV = "HPCNET_ATTEMPT"
+"""Set by ``hpcnet.launch`` for every attempt: 1, 2, ... (absent: 1)."""
+
+CORRUPT_BYTES = 64
+"""Bytes flipped in the middle of a dataset: inside one checksum block, so the read fails there."""
+
+
+def current_attempt(environ: Mapping[str, str] | None = None) -> int:
+    """This run's attempt number under ``hpcnet.launch`` (1 when not supervised)."""
+    environ = os.environ if environ is None else environ
+    text = environ.get(ATTEMPT_ENV, "") or "1"
+    try:
+        attempt = int(text)
+    except ValueError:
+        raise ConfigError(f"{ATTEMPT_ENV}={text!r} is not an integer") from None
+    if attempt < 1:
+        raise ConfigError(f"{ATTEMPT_ENV}={text!r} must be at least 1")
+    return attempt
+
+
+class FaultInjector:
+    """The faults of one run on this rank; every hook is a no-op unless a fault is configured.
+
+    Args:
+        cfg: the ``[fault]`` section.
+        world: this job's world (which rank is the chosen one).
+        attempt: the attempt number; None reads ``HPCNET_ATTEMPT``.
+    """
+
+    def __init__(self, cfg: FaultConfig, world: World, attempt: int | None = None) -> None:
+        self.cfg = cfg
+        try:
+            self.attempt = current_attempt() if attempt is None else attempt
+        except ConfigError as exc:
+            raise agreed(exc) from None  # the same environment, so the same verdict, on every rank
+        self.active = cfg.only_attempt in (0, self.attempt)
+        target = cfg.rank if cfg.rank >= 0 else world.size + cfg.rank
+        if not 0 <= target < world.size:
+            # Every rank computes the same verdict from the same config.
+            raise agreed(ConfigError(f"fault.rank: {cfg.rank} is not a rank of this {world.size}-rank job"))
+        self.target = target
+        self.rank = world.rank
+        self.mine = self.active and world.rank == target
+        # Process-wide hook (only one run writes checkpoints in a process at a
+        # time); every run sets it, so a previous run's fault never leaks.
+        ckpt_io.write_fault = self._disk_full if self.active and cfg.fill_disk_at_step else None
+        armed = self.describe()
+        if armed and world.rank == 0:
+            log.warning("fault injection armed (attempt %d): %s", self.attempt, armed)
+
+    def describe(self) -> str:
+        """The faults armed in this attempt, in words ('' when none)."""
+        if not self.active:
+            return ""
+        c, who = self.cfg, f"rank {self.target}"
+        parts = []
+        if c.kill_at_step:
+            parts.append(f"{who} SIGKILLs itself at step {c.kill_at_step}")
+        if c.hang_at_step:
+            parts.append(f"{who} SIGSTOPs itself at step {c.hang_at_step}")
+        if c.sleep_at_step and c.sleep_s:
+            parts.append(f"{who} sleeps {c.sleep_s:g} s at step {c.sleep_at_step}")
+        if c.slow_s:
+            parts.append(f"{who} sleeps {c.slow_s:g} s every step")
+        if c.corrupt_checkpoint:
+            parts.append("the newest checkpoint is corrupted before resuming")
+        if c.fill_disk_at_step:
+            parts.append(f"checkpoint saves from step {c.fill_disk_at_step} on fail with ENOSPC")
+        return "; ".join(parts)
+
+    def at_step(self, step: int) -> None:
+        """Called by every rank after optimizer step ``step``; acts on the chosen rank only."""
+        if not self.mine:
+            return
+        c = self.cfg
+        if c.slow_s:
+            time.sleep(c.slow_s)
+        if step == c.sleep_at_step and c.sleep_s:
+            log.warning("fault injection: rank %d sleeps %g s at step %d", self.rank, c.sleep_s, step)
+            time.sleep(c.sleep_s)
+        if step == c.hang_at_step:
+            # Logged at ERROR so it reaches the console from any rank; the
+            # record is flushed before the process stops.
+            log.error("fault injection: rank %d stops itself (SIGSTOP) at step %d", self.rank, step)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if step == c.kill_at_step:
+            log.error("fault injection: rank %d kills itself (SIGKILL) at step %d", self.rank, step)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def before_resume(self, checkpoint_dir: str | Path, comm: Any) -> None:
+        """Collective: with ``fault.corrupt_checkpoint``, rank 0 corrupts the newest committed checkpoint."""
+        if not (self.active and self.cfg.corrupt_checkpoint):
+            return
+        with shared_errors(comm):
+            if comm.Get_rank() == 0:
+                what = corrupt_newest(Path(checkpoint_dir))
+                if what:
+                    log.warning("fault injection: corrupted %s", what)
+                else:
+                    log.warning("fault injection: no committed checkpoint in %s to corrupt", checkpoint_dir)
+
+    def _disk_full(self, job: Any) -> None:
+        """``ckpt_io.write_fault``: the file system is full for saves from ``fill_disk_at_step`` on."""
+        if job.step >= self.cfg.fill_disk_at_step:
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} "
+                                        f"(injected: fault.fill_disk_at_step={self.cfg.fill_disk_at_step})")
+
+
+def corrupt_newest(directory: Path) -> str:
+    """Flip ``CORRUPT_BYTES`` bytes in the largest dataset of the newest committed checkpoint.
+
+    The bytes are overwritten in place below HDF5 (at the dataset's file
+    offset), so the file still opens and only checksum verification can
+    notice.  Returns what was corrupted, or '' when there is no checkpoint.
+    """
+    import h5py
+
+    infos = [i for i in ckpt_io.scan(directory)[0] if i.kind != "unreadable"]
+    if not infos:
+        return ""
+    path = Path(max(infos, key=lambda i: i.step).path)
+    found: list[tuple[int, str, int]] = []  # (bytes, name, file offset)
+
+    def visit(name: str, obj: Any) -> None:
+        if isinstance(obj, h5py.Dataset) and obj.id.get_offset() is not None and obj.id.get_storage_size():
+            found.append((obj.id.get_storage_size(), name, obj.id.get_offset()))
+
+    with ckpt_io.open_read(path) as f:
+        f.visititems(visit)
+    tensors = [d for d in found if d[1].startswith("tensors/")]
+    if not (tensors or found):
+        raise RuntimeError(f"fault injection: {path} has no dataset with contiguous storage to corrupt")
+    size, name, offset = max(tensors or found)
+    count = min(CORRUPT_BYTES, size)
+    where = offset + (size - count) // 2
+    fd = os.open(path, os.O_RDWR)
+    try:
+        data = bytearray(os.pread(fd, count, where))
+        os.pwrite(fd, bytes(b ^ 0xFF for b in data), where)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return f"{path} (dataset /{name}: {count} bytes flipped at file offset {where})"
