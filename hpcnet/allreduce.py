@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from hpcnet.flightrec import NULL_RECORDER
 from hpcnet.transport import CommFailure, FaultyTransport, Transport, wait_all
 from hpcnet.world import agreed
 
@@ -69,6 +70,7 @@ class _Bucket:
     launched: bool = False
     handle: Any = None
     wire: torch.Tensor | None = None
+    token: int = 0  # its entry in the flight recorder while it runs
 
 
 @dataclass
@@ -93,12 +95,15 @@ class Reducer:
         find_unused: treat parameters that get no gradient in a step as zero
             gradients instead of raising.
         timeout_s: how long ``finish`` waits for the collectives.
+        recorder: the flight recorder (``hpcnet.flightrec``) the collectives are logged to.
     """
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], transport: Transport, control: Any, *,
                  bucket_bytes: int = 25 * 2**20, first_bucket_bytes: int = 2**20,
-                 compression: torch.dtype | None = None, find_unused: bool = False, timeout_s: float = 600.0):
+                 compression: torch.dtype | None = None, find_unused: bool = False, timeout_s: float = 600.0,
+                 recorder: Any = NULL_RECORDER):
         self.transport = transport
+        self.recorder = recorder
         self.control = control
         self.world_size = control.Get_size()
         self.compression = compression
@@ -157,6 +162,7 @@ class Reducer:
             bucket.ready = [False] * len(bucket.params)
             bucket.launched = False
             bucket.handle = None
+            self.recorder.end(bucket.token)  # no-op unless an error left it open
         self._next_launch = 0
 
     @contextlib.contextmanager
@@ -195,6 +201,8 @@ class Reducer:
 
     def _launch(self, bucket: _Bucket) -> None:
         bucket.launched = True
+        bucket.token = self.recorder.start("allreduce.bucket", bucket.index,
+                                           bucket.buffer.numel() * bucket.buffer.element_size())
         if self.compression is not None:
             # Pre-divide in full precision so the half-precision sum cannot overflow.
             bucket.wire = (bucket.buffer / self.world_size).to(self.compression)
@@ -215,7 +223,8 @@ class Reducer:
 
         local_missing = np.array([not b.launched for b in self.buckets], dtype=np.int8)
         missing = np.empty_like(local_missing)
-        self.control.Allreduce(local_missing, missing, op=MPI.MAX)
+        with self.recorder.op("reducer.launched"):
+            self.control.Allreduce(local_missing, missing, op=MPI.MAX)
         if missing.any():
             if not self.find_unused:
                 self._raise_unused(missing)
@@ -223,8 +232,10 @@ class Reducer:
                 if missing[bucket.index]:
                     bucket.pending = 0  # gradients not produced stay zero in the buffer
             self._launch_ready()
-        error = wait_all([b.handle for b in self.buckets], self.timeout_s)
-        failed = self.control.allreduce(error is not None, op=MPI.LOR)
+        error = wait_all([b.handle for b in self.buckets], self.timeout_s,
+                         on_done=lambda i: self.recorder.end(self.buckets[i].token))
+        with self.recorder.op("reducer.outcome"):
+            failed = self.control.allreduce(error is not None, op=MPI.LOR)
         self.stats.steps += 1
         if failed:
             self._reset()

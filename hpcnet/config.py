@@ -235,6 +235,8 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True, slots=True)
 class MonitorConfig:
+    enabled: bool = True
+    """Heartbeats, stall/desync detection and the memory watch (see README, Failure detection)."""
     heartbeat_interval_s: float = 2.0
     """Every rank sends a heartbeat this often (a background thread on its own communicator)."""
     heartbeat_misses: int = 3

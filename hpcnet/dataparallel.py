@@ -19,6 +19,7 @@ from torch import nn
 from hpcnet.allreduce import Reducer, broadcast_buffers, broadcast_module
 from hpcnet.config import DistConfig
 from hpcnet.errors import RestartableError, UsageError
+from hpcnet.flightrec import NULL_RECORDER
 from hpcnet.transport import (CommFailure, FaultyTransport, HierarchicalTransport, MpiTransport, TorchTransport,
                               Transport, cuda_aware_mpi)
 from hpcnet.world import World, agreed
@@ -116,10 +117,11 @@ class DataParallel:
         cfg: the ``dist`` options.
         hierarchical_hint: the topology probe's advice, used when
             ``dist.hierarchical`` is 'auto' (None: decide from the world).
+        recorder: the flight recorder (``hpcnet.flightrec``) the step's collectives are logged to.
     """
 
     def __init__(self, model: nn.Module, comm: Any, world: World, cfg: DistConfig, *,
-                 device: torch.device, hierarchical_hint: bool | None = None) -> None:
+                 device: torch.device, hierarchical_hint: bool | None = None, recorder: Any = NULL_RECORDER) -> None:
         self.model = model
         self.comm = comm
         self.world = world
@@ -139,7 +141,8 @@ class DataParallel:
         self.reducer = Reducer(
             list(model.named_parameters()), transport, comm,
             bucket_bytes=int(cfg.bucket_mb * 2**20), first_bucket_bytes=int(cfg.first_bucket_mb * 2**20),
-            compression=_DTYPES[cfg.compression], find_unused=cfg.find_unused, timeout_s=cfg.timeout_s)
+            compression=_DTYPES[cfg.compression], find_unused=cfg.find_unused, timeout_s=cfg.timeout_s,
+            recorder=recorder)
         self.step_count = 0
         self._has_buffers = any(True for _ in model.buffers())
 
@@ -213,7 +216,8 @@ class DataParallel:
     def sync_buffers(self) -> None:
         """Give every rank rank 0's buffers (BatchNorm statistics); collective."""
         if self._has_buffers:
-            broadcast_buffers(self.model, self.comm)
+            with self.reducer.recorder.op("broadcast.buffers"):
+                broadcast_buffers(self.model, self.comm)
 
     @contextlib.contextmanager
     def no_sync(self):

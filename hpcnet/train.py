@@ -34,7 +34,10 @@ from hpcnet.config import Config, OptimConfig, check_same_config, describe_optio
 from hpcnet.data import BatchLoader, GlobalBatchSampler, eval_indices, open_dataset
 from hpcnet.dataparallel import DataParallel
 from hpcnet.errors import ExitCode
+from hpcnet.faults import FaultInjector
+from hpcnet.flightrec import NULL_RECORDER
 from hpcnet.models import build_model, count_parameters
+from hpcnet.monitor import Monitor
 from hpcnet.runlog import MetricsWriter, close_logging, format_duration, make_run_dir, setup_logging
 from hpcnet.topology import probe, recommend
 from hpcnet.trainstate import StepBoundary, TrainState, checkpoint_dir, should_save
@@ -121,7 +124,7 @@ def loss_and_correct(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch
 
 @torch.no_grad()
 def evaluate(model: nn.Module, split: Any, comm: Any, *, batch_size: int, max_batches: int,
-             device: torch.device) -> dict[str, float]:
+             device: torch.device, recorder: Any = NULL_RECORDER) -> dict[str, float]:
     """Loss and accuracy on the held-out split, each rank on its own shard (collective)."""
     from mpi4py import MPI
 
@@ -137,7 +140,8 @@ def evaluate(model: nn.Module, split: Any, comm: Any, *, batch_size: int, max_ba
         loss, correct = loss_and_correct(model(inputs), targets)
         count = targets.numel()
         totals += (loss.item() * count, correct.item(), count)
-    comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
+    with recorder.op("eval.allreduce"):
+        comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
     model.train(was_training)
     count = max(totals[2], 1)
     return {"eval_loss": totals[0] / count, "eval_accuracy": totals[1] / count}
@@ -156,6 +160,7 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
     t_start = time.perf_counter()
     comm = comm.Dup()  # hpcnet's control-plane traffic never mixes with the caller's
     own_plane = False
+    monitor = None
     try:
         world = discover(comm)
         check_same_config(comm, cfg)
@@ -164,6 +169,8 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
         torch.set_num_threads(cpu_threads(world, cfg.train.threads))
         with shared_errors(comm):
             device = choose_device(world, cfg.dist.device)
+        # Heartbeats, stall/desync watchdog, memory watch (monitor.*): a thread from here to the end.
+        monitor = Monitor(cfg.monitor, comm, world, run_dir, device=device).start()
         if world.is_main:
             (run_dir / "config.toml").write_text(to_toml(cfg))
             log.info("hpcnet %s, torch %s: %d rank(s) on %d node(s) (%s), device %s, %d threads/rank",
@@ -208,7 +215,8 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
         with shared_errors(comm):
             model = build_model(cfg.model.name, train_split.info, cfg.model.options,
                                 factory=cfg.model.factory).to(device)
-        dp = DataParallel(model, comm, world, cfg.dist, device=device, hierarchical_hint=hint)
+        dp = DataParallel(model, comm, world, cfg.dist, device=device, hierarchical_hint=hint,
+                          recorder=monitor.recorder)
         optimizer = build_optimizer(model, cfg.optim)
         torch.manual_seed(cfg.run.seed + 1 + world.rank)  # dropout etc. differ per rank
         random.seed(cfg.run.seed + world.rank)
@@ -221,25 +229,29 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
                      len(train_split), len(eval_split), cfg.train.batch_size * cfg.train.grad_accumulation * world.size)
             log.info("%s", dp.describe())
 
+        faults = FaultInjector(cfg.fault, world)  # fault.*: off unless testing recovery
         manager = CheckpointManager(comm, checkpoint_dir(cfg), keep=cfg.checkpoint.keep,
                                     full_every=cfg.checkpoint.full_every, async_save=cfg.checkpoint.async_save)
         state = TrainState(cfg, model, optimizer, sampler, manager)
         result = TrainResult(model, optimizer)
         loader = None
         try:
+            if cfg.checkpoint.resume:
+                faults.before_resume(manager.directory, comm)
             start_step = state.resume(cfg.checkpoint.resume, rank=world.rank) if cfg.checkpoint.resume else 0
             loader = BatchLoader(train_split, sampler)  # after resume: it reads ahead from the sampler's position
             result.summary = _loop(cfg, comm, world, dp, optimizer, loader, eval_split, device, metrics, stop,
-                                   state, start_step)
+                                   state, start_step, faults, monitor)
         finally:
-            manager.close()  # a checkpoint still being written is committed before we leave
+            if _may_communicate():
+                manager.close()  # a checkpoint still being written is committed before we leave
             if loader is not None:
                 loader.close()
             metrics.close()
             dp.close()
         summary = result.summary
         summary.update(world_size=world.size, wall_s=time.perf_counter() - t_start, run_dir=str(run_dir),
-                       comm=dp.summary())
+                       comm=dp.summary(), monitor=monitor.summary())
         if summary.get("stopped_by_signal"):
             result.exit_code = (ExitCode.INTERRUPTED if summary["stopped_by_signal"] == signal.SIGINT
                                 else ExitCode.PREEMPTED)
@@ -249,14 +261,28 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
                      summary["final_loss"], "".join(f", {k} {v:.4f}" for k, v in summary.get("eval", {}).items()))
         return result
     finally:
-        if own_plane and plane is not None:
-            plane.close()
-        comm.Free()
+        if monitor is not None:
+            monitor.stop()
+        if _may_communicate():
+            if own_plane and plane is not None:
+                plane.close()
+            comm.Free()
+
+
+def _may_communicate() -> bool:
+    """False while an error raised on this rank alone propagates (inside ``finally``).
+
+    Its peers may be waiting in a collective that will never finish, so
+    collective clean-up would hang; the entry point aborts the job instead.
+    """
+    error = sys.exc_info()[1]
+    return error is None or is_agreed(error)
 
 
 def _loop(cfg: Config, comm: Any, world: World, dp: DataParallel, optimizer: torch.optim.Optimizer,
           loader: BatchLoader, eval_split: Any, device: torch.device, metrics: MetricsWriter,
-          stop: StopRequest | None, state: TrainState, start_step: int) -> dict[str, Any]:
+          stop: StopRequest | None, state: TrainState, start_step: int, faults: FaultInjector,
+          monitor: Monitor) -> dict[str, Any]:
     from mpi4py import MPI
 
     model = dp.model
@@ -279,10 +305,13 @@ def _loop(cfg: Config, comm: Any, world: World, dp: DataParallel, optimizer: tor
             nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         optimizer.step()
         step += 1
+        monitor.step(step)  # heartbeats carry it; step times set the stall timeout; memory samples
+        faults.at_step(step)  # fault.* injection; a no-op unless configured
 
         if step % cfg.run.log_every == 0 or step == total:
             local_loss = loss.item()
-            loss_value = comm.allreduce(local_loss, op=MPI.SUM) / world.size
+            with monitor.collective("loss.allreduce"):
+                loss_value = comm.allreduce(local_loss, op=MPI.SUM) / world.size
             now = time.perf_counter()
             rate = (step - last_step) * global_batch / max(now - t_last, 1e-9)
             eta = (now - t_loop) / (step - start_step) * (total - step)
@@ -295,14 +324,15 @@ def _loop(cfg: Config, comm: Any, world: World, dp: DataParallel, optimizer: tor
         if cfg.train.eval_every and (step % cfg.train.eval_every == 0 or step == total):
             dp.sync_buffers()
             evaluation = evaluate(model, eval_split, comm, batch_size=cfg.train.batch_size,
-                                  max_batches=cfg.train.eval_batches, device=device)
+                                  max_batches=cfg.train.eval_batches, device=device, recorder=monitor.recorder)
             if world.is_main:
                 log.info("eval at step %d: loss %.4f, accuracy %.2f%%", step, evaluation["eval_loss"],
                          100 * evaluation["eval_accuracy"])
             metrics.write(step=step, **evaluation)
 
         # Step boundary: every rank agrees on stopping and saving after this step.
-        stopped_by, time_due = boundary.agree(comm, stop.signum if stop else 0)
+        with monitor.collective("step_boundary"):
+            stopped_by, time_due = boundary.agree(comm, stop.signum if stop else 0)
         if (should_save(step, every_steps=cfg.checkpoint.every_steps, time_due=time_due, stopping=bool(stopped_by))
                 or (step == total and cfg.checkpoint.at_end)):
             dp.sync_buffers()
@@ -313,7 +343,8 @@ def _loop(cfg: Config, comm: Any, world: World, dp: DataParallel, optimizer: tor
                         signal.Signals(stopped_by).name)
             break
     if step > start_step and step % cfg.run.log_every and step != total:  # stopped between log lines
-        loss_value = comm.allreduce(loss.item(), op=MPI.SUM) / world.size
+        with monitor.collective("loss.allreduce"):
+            loss_value = comm.allreduce(loss.item(), op=MPI.SUM) / world.size
     dp.sync_buffers()
     elapsed = time.perf_counter() - t_loop
     return {

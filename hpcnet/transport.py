@@ -19,6 +19,7 @@ handle whose ``wait`` finishes it.  Three kinds:
 
 import concurrent.futures
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -262,19 +263,23 @@ class _FailingHandle:
         raise CommFailure("injected communication failure (dist.fail_at_step)")
 
 
-def wait_all(handles: list[Handle], timeout_s: float) -> BaseException | None:
+def wait_all(handles: list[Handle], timeout_s: float,
+             on_done: Callable[[int], None] | None = None) -> BaseException | None:
     """Wait for every handle (``timeout_s`` in all); return the first error instead of raising.
 
     The caller shares the outcome with the other ranks before raising, so a
     failure seen by one rank becomes the same failure on every rank.
+    ``on_done(i)`` is called when the wait for ``handles[i]`` returns.
     """
     deadline = time.monotonic() + timeout_s
     error: BaseException | None = None
-    for handle in handles:
+    for i, handle in enumerate(handles):
         try:
             handle.wait(max(0.0, deadline - time.monotonic()))
         except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
             error = error or exc
+        if on_done is not None:
+            on_done(i)
     return error
 
 

@@ -8,6 +8,7 @@ are alone.
 """
 
 import contextlib
+import errno
 import os
 import socket
 from collections.abc import Iterator, Mapping
@@ -192,6 +193,9 @@ def exit_code_of(error: BaseException) -> int:
     """The documented exit status for an exception (see ``ExitCode``)."""
     if isinstance(error, KeyboardInterrupt):
         return ExitCode.INTERRUPTED
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        # A full file system (or quota) stays full on a restart: fix the input (free space, another path).
+        return ExitCode.USAGE_ERROR
     return int(getattr(error, "exit_code", ExitCode.CODE_ERROR))
 
 

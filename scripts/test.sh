@@ -1,12 +1,31 @@
 #!/usr/bin/env bash
 # Set up (if needed), then run the whole test suite: a serial pass (every
-# test, MPI tests on one rank, plus the tests that launch mpirun themselves),
-# then the MPI tests on 2 and on 4 ranks.  pytest-mpi needs --with-mpi, or it
-# silently skips every MPI test; python -m mpi4py aborts the job when one rank
-# fails instead of leaving the others hanging.
+# test, MPI tests on one rank, plus the tests that launch mpirun or submit
+# SLURM jobs themselves), then the MPI tests on 2 and on 4 ranks.  pytest-mpi
+# needs --with-mpi, or it silently skips every MPI test; python -m mpi4py aborts
+# the job when one rank fails instead of leaving the others hanging.
+#
+# The serial pass runs beside a one-node SLURM on this machine
+# (scripts/slurm.sh, which installs slurm-wlm and munge when missing), started
+# here and stopped after the pass unless it was running already.  Where it
+# cannot start (not root, no apt) tests/test_slurm.py skips and says why;
+# HPCNET_SLURM=off skips starting it.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+slurm_started=0
+if [ "${HPCNET_SLURM:-on}" != off ] && ! scripts/slurm.sh status >/dev/null 2>&1; then
+    if scripts/slurm.sh start; then
+        slurm_started=1
+        trap 'scripts/slurm.sh stop' EXIT
+    else
+        echo "test.sh: the local SLURM did not start; the SLURM tests will be skipped" >&2
+    fi
+fi
 python -m pytest --with-mpi "$@"
+if [ "$slurm_started" = 1 ]; then
+    scripts/slurm.sh stop
+    trap - EXIT
+fi
 for n in 2 4; do
     echo "=== MPI tests on $n ranks ==="
     timeout 900 mpiexec -n "$n" python -m mpi4py -m pytest --with-mpi -m mpi -q "$@"

@@ -126,7 +126,7 @@ def test_launch_trains_and_loss_falls(launch, tmp_path):
     assert len(losses) == 12 and losses[-1] < 0.8 * losses[0], out.stderr
     assert "eval at step 60" in out.stderr and "samples/s" in out.stderr
     assert "[rank 1]" not in out.stderr  # other ranks stay quiet on the console
-    (run_dir,) = (tmp_path / "runs").iterdir()
+    (run_dir,) = (tmp_path / "runs").glob("hpcnet-*")
     assert {"config.toml", "rank0.log", "rank1.log", "summary.json", "metrics.rank0.jsonl"} <= {
         p.name for p in run_dir.iterdir()}
     assert (tmp_path / "data" / "synthetic-images.h5").exists()

@@ -20,22 +20,24 @@ from typing import Any
 
 import torch
 
-from hpcnet.bench.common import (busbw, algbw, describe_environment, environment, format_size, load_average,
+from hpcnet.bench.common import (algbw, busbw, describe_environment, environment, format_size, load_average,
                                  max_over_ranks, parse_size, size_sweep, summarize, table, write_json)
 
 TARGET_SIZE = 25 * 2**20
 """The size of the issue's target (hpcnet busbw >= 0.95 x raw MPI): the default gradient bucket."""
 TARGET_RATIO = 0.95
+MIN_ROUNDS = 3
+"""Rounds always run per size, even past ``--max-size-s``."""
 
 
+@dataclass
 class Runner:
-    """One method prepared on one buffer: ``run`` sums ``tensor`` across the ranks in place."""
+    """One method prepared on one buffer: ``run()`` sums ``tensor`` across the ranks in place."""
 
-    def __init__(self, run: Callable[[], Any], tensor: torch.Tensor, close: Callable[[], Any] | None = None):
-        self.run = run
-        self.tensor = tensor
-        """What the method reduces: set before and read after ``run`` (the correctness check)."""
-        self.close = close or (lambda: None)
+    run: Callable[[], Any]
+    tensor: torch.Tensor
+    """What the method reduces: set before and read after ``run`` (the correctness check)."""
+    close: Callable[[], Any] = lambda: None
 
 
 @dataclass
@@ -187,6 +189,9 @@ def bench_size(methods: list[Method], nbytes: int, comm: Any, args: argparse.Nam
             for method, runner in order[shift:] + order[:shift]:
                 times[method.name].append(_time_block(runner, iters, comm))
             iters_used.append(iters)
+            over = time.perf_counter() - t_start > args.max_size_s and r + 1 >= MIN_ROUNDS
+            if comm.bcast(over, root=0):
+                break  # even one iteration per round is too slow here: fewer rounds, bounded time
             if not args.iters and r + 1 < args.rounds:
                 # The warm-up estimate can be far off on a loaded machine: keep
                 # the size within its budget by shrinking (never growing) the
@@ -200,7 +205,7 @@ def bench_size(methods: list[Method], nbytes: int, comm: Any, args: argparse.Nam
             runner.close()
     n = comm.Get_size()
     size = numel * 4
-    result: dict[str, Any] = {"size_bytes": size, "count": numel, "iters": iters_used[0],
+    result: dict[str, Any] = {"size_bytes": size, "count": numel, "rounds": len(iters_used), "iters": iters_used[0],
                               "iters_per_round": iters_used, "methods": {}}
     for method in methods:
         t = times[method.name]
@@ -219,22 +224,21 @@ def bench_size(methods: list[Method], nbytes: int, comm: Any, args: argparse.Nam
 
 
 def format_results(results: list[dict[str, Any]], methods: list[Method], rounds: int) -> str:
-    names = [m.name for m in methods]
-    ratio_of = [m.name for m in methods if m.name.startswith("hpcnet") and m.peer]
-    header = ["size", "iters", "mpi4py us"] + [f"{n} busbw" for n in names] + [f"{n}/{m.peer}" for n in ratio_of
-                                                                               for m in methods if m.name == n]
+    compared = [m for m in methods if m.peer]
+    header = ["size", "iters", "mpi4py us"] + [m.name for m in methods]
+    header += [f"{m.name.removeprefix('hpcnet-')}/{m.peer}" for m in compared]
     rows = []
     for res in results:
         row = [format_size(res["size_bytes"]), str(res["iters"]),
                f"{res['methods']['mpi4py']['time_s']['median'] * 1e6:.1f}"]
-        for n in names:
-            bw = res["methods"][n]["busbw_GBps"]
+        for m in methods:
+            bw = res["methods"][m.name]["busbw_GBps"]
             row.append(f"{bw['median']:.3f} ({bw['spread'] * 100:.0f}%)")
-        for n in ratio_of:
-            row.append(f"{res['methods'][n]['ratio_vs_peer']['median']:.2f}")
+        row += [f"{res['methods'][m.name]['ratio_vs_peer']['median']:.2f}" for m in compared]
         rows.append(row)
-    return (f"busbw in GB/s (1e9 B/s), median of {rounds} alternating rounds (spread = (max-min)/median); "
-            f"ratios are per-round paired busbw ratios, median\n" + table(header, rows))
+    caption = (f"busbw GB/s (1e9 B/s) per method: median of the alternating rounds (up to {rounds}; spread = "
+               "(max-min)/median); x/peer: hpcnet's busbw over its peer's, paired per round, median")
+    return caption + "\n" + table(header, rows)
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
@@ -252,6 +256,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--time-budget-s", type=float, default=4.0,
                         help="timed seconds per size, all methods and rounds together (default 4); at least one "
                              "iteration per method and round is always run")
+    parser.add_argument("--max-size-s", type=float, default=20.0,
+                        help=f"stop a size's rounds after this many seconds (at least {MIN_ROUNDS} rounds run; "
+                             "default 20)")
     parser.add_argument("--no-reducer", action="store_true", help="leave out the Reducer (full bucket path)")
     parser.add_argument("--methods", default="", help="comma-separated subset of the methods to run")
     parser.add_argument("--json", default="", help="also write the results to this JSON file (rank 0)")
@@ -259,8 +266,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("rounds", "max_iters", "warmup"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.iters < 0 or args.time_budget_s <= 0:
-        parser.error("--iters must be >= 0 and --time-budget-s > 0")
+    if args.iters < 0 or args.time_budget_s <= 0 or args.max_size_s <= 0:
+        parser.error("--iters must be >= 0, --time-budget-s and --max-size-s > 0")
     try:
         if args.sizes:
             args.size_list = sorted({parse_size(s) for s in args.sizes.split(",") if s.strip()})
@@ -318,10 +325,10 @@ def main(argv: list[str] | None = None) -> int:
             results.append(res)
             if rank0:
                 line = ", ".join(f"{n} {e['busbw_GBps']['median']:.3f}" for n, e in res["methods"].items())
-                print(f"  {format_size(nbytes):>7s}: {line} GB/s ({res['iters']} iters x {args.rounds} rounds, "
+                print(f"  {format_size(nbytes):>7s}: {line} GB/s ({res['iters']} iters x {res['rounds']} rounds, "
                       f"{res['wall_s']:.1f} s)", flush=True)
         env["load_average_end"] = load_average()
-        summary = _target(results)
+        summary = _target(results) if world.size > 1 else None  # one rank: nothing moves, no ratio
         if rank0:
             print()
             print(format_results(results, methods, args.rounds))

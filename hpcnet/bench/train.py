@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,26 +46,41 @@ class ModelSpec:
     """The issue's target for hpcnet samples/s over DDP's."""
 
 
-# Sized so that a step takes roughly 100-300 ms on one core per rank.
+# Sized so that a step takes roughly 100-300 ms with one core per rank on the
+# 2-core development machine (measured there: mlp 130 ms forward+backward and
+# 65 ms optimizer, resnet18 300 ms and 14 ms).
 SPECS: dict[str, ModelSpec] = {
-    # ~29.4 M parameters (118 MB of gradients) for little arithmetic per sample.
-    "mlp": ModelSpec("mlp", {"hidden": [4096, 4096]}, (3, 32, 32), 10, 32, "communication-heavy", 1.3),
-    # ~11.2 M parameters (45 MB) and ~0.56 GFLOP per 32x32 sample forward.
-    "resnet18": ModelSpec("resnet18", {}, (3, 32, 32), 10, 8, "compute-heavy", 1.0),
+    # 10.5 M parameters (40 MiB of gradients) for little arithmetic per sample.
+    "mlp": ModelSpec("mlp", {"hidden": [2048, 2048]}, (3, 32, 32), 10, 32, "communication-heavy", 1.3),
+    # 29.4 M parameters (112 MiB); about 700 ms a step there.
+    "mlp-4096": ModelSpec("mlp", {"hidden": [4096, 4096]}, (3, 32, 32), 10, 16, "communication-heavy", 1.3),
+    # ResNet-18 at half width: 2.8 M parameters (11 MiB), ~0.15 GFLOP per 32x32 sample forward.
+    "resnet18": ModelSpec("resnet18", {"width": 32}, (3, 32, 32), 10, 8, "compute-heavy", 1.0),
+    # 0.31 M parameters (1.2 MiB): communication is latency only.
     "resnet_tiny": ModelSpec("resnet_tiny", {}, (3, 32, 32), 10, 32, "compute-heavy", 1.0),
+    # A smoke test (seconds), not a benchmark.
+    "mlp-small": ModelSpec("mlp", {"hidden": [256, 256]}, (3, 32, 32), 10, 16, "smoke test", 1.0),
 }
 DEFAULT_MODELS = "mlp,resnet18"
 
 
 @dataclass
 class Contender:
-    """One way to train: ``step(inputs, targets)`` runs one full optimizer step."""
+    """One way to train: a step is ``forward_backward(inputs, targets)`` then ``update()``."""
 
     name: str
     model: nn.Module
-    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    close: Callable[[], None] = lambda: None
-    profile: dict[str, list[float]] = field(default_factory=dict)
+    forward_backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """Forward, backward and gradient averaging (whatever of it is not hidden); returns the loss."""
+    update: Callable[[], None]
+    """Gradient clipping and the optimizer step."""
+    dp: Any = None
+    """hpcnet's DataParallel (for the instrumented block), else None."""
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.forward_backward(inputs, targets)
+        self.update()
+        return loss
 
 
 def _sync(device: torch.device) -> None:
@@ -74,7 +89,7 @@ def _sync(device: torch.device) -> None:
 
 
 def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.device, local: bool,
-                    seed: int) -> list[Contender]:
+                    seed: int = 0) -> list[Contender]:
     """hpcnet, DDP and (optionally) the no-communication baseline on copies of one model (collective)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -86,54 +101,45 @@ def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.dev
 
     torch.manual_seed(seed)
     base = build_model(spec.model, DatasetInfo("image", spec.input_shape, spec.num_classes), spec.options).to(device)
-    optim_cfg = OptimConfig()  # hpcnet's defaults for both (SGD with momentum, weight decay)
-    clip = optim_cfg.grad_clip
-    contenders = []
+    optim_cfg = OptimConfig()  # hpcnet's defaults for every contender (SGD, momentum, weight decay, clip 1.0)
+
+    def updater(model: nn.Module) -> tuple[torch.optim.Optimizer, Callable[[], None]]:
+        optimizer = build_optimizer(model, optim_cfg)
+
+        def update() -> None:
+            if optim_cfg.grad_clip > 0:
+                nn.utils.clip_grad_norm_(model.parameters(), optim_cfg.grad_clip)
+            optimizer.step()
+
+        return optimizer, update
 
     model_h = copy.deepcopy(base)
-    dp = DataParallel(model_h, comm, world, DistConfig(), device=device)
-    opt_h = build_optimizer(model_h, optim_cfg)
-
-    def hpcnet_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = dp.step([(x, y)], compute_loss)  # forward, backward, averaged gradients
-        if clip > 0:
-            nn.utils.clip_grad_norm_(model_h.parameters(), clip)
-        opt_h.step()
-        return loss
-
-    contenders.append(Contender("hpcnet", model_h, hpcnet_step, dp.close))
-    contenders[-1].dp = dp  # type: ignore[attr-defined]  # for the instrumented block
+    dp = DataParallel(model_h, comm, world, DistConfig(), device=device)  # hpcnet's defaults
+    contenders = [Contender("hpcnet", model_h, lambda x, y: dp.step([(x, y)], compute_loss), updater(model_h)[1], dp)]
 
     model_d = copy.deepcopy(base)
-    ddp = DistributedDataParallel(model_d, device_ids=[device] if device.type == "cuda" else None,
-                                  process_group=dist.group.WORLD)
-    opt_d = build_optimizer(model_d, optim_cfg)
+    ddp = DistributedDataParallel(model_d, device_ids=[device] if device.type == "cuda" else None)  # its defaults
+    opt_d, update_d = updater(model_d)
 
-    def ddp_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def ddp_forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         opt_d.zero_grad(set_to_none=True)
         loss = compute_loss(ddp, x, y)
-        loss.backward()  # DDP all-reduces its buckets during backward and waits at its end
-        if clip > 0:
-            nn.utils.clip_grad_norm_(model_d.parameters(), clip)
-        opt_d.step()
+        loss.backward()  # DDP all-reduces its buckets during backward and waits for them at its end
         return loss.detach()
 
-    contenders.append(Contender(f"ddp-{dist.get_backend()}", model_d, ddp_step))
+    contenders.append(Contender(f"ddp-{dist.get_backend()}", model_d, ddp_forward_backward, update_d))
 
     if local:
         model_l = copy.deepcopy(base)
-        opt_l = build_optimizer(model_l, optim_cfg)
+        opt_l, update_l = updater(model_l)
 
-        def local_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        def local_forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             opt_l.zero_grad(set_to_none=True)
             loss = compute_loss(model_l, x, y)
             loss.backward()
-            if clip > 0:
-                nn.utils.clip_grad_norm_(model_l.parameters(), clip)
-            opt_l.step()
             return loss.detach()
 
-        contenders.append(Contender("local", model_l, local_step))
+        contenders.append(Contender("local", model_l, local_forward_backward, update_l))
     return contenders
 
 
@@ -147,7 +153,7 @@ def synthetic_batches(spec: ModelSpec, batch_size: int, count: int, rank: int,
 
 def run_block(contender: Contender, batches: list[tuple[torch.Tensor, torch.Tensor]], first: int, steps: int,
               comm: Any, device: torch.device) -> float:
-    """Seconds for ``steps`` steps, slowest rank (collective)."""
+    """Seconds for ``steps`` steps from batch number ``first``, slowest rank (collective)."""
     comm.Barrier()
     t0 = time.perf_counter()
     loss = None
@@ -159,84 +165,245 @@ def run_block(contender: Contender, batches: list[tuple[torch.Tensor, torch.Tens
     return max_over_ranks(comm, time.perf_counter() - t0)
 
 
-# -- the instrumented block ---------------------------------------------------------------------------
+def profile_block(contender: Contender, batches: list[tuple[torch.Tensor, torch.Tensor]], first: int, steps: int,
+                  comm: Any, device: torch.device) -> dict[str, Any]:
+    """Median per-step split in ms: forward+backward, exposed communication, optimizer (collective).
 
-
-def profile_hpcnet(contender: Contender, batches: list, first: int, steps: int, comm: Any,
-                   device: torch.device) -> dict[str, float]:
-    """Per-step split of hpcnet's step and the overlap of its all-reduces with backward (medians, ms).
-
-    Wraps ``Reducer.finish`` (the exposed wait) and, for the MPI transport,
-    the worker's all-reduce call (when each bucket is on the wire) for the
-    duration of the block only.
+    For hpcnet, ``Reducer.finish`` (the exposed wait) and, on the MPI
+    transport, the worker's all-reduce call (when each bucket is on the wire)
+    are wrapped for the duration of this block only, to measure how much
+    communication hides behind backward.  For DDP, the exposed wait is part
+    of backward; compare with ``local``.
     """
-    dp = contender.dp  # type: ignore[attr-defined]
-    reducer = dp.reducer
-    transport = reducer.transport
-    spans: list[tuple[float, float, int]] = []  # per bucket: start, end, bytes (worker thread)
+    reducer = contender.dp.reducer if contender.dp is not None else None
+    transport = reducer.transport if reducer is not None else None
+    spans: list[tuple[float, float]] = []  # per bucket on the worker thread: start, end
     marks: dict[str, float] = {}
-    finish, inner = reducer.finish, getattr(transport, "_allreduce", None)
+    if reducer is not None:
+        finish = reducer.finish
 
-    def timed_finish() -> None:
-        marks["finish_start"] = time.perf_counter()
-        finish()
-        marks["finish_end"] = time.perf_counter()
+        def timed_finish() -> None:
+            marks["finish_start"] = time.perf_counter()
+            finish()
+            marks["finish_end"] = time.perf_counter()
 
-    def timed_allreduce(flat: torch.Tensor) -> None:
-        t0 = time.perf_counter()
-        inner(flat)
-        spans.append((t0, time.perf_counter(), flat.numel() * flat.element_size()))
-
-    reducer.finish = timed_finish
+        reducer.finish = timed_finish
+    inner = getattr(transport, "_allreduce", None)
     if inner is not None:
+        def timed_allreduce(flat: torch.Tensor) -> None:
+            t0 = time.perf_counter()
+            inner(flat)
+            spans.append((t0, time.perf_counter()))
+
         transport._allreduce = timed_allreduce
-    rows: dict[str, list[float]] = {k: [] for k in ("step", "forward_backward", "exposed_comm", "optimizer",
-                                                     "comm_busy", "comm_hidden", "first_launch")}
+    rows: dict[str, list[float]] = {}
+
+    def add(key: str, seconds: float) -> None:
+        rows.setdefault(key, []).append(seconds * 1e3)
+
     try:
         comm.Barrier()
         for i in range(first, first + steps):
             spans.clear()
             _sync(device)
             t0 = time.perf_counter()
-            contender.step(*batches[i % len(batches)]).item()
+            loss = contender.forward_backward(*batches[i % len(batches)])
             _sync(device)
             t1 = time.perf_counter()
-            rows["step"].append(t1 - t0)
-            rows["forward_backward"].append(marks["finish_start"] - t0)
-            rows["exposed_comm"].append(marks["finish_end"] - marks["finish_start"])
-            rows["optimizer"].append(t1 - marks["finish_end"])
+            contender.update()
+            loss.item()
+            _sync(device)
+            t2 = time.perf_counter()
+            add("step", t2 - t0)
+            add("optimizer", t2 - t1)
+            if reducer is None:
+                add("forward_backward", t1 - t0)
+                continue
+            add("forward_backward", marks["finish_start"] - t0)
+            add("exposed_comm", marks["finish_end"] - marks["finish_start"])
             if spans:
-                rows["comm_busy"].append(sum(e - s for s, e, _ in spans))
-                # Wire time that ended, or ran, before backward finished: hidden behind compute.
-                rows["comm_hidden"].append(sum(max(0.0, min(e, marks["finish_start"]) - s) for s, e, _ in spans))
-                rows["first_launch"].append(min(s for s, _, _ in spans) - t0)
+                end_of_backward = marks["finish_start"]
+                add("comm_busy", sum(e - s for s, e in spans))
+                # Wire time before backward ended ran behind compute (hidden).
+                add("comm_hidden", sum(max(0.0, min(e, end_of_backward) - s) for s, e in spans))
+                add("first_launch_after", min(s for s, _ in spans) - t0)
+                add("last_done_after_backward", max(e for _, e in spans) - end_of_backward)
     finally:
-        del reducer.finish
+        if reducer is not None:
+            del reducer.finish  # the instance attribute: the class method shows through again
         if inner is not None:
             del transport._allreduce
-    out = {f"{k}_ms": statistics.median(v) * 1e3 for k, v in rows.items() if v}
-    out["buckets"] = len(reducer.buckets)
-    out["bucket_mb"] = [round(b.buffer.numel() * b.buffer.element_size() / 2**20, 2) for b in reducer.buckets]
+    out: dict[str, Any] = {f"{k}_ms": statistics.median(v) for k, v in rows.items()}
+    if reducer is not None:
+        out["buckets_mib"] = [round(b.buffer.numel() * b.buffer.element_size() / 2**20, 2) for b in reducer.buckets]
     return out
 
 
-def profile_plain(contender: Contender, batches: list, first: int, steps: int, comm: Any,
-                  device: torch.device, forward_backward: Callable) -> dict[str, float]:
-    """Split of a DDP or local step: forward+backward (DDP: its exposed wait included) and optimizer (ms)."""
-    rows: dict[str, list[float]] = {"step": [], "forward_backward": [], "optimizer": []}
-    comm.Barrier()
-    for i in range(first, first + steps):
-        x, y = batches[i % len(batches)]
-        _sync(device)
-        t0 = time.perf_counter()
-        loss = forward_backward(x, y)
-        _sync(device)
-        t1 = time.perf_counter()
-        contender.finish_step()  # type: ignore[attr-defined]
-        loss.item()
-        _sync(device)
-        t2 = time.perf_counter()
-        rows["step"].append(t2 - t0)
-        rows["forward_backward"].append(t1 - t0)
-        rows["optimizer"].append(t2 - t1)
-    return {f"{k}_ms": statistics.median(v) * 1e3 for k, v in rows.items()}
+def bench_model(name: str, spec: ModelSpec, comm: Any, world: Any, args: argparse.Namespace,
+                device: torch.device) -> dict[str, Any]:
+    """Warm-up, alternating timed rounds and an instrumented block for the model ``SPECS[name]`` (collective)."""
+    from mpi4py import MPI
+
+    from hpcnet.models import count_parameters
+
+    batch_size = args.batch_size or spec.batch_size
+    contenders = make_contenders(spec, comm, world, device=device, local=not args.no_local)
+    batches = synthetic_batches(spec, batch_size, args.distinct_batches, world.rank, device)
+    global_batch = batch_size * world.size
+    try:
+        position = {c.name: 0 for c in contenders}  # every contender walks the same batch sequence
+
+        def block(c: Contender, steps: int) -> float:
+            seconds = run_block(c, batches, position[c.name], steps, comm, device)
+            position[c.name] += steps
+            return seconds
+
+        for c in contenders:
+            block(c, args.warmup)
+        seconds: dict[str, list[float]] = {c.name: [] for c in contenders}
+        for r in range(args.rounds):
+            # Rotate who goes first, so no contender always runs right after the same one.
+            shift = r % len(contenders)
+            order = contenders[shift:] + contenders[:shift]
+            for c in order:
+                seconds[c.name].append(block(c, args.steps))
+        profiles = {}
+        if args.profile_steps:
+            for c in contenders:
+                profiles[c.name] = profile_block(c, batches, position[c.name], args.profile_steps, comm, device)
+                position[c.name] += args.profile_steps
+        # Same start, same data, same number of steps: hpcnet and DDP should hold
+        # (nearly) the same weights; a large difference means they did not train alike.
+        diff = max((a - b).abs().max().item() for a, b in zip(contenders[0].model.parameters(),
+                                                                 contenders[1].model.parameters()))
+        diff = comm.allreduce(diff, op=MPI.MAX)
+    finally:
+        for c in contenders:
+            if c.dp is not None:
+                c.dp.close()
+    hp, ddp = contenders[0].name, contenders[1].name
+    result: dict[str, Any] = {
+        "name": name, "model": spec.model, "options": spec.options, "kind": spec.kind,
+        "input_shape": list(spec.input_shape),
+        "parameters": count_parameters(contenders[0].model),
+        "gradient_mib": sum(p.numel() * p.element_size() for p in contenders[0].model.parameters()) / 2**20,
+        "batch_per_rank": batch_size, "global_batch": global_batch, "steps_per_block": args.steps,
+        "rounds": args.rounds, "hpcnet_backend": contenders[0].dp.describe(),
+        "max_param_diff_hpcnet_vs_ddp": diff, "contenders": {},
+    }
+    for c in contenders:
+        t = seconds[c.name]
+        result["contenders"][c.name] = {
+            "samples_per_s": summarize([args.steps * global_batch / x for x in t]),
+            "step_ms": summarize([x / args.steps * 1e3 for x in t]),
+            "block_s_rounds": t,
+            "profile": profiles.get(c.name, {}),
+        }
+    # Paired per round (same moment, same load), then the median.
+    result["ratio_hpcnet_vs_ddp"] = summarize([d / h for h, d in zip(seconds[hp], seconds[ddp])])
+    result["target"] = spec.target
+    result["met"] = result["ratio_hpcnet_vs_ddp"]["median"] >= spec.target
+    return result
+
+
+def format_model(res: dict[str, Any]) -> str:
+    lines = [f"{res['model']} {res['options'] or ''} ({res['kind']}): {res['parameters'] / 1e6:.1f} M parameters, "
+             f"{res['gradient_mib']:.0f} MiB of gradients, batch {res['batch_per_rank']}/rank "
+             f"({res['global_batch']} global), {res['rounds']} rounds x {res['steps_per_block']} steps",
+             f"hpcnet: {res['hpcnet_backend']}"]
+    header = ["contender", "samples/s", "spread", "best", "step ms", "comm cost ms", "fwd+bwd ms", "exposed comm ms",
+              "optimizer ms", "comm busy ms", "comm hidden"]
+    rows = []
+    contenders = res["contenders"]
+    local = contenders.get("local")
+    for name, c in contenders.items():
+        p = c["profile"]
+        # What communication costs in all: the step time over the local step's.
+        cost = f"{c['step_ms']['median'] - local['step_ms']['median']:.1f}" if local and name != "local" else "-"
+        exposed = "-"
+        if "exposed_comm_ms" in p:
+            exposed = f"{p['exposed_comm_ms']:.1f}"
+        elif name.startswith("ddp") and local and local["profile"]:
+            # DDP waits inside backward: its extra backward time over the local model's.
+            exposed = f"~{p['forward_backward_ms'] - local['profile']['forward_backward_ms']:.1f}"
+        busy = p.get("comm_busy_ms")
+        rows.append([name, f"{c['samples_per_s']['median']:.1f}", f"{100 * c['samples_per_s']['spread']:.0f}%",
+                     f"{c['samples_per_s']['max']:.1f}",
+                     f"{c['step_ms']['median']:.1f}", cost,
+                     f"{p['forward_backward_ms']:.1f}" if p else "-", exposed,
+                     f"{p['optimizer_ms']:.1f}" if p else "-", "-" if busy is None else f"{busy:.1f}",
+                     f"{100 * p['comm_hidden_ms'] / busy:.0f}%" if busy else "-"])
+    ratio = res["ratio_hpcnet_vs_ddp"]
+    lines.append(table(header, rows))
+    lines.append("samples/s: median of the rounds (spread (max-min)/median, best = max); comm cost: step time over "
+                 "local's; fwd+bwd, exposed comm (after backward; DDP ~ its backward over local's), optimizer (clip "
+                 "+ step), comm busy (MPI calls' wall time) and hidden (share of it before backward ended) from the "
+                 "instrumented block, medians")
+    lines.append(f"hpcnet / DDP samples/s: {ratio['median']:.3f} (per-round paired, range {ratio['min']:.2f}-"
+                 f"{ratio['max']:.2f}); target >= {res['target']}: {'met' if res['met'] else 'NOT met'}; "
+                 f"max |weight difference| hpcnet vs DDP after the run: {res['max_param_diff_hpcnet_vs_ddp']:.2e}")
+    return "\n".join(lines)
+
+
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m hpcnet.bench train", description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--models", default=DEFAULT_MODELS,
+                        help=f"comma-separated models among {', '.join(SPECS)} (default {DEFAULT_MODELS})")
+    parser.add_argument("--steps", type=int, default=5, help="steps per contender per round (default 5)")
+    parser.add_argument("--rounds", type=int, default=10, help="alternating rounds (default 10)")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per contender (default 3)")
+    parser.add_argument("--batch-size", type=int, default=0, help="per-rank batch size (default: per model)")
+    parser.add_argument("--distinct-batches", type=int, default=4, help="synthetic batches cycled (default 4)")
+    parser.add_argument("--profile-steps", type=int, default=5,
+                        help="steps of the instrumented block that splits the step time (default 5; 0 = none)")
+    parser.add_argument("--no-local", action="store_true", help="leave out the no-communication baseline")
+    parser.add_argument("--json", default="", help="also write the results to this JSON file (rank 0)")
+    args = parser.parse_args(argv)
+    for name in ("steps", "rounds", "distinct_batches"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.warmup < 0 or args.profile_steps < 0 or args.batch_size < 0:
+        parser.error("--warmup, --profile-steps and --batch-size must be >= 0")
+    args.model_list = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in args.model_list if m not in SPECS]
+    if unknown or not args.model_list:
+        parser.error(f"unknown model(s) {', '.join(unknown) or '(none given)'}; choose among {', '.join(SPECS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m hpcnet.bench train``; the only place that uses COMM_WORLD."""
+    from mpi4py import MPI
+
+    from hpcnet.bootstrap import init_data_plane
+    from hpcnet.world import choose_device, cpu_threads, discover, shared_errors
+
+    args = _parse_args(sys.argv[1:] if argv is None else argv)
+    comm = MPI.COMM_WORLD.Dup()
+    world = discover(comm)
+    torch.set_num_threads(cpu_threads(world))  # as hpcnet.train does: the node's cores shared among its ranks
+    with shared_errors(comm):
+        device = choose_device(world)
+    env = environment(comm)
+    if world.is_main:
+        print(describe_environment(env), flush=True)
+    plane = init_data_plane(comm, world, backend="auto", device=device, timeout_s=300.0)
+    try:
+        results = []
+        for name in args.model_list:
+            t0 = time.perf_counter()
+            res = bench_model(name, SPECS[name], comm, world, args, device)
+            res["wall_s"] = time.perf_counter() - t0
+            results.append(res)
+            if world.is_main:
+                print()
+                print(format_model(res), flush=True)
+        env["load_average_end"] = load_average()
+        if world.is_main:
+            print(f"\nload average at end: {', '.join(f'{x:.2f}' for x in env['load_average_end'])}")
+            if args.json:
+                write_json(args.json, {"benchmark": "train", "environment": env, "results": results})
+        return 0
+    finally:
+        plane.close()
+        comm.Free()

@@ -1,0 +1,528 @@
+"""Failure detection while training: heartbeats, stalls, desyncs and memory leaks.
+
+One ``Monitor`` per rank owns a background thread on a private duplicate of
+the job's communicator.  Every ``monitor.heartbeat_interval_s`` the thread
+
+- beats to its two ring successors and listens for its two predecessors
+  (``hpcnet.heartbeat``: why a ring, what a beat carries, the blind spot);
+- declares a predecessor silent for ``heartbeat_misses`` intervals failed:
+  it writes ``failure.json`` to the run directory, prints one line naming
+  the rank, its host, its last step and the collective it was in, and ends
+  the job with ``MPI_Abort`` (status 75, restartable);
+- compares the sequence number and operation in each beat with its own
+  flight recorder (``hpcnet.flightrec``): the same position with a different
+  collective is a desync;
+- watches its own oldest unfinished collective: one older than the stall
+  timeout is a stall.
+
+On a stall or a desync the detecting rank asks every rank (a notice on the
+monitor's communicator) to dump its Python stacks and its flight recorder to
+``stall.rank<r>.txt``; the ranks answer with their state, and the detecting
+rank (the lowest, when several detect at once) says which ranks are behind,
+out of step or silent, writes ``failure.json`` and aborts the job.
+
+Why abort and not a clean exit: when a rank hangs, the others are usually
+blocked inside a collective waiting for it.  No Python code runs on those
+ranks' main threads until the collective completes, which it never will, so
+they cannot agree on anything; only ``MPI_Abort`` (from the monitor thread,
+which MPI_THREAD_MULTIPLE allows) ends them.
+
+Threads: the monitor thread calls MPI (Isend, Irecv, Test) while the
+training thread, and the MPI transport's worker, are inside MPI calls, which
+needs ``MPI_THREAD_MULTIPLE``.  With ``MPI_THREAD_SERIALIZED`` every call
+would take one global lock, and a training thread blocked in an all-reduce
+with a hung peer would hold it forever: the monitor would freeze exactly when
+it is needed.  mpi4py asks for MULTIPLE by default; a library that grants
+less turns the monitor thread off with a warning.
+
+A hung rank's own stacks: each rank registers ``faulthandler`` for
+``DUMP_SIGNAL`` (SIGRTMIN+4), which prints every thread's stack to stderr
+from a C signal handler, so it works even when a thread holds the GIL in C
+code (the case where the monitor thread itself cannot run).  A rank that
+declares a peer on the same host silent sends it that signal before
+aborting; on any host ``kill -s RTMIN+4 <pid>`` does the same by hand.
+SIGUSR1 is left to NCCL and SIGUSR2 to preemption notices (``train.StopRequest``);
+real-time signals are used by neither nor by Open MPI.  A SIGSTOPped rank
+cannot run any handler: its stack is not available, the report says where
+it was from its last beat.
+"""
+
+import contextlib
+import faulthandler
+import json
+import logging
+import os
+import random
+import signal
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpcnet.config import MonitorConfig
+from hpcnet.errors import ExitCode
+from hpcnet.flightrec import (NULL_RECORDER, WARMUP_FACTOR, FlightRecorder, analyze_stall, describe_op, desync,
+                              format_entries, stall_timeout)
+from hpcnet.heartbeat import (LEAVING, RUNNING, TAG_ACK, TAG_BEAT, TAG_NOTICE, HeartbeatLink, PeerTracker, encode,
+                              ring_peers)
+from hpcnet.memwatch import MemoryWatch
+from hpcnet.world import World
+
+log = logging.getLogger(__name__)
+
+DUMP_SIGNAL = getattr(signal, "SIGRTMIN", signal.SIGXCPU) + (4 if hasattr(signal, "SIGRTMIN") else 0)
+"""The signal that makes a rank print every thread's stack to stderr."""
+FAILURE_FILE = "failure.json"
+
+
+def where(beat: dict[str, Any] | None, last_step: int | None = None) -> str:
+    """Where a rank was, from its last beat: ``last seen at step 12, in allreduce.bucket[2] (#842) for 0.3 s``.
+
+    ``last_step`` is a better lower bound of its steps when one is known (see ``heartbeat_report``).
+    """
+    if beat is None:
+        return "never heard from (it failed before its first beat)"
+    if beat["open_seq"] > 0:
+        doing = (f"in {describe_op(beat['open_op'], beat['open_bucket'], beat['open_seq'])} "
+                 f"for {beat['open_s']:.1f} s")
+    else:
+        doing = f"not in a collective (last: {describe_op(beat['op'], beat['bucket'], beat['seq'])})"
+    if last_step is not None and last_step > beat["step"]:
+        return f"it completed step {last_step} (its last beat, at step {beat['step']}: {doing})"
+    return f"last seen at step {beat['step']}, {doing}"
+
+
+def heartbeat_report(silent: dict[int, tuple[float, dict[str, Any] | None]], hostnames: tuple[str, ...], *,
+                     detector: int, interval_s: float, misses: int, detector_step: int = 0) -> dict[str, Any]:
+    """The report of ranks that stopped beating (pure).
+
+    Args:
+        silent: per failed rank, (seconds since it was last heard, its last beat or None).
+        hostnames: host of every rank.
+        detector: the rank that noticed.
+        detector_step: steps the detector completed.  A step needs every
+            rank, so a silent rank completed at least one step fewer; its
+            last beat, up to an interval old, may say less.
+    """
+    failed = []
+    lines = []
+    for rank, (silent_s, beat) in sorted(silent.items()):
+        last_step = max(beat["step"] if beat else 0, detector_step - 1) if beat or detector_step > 1 else None
+        failed.append({
+            "rank": rank, "host": hostnames[rank], "silent_s": round(silent_s, 2),
+            "last_step": last_step, "last_beat_step": beat["step"] if beat else None,
+            "collective": (describe_op(beat["open_op"], beat["open_bucket"], beat["open_seq"]) if beat and
+                           beat["open_seq"] > 0 else None),
+            "last_collective": describe_op(beat["op"], beat["bucket"], beat["seq"]) if beat and beat["seq"] else None,
+            "pid": beat["pid"] if beat else None,
+        })
+        lines.append(f"rank {rank} on {hostnames[rank]} missed {misses} heartbeats (silent for {silent_s:.1f} s; "
+                     f"interval {interval_s:g} s): {where(beat, last_step)}")
+    message = ("; ".join(lines) + f". Declared failed by rank {detector} on {hostnames[detector]}; "
+               f"ending the job with status {int(ExitCode.RESTARTABLE)} (restartable).")
+    return {"kind": "heartbeat", "failed": failed, "message": message}
+
+
+def stall_report(kind: str, detail: str, states: dict[int, dict[str, Any] | None], hostnames: tuple[str, ...], *,
+                 detector: int, mismatched: tuple[int, ...] = ()) -> dict[str, Any]:
+    """The report of a stall or desync from every rank's answer (pure).
+
+    ``mismatched``: ranks already known to disagree (the pair a desync was seen between).
+    """
+    analysis = analyze_stall(states, mismatched)
+    suspects = analysis["mismatched"] or analysis["behind"] or analysis["silent"]
+    failed = [{"rank": r, "host": hostnames[r],
+               "last_step": states[r]["step"] if states[r] else None,
+               "why": ("mismatched" if r in analysis["mismatched"] else "behind" if r in analysis["behind"]
+                       else "silent")} for r in suspects]
+    message = (f"{kind} detected by rank {detector} on {hostnames[detector]}: {detail}\n  "
+               + "\n  ".join(analysis["lines"])
+               + f"\n  stacks and flight recorders: stall.rank<r>.txt in the run directory; "
+                 f"ending the job with status {int(ExitCode.RESTARTABLE)} (restartable).")
+    ranks = [{"rank": r, "host": hostnames[r], **(s or {"answered": False})} for r, s in sorted(states.items())]
+    return {"kind": kind, "detail": detail, "failed": failed, "ranks": ranks, "message": message}
+
+
+def merge_reports(earlier: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+    """What ``failure.json`` says when a second rank reports after a first (pure).
+
+    The first report stands; a second one of the same kind adds the ranks it
+    names (two watchers of two adjacent failed ranks each see a different
+    part), one of another kind is dropped: it describes the aftermath (a
+    stopped rank continued by ``mpirun`` for its teardown, say).
+    """
+    if earlier.get("kind") != report["kind"]:
+        return earlier
+    named = {f["rank"] for f in earlier["failed"]}
+    failed = earlier["failed"] + [f for f in report["failed"] if f["rank"] not in named]
+    also = sorted(set(earlier.get("also_detected_by", [])) | {report["detected_by"]})
+    return {**earlier, "failed": sorted(failed, key=lambda f: f["rank"]), "also_detected_by": also}
+
+
+def write_failure(run_dir: Path, report: dict[str, Any]) -> Path:
+    """Write (or, when another rank was first, merge into) ``failure.json``, atomically."""
+    path = run_dir / FAILURE_FILE
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        report = merge_reports(json.loads(path.read_text()), report)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+class Monitor:
+    """Heartbeats, flight recorder, stall/desync watchdog and memory watch for one rank.
+
+    Args:
+        cfg: the ``monitor`` options.
+        comm: the job's communicator (``start`` duplicates it; ``summary`` gathers on it).
+        world: its layout (hosts name the failed ranks).
+        run_dir: where reports and dumps go.
+        device: the training device (GPU memory is watched on CUDA).
+        on_failure: called with the report once a failure is declared; the
+            default aborts the job with status 75.  Tests pass a recorder.
+    """
+
+    def __init__(self, cfg: MonitorConfig, comm: Any, world: World, run_dir: Path, *, device: Any = None,
+                 on_failure: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.cfg = cfg
+        self.comm = comm
+        self.world = world
+        self.run_dir = Path(run_dir)
+        self.on_failure = on_failure
+        self.recorder: FlightRecorder | Any = FlightRecorder() if cfg.enabled else NULL_RECORDER
+        self.memory = (MemoryWatch(cfg.memory_every_steps, cfg.memory_window, cfg.memory_growth_mb, device=device,
+                                   run_dir=self.run_dir, rank=world.rank)
+                       if cfg.enabled and cfg.memory_every_steps > 0 else None)
+        self.failure: dict[str, Any] | None = None
+        """The report, once this rank declared a failure."""
+        self.send_to, self.watch = ring_peers(world.rank, world.size)
+        self._tick_s = min(0.05, max(0.01, cfg.heartbeat_interval_s / 10))
+        self._step_times: deque[float] = deque(maxlen=100)
+        self._last_step_at: float | None = None
+        self._timeout_s = stall_timeout(cfg.stall_timeout_s, cfg.stall_floor_s, [])
+        self._timeout_at = 0.0
+        self._link: HeartbeatLink | None = None
+        self._tracker: PeerTracker | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._muted = False  # tests: stop beating, as a hung rank would
+        self._next_beat = 0.0
+        self._peer_latest: dict[int, dict[str, Any]] = {}
+        self._dumped = False
+        self._doomed_at: float | None = None
+        self._coordinating = ""  # the kind of failure this rank is collecting answers for
+        self._dump_handler = False
+
+    # -- life cycle (training thread) --------------------------------------------
+    def start(self) -> "Monitor":
+        """Start the monitor thread (collective: duplicates the communicator)."""
+        from mpi4py import MPI
+
+        if not self.cfg.enabled:
+            return self
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            log.warning("MPI was initialised without MPI_THREAD_MULTIPLE: heartbeats and stall detection are off")
+            return self
+        hb_comm = self.comm.Dup()
+        session = hb_comm.bcast(random.getrandbits(48) if self.world.rank == 0 else None, root=0)
+        self._link = HeartbeatLink(hb_comm, session)
+        self._tracker = PeerTracker(self.watch, self.cfg.heartbeat_interval_s, self.cfg.heartbeat_misses,
+                                    time.monotonic(), startup_deadline_s=WARMUP_FACTOR * self.cfg.stall_floor_s)
+        self._register_dump_signal()
+        self._thread = threading.Thread(target=self._run, name="hpcnet-monitor", daemon=True)
+        self._thread.start()
+        return self
+
+    def step(self, step: int) -> None:
+        """Call at each step boundary with the number of steps completed (cheap)."""
+        self.recorder.step = step
+        now = time.monotonic()
+        if self._last_step_at is not None:
+            self._step_times.append(now - self._last_step_at)
+        self._last_step_at = now
+        if self.memory is not None:
+            self.memory.maybe_sample(step)
+
+    def collective(self, name: str, bucket: int = -1, nbytes: int = 0) -> contextlib.AbstractContextManager:
+        """Record the collective run in the block in the flight recorder."""
+        return self.recorder.op(name, bucket, nbytes)
+
+    def stop(self) -> None:
+        """Stop the thread after a goodbye beat; local, never waits for a peer."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        if self._dump_handler:
+            faulthandler.unregister(DUMP_SIGNAL)
+            self._dump_handler = False
+
+    def __enter__(self) -> "Monitor":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def summary(self) -> dict[str, Any]:
+        """The monitor's part of summary.json, on rank 0 (collective: gathers every rank's memory trend)."""
+        mine = {"memory": self.memory.summary() if self.memory else None,
+                "sent": self._link.sent if self._link else 0, "received": self._link.received if self._link else 0}
+        every = self.comm.gather(mine, root=0)
+        if self.world.rank != 0:
+            return {}
+        result: dict[str, Any] = {"enabled": self.cfg.enabled}
+        if not self.cfg.enabled:
+            return result
+        times = list(self._step_times)
+        result.update(
+            heartbeat_interval_s=self.cfg.heartbeat_interval_s, heartbeat_misses=self.cfg.heartbeat_misses,
+            watchers_per_rank=len(self.watch), beats_sent=sum(e["sent"] for e in every),
+            beats_received=sum(e["received"] for e in every), collectives_recorded=self.recorder.seq,
+            median_step_s=round(statistics.median(times), 6) if times else None,
+            stall_timeout_s=round(stall_timeout(self.cfg.stall_timeout_s, self.cfg.stall_floor_s, times), 3))
+        if self.memory is not None:
+            memory: dict[str, Any] = {"every_steps": self.cfg.memory_every_steps, "warnings": []}
+            for rank, entry in enumerate(every):
+                for name, trend in entry["memory"]["trend"].items():
+                    memory.setdefault(name, []).append({"rank": rank, **trend})
+                memory["warnings"] += entry["memory"]["warnings"]
+            result["memory"] = memory
+            if memory["warnings"]:
+                log.warning("memory grew steadily on rank(s) %s (see summary.json monitor.memory)",
+                            sorted({w["rank"] for w in memory["warnings"]}))
+        return result
+
+    # -- the monitor thread -------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._once(time.monotonic())
+                time.sleep(self._tick_s)
+        except Exception:  # noqa: BLE001 - the run goes on unmonitored rather than dying here
+            log.exception("the monitor thread failed: heartbeats and stall detection are off for this rank")
+        finally:
+            self._leave()
+
+    def _once(self, now: float) -> None:
+        assert self._tracker is not None
+        self._tracker.tick(now)
+        self._receive(now)
+        self._beat_if_due(now)
+        if self.failure is not None:
+            return  # declared (tests go on running): keep answering, judge no more
+        if self._tracker.judging_paused(now):
+            return  # this rank itself was away (stopped, starved): its view is stale
+        overdue = self._tracker.overdue(now, self.recorder.step)
+        if overdue:
+            self._declare_silent(overdue, now)
+            return
+        if self._doomed_at is not None:
+            # Another rank is reporting a stall or desync; if it never ends the job, this one does.
+            if now > self._doomed_at:
+                self._declare(stall_report("stall", "the rank that asked for dumps did not end the job",
+                                           {self.world.rank: self._state()}, self.world.hostnames,
+                                           detector=self.world.rank))
+            return
+        self._check_desync()
+        self._check_stall(now)
+
+    def _receive(self, now: float) -> None:
+        assert self._link is not None and self._tracker is not None
+        for tag, source, fields in self._link.poll():
+            self._tracker.heard(source, fields, now)
+            if tag == TAG_BEAT:
+                self._peer_latest[source] = fields
+            elif tag == TAG_NOTICE:
+                self._answer(source, fields)
+
+    def _beat_if_due(self, now: float) -> None:
+        if now < self._next_beat or self._muted:
+            return
+        interval = self.cfg.heartbeat_interval_s
+        self._next_beat = self._next_beat + interval if self._next_beat + interval > now else now + interval
+        self._link.send_beat(self.send_to, self._vector())
+
+    def _leave(self) -> None:
+        if self._link is None or self._link.closed:
+            return
+        with contextlib.suppress(Exception):  # MPI may already be finalized or the job aborted
+            self._link.send_beat(self.send_to, self._vector(state=LEAVING))
+            self._link.flush(0.5)
+            self._link.close()
+
+    def _state(self) -> dict[str, Any]:
+        """This rank's position, as a beat carries it (see ``hpcnet.heartbeat.FIELDS``)."""
+        rec = self.recorder
+        latest, control, oldest = rec.latest(), rec.latest_control(), rec.oldest_open()
+        return {"step": rec.step, "seq": latest.seq if latest else 0, "op": latest.op if latest else "none",
+                "bucket": latest.bucket if latest else -1, "cseq": control.seq if control else 0,
+                "cop": control.op if control else "none", "digest": control.digest if control else 0,
+                "open_seq": oldest.seq if oldest else 0,
+                "open_op": oldest.op if oldest else "none", "open_bucket": oldest.bucket if oldest else -1,
+                "open_s": time.monotonic() - oldest.start if oldest else 0.0}
+
+    def _vector(self, state: int = RUNNING, kind: str = "") -> np.ndarray:
+        return encode(session=self._link.session, rank=self.world.rank, state=state, wall=time.time(),
+                      pid=os.getpid(), kind=kind, **self._state())
+
+    # -- detection ------------------------------------------------------------------
+    def _check_desync(self) -> None:
+        for source, beat in list(self._peer_latest.items()):
+            if beat["cseq"] == 0 or self.recorder.seq < beat["cseq"]:
+                continue  # compare when this rank gets there
+            del self._peer_latest[source]
+            detail = desync(self.recorder.entry(beat["cseq"]), beat["cseq"], beat["cop"], -1, beat["digest"])
+            if detail:
+                self._coordinate("desync", f"rank {source} and rank {self.world.rank} disagree on collective "
+                                           f"#{beat['cseq']}: {detail}", mismatched=(source, self.world.rank))
+                return
+
+    def _check_stall(self, now: float) -> None:
+        if now >= self._timeout_at:  # the median is not worth recomputing every tick
+            self._timeout_s = stall_timeout(self.cfg.stall_timeout_s, self.cfg.stall_floor_s,
+                                            list(self._step_times))
+            self._timeout_at = now + 1.0
+        oldest = self.recorder.oldest_open()
+        if oldest is not None and now - oldest.start > self._timeout_s:
+            self._coordinate("stall", f"{describe_op(oldest.op, oldest.bucket, oldest.seq)} at step {oldest.step} "
+                                      f"has not finished after {now - oldest.start:.1f} s "
+                                      f"(stall timeout {self._timeout_s:.1f} s)")
+
+    def _declare_silent(self, ranks: list[int], now: float) -> None:
+        """Declare overdue ranks failed, with any other watched rank that has missed all but one beat.
+
+        Two adjacent ranks that stop together (one node) go silent within an
+        interval of each other; naming both in one report, at once, beats
+        waiting for the second verdict while the first rank's report ends the job.
+        """
+        tracker = self._tracker
+        nearly = max(1, self.cfg.heartbeat_misses - 1) * self.cfg.heartbeat_interval_s
+        ranks = sorted(set(ranks) | {r for r in tracker.last_heard
+                                     if r not in tracker.left and tracker.silent_s(r, now) > nearly
+                                     and tracker.deadline_of(r, self.recorder.step) == tracker.deadline_s})
+        report = heartbeat_report({r: (tracker.silent_s(r, now), tracker.last_beat[r]) for r in ranks},
+                                  self.world.hostnames, detector=self.world.rank,
+                                  interval_s=self.cfg.heartbeat_interval_s, misses=self.cfg.heartbeat_misses,
+                                  detector_step=self.recorder.step)
+        self._declare(report)
+
+    def _signal_local_peers(self, ranks: list[int]) -> None:
+        """Ask silent ranks on this host to print their stacks (works while they hold the GIL)."""
+        for rank in ranks:
+            beat = self._tracker.last_beat[rank]
+            if beat and self.world.hostnames[rank] == self.world.hostname and beat["pid"] > 0:
+                with contextlib.suppress(OSError):
+                    os.kill(beat["pid"], DUMP_SIGNAL)
+
+    def _coordinate(self, kind: str, detail: str, mismatched: tuple[int, ...] = ()) -> None:
+        """Ask every rank for its dump and state, wait a little for answers, report (monitor thread).
+
+        Several ranks may see the same stall at once; only the lowest of them
+        reports.  A rank that answered a notice does not start its own
+        (``_doomed_at``), and a coordinator steps back when a lower rank's
+        notice arrives or a lower rank's answer says it is coordinating too.
+        """
+        rank, size = self.world.rank, self.world.size
+        self._coordinating = kind
+        self._dump(kind, detail)
+        notice = self._vector(kind=kind)
+        for dest in range(size):
+            if dest != rank:
+                self._link.send(dest, TAG_NOTICE, notice)
+        states: dict[int, dict[str, Any] | None] = {r: None for r in range(size)}
+        states[rank] = self._state()
+        deadline = time.monotonic() + max(2.0, 2 * self.cfg.heartbeat_interval_s)
+        while any(s is None for s in states.values()) and time.monotonic() < deadline:
+            now = time.monotonic()
+            self._tracker.tick(now)
+            for tag, source, fields in self._link.poll():
+                self._tracker.heard(source, fields, now)
+                if tag == TAG_ACK:
+                    states[source] = {k: fields[k] for k in ("step", "seq", "op", "bucket", "cseq", "cop", "digest",
+                                                             "open_seq", "open_op", "open_bucket", "open_s")}
+                elif tag == TAG_NOTICE:
+                    self._answer(source, fields)
+                if tag in (TAG_ACK, TAG_NOTICE) and fields["kind"] and source < rank:
+                    self._step_back()  # a lower rank detected it too and reports for everyone
+                    return
+            self._beat_if_due(now)
+            time.sleep(self._tick_s)
+        self._declare(stall_report(kind, detail, states, self.world.hostnames, detector=rank, mismatched=mismatched))
+
+    def _answer(self, source: int, notice: dict[str, Any]) -> None:
+        """Another rank saw a stall or desync: dump, and tell it where this rank is (and whether it reports too)."""
+        self._dump(notice["kind"] or "stall", f"asked by rank {source}")
+        self._link.send(source, TAG_ACK, self._vector(kind=self._coordinating))
+        if not self._coordinating:
+            self._step_back()
+
+    def _step_back(self) -> None:
+        """Leave the report to another rank; end the job here only if it never does."""
+        self._coordinating = ""
+        if self._doomed_at is None:
+            self._doomed_at = time.monotonic() + max(2.0, 2 * self.cfg.heartbeat_interval_s) + 15.0
+
+    def _dump(self, kind: str, detail: str) -> None:
+        """Write this rank's stacks and flight recorder to ``stall.rank<r>.txt`` (once)."""
+        if self._dumped:
+            return
+        self._dumped = True
+        w = self.world
+        path = self.run_dir / f"stall.rank{w.rank}.txt"
+        try:
+            with open(path, "w") as f:
+                f.write(f"hpcnet {kind} dump: rank {w.rank} of {w.size} on {w.hostname}, pid {os.getpid()}, "
+                        f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n{detail}\n"
+                        f"step {self.recorder.step}; stall timeout {self._timeout_s:.1f} s\n\n"
+                        f"== flight recorder (oldest first; started = seconds before this dump) ==\n")
+                f.write(format_entries(self.recorder.entries()[-64:], time.monotonic()) + "\n\n")
+                names = {t.ident: t.name for t in threading.enumerate()}
+                f.write("== threads ==\n" + "".join(f"0x{i:x} {n}\n" for i, n in names.items()) + "\n")
+                f.write("== Python stacks (faulthandler) ==\n")
+                f.flush()
+                faulthandler.dump_traceback(f, all_threads=True)
+        except OSError as exc:
+            log.error("cannot write %s: %s", path, exc)
+
+    def _declare(self, report: dict[str, Any]) -> None:
+        """Record, print and act on a failure this rank detected."""
+        w = self.world
+        report = {**report, "exit_code": int(ExitCode.RESTARTABLE), "detected_by": w.rank,
+                  "detected_host": w.hostname, "detected_wall": time.time()}
+        self.failure = report
+        try:
+            path = write_failure(self.run_dir, report)
+            where_to = f" ({path})"
+        except OSError as exc:
+            where_to = f" (cannot write {FAILURE_FILE}: {exc})"
+        # To stderr through the hpcnet logger (every rank prints errors there) and to rank<r>.log.
+        log.error("hpcnet: %s%s", report["message"], where_to)
+        if self.on_failure is not None:
+            self.on_failure(report)
+            return
+        if report["kind"] == "heartbeat":
+            self._signal_local_peers([f["rank"] for f in report["failed"]])
+            # A moment for a silent peer to print its stacks, and for its other
+            # watcher to add what it saw to failure.json, before the abort.
+            time.sleep(min(0.5, self.cfg.heartbeat_interval_s))
+        for handler in logging.getLogger("hpcnet").handlers:
+            handler.flush()
+        self.comm.Abort(ExitCode.RESTARTABLE)
+
+    def _register_dump_signal(self) -> None:
+        stream = sys.__stderr__
+        try:
+            if stream is None:
+                return
+            stream.fileno()
+        except (OSError, ValueError):
+            return
+        faulthandler.register(DUMP_SIGNAL, file=stream, all_threads=True, chain=False)
+        self._dump_handler = True

@@ -1,0 +1,107 @@
+"""Benchmarks: the helpers' arithmetic, and quick functional runs under mpirun (no timing assertions)."""
+
+import json
+
+import pytest
+
+from hpcnet.bench.__main__ import benchmarks
+from hpcnet.bench.__main__ import main as bench_main
+from hpcnet.bench.common import algbw, busbw, format_size, parse_size, size_sweep, summarize, table
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("4096", 4096), ("1KiB", 1024), ("64KiB", 65536), ("64k", 65536), ("25MiB", 25 * 2**20), ("25 MiB", 25 * 2**20),
+    ("1.5GiB", 3 * 2**29), ("1KB", 1000), ("2MB", 2_000_000), ("256mib", 256 * 2**20),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "MiB", "12 apples", "0", "0.3B", "-4KiB", "1e3"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ValueError, match="size"):
+        parse_size(text)
+
+
+def test_format_size_round_trips():
+    for nbytes in (1, 1000, 1024, 65536, 25 * 2**20, 3 * 2**29):
+        assert parse_size(format_size(nbytes)) == nbytes
+    assert format_size(25 * 2**20) == "25MiB"
+
+
+def test_size_sweep():
+    sizes = size_sweep(2**10, 2**28, 4, extra=(25 * 2**20, 2**30))
+    assert sizes[0] == 2**10 and sizes[-1] == 2**28 and 25 * 2**20 in sizes
+    assert 2**30 not in sizes and len(sizes) == 11 and sizes == sorted(set(sizes))
+    assert size_sweep(1000, 1000, 2) == [1000]
+    with pytest.raises(ValueError):
+        size_sweep(10, 1, 2)
+    with pytest.raises(ValueError):
+        size_sweep(1, 10, 1)
+
+
+def test_bandwidth_formulas_follow_nccl_tests():
+    assert algbw(2 * 10**9, 2.0) == 10**9
+    assert busbw(10**9, 1.0, 2) == pytest.approx(1e9)  # 2(n-1)/n = 1 for two ranks
+    assert busbw(10**9, 1.0, 4) == pytest.approx(1.5e9)
+    assert busbw(10**9, 1.0, 8) == pytest.approx(1.75e9)
+    assert busbw(10**9, 1.0, 1) == 0.0  # one rank moves nothing
+
+
+def test_summarize_and_table():
+    s = summarize([3.0, 1.0, 2.0, 10.0])
+    assert s == {"median": 2.5, "min": 1.0, "max": 10.0, "spread": pytest.approx(3.6)}
+    with pytest.raises(ValueError):
+        summarize([])
+    text = table(["size", "GB/s"], [["1KiB", "0.1"], ["256MiB", "12.25"]])
+    lines = text.splitlines()
+    assert len(lines) == 4 and lines[1].startswith("------") and lines[3].endswith("12.25")
+
+
+def test_entry_point_lists_and_rejects(capsys):
+    assert {"allreduce", "train"} <= set(benchmarks())
+    assert "common" not in benchmarks()
+    assert bench_main(["--help"]) == 0
+    assert "allreduce" in capsys.readouterr().out
+    assert bench_main(["no_such_bench"]) == 2
+    assert "no benchmark named 'no_such_bench'" in capsys.readouterr().err
+
+
+@pytest.mark.launch
+def test_allreduce_under_mpirun(launch, tmp_path):
+    out = tmp_path / "allreduce.json"
+    proc = launch(2, "allreduce", "--max-size", "64KiB", "--iters", "2", "--rounds", "2", "--warmup", "1",
+                  "--json", str(out), module="hpcnet.bench", timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "load average" in proc.stdout and "mpi/mpi4py" in proc.stdout and "target:" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "allreduce" and report["environment"]["world_size"] == 2
+    names = {m["name"] for m in report["methods"]}
+    assert {"mpi4py", "hpcnet-mpi", "torch-gloo", "hpcnet-gloo", "hpcnet-reducer-mpi"} <= names
+    assert [r["size_bytes"] for r in report["results"]] == [2**10, 2**12, 2**14, 2**16]
+    for res in report["results"]:
+        assert res["iters"] == 2 and set(res["methods"]) == names
+        for name, entry in res["methods"].items():
+            assert len(entry["time_s_rounds"]) == 2 and entry["busbw_GBps"]["median"] > 0
+            assert ("ratio_vs_peer" in entry) == name.startswith("hpcnet")
+    assert set(report["ratio_hpcnet_mpi_vs_mpi4py"]) == {str(s) for s in (2**10, 2**12, 2**14, 2**16)}
+    assert report["target"]["size_bytes"] == 2**16  # the size nearest 25 MiB that ran
+
+
+@pytest.mark.launch
+def test_train_under_mpirun(launch, tmp_path):
+    out = tmp_path / "train.json"
+    proc = launch(2, "train", "--models", "mlp-small,resnet_tiny", "--batch-size", "4", "--steps", "2", "--rounds",
+                  "2", "--warmup", "1", "--profile-steps", "2", "--json", str(out), module="hpcnet.bench",
+                  timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "hpcnet / DDP samples/s" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "train" and [r["model"] for r in report["results"]] == ["mlp", "resnet_tiny"]
+    for res in report["results"]:
+        assert set(res["contenders"]) == {"hpcnet", "ddp-gloo", "local"}
+        assert res["contenders"]["hpcnet"]["samples_per_s"]["median"] > 0
+        assert res["contenders"]["hpcnet"]["profile"]["exposed_comm_ms"] >= 0
+        assert res["ratio_hpcnet_vs_ddp"]["median"] > 0 and isinstance(res["met"], bool)
+        # Same weights, data and steps: both trainers end with (near) equal weights.
+        assert res["max_param_diff_hpcnet_vs_ddp"] < 1e-4
