@@ -10,11 +10,10 @@ the collective write and verified read: ``hpcnet.ckpt_io``)::
     loaded = manager.load("auto")             # None: nothing to resume from
     if loaded:
         restore_state(model, optimizer, loaded.tensors, loaded.meta["state"])
-        ...
+        start = loaded.step
     tensors, state_meta = flatten_state(model, optimizer)
-    manager.save(step, tensors, {"state": state_meta, "config": ..., "sampler": ...}, rng_state())
-    ...
-    manager.close()
+    manager.save(step, tensors, {"state": state_meta, "sampler": sampler.state_dict()}, rng_state())
+    manager.close()                           # waits for a background write
 
 Threads: with ``async_save`` the write runs in one background thread on a
 duplicated communicator.  h5py serialises its calls with one process-wide

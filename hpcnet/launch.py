@@ -51,6 +51,7 @@ of signal N), so a job script reads it like hpcnet.train's (see the README).
 """
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -458,20 +459,16 @@ class _Forwarder:
             forward = signum
             if self.mpirun:
                 forward = signal.SIGUSR2 if self.count == 1 else signal.SIGTERM
-            try:
+            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
                 os.kill(proc.pid, forward)
-            except ProcessLookupError:
-                pass
             print(f"hpcnet.launch: got {signal.Signals(signum).name}, sent {signal.Signals(forward).name} to the "
                   "job; no restart after it", file=sys.stderr, flush=True)
 
 
 def _die_with_parent() -> None:
     """In the child: get SIGTERM if the supervisor dies (Linux), so a job never outlives its supervisor."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the process group still gets signals
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _tee(stream: Any, out: TextIO, on_line: Any) -> None:
