@@ -42,6 +42,17 @@ def data_plane():
     comm.Free()
 
 
+def tiny_images(comm, directory: Path, name: str, *, num_train: int, num_eval: int, seed: int) -> Path:
+    """A small 4-class 1x8x8 image set shared by the ranks of ``comm``: rank 0 writes it once (collective)."""
+    from hpcnet.data import generate_images
+
+    path = directory / name
+    if comm.Get_rank() == 0 and not path.exists():
+        generate_images(path, num_train=num_train, num_eval=num_eval, shape=(1, 8, 8), num_classes=4, seed=seed)
+    comm.Barrier()
+    return path
+
+
 def clean_env(**extra):
     """The environment for a child mpirun: none of this process's MPI wiring."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}

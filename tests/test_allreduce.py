@@ -9,7 +9,6 @@ from hpcnet.allreduce import Reducer, plan_buckets
 from hpcnet.config import DistConfig, load_config
 from hpcnet.dataparallel import DataParallel, Plan, build_transport, plan_transport
 from hpcnet.errors import RestartableError, UsageError
-from hpcnet.transport import CommFailure
 from hpcnet.world import discover
 
 
@@ -139,13 +138,10 @@ def test_mismatched_models_are_an_error_on_every_rank(comm):
 # --- whole runs -------------------------------------------------------------
 
 def _run(comm, plane, tmp, name, *extra):
-    from hpcnet.data import generate_images
     from hpcnet.train import run
+    from tests.conftest import tiny_images
 
-    path = tmp / "tiny.h5"
-    if comm.Get_rank() == 0 and not path.exists():
-        generate_images(path, num_train=256, num_eval=64, shape=(1, 8, 8), num_classes=4, seed=5)
-    comm.Barrier()
+    path = tiny_images(comm, tmp, "tiny.h5", num_train=256, num_eval=64, seed=5)
     cfg = load_config(overrides=[
         f"data.dataset={path}", f"run.dir={tmp / name}", "run.dir_exact=true", "train.batch_size=4",
         "train.steps=6", "train.eval_every=0", "model.name=mlp", "model.options.hidden=[32, 32]",

@@ -13,7 +13,7 @@ import torch
 from hpcnet import ckpt_io
 from hpcnet.checkpoint import CheckpointManager, load_checkpoint
 from hpcnet.config import FaultConfig, load_config
-from hpcnet.data import generate_images
+from tests.conftest import tiny_images
 from hpcnet.errors import ConfigError, ExitCode, UsageError
 from hpcnet.faults import ATTEMPT_ENV, FaultInjector, corrupt_newest, current_attempt
 from hpcnet.train import run
@@ -99,11 +99,7 @@ def test_corrupt_newest_is_caught_by_the_checksums(comm, mpi_tmp_path):
 # --- in the training loop -----------------------------------------------------------------
 
 def _dataset(comm, tmp):
-    path = tmp / "fault-images.h5"
-    if comm.Get_rank() == 0 and not path.exists():
-        generate_images(path, num_train=320, num_eval=32, shape=(1, 8, 8), num_classes=4, seed=5)
-    comm.Barrier()
-    return path
+    return tiny_images(comm, tmp, "fault-images.h5", num_train=320, num_eval=32, seed=5)
 
 
 def _cfg(tmp, dataset, name, *extra):

@@ -12,7 +12,7 @@ import torch
 from mpi4py import MPI
 
 from hpcnet.config import load_config
-from hpcnet.data import generate_images
+from tests.conftest import tiny_images
 from hpcnet.errors import ExitCode
 from hpcnet.train import run
 
@@ -30,11 +30,7 @@ class StopAfter:
 
 
 def _dataset(comm, tmp):
-    path = tmp / "resume-images.h5"
-    if comm.Get_rank() == 0 and not path.exists():
-        generate_images(path, num_train=320, num_eval=32, shape=(1, 8, 8), num_classes=4, seed=7)
-    comm.Barrier()
-    return path
+    return tiny_images(comm, tmp, "resume-images.h5", num_train=320, num_eval=32, seed=7)
 
 
 def _cfg(tmp, dataset, name, *extra):

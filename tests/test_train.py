@@ -13,10 +13,11 @@ import torch
 from mpi4py import MPI
 
 from hpcnet.config import load_config
-from hpcnet.data import GlobalBatchSampler, generate_images, open_dataset
+from hpcnet.data import GlobalBatchSampler, open_dataset
 from hpcnet.errors import ExitCode
 from hpcnet.models import build_model
 from hpcnet.train import build_optimizer, loss_and_correct, lr_factor, run
+from tests.conftest import tiny_images
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,11 +33,7 @@ def test_lr_schedule_shape():
 
 
 def _shared_dataset(comm, directory: Path) -> Path:
-    path = directory / "tiny-images.h5"
-    if comm.Get_rank() == 0:
-        generate_images(path, num_train=512, num_eval=128, shape=(1, 8, 8), num_classes=4, seed=3)
-    comm.Barrier()
-    return path
+    return tiny_images(comm, directory, "tiny-images.h5", num_train=512, num_eval=128, seed=3)
 
 
 def _config(dataset: Path, run_dir: Path, batch: int, *extra: str):
