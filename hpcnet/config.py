@@ -222,7 +222,9 @@ class CheckpointConfig:
     at_end: bool = True
     """Save once more when training finishes."""
     resume: str = ""
-    """'' starts fresh, 'auto' resumes from the newest committed checkpoint (fresh if none), or a checkpoint path."""
+    """'' starts fresh, 'auto' resumes from the last committed checkpoint (fresh if none), or a checkpoint path."""
+    move_aside: bool = False
+    """A fresh run into a checkpoint.dir that holds checkpoints moves them into <dir>/aside-<time>-fresh-run/ (never deletes); false refuses to start."""
 
     def __post_init__(self) -> None:
         for name in ("every_steps", "keep", "full_every"):
@@ -282,13 +284,20 @@ class FaultConfig:
     """Fault injection: corrupt the newest committed checkpoint before resuming."""
     fill_disk_at_step: int = 0
     """Fault injection: checkpoint writes from this step on fail with ENOSPC (a full file system)."""
+    write_error: str = ""
+    """Fault injection: the chosen rank's checkpoint writes fail inside the write with 'ENOSPC', 'EDQUOT' or 'EIO'."""
+    write_error_at_step: int = 1
+    """The first step whose save fault.write_error hits."""
     rank: int = -1
     """The rank the fault hits; -1 = the last rank."""
     only_attempt: int = 0
     """Inject only in this attempt of hpcnet.launch (1 = the first); 0 = every attempt."""
 
     def __post_init__(self) -> None:
-        for name in ("kill_at_step", "hang_at_step", "sleep_at_step", "fill_disk_at_step", "only_attempt"):
+        if self.write_error not in ("", "ENOSPC", "EDQUOT", "EIO"):
+            raise ConfigError(f"fault.write_error: {self.write_error!r} is not one of 'ENOSPC', 'EDQUOT', 'EIO'")
+        for name in ("kill_at_step", "hang_at_step", "sleep_at_step", "fill_disk_at_step", "only_attempt",
+                     "write_error_at_step"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"fault.{name} must be >= 0, got {getattr(self, name)}")
         if self.sleep_s < 0 or self.slow_s < 0:

@@ -231,14 +231,19 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
 
         faults = FaultInjector(cfg.fault, world)  # fault.*: off unless testing recovery
         manager = CheckpointManager(comm, checkpoint_dir(cfg), keep=cfg.checkpoint.keep,
-                                    full_every=cfg.checkpoint.full_every, async_save=cfg.checkpoint.async_save)
+                                    full_every=cfg.checkpoint.full_every, async_save=cfg.checkpoint.async_save,
+                                    move_aside=cfg.checkpoint.move_aside, fault=faults.io_fault)
         state = TrainState(cfg, model, optimizer, sampler, manager)
         result = TrainResult(model, optimizer)
         loader = None
         try:
             if cfg.checkpoint.resume:
                 faults.before_resume(manager.directory, comm)
-            start_step = state.resume(cfg.checkpoint.resume, rank=world.rank) if cfg.checkpoint.resume else 0
+            start_step = state.start(cfg.checkpoint.resume, rank=world.rank)
+            if start_step >= cfg.train.steps and world.is_main:
+                log.warning("nothing to train: the run resumed at step %d and train.steps is %d. Raise train.steps "
+                            "to train on; another run.name or checkpoint.dir starts a new run", start_step,
+                            cfg.train.steps)
             loader = BatchLoader(train_split, sampler)  # after resume: it reads ahead from the sampler's position
             result.summary = _loop(cfg, comm, world, dp, optimizer, loader, eval_split, device, metrics, stop,
                                    state, start_step, faults, monitor)
@@ -257,8 +262,10 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
                                 else ExitCode.PREEMPTED)
         if world.is_main:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-            log.info("done: %d steps in %s, final loss %.4f%s", summary["steps"], format_duration(summary["wall_s"]),
-                     summary["final_loss"], "".join(f", {k} {v:.4f}" for k, v in summary.get("eval", {}).items()))
+            if summary["steps"] > summary["start_step"]:
+                log.info("done: %d steps in %s, final loss %.4f%s", summary["steps"],
+                         format_duration(summary["wall_s"]), summary["final_loss"],
+                         "".join(f", {k} {v:.4f}" for k, v in summary.get("eval", {}).items()))
         return result
     finally:
         if monitor is not None:

@@ -78,11 +78,18 @@ class TrainState:
                  timings.get("blocking_s", 0.0))
         return path
 
-    def resume(self, which: str, *, rank: int) -> int:
-        """Collective: restore from a checkpoint (``'auto'`` or a path); return the step to continue from."""
-        loaded = self.manager.load(which)
+    def start(self, which: str, *, rank: int) -> int:
+        """Collective: begin the run, fresh (``''``) or from a checkpoint (``'auto'`` or a path).
+
+        Returns the step to continue from.  A fresh run needs a checkpoint
+        directory of its own (see ``CheckpointManager.start_fresh``).
+        """
+        if not which:
+            self.manager.start_fresh()
+            return 0
+        loaded = self.manager.resume(which)
         if loaded is None:
-            log.info("no checkpoint in %s: starting from step 0", self.manager.directory)
+            log.info("no checkpoint in %s yet: starting from step 0", self.manager.directory)
             return 0
         self._restore(loaded, rank)
         return loaded.step
