@@ -90,8 +90,8 @@ class TrainState:
     def _restore(self, loaded: Loaded, rank: int) -> None:
         with shared_errors(self.manager.comm):
             restore_state(self.model, self.optimizer, loaded.tensors, loaded.meta["state"])
-            # Raises a clear ValueError when the new global batch cannot continue
-            # mid-epoch from the saved position.
+            # Any world size and batch size continue from the saved sample position;
+            # a malformed state or a shrunk dataset is a clear ValueError.
             self.sampler.load_state_dict(loaded.meta["sampler"])
         if loaded.rank_state is not None:
             set_rng_state(loaded.rank_state)
