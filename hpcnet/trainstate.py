@@ -43,7 +43,7 @@ NONFINITE_GRAD = 2
 
 @dataclass
 class StepBoundary:
-    """Agree, once per step, on stopping and on time-based saves (collective)."""
+    """Agree, once per step, on stopping, on non-finite values and on time-based saves (collective)."""
 
     every_s: float
     last_save: float = 0.0
@@ -52,8 +52,12 @@ class StepBoundary:
         self.last_save = time.monotonic()
 
     def agree(self, comm: Any, signum: int, *, nonfinite: int = 0) -> tuple[int, bool, int]:
-        """Return (signal number any rank received or 0, whether a time-based save is due,
-        the ``NONFINITE_*`` bits any rank set)."""
+        """Share this rank's flags; return what any rank set (collective).
+
+        Returns:
+            (the signal number any rank received or 0, whether a time-based save
+            is due, the ``NONFINITE_*`` bits of all ranks together).
+        """
         from mpi4py import MPI
 
         # Only rank 0's clock counts: ranks' clocks drift, their decisions must not.

@@ -137,6 +137,9 @@ def test_resume_at_the_same_grid_is_exact_from_any_step(world_size, batch):
     n = 61
     straight = samplers(n, batch, world_size, seed=2)
     stream = [global_batch(straight) for _ in range(4 * straight[0].steps_per_epoch)]
+    steps, g = straight[0].steps_per_epoch, batch * world_size
+    for i, got in enumerate(stream):  # the grid of a fresh run: batch k of an epoch is perm[k*G:(k+1)*G]
+        assert np.array_equal(got, straight[0].epoch_order(i // steps)[i % steps * g:(i % steps + 1) * g])
     for stop in range(len(stream) - straight[0].steps_per_epoch):
         state = advance(samplers(n, batch, world_size, seed=2), stop)
         resumed = samplers(n, batch, world_size, seed=2)
