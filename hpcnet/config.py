@@ -140,7 +140,7 @@ class TrainConfig:
     threads: int = 0
     """Torch CPU threads per rank; 0 divides the node's cores among its ranks."""
     nonfinite: str = "stop"
-    """At a non-finite loss, gradient norm or saved state: 'stop' every rank (status 65, nothing non-finite saved), 'skip' the update (counted in summary.json), or 'ignore'."""
+    """At a non-finite loss, gradient norm or state: 'stop' (status 65, never saved), 'skip' the update, or 'ignore'."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
