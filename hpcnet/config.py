@@ -139,6 +139,8 @@ class TrainConfig:
     """Micro-batches per optimizer step; gradients are communicated once per step, after the last."""
     threads: int = 0
     """Torch CPU threads per rank; 0 divides the node's cores among its ranks."""
+    nonfinite: str = "stop"
+    """At a non-finite loss, gradient norm or state: 'stop' (status 65, never saved), 'skip' the update, or 'ignore'."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -150,6 +152,8 @@ class TrainConfig:
         for name in ("eval_every", "eval_batches", "threads"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.nonfinite not in ("stop", "skip", "ignore"):
+            raise ConfigError(f"train.nonfinite: {self.nonfinite!r} is not one of 'stop', 'skip', 'ignore'")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -18,6 +18,8 @@ class ExitCode(enum.IntEnum):
     """An unexpected exception (a bug, or a bug in user code): do not restart."""
     USAGE_ERROR = 2
     """Bad configuration, bad data or a bad path: fix the input, do not restart."""
+    DIVERGED = 65
+    """The loss, gradients or state became non-finite (train.nonfinite): a restart would diverge again."""
     RESTARTABLE = 75
     """A peer died, hung, or a collective failed: restarting may succeed."""
     PREEMPTED = 76

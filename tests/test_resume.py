@@ -265,3 +265,33 @@ def test_a_node_local_checkpoint_directory_is_an_error_not_a_fresh_start(tmp_pat
     out = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert out.returncode == ExitCode.USAGE_ERROR, out.stderr
     assert "is not the directory rank 0 writes to" in out.stderr and "ranks [1]" in out.stderr
+@pytest.mark.launch
+@pytest.mark.parametrize("saved_ranks, resumed_ranks", [(2, 3), (4, 3), (3, 2)])
+def test_resume_at_another_world_size(launch, tmp_path, saved_ranks, resumed_ranks):
+    """The saved position is no whole number of the new global batches: the epoch goes on from it, and its
+    tail is dropped where the new grid runs out (seen in the epoch each step logs)."""
+    from hpcnet.data import GlobalBatchSampler
+
+    dataset = tiny_images(MPI.COMM_SELF, tmp_path, "reshard.h5", num_train=211, num_eval=16, seed=3)
+    common = [f"data.dataset={dataset}", f"checkpoint.dir={tmp_path / 'ckpt'}", "run.dir_exact=true",
+              "model.name=mlp", "model.options.hidden=[16]", "train.batch_size=8", "train.eval_every=0",
+              "dist.probe=false", "run.log_every=1", "checkpoint.every_steps=0"]
+    first = launch(saved_ranks, *common, f"run.dir={tmp_path / 'first'}", "train.steps=5", timeout=240)
+    assert first.returncode == 0, first.stderr
+    position = 5 * 8 * saved_ranks
+    assert position % (8 * resumed_ranks)  # the case the old sampler refused
+    second = launch(resumed_ranks, *common, f"run.dir={tmp_path / 'second'}", "train.steps=13", "--resume", "auto",
+                    timeout=240)
+    assert second.returncode == 0, second.stderr
+    assert f"at step 5 (saved by {saved_ranks} rank(s)" in second.stderr
+    summary = json.loads((tmp_path / "second" / "summary.json").read_text())
+    assert (summary["start_step"], summary["steps"], summary["world_size"]) == (5, 13, resumed_ranks)
+    logged = [json.loads(line) for line in (tmp_path / "second" / "metrics.rank0.jsonl").read_text().splitlines()]
+    sampler = GlobalBatchSampler(211, 8, rank=0, world_size=resumed_ranks)
+    sampler.load_state_dict({"epoch": 0, "samples_consumed_in_epoch": position, "seed": 0})
+    expected = []
+    for _ in range(8):
+        sampler.next_indices()
+        expected.append(sampler.epoch)
+    assert [r["epoch"] for r in logged if "loss" in r] == expected
+    assert expected[0] == 0 and expected[-1] == 1  # the resumed epoch ran out, the next one began
