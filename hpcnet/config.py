@@ -365,6 +365,10 @@ def _coerce(value: Any, tp: Any, option: str) -> Any:
         raise ConfigError(f"{option}: expected an integer, got {value!r}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            # TOML reads nan and inf as floats; every comparison with nan is
+            # false, so nan would slip through each field's own range check.
+            if not math.isfinite(value):
+                raise ConfigError(f"{option}: expected a finite number, got {value!r}")
             return float(value)
         raise ConfigError(f"{option}: expected a number, got {value!r}")
     if tp is str:
@@ -532,7 +536,11 @@ def to_toml(cfg: Config) -> str:
     lines = []
     for section, values in to_dict(cfg).items():
         lines.append(f"[{section}]")
-        lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
+        for key, value in values.items():
+            try:
+                lines.append(f"{key} = {_toml_value(value)}")
+            except TypeError as exc:  # e.g. an object set in model.options from Python
+                raise ConfigError(f"{section}.{key}: {exc}") from None
         lines.append("")
     return "\n".join(lines)
 
