@@ -171,12 +171,15 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
             device = choose_device(world, cfg.dist.device)
         # Heartbeats, stall/desync watchdog, memory watch (monitor.*): a thread from here to the end.
         monitor = Monitor(cfg.monitor, comm, world, run_dir, device=device).start()
+        with shared_errors(comm):  # rank 0 writes; an unwritable directory or option stops every rank
+            if world.is_main:
+                resolved = to_toml(cfg)
+                (run_dir / "config.toml").write_text(resolved)
         if world.is_main:
-            (run_dir / "config.toml").write_text(to_toml(cfg))
             log.info("hpcnet %s, torch %s: %d rank(s) on %d node(s) (%s), device %s, %d threads/rank",
                      __version__, torch.__version__, world.size, world.num_nodes, world.launcher,
                      device, torch.get_num_threads())
-            log.info("run directory: %s\nresolved config:\n%s", run_dir, to_toml(cfg))
+            log.info("run directory: %s\nresolved config:\n%s", run_dir, resolved)
         hint = None
         interface = cfg.dist.interface
         if cfg.dist.probe and world.size > 1:
