@@ -144,13 +144,7 @@ class DataPlane:
         self.store = None
 
 
-def resolve_backend(backend: str, device: Any) -> str:
-    """'auto' -> nccl on a GPU, gloo on a CPU; reject nccl on CPU tensors."""
-    if backend == "auto":
-        return "nccl" if device.type == "cuda" else "gloo"
-    if backend == "nccl" and device.type != "cuda":
-        raise UsageError("dist.backend: 'nccl' needs a GPU device (dist.device is cpu or no GPU is visible)")
-    return backend
+BACKENDS = ("nccl", "gloo")
 
 
 def init_data_plane(comm: Any, world: World, *, backend: str, device: Any, timeout_s: float,
@@ -160,7 +154,8 @@ def init_data_plane(comm: Any, world: World, *, backend: str, device: Any, timeo
     Args:
         comm: the MPI communicator whose ranks form the group (rank order kept).
         world: its layout (``hpcnet.world.discover``).
-        backend: 'auto', 'nccl' or 'gloo'.
+        backend: 'nccl' or 'gloo': the group the transport plan needs
+            (``hpcnet.dataparallel.Plan.torch_backend``), decided before.
         device: this rank's torch device.
         timeout_s: store and collective timeout.
         interface: network interface to use across nodes, or empty to choose.
@@ -168,7 +163,8 @@ def init_data_plane(comm: Any, world: World, *, backend: str, device: Any, timeo
     import torch.distributed as dist
     from torch.distributed import TCPStore
 
-    backend = resolve_backend(backend, device)
+    if backend not in BACKENDS or (backend == "nccl" and device.type != "cuda"):
+        raise ValueError(f"init_data_plane: backend {backend!r} on a {device.type} device")
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process")
     timeout = datetime.timedelta(seconds=timeout_s)

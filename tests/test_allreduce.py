@@ -7,7 +7,7 @@ from torch import nn
 
 from hpcnet.allreduce import Reducer, plan_buckets
 from hpcnet.config import DistConfig, load_config
-from hpcnet.dataparallel import DataParallel, Plan, build_transport, plan_transport
+from hpcnet.dataparallel import DataParallel, Plan, build_transport, decide_plan, plan_transport
 from hpcnet.errors import RestartableError, UsageError
 from hpcnet.world import discover
 
@@ -41,8 +41,51 @@ def test_plan_transport_errors():
         plan_transport(DistConfig(backend="nccl"), device_type="cpu", num_nodes=1, min_local_size=1)
     with pytest.raises(UsageError, match="CUDA-aware"):
         plan_transport(DistConfig(backend="mpi"), device_type="cuda", num_nodes=1, min_local_size=1)
-    with pytest.raises(Exception, match="dist.compression"):
-        load_config(overrides=["dist.backend=mpi", "dist.compression=bf16"])
+    with pytest.raises(UsageError, match="dist.compression"):
+        plan_transport(DistConfig(backend="mpi", compression="bf16"), device_type="cpu", num_nodes=1,
+                       min_local_size=1)
+
+
+def test_compression_is_checked_against_the_resolved_backend():
+    """'auto' is mpi on CPU, which cannot sum half precision: an error before training, not in backward."""
+    cpu = dict(device_type="cpu", num_nodes=1, min_local_size=2)
+    with pytest.raises(UsageError, match=r"dist.compression: bf16 .* dist.backend 'auto' is mpi on CPU"):
+        plan_transport(DistConfig(compression="bf16"), **cpu)
+    # gloo carries it; its automatic fallback (mpi) could not, so there is none
+    assert plan_transport(DistConfig(backend="gloo", compression="fp16"), **cpu) == Plan("gloo", False, None)
+    with pytest.raises(UsageError, match="dist.fallback: 'mpi' cannot carry dist.compression=bf16"):
+        plan_transport(DistConfig(backend="gloo", compression="bf16", fallback="mpi"), **cpu)
+    gpu = dict(device_type="cuda", num_nodes=1, min_local_size=2)
+    assert plan_transport(DistConfig(compression="bf16"), **gpu) == Plan("nccl", False, "gloo")
+    load_config(overrides=["dist.compression=bf16"])  # the option alone is valid: the device decides
+
+
+@pytest.mark.parametrize("plan, torch_backend", [
+    (Plan("mpi", False, None), None), (Plan("mpi", True, None), None),
+    (Plan("mpi", False, "gloo"), "gloo"), (Plan("gloo", False, "mpi"), "gloo"),
+    (Plan("nccl", True, "gloo"), "nccl"), (Plan("nccl", False, None), "nccl"),
+])
+def test_the_plan_says_which_torch_group_the_bootstrap_starts(plan, torch_backend):
+    assert plan.torch_backend == torch_backend
+
+
+def test_the_topology_hint_decides_auto_only():
+    kw = dict(device_type="cpu", num_nodes=2, min_local_size=2)
+    assert plan_transport(DistConfig(), **kw).hierarchical
+    assert not plan_transport(DistConfig(), **kw, hierarchical_hint=False).hierarchical
+    assert plan_transport(DistConfig(hierarchical="on"), **kw, hierarchical_hint=False).hierarchical
+
+
+@pytest.mark.mpi
+def test_ranks_with_different_devices_are_an_error_on_every_rank(comm):
+    world = discover(comm, environ={})
+    last = comm.Get_rank() == comm.Get_size() - 1 and comm.Get_size() > 1
+    cfg = DistConfig(backend="gloo")
+    assert decide_plan(comm, world, cfg, device_type="cpu") == Plan("gloo", False, "mpi")
+    if comm.Get_size() == 1:
+        return
+    with pytest.raises(UsageError, match=rf"ranks chose different transports: .*\(ranks \[{comm.Get_size() - 1}\]"):
+        decide_plan(comm, world, cfg, device_type="cuda" if last else "cpu")
 
 
 class Net(nn.Module):
@@ -182,4 +225,32 @@ def test_accumulation_matches_a_large_batch(comm, data_plane, mpi_tmp_path):
     big, _ = _run(comm, data_plane, mpi_tmp_path, "big", "train.batch_size=8")
     accumulated, _ = _run(comm, data_plane, mpi_tmp_path, "acc", "train.batch_size=4", "train.grad_accumulation=2")
     torch.testing.assert_close(accumulated, big, rtol=1e-4, atol=1e-5)
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+def test_fail_at_step_counts_global_steps_like_fault_options(comm, data_plane, mpi_tmp_path):
+    """A resumed run injects at the same step as an uninterrupted one (fault.* count global steps too)."""
+    ckpt = f"checkpoint.dir={mpi_tmp_path / 'global-steps.ckpt'}"
+    _run(comm, data_plane, mpi_tmp_path, "first-half", "dist.backend=gloo", "train.steps=2", ckpt)
+    _, summary = _run(comm, data_plane, mpi_tmp_path, "second-half", "dist.backend=gloo", "train.steps=4", ckpt,
+                      "checkpoint.resume=auto", "dist.fail_at_step=3")
+    assert summary["start_step"] == 2
+    assert [(f["step"], f["from"], f["to"]) for f in summary["comm"]["fallbacks"]] == [(3, "gloo", "mpi")]
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("option, needle", [
+    ("dist.compression=bf16", "dist.compression: bf16 needs the nccl or gloo backend"),
+    ("dist.backend=nccl", "dist.backend: 'nccl' needs a GPU"),
+])
+def test_an_impossible_transport_stops_before_the_data_and_the_model(comm, mpi_tmp_path, option, needle):
+    from hpcnet.train import run
+
+    cfg = load_config(overrides=[
+        f"run.dir={mpi_tmp_path / 'impossible'}", "run.dir_exact=true", "dist.probe=false", "dist.device=cpu",
+        "data.dataset=/nonexistent/set.h5", option])  # opening the data would be the first error otherwise
+    with pytest.raises(UsageError, match=needle):
+        run(cfg, comm)  # no plane given: the rendezvous would come before the data
     comm.Barrier()

@@ -5,9 +5,10 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+from mpi4py import MPI
 
-from hpcnet.bootstrap import interfaces, resolve_backend
-from hpcnet.errors import UsageError
+from hpcnet.bootstrap import init_data_plane, interfaces
+from hpcnet.world import discover
 
 
 def test_interfaces_are_usable():
@@ -15,11 +16,12 @@ def test_interfaces_are_usable():
         assert iface.name != "lo" and iface.address.count(".") == 3
 
 
-def test_backend_choice():
-    assert resolve_backend("auto", torch.device("cpu")) == "gloo"
-    assert resolve_backend("gloo", torch.device("cpu")) == "gloo"
-    with pytest.raises(UsageError, match="dist.backend: 'nccl' needs a GPU"):
-        resolve_backend("nccl", torch.device("cpu"))
+def test_the_backend_is_decided_before_the_bootstrap():
+    """'auto' is resolved once, by the transport plan (hpcnet.dataparallel), not again here."""
+    world = discover(MPI.COMM_SELF)
+    for backend, device in (("auto", "cpu"), ("mpi", "cpu"), ("nccl", "cpu")):
+        with pytest.raises(ValueError, match=f"backend '{backend}' on a cpu device"):
+            init_data_plane(MPI.COMM_SELF, world, backend=backend, device=torch.device(device), timeout_s=10)
 
 
 @pytest.mark.mpi
