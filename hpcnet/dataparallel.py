@@ -9,6 +9,7 @@ a run without the failure.
 """
 
 import contextlib
+import datetime
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -121,17 +122,26 @@ def decide_plan(comm: Any, world: World, cfg: DistConfig, *, device_type: str,
     return plan
 
 
-def build_transport(kind: str, hierarchical: bool, comm: Any, world: World) -> Transport:
-    """Create a transport over the ranks of ``comm`` (collective)."""
+def build_transport(kind: str, hierarchical: bool, comm: Any, world: World, *,
+                    timeout_s: float | None = None) -> Transport:
+    """Create a transport over the ranks of ``comm`` (collective).
+
+    ``timeout_s`` (``dist.timeout_s``; None: torch's default) is given to
+    every torch.distributed group created here: NCCL enforces it in its own
+    watchdog, so nothing waits on a NCCL work with a CPU timeout (see
+    ``hpcnet.transport``).
+    """
     if hierarchical and world.size > 1:
-        return HierarchicalTransport(comm, node_index=world.node_index, local_rank=world.local_rank, kind=kind)
+        return HierarchicalTransport(comm, node_index=world.node_index, local_rank=world.local_rank, kind=kind,
+                                     timeout_s=timeout_s)
     if kind == "mpi":
         return MpiTransport(comm)
     import torch.distributed as dist
 
     if world.size == 1:
         return TorchTransport(None, kind, 1)
-    group = dist.group.WORLD if dist.get_backend() == kind else dist.new_group(backend=kind)
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    group = dist.group.WORLD if dist.get_backend() == kind else dist.new_group(backend=kind, timeout=timeout)
     return TorchTransport(group, kind, world.size)
 
 
@@ -179,7 +189,7 @@ class DataParallel:
         self.device = device
         self.plan = plan = plan or decide_plan(comm, world, cfg, device_type=device.type)
         check_same_model(model, comm)
-        transport = build_transport(plan.primary, plan.hierarchical, comm, world)
+        transport = build_transport(plan.primary, plan.hierarchical, comm, world, timeout_s=cfg.timeout_s)
         if cfg.fail_at_step:
             transport = FaultyTransport(transport, fail=not cfg.fail_ranks or world.rank in cfg.fail_ranks)
         broadcast_module(model, comm)  # replicas start equal even if initialisation differed
@@ -190,6 +200,12 @@ class DataParallel:
             recorder=recorder)
         self.step_count = 0
         self._has_buffers = any(True for _ in model.buffers())
+        # On GPU the buffers go over NCCL, in stream order, without a host round trip.
+        self._buffer_group = None
+        if device.type == "cuda" and world.size > 1 and plan.torch_backend == "nccl":
+            import torch.distributed as dist
+
+            self._buffer_group = dist.group.WORLD
 
     @property
     def backend(self) -> str:
@@ -227,9 +243,11 @@ class DataParallel:
                 if self.plan.fallback is None or saved is None:
                     raise agreed(RestartableError(f"step {self.step_count}: {exc}; no fallback left")) from exc
                 self.reducer.arm_fault(False)
-                fallback = build_transport(self.plan.fallback, False, self.comm, self.world)
+                fallback = build_transport(self.plan.fallback, False, self.comm, self.world,
+                                           timeout_s=self.cfg.timeout_s)
                 self.reducer.switch(fallback, str(exc), self.step_count)
                 self.plan = Plan(self.plan.fallback, False, None)
+                self._buffer_group = None  # the NCCL group may be the part that failed
                 self._restore(saved)
 
     def _forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -265,7 +283,7 @@ class DataParallel:
         """Give every rank rank 0's buffers (BatchNorm statistics); collective."""
         if self._has_buffers:
             with self.reducer.recorder.op("broadcast.buffers"):
-                broadcast_buffers(self.model, self.comm)
+                broadcast_buffers(self.model, self.comm, group=self._buffer_group)
 
     @contextlib.contextmanager
     def no_sync(self):

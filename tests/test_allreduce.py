@@ -254,3 +254,158 @@ def test_an_impossible_transport_stops_before_the_data_and_the_model(comm, mpi_t
     with pytest.raises(UsageError, match=needle):
         run(cfg, comm)  # no plane given: the rendezvous would come before the data
     comm.Barrier()
+
+
+# --- NCCL ordering, checked on CPU with a stand-in for torch.distributed ---------------------
+
+class _FakeWork:
+    def __init__(self, log, op):
+        self.log, self.op = log, op
+
+    def wait(self, *args, **kwargs):
+        self.log.append(("wait", self.op, args, kwargs))
+        return True
+
+
+class _FakeComm:
+    """A 4-rank job on 2 nodes as seen from rank 0, for the constructor's splits (no communication)."""
+
+    def __init__(self, size=4, local=2):
+        self.size, self.local = size, local
+
+    def Get_size(self):
+        return self.size
+
+    def Split(self, color, key):
+        return _FakeComm(self.local if color == 0 and key == 0 else self.size // self.local, self.local)
+
+    def allgather(self, item):
+        return [(r // self.local, r % self.local) for r in range(self.size)]
+
+    def Free(self):
+        pass
+
+
+@pytest.fixture
+def fake_nccl(monkeypatch):
+    """torch.distributed's collectives replaced by fakes that log enqueues and waits."""
+    import torch.distributed as dist
+
+    log = []
+
+    def collective(op):
+        def enqueue(*args, group=None, async_op=False, **kwargs):
+            # Each phase must be ordered after the previous one before it is enqueued.
+            log.append(("enqueue", op, group, async_op))
+            return _FakeWork(log, op) if async_op else None
+        return enqueue
+
+    def subgroups(ranks, timeout=None, backend=None):
+        log.append(("new_group", backend, timeout))
+        return f"group{len([e for e in log if e[0] == 'new_group'])}", []
+
+    for name, op in [("reduce_scatter_single", "reduce_scatter"), ("reduce_scatter_tensor", "reduce_scatter"),
+                     ("all_gather_single", "all_gather"), ("all_gather_into_tensor", "all_gather"),
+                     ("all_reduce", "all_reduce")]:
+        monkeypatch.setattr(dist, name, collective(op), raising=False)
+    monkeypatch.setattr(dist, "new_subgroups_by_enumeration", subgroups)
+    return log
+
+
+def test_hierarchical_nccl_phases_wait_for_each_other_on_the_stream(fake_nccl):
+    import datetime
+
+    from hpcnet.transport import HierarchicalTransport
+
+    transport = HierarchicalTransport(_FakeComm(), node_index=0, local_rank=0, kind="nccl", timeout_s=42)
+    # the subgroups get dist.timeout_s: NCCL's watchdog enforces it, not a CPU wait
+    assert [e for e in fake_nccl if e[0] == "new_group"] == [("new_group", "nccl", datetime.timedelta(seconds=42))] * 2
+    fake_nccl.clear()
+    flat = torch.arange(11, dtype=torch.float32)  # odd: a padded work buffer
+    handle = transport.start(flat)
+    assert fake_nccl == [
+        ("enqueue", "reduce_scatter", "group1", True),
+        ("wait", "reduce_scatter", (), {}),  # no timeout: a stream wait, the CPU goes on
+        ("enqueue", "all_reduce", "group2", True),
+        ("wait", "all_reduce", (), {}),
+        ("enqueue", "all_gather", "group1", True),
+    ]
+    handle.wait(30.0)
+    assert fake_nccl[-1] == ("wait", "all_gather", (), {})  # no timed (CPU-spinning) wait on NCCL
+    assert torch.equal(flat, torch.arange(11, dtype=torch.float32))  # copied back out of the padded buffer
+    transport.close()
+
+
+def test_only_gloo_works_are_waited_for_with_a_timeout(fake_nccl):
+    import datetime
+
+    from hpcnet.transport import TorchTransport
+
+    TorchTransport("g", "nccl", 2).start(torch.zeros(4)).wait(30.0)
+    assert fake_nccl[-1] == ("wait", "all_reduce", (), {})
+    TorchTransport("g", "gloo", 2).start(torch.zeros(4)).wait(30.0)
+    assert fake_nccl[-1] == ("wait", "all_reduce", (datetime.timedelta(seconds=30),), {})
+
+
+# --- buffers: one flat tensor -----------------------------------------------------------------
+
+class _BufferNet(nn.Module):
+    def __init__(self, fill: float):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(3)  # float32 statistics and an int64 counter
+        self.register_buffer("mask", torch.tensor([True, False, fill > 0]))
+        self.register_buffer("halves", torch.full((2, 3), fill, dtype=torch.float16))
+        with torch.no_grad():
+            self.bn.running_mean.fill_(fill)
+            self.bn.num_batches_tracked.fill_(int(fill) + 7)
+
+
+class _CountingComm:
+    def __init__(self, comm):
+        self.comm, self.bcasts = comm, 0
+
+    def Get_size(self):
+        return self.comm.Get_size()
+
+    def Bcast(self, buf, root=0):
+        self.bcasts += 1
+        return self.comm.Bcast(buf, root=root)
+
+
+@pytest.mark.mpi
+def test_buffers_of_every_dtype_travel_in_one_broadcast(comm):
+    from hpcnet.allreduce import broadcast_buffers
+
+    model, counting = _BufferNet(float(comm.Get_rank())), _CountingComm(comm)
+    broadcast_buffers(model, counting)
+    assert counting.bcasts == (1 if comm.Get_size() > 1 else 0)
+    for got, want in zip(model.buffers(), _BufferNet(0.0).buffers()):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_buffers_on_a_nccl_group_are_broadcast_on_the_device(monkeypatch):
+    """The NCCL path: one broadcast of the flat tensor, waited for on the stream; no MPI, no host copy."""
+    import torch.distributed as dist
+
+    from hpcnet.allreduce import broadcast_buffers
+
+    rank0 = torch.cat([b.reshape(-1).view(torch.uint8)
+                       for b in sorted(_BufferNet(5.0).buffers(), key=lambda b: -b.element_size())])
+    log = []
+
+    def broadcast(tensor, src, group=None, async_op=False):
+        log.append((tensor.dtype, tensor.numel(), src, group, async_op))
+        tensor.copy_(rank0)  # what rank 0 sends
+        return _FakeWork(log, "broadcast")
+
+    monkeypatch.setattr(dist, "broadcast", broadcast)
+
+    class NoMpi(_FakeComm):
+        def Bcast(self, *args, **kwargs):
+            raise AssertionError("buffers on a NCCL group must not go through MPI")
+
+    model = _BufferNet(1.0)
+    broadcast_buffers(model, NoMpi(size=2), group="world")
+    assert log == [(torch.uint8, rank0.numel(), 0, "world", True), ("wait", "broadcast", (), {})]
+    for got, want in zip(model.buffers(), _BufferNet(5.0).buffers()):
+        assert torch.equal(got, want)
