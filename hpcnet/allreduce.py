@@ -291,23 +291,45 @@ def broadcast_module(module: nn.Module, comm: Any) -> None:
                 tensor.copy_(host)
 
 
-def broadcast_buffers(module: nn.Module, comm: Any) -> None:
-    """Make every rank's buffers (BatchNorm statistics) equal to rank 0's (collective, MPI).
+def broadcast_buffers(module: nn.Module, comm: Any, *, group: Any = None) -> None:
+    """Make every rank's buffers (BatchNorm statistics) equal to rank 0's (collective).
 
     As DDP does before each forward: replicas then stay bit-identical, so a
-    checkpoint of rank 0's buffers restores every rank exactly.  One
-    broadcast per dtype, not one per buffer.
+    checkpoint of rank 0's buffers restores every rank exactly.  All buffers
+    travel as one flat byte tensor on their device: one broadcast in all,
+    whatever their number and dtypes.
+
+    Args:
+        module: the replica.
+        comm: the MPI communicator of the ranks.
+        group: a NCCL process group over the same ranks, for buffers on a
+            GPU: the broadcast is then enqueued on the device in stream order
+            (``work.wait()`` is a stream wait) and nothing waits on the host.
+            None: MPI, on the host (CPU buffers are broadcast in place; GPU
+            buffers make one host round trip, for the flat tensor).
     """
     if comm.Get_size() == 1:
         return
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for buf in module.buffers():
-        groups.setdefault(buf.dtype, []).append(buf)
+    # Widest elements first: every buffer's offset in the byte tensor is then
+    # a multiple of its element size (sizes are powers of two), as viewing
+    # the bytes back as its dtype requires.
+    bufs = sorted(module.buffers(), key=lambda b: -b.element_size())
+    if not bufs:
+        return
     with torch.no_grad():
-        for dtype, bufs in sorted(groups.items(), key=lambda kv: str(kv[0])):
-            flat = torch.cat([b.detach().reshape(-1).cpu() for b in bufs])
-            comm.Bcast(flat.view(torch.uint8).numpy(), root=0)
-            offset = 0
-            for b in bufs:
-                b.copy_(flat[offset:offset + b.numel()].view_as(b))
-                offset += b.numel()
+        # Raw bytes: dtypes mix (float statistics, int64 counters, bool masks).
+        flat = torch.cat([b.detach().reshape(-1).view(torch.uint8) for b in bufs])
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.broadcast(flat, src=0, group=group, async_op=True).wait()
+        else:
+            host = flat.cpu()  # no copy for CPU buffers
+            comm.Bcast(host.numpy(), root=0)
+            if host is not flat:
+                flat.copy_(host)
+        offset = 0
+        for b in bufs:
+            nbytes = b.numel() * b.element_size()
+            b.copy_(flat[offset:offset + nbytes].view(b.dtype).view_as(b))
+            offset += nbytes

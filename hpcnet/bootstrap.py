@@ -2,18 +2,27 @@
 
 Rank 0 picks the rendezvous address deliberately (loopback when every rank
 shares one node; otherwise the first of its interfaces that *every* rank can
-actually connect to, tested over TCP) and starts the TCPStore on a free port
-the kernel gives it, so there is no race for a port.  The address and port
-travel to the other ranks over MPI.  ``MASTER_ADDR``/``MASTER_PORT`` win when
-the user sets them.
+actually connect to, tested over TCP against short-lived probe listeners),
+then starts the TCPStore on a socket bound to that address alone, on a free
+port the kernel gives it, so there is no race for a port and nothing listens
+on the other interfaces.  The address and port travel to the other ranks
+over MPI.  ``MASTER_ADDR``/``MASTER_PORT`` win when the user sets them.
+
+The store has no authentication: whoever reaches its address and port can
+read and write its keys (see the README, Communication).
 """
 
+import contextlib
 import datetime
+import errno
 import fcntl
 import logging
 import os
+import select
 import socket
 import struct
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,14 +90,56 @@ def _can_connect(address: str, port: int, timeout_s: float) -> bool:
         return False
 
 
-def choose_address(comm: Any, world: World, *, interface: str = "", probe_port: int) -> tuple[str, str]:
+def _listen(address: str, port: int = 0, backlog: int = 128) -> socket.socket:
+    """A TCP socket listening on ``address`` alone (port 0: a free one from the kernel)."""
+    family = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((address, port), family=family, backlog=backlog)
+
+
+@contextlib.contextmanager
+def _probe_listeners(addresses: list[str]) -> Iterator[list[int | None]]:
+    """Listen on each address for the reachability test; yield the ports (None: cannot listen there).
+
+    The listeners live only for the test; a thread accepts and drops
+    connections, so a thousand ranks testing at once never fill the listen
+    queue and time out for no reason.
+    """
+    sockets: list[socket.socket] = []
+    ports: list[int | None] = []
+    for address in addresses:
+        try:
+            sockets.append(_listen(address))
+            ports.append(sockets[-1].getsockname()[1])
+        except OSError as exc:
+            log.debug("cannot listen on %s for the reachability test: %s", address, exc)
+            ports.append(None)
+    stop = threading.Event()
+
+    def accept() -> None:
+        while sockets and not stop.is_set():
+            ready, _, _ = select.select(sockets, [], [], 0.1)
+            for sock in ready:
+                with contextlib.suppress(OSError):
+                    sock.accept()[0].close()
+
+    thread = threading.Thread(target=accept, name="hpcnet-rendezvous-probe", daemon=True)
+    thread.start()
+    try:
+        yield ports
+    finally:
+        stop.set()
+        thread.join()
+        for sock in sockets:
+            sock.close()
+
+
+def choose_address(comm: Any, world: World, *, interface: str = "") -> tuple[str, str]:
     """Collective: the rendezvous address (and interface name) every rank can reach.
 
     Args:
         comm: the communicator of the job.
         world: its layout.
         interface: a user-chosen interface name (``dist.interface``), or empty.
-        probe_port: a port rank 0 listens on, used to test reachability.
     """
     if world.num_nodes == 1 and not interface:
         return "127.0.0.1", "lo"
@@ -108,10 +159,15 @@ def choose_address(comm: Any, world: World, *, interface: str = "", probe_port: 
     candidates = comm.bcast(candidates, root=0)
     from mpi4py import MPI
 
-    for address, name in candidates:
-        ok = world.rank == 0 or _can_connect(address, probe_port, timeout_s=2.0)
-        if comm.allreduce(int(ok), op=MPI.MIN):
-            return address, name
+    # Probe listeners, not the store: the store is bound to the chosen address
+    # alone, so it can only start once the address is known.
+    probes = _probe_listeners([a for a, _ in candidates]) if world.rank == 0 else contextlib.nullcontext([])
+    with probes as ports:
+        ports = comm.bcast(ports, root=0)
+        for (address, name), port in zip(candidates, ports):
+            ok = port is not None and (world.rank == 0 or _can_connect(address, port, timeout_s=2.0))
+            if comm.allreduce(int(ok), op=MPI.MIN):
+                return address, name
     raise RestartableError(
         f"no interface of rank 0 ({world.hostname}) is reachable from every rank; tried "
         + ", ".join(f"{n} ({a})" for a, n in candidates) + "; set dist.interface")
@@ -144,13 +200,7 @@ class DataPlane:
         self.store = None
 
 
-def resolve_backend(backend: str, device: Any) -> str:
-    """'auto' -> nccl on a GPU, gloo on a CPU; reject nccl on CPU tensors."""
-    if backend == "auto":
-        return "nccl" if device.type == "cuda" else "gloo"
-    if backend == "nccl" and device.type != "cuda":
-        raise UsageError("dist.backend: 'nccl' needs a GPU device (dist.device is cpu or no GPU is visible)")
-    return backend
+BACKENDS = ("nccl", "gloo")
 
 
 def init_data_plane(comm: Any, world: World, *, backend: str, device: Any, timeout_s: float,
@@ -160,7 +210,8 @@ def init_data_plane(comm: Any, world: World, *, backend: str, device: Any, timeo
     Args:
         comm: the MPI communicator whose ranks form the group (rank order kept).
         world: its layout (``hpcnet.world.discover``).
-        backend: 'auto', 'nccl' or 'gloo'.
+        backend: 'nccl' or 'gloo': the group the transport plan needs
+            (``hpcnet.dataparallel.Plan.torch_backend``), decided before.
         device: this rank's torch device.
         timeout_s: store and collective timeout.
         interface: network interface to use across nodes, or empty to choose.
@@ -168,38 +219,47 @@ def init_data_plane(comm: Any, world: World, *, backend: str, device: Any, timeo
     import torch.distributed as dist
     from torch.distributed import TCPStore
 
-    backend = resolve_backend(backend, device)
+    if backend not in BACKENDS or (backend == "nccl" and device.type != "cuda"):
+        raise ValueError(f"init_data_plane: backend {backend!r} on a {device.type} device")
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process")
     timeout = datetime.timedelta(seconds=timeout_s)
     env_addr, env_port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if env_addr:
+        address, ifname = env_addr, interface
+    else:
+        address, ifname = choose_address(comm, world, interface=interface)
+    if ifname and (world.num_nodes > 1 or ifname == "lo"):
+        # NCCL and gloo each pick an interface on their own (on one node, one
+        # that other hosts can reach); make them use the one chosen here.
+        _set_default_env("NCCL_SOCKET_IFNAME", ifname)
+        _set_default_env("GLOO_SOCKET_IFNAME", ifname)
+    if backend == "nccl" and not Path("/sys/class/infiniband").exists():
+        _set_default_env("NCCL_IB_DISABLE", "1")
     store = None
     error: BaseException | None = None
     port = 0
     if world.rank == 0:
         try:
             port = int(env_port) if env_port else 0
-            # Port 0: the kernel picks a free port and the store keeps it bound.
-            store = TCPStore("0.0.0.0", port, world.size, is_master=True, timeout=timeout,
-                             wait_for_workers=False)
-            port = store.port
-        except ValueError:
+            # Bound to the chosen address only; the store takes over the socket.
+            listener = _listen(address, port, backlog=max(world.size, 128))
+            port = listener.getsockname()[1]
+            store = TCPStore(address, port, world.size, is_master=True, timeout=timeout,
+                             wait_for_workers=False, master_listen_fd=listener.detach())
+        except (ValueError, OverflowError):
             error = UsageError(f"MASTER_PORT={env_port!r} is not a port number")
+        except OSError as exc:
+            where = f"rank 0 on {world.hostname} cannot listen on {address}:{port} for the rendezvous store"
+            if env_addr and (isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL):
+                error = UsageError(f"MASTER_ADDR={env_addr!r}: {where}: {exc.strerror or exc} "
+                                   "(it must be an address of rank 0's host)")
+            else:
+                error = RestartableError(f"{where}: {exc.strerror or exc}")
         except Exception as exc:  # noqa: BLE001 - shared with every rank below
-            error = RestartableError(f"rank 0 could not start the rendezvous store on port {port}: {exc}")
+            error = RestartableError(f"rank 0 could not start the rendezvous store on {address}:{port}: {exc}")
     agree_on_error(comm, error)
     port = comm.bcast(port, root=0)
-    if env_addr:
-        address, ifname = env_addr, interface
-    else:
-        address, ifname = choose_address(comm, world, interface=interface, probe_port=port)
-    if ifname and ifname != "lo" and world.num_nodes > 1:
-        # NCCL and gloo each pick an interface on their own; make them use the
-        # one every rank has been shown to reach.
-        _set_default_env("NCCL_SOCKET_IFNAME", ifname)
-        _set_default_env("GLOO_SOCKET_IFNAME", ifname)
-    if backend == "nccl" and not Path("/sys/class/infiniband").exists():
-        _set_default_env("NCCL_IB_DISABLE", "1")
     error = None
     try:
         if world.rank != 0:

@@ -9,6 +9,7 @@ a run without the failure.
 """
 
 import contextlib
+import datetime
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -22,7 +23,7 @@ from hpcnet.errors import RestartableError, UsageError
 from hpcnet.flightrec import NULL_RECORDER
 from hpcnet.transport import (CommFailure, FaultyTransport, HierarchicalTransport, MpiTransport, TorchTransport,
                               Transport, cuda_aware_mpi)
-from hpcnet.world import World, agreed
+from hpcnet.world import World, agreed, shared_errors
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +38,23 @@ class Plan:
     hierarchical: bool
     fallback: str | None
 
+    @property
+    def torch_backend(self) -> str | None:
+        """The torch.distributed default group the plan needs: 'nccl', 'gloo', or None (MPI only).
+
+        The gloo fallback of a NCCL run is a subgroup created on demand from
+        the NCCL default group, so NCCL wins.
+        """
+        kinds = {self.primary, self.fallback} - {None, "mpi"}
+        return "nccl" if "nccl" in kinds else ("gloo" if kinds else None)
+
 
 def plan_transport(cfg: DistConfig, *, device_type: str, num_nodes: int, min_local_size: int,
-                   cuda_aware: bool = False) -> Plan:
+                   cuda_aware: bool = False, hierarchical_hint: bool | None = None) -> Plan:
     """Decide the primary backend, flat or hierarchical, and the fallback (pure logic).
+
+    The one place where ``dist.backend = 'auto'`` is resolved: the bootstrap
+    and ``DataParallel`` both follow the plan this returns.
 
     Args:
         cfg: the ``dist`` options.
@@ -48,6 +62,8 @@ def plan_transport(cfg: DistConfig, *, device_type: str, num_nodes: int, min_loc
         num_nodes: nodes in the job (virtual nodes count).
         min_local_size: ranks on the node with the fewest.
         cuda_aware: the MPI library can read GPU memory.
+        hierarchical_hint: the topology probe's advice, used when
+            ``dist.hierarchical`` is 'auto' (None: decide from the layout).
     """
     gpu = device_type == "cuda"
     primary = cfg.backend if cfg.backend != "auto" else ("nccl" if gpu else "mpi")
@@ -55,34 +71,77 @@ def plan_transport(cfg: DistConfig, *, device_type: str, num_nodes: int, min_loc
         raise UsageError("dist.backend: 'nccl' needs a GPU device (dist.device is cpu or no GPU is visible)")
     if primary == "mpi" and gpu and not cuda_aware:
         raise UsageError("dist.backend: 'mpi' on GPU tensors needs a CUDA-aware MPI; use 'nccl'")
+    compressed = cfg.compression != "none"
+    if compressed and primary == "mpi":
+        which = "'auto' is mpi on CPU" if cfg.backend == "auto" else "is 'mpi'"
+        raise UsageError(f"dist.compression: {cfg.compression} needs the nccl or gloo backend, and dist.backend "
+                         f"{which} (MPI has no half-precision sum); set dist.backend=gloo")
     if cfg.hierarchical == "auto":
-        hierarchical = num_nodes > 1 and min_local_size > 1
+        hierarchical = (num_nodes > 1 and min_local_size > 1) if hierarchical_hint is None else hierarchical_hint
     else:
         hierarchical = cfg.hierarchical == "on"
     if cfg.fallback == "none":
         fallback = None
     elif cfg.fallback == "auto":
         fallback = "mpi" if primary == "gloo" and (not gpu or cuda_aware) else "gloo"
+        if fallback == "mpi" and compressed:
+            fallback = None  # the wire format cannot change mid-run, and MPI cannot sum it
     else:
         fallback = cfg.fallback
     if fallback == primary and fallback != "gloo":
         fallback = None  # a fresh gloo group is a real alternative; the same MPI communicator is not
     if fallback == "mpi" and gpu and not cuda_aware:
         raise UsageError("dist.fallback: 'mpi' on GPU tensors needs a CUDA-aware MPI; use 'gloo'")
+    if fallback == "mpi" and compressed:
+        raise UsageError(f"dist.fallback: 'mpi' cannot carry dist.compression={cfg.compression} "
+                         "(MPI has no half-precision sum); use 'gloo' or 'none'")
     return Plan(primary, hierarchical, fallback)
 
 
-def build_transport(kind: str, hierarchical: bool, comm: Any, world: World) -> Transport:
-    """Create a transport over the ranks of ``comm`` (collective)."""
+def decide_plan(comm: Any, world: World, cfg: DistConfig, *, device_type: str,
+                hierarchical_hint: bool | None = None) -> Plan:
+    """Collective: ``plan_transport`` for this job, the same on every rank, or the same error on every rank.
+
+    Ranks that see different devices (a node without GPUs under
+    ``dist.device=auto``) would initialise different backends and wait for
+    each other forever; that is an error naming them.
+    """
+    from mpi4py import MPI
+
+    min_local = comm.allreduce(world.local_size, op=MPI.MIN)
+    with shared_errors(comm):
+        plan = plan_transport(cfg, device_type=device_type, num_nodes=world.num_nodes, min_local_size=min_local,
+                              cuda_aware=device_type == "cuda" and cuda_aware_mpi(),
+                              hierarchical_hint=hierarchical_hint)
+    plans = comm.allgather((device_type, plan))
+    odd = [r for r, p in enumerate(plans) if p != plans[0]]
+    if odd:
+        raise agreed(UsageError(
+            f"the ranks chose different transports: rank 0 has a {plans[0][0]} device and {plans[0][1]}, rank "
+            f"{odd[0]} a {plans[odd[0]][0]} device and {plans[odd[0]][1]} (ranks {odd} differ); set dist.device"))
+    return plan
+
+
+def build_transport(kind: str, hierarchical: bool, comm: Any, world: World, *,
+                    timeout_s: float | None = None) -> Transport:
+    """Create a transport over the ranks of ``comm`` (collective).
+
+    ``timeout_s`` (``dist.timeout_s``; None: torch's default) is given to
+    every torch.distributed group created here: NCCL enforces it in its own
+    watchdog, so nothing waits on a NCCL work with a CPU timeout (see
+    ``hpcnet.transport``).
+    """
     if hierarchical and world.size > 1:
-        return HierarchicalTransport(comm, node_index=world.node_index, local_rank=world.local_rank, kind=kind)
+        return HierarchicalTransport(comm, node_index=world.node_index, local_rank=world.local_rank, kind=kind,
+                                     timeout_s=timeout_s)
     if kind == "mpi":
         return MpiTransport(comm)
     import torch.distributed as dist
 
     if world.size == 1:
         return TorchTransport(None, kind, 1)
-    group = dist.group.WORLD if dist.get_backend() == kind else dist.new_group(backend=kind)
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    group = dist.group.WORLD if dist.get_backend() == kind else dist.new_group(backend=kind, timeout=timeout)
     return TorchTransport(group, kind, world.size)
 
 
@@ -115,26 +174,22 @@ class DataParallel:
         comm: the MPI communicator of the job (the control plane).
         world: its layout.
         cfg: the ``dist`` options.
-        hierarchical_hint: the topology probe's advice, used when
-            ``dist.hierarchical`` is 'auto' (None: decide from the world).
+        plan: the transport plan (``decide_plan``), decided before the
+            torch.distributed group was set up; None decides it here, without
+            a topology hint.
         recorder: the flight recorder (``hpcnet.flightrec``) the step's collectives are logged to.
     """
 
     def __init__(self, model: nn.Module, comm: Any, world: World, cfg: DistConfig, *,
-                 device: torch.device, hierarchical_hint: bool | None = None, recorder: Any = NULL_RECORDER) -> None:
+                 device: torch.device, plan: Plan | None = None, recorder: Any = NULL_RECORDER) -> None:
         self.model = model
         self.comm = comm
         self.world = world
         self.cfg = cfg
         self.device = device
-        min_local = comm.allreduce(world.local_size, op=_mpi_min())
-        plan = plan_transport(cfg, device_type=device.type, num_nodes=world.num_nodes, min_local_size=min_local,
-                              cuda_aware=device.type == "cuda" and cuda_aware_mpi())
-        if cfg.hierarchical == "auto" and hierarchical_hint is not None:
-            plan = Plan(plan.primary, hierarchical_hint, plan.fallback)
-        self.plan = plan
+        self.plan = plan = plan or decide_plan(comm, world, cfg, device_type=device.type)
         check_same_model(model, comm)
-        transport = build_transport(plan.primary, plan.hierarchical, comm, world)
+        transport = build_transport(plan.primary, plan.hierarchical, comm, world, timeout_s=cfg.timeout_s)
         if cfg.fail_at_step:
             transport = FaultyTransport(transport, fail=not cfg.fail_ranks or world.rank in cfg.fail_ranks)
         broadcast_module(model, comm)  # replicas start equal even if initialisation differed
@@ -145,6 +200,12 @@ class DataParallel:
             recorder=recorder)
         self.step_count = 0
         self._has_buffers = any(True for _ in model.buffers())
+        # On GPU the buffers go over NCCL, in stream order, without a host round trip.
+        self._buffer_group = None
+        if device.type == "cuda" and world.size > 1 and plan.torch_backend == "nccl":
+            import torch.distributed as dist
+
+            self._buffer_group = dist.group.WORLD
 
     @property
     def backend(self) -> str:
@@ -158,14 +219,17 @@ class DataParallel:
                 f"fallback {self.plan.fallback or 'none'}")
 
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
-             loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+             loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor], *,
+             step: int | None = None) -> torch.Tensor:
         """Forward and backward over the micro-batches, then average the gradients.
 
-        Returns the mean loss over the micro-batches (a tensor on the device).
-        Raises RestartableError on every rank when the transport failed and no
-        fallback is left.
+        ``step`` is the global number of the step being computed (1 for the
+        first step of a run, resumed or not, as ``fault.*`` count them); None
+        counts on from the previous call.  Returns the mean loss over the
+        micro-batches (a tensor on the device).  Raises RestartableError on
+        every rank when the transport failed and no fallback is left.
         """
-        self.step_count += 1
+        self.step_count = self.step_count + 1 if step is None else step
         self.sync_buffers()  # replicas start every step bit-identical, as with DDP's broadcast_buffers
         self.reducer.arm_fault(self.step_count == self.cfg.fail_at_step)
         # What the step may change besides gradients: a retry restores them.
@@ -179,9 +243,11 @@ class DataParallel:
                 if self.plan.fallback is None or saved is None:
                     raise agreed(RestartableError(f"step {self.step_count}: {exc}; no fallback left")) from exc
                 self.reducer.arm_fault(False)
-                fallback = build_transport(self.plan.fallback, False, self.comm, self.world)
+                fallback = build_transport(self.plan.fallback, False, self.comm, self.world,
+                                           timeout_s=self.cfg.timeout_s)
                 self.reducer.switch(fallback, str(exc), self.step_count)
                 self.plan = Plan(self.plan.fallback, False, None)
+                self._buffer_group = None  # the NCCL group may be the part that failed
                 self._restore(saved)
 
     def _forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -217,7 +283,7 @@ class DataParallel:
         """Give every rank rank 0's buffers (BatchNorm statistics); collective."""
         if self._has_buffers:
             with self.reducer.recorder.op("broadcast.buffers"):
-                broadcast_buffers(self.model, self.comm)
+                broadcast_buffers(self.model, self.comm, group=self._buffer_group)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -231,9 +297,3 @@ class DataParallel:
 
     def close(self) -> None:
         self.reducer.close()
-
-
-def _mpi_min() -> Any:
-    from mpi4py import MPI
-
-    return MPI.MIN

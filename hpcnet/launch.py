@@ -25,19 +25,29 @@ What it does, per attempt:
   run) and ``checkpoint.dir`` (the same for every attempt), so it knows where
   to read the monitor's ``failure.json`` and every attempt resumes from the
   same checkpoints;
+- runs each attempt in a session of its own and, when the launcher has
+  ended, kills whatever is left of that session (``reap_session``): ranks
+  orphaned by a killed mpirun must not overlap the next attempt or write into
+  the checkpoint directory.  A session, not the process group, because Open
+  MPI's mpirun gives every rank a process group of its own;
 - on status 0 it stops; on a restartable failure (75, or a rank or the
   launcher killed by SIGKILL, SIGSEGV, SIGBUS or SIGABRT: ``is_restartable``)
   it waits ``backoff_s * 2**(k-1)`` seconds (capped) and runs the command
-  again with ``--resume auto``, up to ``--max-restarts`` times; anything else
-  (1 code error, 2 bad input, 76 preempted, 130 interrupted) is final;
+  again with ``--resume auto``, up to ``--max-restarts`` times in a row
+  without progress: an attempt that committed a new checkpoint
+  (``committed_checkpoints`` of the pinned checkpoint directory, before and
+  after) resets the count.  Anything else (1 code error, 2 bad input, 76
+  preempted, 130 interrupted) is final;
 - with ``--exclude-failed-hosts``, a failure pinned to a host (failure.json,
   or the launcher's "rank N on node H exited on signal" line) leaves that
   host out of the next attempt: srun gets ``--exclude``, mpirun a filtered
   ``--host`` list or hostfile (from the command, or from the SLURM
   allocation).  The allocation must have room to spare: ``-np`` is kept;
-- SIGTERM, SIGUSR2 and SIGINT are forwarded to the launcher and end the
-  restarts: the job stops after saving (76) and the supervisor exits with
-  the job's status.  Open MPI's mpirun answers SIGTERM/SIGINT by killing the
+- SIGTERM, SIGUSR2, SIGINT and SIGHUP are forwarded to the launcher and end
+  the restarts: the job stops after saving (76) and the supervisor exits
+  with the job's status.  SIGHUP (the terminal or ssh session went away) is
+  sent on as SIGTERM: hpcnet.train saves on SIGTERM, a bare SIGHUP would
+  kill the ranks.  Open MPI's mpirun answers SIGTERM/SIGINT by killing the
   ranks a second later, before they can save, but forwards SIGUSR2 to them;
   so for mpirun the first signal is sent on as SIGUSR2 (hpcnet treats both
   as preemption), a second one as SIGTERM;
@@ -179,6 +189,35 @@ def resume_args(train_args: list[str]) -> list[str]:
 def default_checkpoint_dir(run_dir: str, run_name: str, checkpoint_dir: str) -> Path:
     """``checkpoint.dir`` as hpcnet.trainstate.checkpoint_dir resolves it (that module imports torch)."""
     return Path(checkpoint_dir) if checkpoint_dir else Path(run_dir) / f"{run_name}.ckpt"
+
+
+def committed_checkpoints(directory: Path | None) -> dict[str, tuple[int, int]]:
+    """The committed checkpoint files in ``directory``: name -> (size, mtime in ns); {} when there is none.
+
+    Only committed names (``ckpt-<step>.h5``; a save in flight is a ``.tmp``)
+    count, read from the directory listing alone: the supervisor imports
+    neither torch nor h5py.
+    """
+    from hpcnet.ckpt_format import CKPT_NAME_RE  # numpy only
+
+    found: dict[str, tuple[int, int]] = {}
+    if directory is None:
+        return found
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return found
+    for entry in entries:
+        if CKPT_NAME_RE.match(entry.name):
+            with contextlib.suppress(FileNotFoundError):  # removed by retention meanwhile
+                info = entry.stat()
+                found[entry.name] = (info.st_size, info.st_mtime_ns)
+    return found
+
+
+def new_checkpoints(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> list[str]:
+    """Checkpoints committed between two listings (new names, or names written again), sorted."""
+    return sorted(name for name, stat in after.items() if before.get(name) != stat)
 
 
 def failure_from_line(line: str) -> dict[str, Any] | None:
@@ -425,12 +464,18 @@ class Attempt:
     """When the launcher printed that a rank died (how fast the death was noticed)."""
     excluded_hosts: list[str] = field(default_factory=list)
     signal_received: int = 0
+    new_checkpoints: list[str] = field(default_factory=list)
+    """Checkpoints this attempt committed (progress: the restart budget starts again)."""
+    reaped: list[int] = field(default_factory=list)
+    """Processes of the attempt still running after the launcher ended, killed before going on."""
+    survivors: list[int] = field(default_factory=list)
+    """Processes that would not die (SIGKILL in an uninterruptible wait): nothing more is started."""
 
 
 class _Forwarder:
-    """Signal handlers that pass SIGTERM/SIGUSR2/SIGINT on to the running launcher (and end the restarts)."""
+    """Signal handlers that pass SIGTERM/SIGUSR2/SIGINT/SIGHUP on to the running launcher (and end the restarts)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP)
 
     def __init__(self, mpirun: bool) -> None:
         self.mpirun = mpirun
@@ -455,9 +500,10 @@ class _Forwarder:
         self.wake.set()
         proc = self.proc
         if proc is not None and proc.poll() is None:
+            # A hang-up is a request to stop, as SIGTERM is (which the ranks save on).
+            forward = signal.SIGTERM if signum == signal.SIGHUP else signum
             # mpirun kills the ranks ~1 s after SIGTERM/SIGINT (no time to save)
             # but forwards SIGUSR2; a second signal means "now".
-            forward = signum
             if self.mpirun:
                 forward = signal.SIGUSR2 if self.count == 1 else signal.SIGTERM
             with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
@@ -470,6 +516,50 @@ def _die_with_parent() -> None:
     """In the child: get SIGTERM if the supervisor dies (Linux), so a job never outlives its supervisor."""
     with contextlib.suppress(OSError, AttributeError):  # not Linux: the process group still gets signals
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+
+
+def session_members(sid: int, proc_dir: Path = Path("/proc")) -> list[int]:
+    """Live processes (zombies left out) of session ``sid``, from /proc (Linux; elsewhere none are found)."""
+    members = []
+    try:
+        entries = list(os.scandir(proc_dir))
+    except FileNotFoundError:
+        return members
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        # After the command name in parentheses (which may hold spaces): state, ppid, pgrp, session.
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[3]) == sid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def reap_session(sid: int, timeout_s: float = 30.0) -> tuple[list[int], list[int]]:
+    """SIGKILL every process left in session ``sid`` until none is; return (killed, still alive after timeout_s).
+
+    The attempt is over (its launcher ended): what is left of it would only
+    race the next attempt, so it gets no grace period.  A checkpoint it was
+    writing is never committed halfway (commits are a rename).  The kernel
+    does not hand out a session's id as a new pid while the session has
+    members, so the scan cannot pick up an unrelated process.
+    """
+    killed: list[int] = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        members = session_members(sid)
+        if not members or time.monotonic() > deadline:
+            return killed, members
+        for pid in members:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            if pid not in killed:
+                killed.append(pid)
+        time.sleep(0.05)
 
 
 def _tee(stream: Any, out: TextIO, on_line: Any) -> None:
@@ -493,9 +583,11 @@ def run_attempt(command: list[str], env: dict[str, str], forwarder: _Forwarder, 
     record.start_unix = time.time()
     t0 = time.monotonic()
     try:
-        # Its own process group: a Ctrl-C on the terminal reaches the job once, through us.
+        # Its own session (and so process group): a Ctrl-C on the terminal reaches
+        # the job once, through us, and every process the attempt starts is
+        # found by its session afterwards (reap_session).
         proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                process_group=0, preexec_fn=_die_with_parent)
+                                start_new_session=True, preexec_fn=_die_with_parent)
     except OSError as exc:
         print(f"hpcnet.launch: cannot run {command[0]!r}: {exc.strerror or exc}", file=sys.stderr, flush=True)
         record.status, record.end_unix = 127, time.time()
@@ -513,6 +605,9 @@ def run_attempt(command: list[str], env: dict[str, str], forwarder: _Forwarder, 
     record.end_unix = time.time()
     record.duration_s = time.monotonic() - t0
     forwarder.proc = None
+    record.reaped, record.survivors = reap_session(proc.pid)  # before the tees: survivors hold the pipes
+    if record.reaped:
+        _say(f"killed {len(record.reaped)} process(es) the attempt left running: {record.reaped[:10]}")
     for thread in threads:
         thread.join(timeout=5)
     record.status = normalise_status(returncode)
@@ -582,7 +677,11 @@ def supervise(command: list[str], *, max_restarts: int = 3, backoff_base_s: floa
         launch_dir = Path.cwd()
         _say("the command does not run hpcnet.train: run directories are not pinned, failure.json is not read")
     else:
-        launch_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            launch_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            _say(f"error: run.dir: cannot create the launch directory {launch_dir}: {exc.strerror or exc}")
+            return ExitCode.USAGE_ERROR
         _say(f"launch directory {launch_dir}; checkpoints in {checkpoint_dir}")
     allocation = slurm_allocation(environ)
     forwarder = _Forwarder(mpirun=openmpi).install()
@@ -591,15 +690,20 @@ def supervise(command: list[str], *, max_restarts: int = 3, backoff_base_s: floa
     excluded: list[str] = []
     status, message = ExitCode.CODE_ERROR, ""
     try:
-        for attempt in range(1, max_restarts + 2):
+        attempt = restarts = 0  # restarts in a row without progress
+        while True:
+            attempt += 1
             run_dir = str(launch_dir / f"attempt-{attempt}") if start is not None else None
             pinned = [f"run.dir={run_dir}", "run.dir_exact=true", f"checkpoint.dir={checkpoint_dir}"] if run_dir else []
             cmd = attempt_command(base, attempt, train_start=start, pinned=pinned, openmpi=openmpi)
             record = Attempt(attempt=attempt, command=cmd, run_dir=run_dir, start_unix=time.time(),
                              excluded_hosts=list(excluded))
             attempts.append(record)
-            _say(f"attempt {attempt}/{max_restarts + 1}: {shlex.join(cmd)}")
+            # k/n: n is the last attempt, unless an attempt makes progress.
+            _say(f"attempt {attempt}/{attempt + max_restarts - restarts}: {shlex.join(cmd)}")
+            before = committed_checkpoints(checkpoint_dir)
             run_attempt(cmd, {**launcher_env(environ, openmpi), ATTEMPT_ENV: str(attempt)}, forwarder, record)
+            record.new_checkpoints = new_checkpoints(before, committed_checkpoints(checkpoint_dir))
             record.failure = _read_failure(run_dir) or record.failure
             record.signal_received = forwarder.received
             record.restartable = is_restartable(record.status)
@@ -609,6 +713,10 @@ def supervise(command: list[str], *, max_restarts: int = 3, backoff_base_s: floa
                  f"after {record.duration_s:.1f} s")
             _write_json(launch_dir, command, attempts, None, "")
             status = record.status
+            if record.survivors:
+                message = (f"processes {record.survivors[:10]} of attempt {attempt} are still alive after SIGKILL "
+                           "(an uninterruptible wait?): not starting another attempt beside them")
+                return status
             if status == 0:
                 return status
             if forwarder.received:
@@ -617,8 +725,13 @@ def supervise(command: list[str], *, max_restarts: int = 3, backoff_base_s: floa
             if not record.restartable:
                 message = f"status {status} is not restartable: {describe_status(status)}{cause}"
                 return status
-            if attempt > max_restarts:
+            if record.new_checkpoints and restarts:
+                _say(f"attempt {attempt} committed {record.new_checkpoints[-1]}: progress, so the restart budget "
+                     f"starts again ({max_restarts} restart(s))")
+                restarts = 0
+            if restarts >= max_restarts:
                 break
+            restarts += 1
             hosts = [h for h in failed_where(record.failure)[1] if h not in excluded]
             if exclude_failed_hosts and hosts:
                 exclusion = exclude_hosts(base, [*excluded, *hosts], allocation=allocation,
@@ -630,13 +743,15 @@ def supervise(command: list[str], *, max_restarts: int = 3, backoff_base_s: floa
                     base = exclusion.command
                     excluded.extend(hosts)
                 _say(f"excluding {', '.join(hosts)}: {exclusion.note}")
-            delay = backoff_s(attempt, backoff_base_s, backoff_cap_s)
-            _say(f"restarting from the newest checkpoint in {delay:.1f} s (restart {attempt} of {max_restarts})")
+            delay = backoff_s(restarts, backoff_base_s, backoff_cap_s)
+            _say(f"restarting from the newest checkpoint in {delay:.1f} s (restart {restarts} of {max_restarts}"
+                 f"{' since the last new checkpoint' if checkpoint_dir else ''})")
             if forwarder.wake.wait(delay) or forwarder.received:
                 message = f"stopped by {signal.Signals(forwarder.received).name} before restarting"
                 status = ExitCode.INTERRUPTED if forwarder.received == signal.SIGINT else ExitCode.PREEMPTED
                 return status
-        message = (f"giving up after {len(attempts)} attempts ({max_restarts} restarts): last status {status}, "
+        message = (f"giving up after {len(attempts)} attempts ({max_restarts} restarts"
+                   f"{' without a new checkpoint' if checkpoint_dir else ''}): last status {status}, "
                    f"{describe_status(status)}{cause}")
         return status
     finally:

@@ -32,7 +32,7 @@ from hpcnet.bootstrap import DataPlane, init_data_plane
 from hpcnet.checkpoint import CheckpointManager
 from hpcnet.config import Config, OptimConfig, check_same_config, describe_options, load_config, to_toml
 from hpcnet.data import BatchLoader, GlobalBatchSampler, eval_indices, open_dataset
-from hpcnet.dataparallel import DataParallel
+from hpcnet.dataparallel import DataParallel, decide_plan
 from hpcnet.errors import ExitCode
 from hpcnet.faults import FaultInjector
 from hpcnet.flightrec import NULL_RECORDER
@@ -183,12 +183,15 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
             device = choose_device(world, cfg.dist.device)
         # Heartbeats, stall/desync watchdog, memory watch (monitor.*): a thread from here to the end.
         monitor = Monitor(cfg.monitor, comm, world, run_dir, device=device).start()
+        with shared_errors(comm):  # rank 0 writes; an unwritable directory or option stops every rank
+            if world.is_main:
+                resolved = to_toml(cfg)
+                (run_dir / "config.toml").write_text(resolved)
         if world.is_main:
-            (run_dir / "config.toml").write_text(to_toml(cfg))
             log.info("hpcnet %s, torch %s: %d rank(s) on %d node(s) (%s), device %s, %d threads/rank",
                      __version__, torch.__version__, world.size, world.num_nodes, world.launcher,
                      device, torch.get_num_threads())
-            log.info("run directory: %s\nresolved config:\n%s", run_dir, to_toml(cfg))
+            log.info("run directory: %s\nresolved config:\n%s", run_dir, resolved)
         hint = None
         interface = cfg.dist.interface
         if cfg.dist.probe and world.size > 1:
@@ -204,8 +207,12 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
                 interface = advice["nccl_socket_ifname"]
             if advice["nccl_ib_disable"] and device.type == "cuda":
                 os.environ.setdefault("NCCL_IB_DISABLE", "1")
-        if plane is None and world.size > 1:
-            plane = init_data_plane(comm, world, backend="auto", device=device,
+        # The transport, decided once (dist.backend=auto resolved here): an
+        # impossible choice stops every rank before the rendezvous, the data
+        # and the model; the torch.distributed group is the one it needs, if any.
+        plan = decide_plan(comm, world, cfg.dist, device_type=device.type, hierarchical_hint=hint)
+        if plane is None and world.size > 1 and plan.torch_backend:
+            plane = init_data_plane(comm, world, backend=plan.torch_backend, device=device,
                                     timeout_s=cfg.dist.timeout_s, interface=interface)
             own_plane = True
 
@@ -227,8 +234,7 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
         with shared_errors(comm):
             model = build_model(cfg.model.name, train_split.info, cfg.model.options,
                                 factory=cfg.model.factory).to(device)
-        dp = DataParallel(model, comm, world, cfg.dist, device=device, hierarchical_hint=hint,
-                          recorder=monitor.recorder)
+        dp = DataParallel(model, comm, world, cfg.dist, device=device, plan=plan, recorder=monitor.recorder)
         optimizer = build_optimizer(model, cfg.optim)
         torch.manual_seed(cfg.run.seed + 1 + world.rank)  # dropout etc. differ per rank
         random.seed(cfg.run.seed + world.rank)
@@ -323,7 +329,7 @@ def _loop(cfg: Config, comm: Any, world: World, dp: DataParallel, optimizer: tor
             group_["lr"] = cfg.optim.lr * lr_factor(step, total, cfg.optim)
         batches = [tuple(t.to(device, non_blocking=True) for t in loader.next())
                    for _ in range(cfg.train.grad_accumulation)]
-        loss = dp.step(batches, compute_loss)  # forward, backward, gradients averaged across ranks
+        loss = dp.step(batches, compute_loss, step=step + 1)  # forward, backward, gradients averaged
         # The averaged gradients are the same on every rank, so a verdict from their norm needs
         # no collective; computing it costs a pass over them, paid only for clipping or skip.
         grad_norm = None

@@ -126,16 +126,18 @@ class TrainState:
         return loaded.step
 
     def _restore(self, loaded: Loaded, rank: int) -> None:
+        # Everything here may fail on some ranks only (each restores its own
+        # RNG state), so the outcome is shared before the next collective.
         with shared_errors(self.manager.comm):
             restore_state(self.model, self.optimizer, loaded.tensors, loaded.meta["state"])
             # Any world size and batch size continue from the saved sample position;
             # a malformed state or a shrunk dataset is a clear ValueError.
             self.sampler.load_state_dict(loaded.meta["sampler"])
-        if loaded.rank_state is not None:
-            set_rng_state(loaded.rank_state)
-        else:
-            # More ranks than were saved: a fresh, distinct, reproducible seed.
-            torch.manual_seed(zlib.crc32(f"{self.cfg.run.seed}/{rank}/{loaded.step}".encode()))
+            if loaded.rank_state is not None:
+                set_rng_state(loaded.rank_state)
+            else:
+                # More ranks than were saved: a fresh, distinct, reproducible seed.
+                torch.manual_seed(zlib.crc32(f"{self.cfg.run.seed}/{rank}/{loaded.step}".encode()))
         self.last_saved_step = loaded.step
         log.info("resumed from %s at step %d (saved by %d rank(s)%s)", loaded.path, loaded.step,
                  loaded.saved_world_size,

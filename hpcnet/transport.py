@@ -50,12 +50,31 @@ class _Done:
 
 
 class _TorchHandle:
-    def __init__(self, work: Any) -> None:
+    """A torch.distributed work.
+
+    ``stream_ordered`` (NCCL): ``wait`` makes the current CUDA stream wait
+    for the work and returns at once, so what the caller enqueues next on
+    that stream (dividing the bucket, copying it out) runs after the
+    collective.  No CPU timeout: ``work.wait(timeout)`` on a NCCL work spins
+    a CPU thread until the work is done; the timeout is the group's own
+    (``dist.timeout_s``, given when the group is created), enforced by NCCL's
+    watchdog, which aborts the communicator.
+    """
+
+    def __init__(self, work: Any, *, stream_ordered: bool = False, keep: tuple[Any, ...] = ()) -> None:
         self.work = work
+        self.stream_ordered = stream_ordered
+        self.keep = keep  # buffers the enqueued collectives still use
 
     def wait(self, timeout_s: float) -> None:
         import datetime
 
+        if self.stream_ordered:
+            try:
+                self.work.wait()
+            except RuntimeError as exc:  # the watchdog already saw it fail or time out
+                raise CommFailure(f"all-reduce failed: {exc}") from exc
+            return
         try:
             ok = self.work.wait(datetime.timedelta(seconds=timeout_s))
         except RuntimeError as exc:  # gloo/NCCL errors and timeouts
@@ -92,7 +111,8 @@ class TorchTransport:
 
         if self.size == 1:
             return _Done()
-        return _TorchHandle(dist.all_reduce(flat, group=self.group, async_op=True))
+        return _TorchHandle(dist.all_reduce(flat, group=self.group, async_op=True),
+                            stream_ordered=self.name == "nccl")
 
     def close(self) -> None:
         self.group = None
@@ -144,9 +164,11 @@ class HierarchicalTransport:
         kind: 'mpi' (MPI collectives from a worker thread) or a torch backend
             ('gloo', 'nccl') for which subgroups are created (collective over
             every rank of the default group).
+        timeout_s: the subgroups' timeout (NCCL enforces it in its watchdog); None: torch's default.
     """
 
-    def __init__(self, comm: Any, *, node_index: int, local_rank: int, kind: str) -> None:
+    def __init__(self, comm: Any, *, node_index: int, local_rank: int, kind: str,
+                 timeout_s: float | None = None) -> None:
         self.kind = kind
         self.name = f"hierarchical-{kind}"
         self.size = comm.Get_size()
@@ -166,11 +188,21 @@ class HierarchicalTransport:
             for rank, (node, local) in enumerate(nodes):
                 by_node.setdefault(node, []).append(rank)
                 by_local.setdefault(local, []).append(rank)
-            self._local_group, _ = dist.new_subgroups_by_enumeration(list(by_node.values()), backend=kind)
-            self._cross_group, _ = dist.new_subgroups_by_enumeration(list(by_local.values()), backend=kind)
+            import datetime
 
-    def _phases(self, flat: torch.Tensor, async_op: bool) -> tuple[torch.Tensor, Any]:
-        """Run (or, for NCCL, enqueue) the three phases; return the padded work buffer and the last work."""
+            # Given, or new_group takes torch's default (10 min for NCCL), not dist.timeout_s.
+            timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+            self._local_group, _ = dist.new_subgroups_by_enumeration(list(by_node.values()), timeout=timeout,
+                                                                     backend=kind)
+            self._cross_group, _ = dist.new_subgroups_by_enumeration(list(by_local.values()), timeout=timeout,
+                                                                     backend=kind)
+
+    def _phases(self, flat: torch.Tensor, *, enqueue: bool) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Run (or, for NCCL, enqueue in order) the three phases.
+
+        Returns the padded work buffer, this rank's shard and the last work
+        (None when the phases already ran).
+        """
         n = flat.numel()
         pad = (-n) % self.local_size
         # Reduce-scatter needs equal shards; a padded copy only when needed.
@@ -184,20 +216,24 @@ class HierarchicalTransport:
             if self.cross.Get_size() > 1:
                 self.cross.Allreduce(MPI.IN_PLACE, _mpi_buffer(out), op=MPI.SUM)
             self.local.Allgather(_mpi_buffer(out), _mpi_buffer(work))
-            return work, None
+            return work, out, None
         import torch.distributed as dist
 
         # torch >= 2.13 renamed these (the old names warn); clusters may run older torch.
         reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        reduce_scatter(out, work, group=self._local_group, async_op=async_op)
+        phases = [lambda: reduce_scatter(out, work, group=self._local_group, async_op=enqueue)]
         if self.cross.Get_size() > 1:
-            dist.all_reduce(out, group=self._cross_group, async_op=async_op)
-        last = all_gather(work, out, group=self._local_group, async_op=async_op)
-        return work, last
+            phases.append(lambda: dist.all_reduce(out, group=self._cross_group, async_op=enqueue))
+        phases.append(lambda: all_gather(work, out, group=self._local_group, async_op=enqueue))
+        if not enqueue:
+            for phase in phases:
+                phase()  # gloo: returns when done
+            return work, out, None
+        return work, out, enqueue_in_order(phases)
 
     def _run(self, flat: torch.Tensor) -> None:
-        work, _ = self._phases(flat, async_op=False)
+        work, _, _ = self._phases(flat, enqueue=False)
         if work is not flat:
             flat.copy_(work[:flat.numel()])
 
@@ -205,10 +241,10 @@ class HierarchicalTransport:
         if self.size == 1:
             return _Done()
         if self.kind == "nccl":
-            # NCCL orders collectives on its stream: enqueue all three phases
-            # from this thread (the device is already current here).
-            work, last = self._phases(flat, async_op=True)
-            return _PaddedHandle(_TorchHandle(last), flat, work)
+            # Enqueued from this thread, where the bucket's device and stream
+            # are current; ordered on the device by enqueue_in_order.
+            work, out, last = self._phases(flat, enqueue=True)
+            return _PaddedHandle(_TorchHandle(last, stream_ordered=True, keep=(work, out)), flat, work)
         # gloo runs each group's operations on its own threads, so the phases
         # are sequenced by one worker thread.
         return _FutureHandle(self._pool.submit(self._run, flat))
@@ -219,8 +255,34 @@ class HierarchicalTransport:
             comm.Free()
 
 
+def enqueue_in_order(phases: list[Callable[[], Any]]) -> Any:
+    """Enqueue NCCL collectives on different process groups so that each runs after the previous one.
+
+    Every process group has its own CUDA stream.  When a collective is
+    enqueued, its stream waits for the current stream, and only for it: two
+    collectives on two groups, enqueued back to back, may run at the same
+    time on the device, the second reading a buffer the first is still
+    writing.  ``work.wait()`` without a timeout on a NCCL work is a stream
+    wait: the current stream waits for the work's completion event and the
+    CPU returns at once.  So after it, the next collective (whose stream
+    waits for the current stream) starts only when the previous one has
+    finished: reduce-scatter -> all-reduce -> all-gather, in device order,
+    without blocking the CPU.  Returns the last phase's work.
+    """
+    last = None
+    for phase in phases:
+        if last is not None:
+            last.wait()  # a stream wait, not a CPU wait (no timeout: see _TorchHandle)
+        last = phase()
+    return last
+
+
 class _PaddedHandle:
-    """Wait for the last phase, then copy the result out of a padded work buffer."""
+    """Wait for the last phase, then copy the result out of a padded work buffer.
+
+    For NCCL the wait is a stream wait, so the copy (on the current stream)
+    is ordered after the all-gather without a CPU synchronisation.
+    """
 
     def __init__(self, inner: Handle, flat: torch.Tensor, work: torch.Tensor) -> None:
         self.inner, self.flat, self.work = inner, flat, work

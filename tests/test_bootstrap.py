@@ -1,13 +1,55 @@
 """torch.distributed bootstrapped from MPI: address choice, store, collectives."""
 
+import ipaddress
+import json
+import os
 import re
+import socket
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from mpi4py import MPI
 
-from hpcnet.bootstrap import interfaces, resolve_backend
-from hpcnet.errors import UsageError
+from hpcnet.bootstrap import init_data_plane, interfaces
+from hpcnet.world import discover
+
+
+def listening_sockets(pid: str = "self") -> dict[str, tuple[str, int]]:
+    """This process's listening TCP sockets: inode -> (address, port), from /proc (no psutil)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = {}
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            hex_addr, hex_port = local.split(":")
+            # The kernel prints the address as 32-bit words in host (little-endian) order.
+            raw = b"".join(bytes.fromhex(hex_addr[i:i + 8])[::-1] for i in range(0, len(hex_addr), 8))
+            found[inode] = (str(ipaddress.ip_address(raw[:width])), int(hex_port, 16))
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
+
+
+def test_listening_sockets_are_read_right():
+    with socket.create_server(("127.0.0.1", 0)) as a, socket.create_server(("::", 0), family=socket.AF_INET6) as b:
+        found = set(listening_sockets().values())
+        assert ("127.0.0.1", a.getsockname()[1]) in found and ("::", b.getsockname()[1]) in found
+    assert is_loopback("127.0.0.1") and is_loopback("::ffff:127.0.0.1") and not is_loopback("0.0.0.0")
 
 
 def test_interfaces_are_usable():
@@ -15,11 +57,12 @@ def test_interfaces_are_usable():
         assert iface.name != "lo" and iface.address.count(".") == 3
 
 
-def test_backend_choice():
-    assert resolve_backend("auto", torch.device("cpu")) == "gloo"
-    assert resolve_backend("gloo", torch.device("cpu")) == "gloo"
-    with pytest.raises(UsageError, match="dist.backend: 'nccl' needs a GPU"):
-        resolve_backend("nccl", torch.device("cpu"))
+def test_the_backend_is_decided_before_the_bootstrap():
+    """'auto' is resolved once, by the transport plan (hpcnet.dataparallel), not again here."""
+    world = discover(MPI.COMM_SELF)
+    for backend, device in (("auto", "cpu"), ("mpi", "cpu"), ("nccl", "cpu")):
+        with pytest.raises(ValueError, match=f"backend '{backend}' on a cpu device"):
+            init_data_plane(MPI.COMM_SELF, world, backend=backend, device=torch.device(device), timeout_s=10)
 
 
 @pytest.mark.mpi
@@ -33,23 +76,52 @@ def test_data_plane_allreduce(data_plane, comm):
     # every rank agrees on the rendezvous that rank 0 chose; one node: loopback
     assert comm.allgather((data_plane.address, data_plane.port)) == [(data_plane.address, data_plane.port)] * n
     assert data_plane.address == "127.0.0.1"
+    if comm.Get_rank() == 0:  # the store listens there, and there only
+        ports = [address for address, port in listening_sockets().values() if port == data_plane.port]
+        assert ports == ["127.0.0.1"]
+
+
+PROBE = """
+import json, sys, torch, torch.distributed as dist
+from mpi4py import MPI
+from hpcnet.bootstrap import init_data_plane
+from hpcnet.world import discover
+from tests.test_bootstrap import listening_sockets
+comm = MPI.COMM_WORLD
+world = discover(comm)
+before = listening_sockets()  # MPI's own listeners, which hpcnet does not open
+plane = init_data_plane(comm, world, backend='gloo', device=torch.device('cpu'), timeout_s=60)
+t = torch.ones(4) * (world.rank + 1); dist.all_reduce(t)
+opened = sorted({address for inode, (address, _) in listening_sockets().items() if inode not in before})
+print(f'RESULT {world.rank} {world.num_nodes} {plane.address} {plane.interface} {t[0].item()}', flush=True)
+print('OPENED ' + json.dumps([world.rank, opened]), flush=True)
+plane.close()
+"""
+
+
+def _opened(stdout: str) -> dict[int, list[str]]:
+    """Per rank, the addresses the data plane opened listening sockets on."""
+    return dict(json.loads(m) for m in re.findall(r"OPENED (\[\d+, \[[^\]]*\]\])", stdout))
+
+
+@pytest.mark.launch
+def test_one_node_listens_on_loopback_only(launch, tmp_path):
+    """The rendezvous store (unauthenticated) and gloo's sockets are not reachable from other hosts."""
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    out = launch(2, str(script), module=None, timeout=120)
+    assert out.returncode == 0, out.stderr
+    opened = _opened(out.stdout)
+    assert sorted(opened) == [0, 1] and opened[0], out.stdout  # rank 0 at least has the store
+    for rank, addresses in opened.items():
+        assert all(is_loopback(a) for a in addresses), (rank, addresses)
 
 
 @pytest.mark.launch
 def test_bootstrap_across_virtual_nodes_and_master_addr(launch, tmp_path):
     """Virtual nodes force the multi-node path: an interface every rank can reach."""
     script = tmp_path / "probe.py"
-    script.write_text(
-        "import torch, torch.distributed as dist\n"
-        "from mpi4py import MPI\n"
-        "from hpcnet.bootstrap import init_data_plane\n"
-        "from hpcnet.world import discover\n"
-        "comm = MPI.COMM_WORLD\n"
-        "world = discover(comm)\n"
-        "plane = init_data_plane(comm, world, backend='auto', device=torch.device('cpu'), timeout_s=60)\n"
-        "t = torch.ones(4) * (world.rank + 1); dist.all_reduce(t)\n"
-        "print(f'RESULT {world.rank} {world.num_nodes} {plane.address} {plane.interface} {t[0].item()}', flush=True)\n"
-        "plane.close()\n")
+    script.write_text(PROBE)
     out = launch(3, str(script), module=None, env={"HPCNET_RANKS_PER_NODE": "2"}, timeout=120)
     assert out.returncode == 0, out.stderr
     # ranks' output lines may interleave: pick the records out of the stream
@@ -59,6 +131,10 @@ def test_bootstrap_across_virtual_nodes_and_master_addr(launch, tmp_path):
         assert nodes == "2" and float(value) == 6.0
         # two virtual nodes: a real interface was tested for reachability, not loopback
         assert (address, iface) == (lines[0][3], lines[0][4]) and iface != "lo"
+    # the store (and gloo) listen on the chosen address, not on every interface (gloo stays on
+    # loopback when this process's GLOO_SOCKET_IFNAME, from an earlier one-node plane, is inherited)
+    opened = [a for addresses in _opened(out.stdout).values() for a in addresses]
+    assert lines[0][3] in opened and all(a == lines[0][3] or is_loopback(a) for a in opened), out.stdout
     out = launch(2, str(script), module=None, env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"},
                  timeout=120)
     assert out.returncode == 0, out.stderr

@@ -66,6 +66,35 @@ def test_errors_name_the_option(args, needle):
     assert needle in str(info.value)
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["checkpoint.every_s=nan"], "checkpoint.every_s: expected a finite number, got nan"),
+    (["monitor.stall_floor_s=nan"], "monitor.stall_floor_s: expected a finite number, got nan"),
+    (["monitor.stall_timeout_s=inf"], "monitor.stall_timeout_s: expected a finite number, got inf"),
+    (["dist.timeout_s=-inf"], "dist.timeout_s: expected a finite number, got -inf"),
+    (["optim.betas=[nan, 0.9]"], "optim.betas[0]: expected a finite number, got nan"),
+    (["train.steps=inf"], "train.steps: expected an integer, got inf"),
+])
+def test_non_finite_numbers_are_rejected_by_name(args, needle):
+    """nan compares false with everything, so it would pass every field's own range check."""
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=args)
+    assert needle in str(info.value)
+
+
+def test_non_finite_numbers_in_a_toml_file(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("[checkpoint]\nevery_s = nan\n")
+    with pytest.raises(ConfigError, match="checkpoint.every_s: expected a finite number"):
+        load_config(path)
+
+
+def test_an_option_toml_cannot_hold_is_named():
+    cfg = load_config()
+    cfg.model.options["make"] = object()  # possible from Python, not from TOML
+    with pytest.raises(ConfigError, match="model.options: cannot write object to TOML"):
+        to_toml(cfg)
+
+
 def test_bad_files(tmp_path):
     with pytest.raises(ConfigError, match="--config: file .* not found"):
         load_config(tmp_path / "missing.toml")

@@ -1,7 +1,9 @@
 """The restart supervisor, hpcnet.launch: its decisions (pure) and real recoveries under mpirun."""
 
+import contextlib
 import importlib.util
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -196,8 +198,9 @@ def test_restarts_until_success_or_exhausted(tmp_path, exit_with, attempts, fina
 
 @pytest.mark.launch
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR2])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR2, signal.SIGHUP])
 def test_stop_signals_are_forwarded_and_end_the_restarts(tmp_path, sig):
+    """SIGHUP (the terminal went away) too: passed on as SIGTERM, on which the job saves; not left to kill us."""
     _serial_only()
     from tests.conftest import clean_env
 
@@ -217,6 +220,104 @@ def test_stop_signals_are_forwarded_and_end_the_restarts(tmp_path, sig):
     assert proc.returncode == ExitCode.PREEMPTED, err
     assert f"stopped by {sig.name}: not restarting" in err
     assert len(json.loads((tmp_path / "launch.json").read_text())["attempts"]) == 1
+
+
+def test_committed_checkpoints_and_what_is_new(tmp_path):
+    assert launch.committed_checkpoints(tmp_path / "missing") == {} and launch.committed_checkpoints(None) == {}
+    for name in ("ckpt-0000000010.h5", "ckpt-0000000020.h5.tmp", "latest", "ckpt-12.h5", "notes.txt"):
+        (tmp_path / name).write_bytes(b"x")
+    before = launch.committed_checkpoints(tmp_path)
+    assert sorted(before) == ["ckpt-0000000010.h5"]  # a save in flight, `latest` and strays do not count
+    assert launch.new_checkpoints(before, before) == []
+    (tmp_path / "ckpt-0000000030.h5").write_bytes(b"xy")
+    os.utime(tmp_path / "ckpt-0000000010.h5", ns=(1, 1))  # written again
+    after = launch.committed_checkpoints(tmp_path)
+    assert launch.new_checkpoints(before, after) == ["ckpt-0000000010.h5", "ckpt-0000000030.h5"]
+    (tmp_path / "ckpt-0000000010.h5").unlink()  # retention removed one: not progress by itself
+    assert launch.new_checkpoints(after, launch.committed_checkpoints(tmp_path)) == []
+
+
+FAKE_TRAIN = """
+import os, pathlib, sys
+options = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
+ckpt = pathlib.Path(options["checkpoint.dir"])
+ckpt.mkdir(parents=True, exist_ok=True)
+attempt = int(os.environ["HPCNET_ATTEMPT"])
+if attempt <= 2:  # the first two attempts each commit a checkpoint before failing; the third does not
+    (ckpt / f"ckpt-{attempt * 10:010d}.h5").write_bytes(b"committed")
+    (ckpt / f"ckpt-{attempt * 10 + 5:010d}.h5.tmp").write_bytes(b"in flight")
+sys.exit(75)
+"""
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(60)
+def test_a_new_checkpoint_resets_the_restart_budget(tmp_path):
+    _serial_only()
+    script = tmp_path / "fake" / "hpcnet" / "train.py"  # read as hpcnet.train: directories are pinned
+    script.parent.mkdir(parents=True)
+    script.write_text(FAKE_TRAIN)
+    out = _supervise(tmp_path, [sys.executable, str(script), f"run.dir={tmp_path / 'runs'}", "run.name=budget"],
+                     "--max-restarts", "1", "--backoff-s", "0")
+    assert out.returncode == 75, out.stderr
+    record = json.loads(next((tmp_path / "runs").glob("budget-*/launch.json")).read_text())
+    assert [a["new_checkpoints"] for a in record["attempts"]] == [
+        ["ckpt-0000000010.h5"], ["ckpt-0000000020.h5"], []]
+    assert "attempt 2 committed ckpt-0000000020.h5: progress, so the restart budget starts again" in out.stderr
+    assert "giving up after 3 attempts (1 restarts without a new checkpoint)" in out.stderr
+
+
+RANK = """
+import os, pathlib, signal, sys, time
+here, rank = pathlib.Path(sys.argv[1]), os.environ["OMPI_COMM_WORLD_RANK"]
+def alive(pid):
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+if os.environ["HPCNET_ATTEMPT"] == "1":
+    (here / f"pid.{rank}").write_text(str(os.getpid()))
+    if rank == "1":
+        while len(list(here.glob("pid.*"))) < 2:
+            time.sleep(0.05)
+        os.kill(os.getppid(), signal.SIGKILL)  # mpirun dies (OOM killer); its ranks live on, orphaned
+    time.sleep(120)
+else:
+    old = [int(p.read_text()) for p in here.glob("pid.*")]
+    (here / f"alive.{rank}").write_text(" ".join(str(pid) for pid in old if alive(pid)))
+"""
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(120)
+def test_the_ranks_of_a_killed_mpirun_are_gone_before_the_next_attempt(tmp_path):
+    """Open MPI gives every rank its own process group: the attempt's session is what is reaped."""
+    _serial_only()
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    try:
+        out = _supervise(tmp_path, ["mpirun", "-np", "2", sys.executable, str(script), str(tmp_path)],
+                         "--max-restarts", "1", "--backoff-s", "0", timeout=100)
+        assert out.returncode == 0, out.stderr
+        assert "attempt 1 ended with status 137" in out.stderr
+        assert [(tmp_path / f"alive.{r}").read_text() for r in (0, 1)] == ["", ""]  # none left in attempt 2
+        record = json.loads((tmp_path / "launch.json").read_text())
+        old = {int(p.read_text()) for p in tmp_path.glob("pid.*")}
+        assert set(record["attempts"][0]["reaped"]) == old and record["attempts"][0]["survivors"] == []
+    finally:
+        for p in tmp_path.glob("pid.*"):
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(p.read_text()), signal.SIGKILL)
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(60)
+def test_an_uncreatable_launch_directory_is_a_clear_error(tmp_path):
+    _serial_only()
+    out = _supervise(tmp_path, [sys.executable, "-m", "hpcnet.train", "run.dir=/proc/hpcnet-cannot-create"])
+    assert out.returncode == ExitCode.USAGE_ERROR, out.stderr
+    assert "hpcnet.launch: error: run.dir: cannot create the launch directory /proc/hpcnet-cannot-create/" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 # --- real recoveries: mpirun, hpcnet.train, injected faults --------------------------------

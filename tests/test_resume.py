@@ -102,6 +102,26 @@ def test_bad_resume_path_fails_on_every_rank(comm, data_plane, mpi_tmp_path):
     comm.Barrier()
 
 
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_rng_state_that_fails_to_restore_on_one_rank_stops_every_rank(comm, data_plane, mpi_tmp_path, monkeypatch):
+    """Each rank restores its own RNG state: a failure there is shared, not a hang of the others."""
+    from hpcnet import trainstate
+
+    dataset = _dataset(comm, mpi_tmp_path)
+    run(_cfg(mpi_tmp_path, dataset, "rng", "model.name=mlp", "train.steps=10"), comm, plane=data_plane)
+    last = comm.Get_size() - 1
+
+    def broken(state):
+        if comm.Get_rank() == last:
+            raise ValueError(f"rank {last}: RNG state of another torch build")
+
+    monkeypatch.setattr(trainstate, "set_rng_state", broken)
+    with pytest.raises(Exception, match=f"rank {last}: RNG state of another torch build"):
+        run(_cfg(mpi_tmp_path, dataset, "rng", "model.name=mlp", "checkpoint.resume=auto"), comm, plane=data_plane)
+    comm.Barrier()
+
+
 @pytest.mark.launch
 def test_sigterm_saves_then_resume_continues(tmp_path):
     from tests.conftest import clean_env

@@ -108,6 +108,25 @@ def test_run_writes_its_directory(comm, data_plane, mpi_tmp_path):
     assert load_config(run_dir / "config.toml").train.batch_size == 4
 
 
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_rank_0_failing_to_write_config_toml_stops_every_rank(comm, data_plane, mpi_tmp_path, monkeypatch):
+    """Only rank 0 writes config.toml: its failure is shared before the next collective."""
+    from hpcnet import train
+    from hpcnet.errors import ConfigError, UsageError
+
+    def to_toml(cfg):
+        if comm.Get_rank() == 0:
+            raise ConfigError("model.options.make: cannot write object to TOML")
+        return ""
+
+    monkeypatch.setattr(train, "to_toml", to_toml)
+    dataset = _shared_dataset(comm, mpi_tmp_path)
+    with pytest.raises(UsageError, match="model.options.make: cannot write object to TOML"):  # status 2 everywhere
+        run(_config(dataset, mpi_tmp_path / "no-toml", 4), comm, plane=data_plane)
+    comm.Barrier()
+
+
 # --- launches: the real entry point under mpirun -----------------------------
 
 def _tiny_args(tmp_path: Path, *extra: str) -> list[str]:

@@ -298,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         print(describe_environment(env), flush=True)
     if world.size < 2 and rank0:
         print("note: one rank; every all-reduce is a no-op (launch under mpirun -np 2 or more)")
-    plane = init_data_plane(comm, world, backend="auto", device=device, timeout_s=TIMEOUT_S)
+    backend = "nccl" if device.type == "cuda" else "gloo"  # DDP and the raw peers run on it
+    plane = init_data_plane(comm, world, backend=backend, device=device, timeout_s=TIMEOUT_S)
     cleanup: list[Callable[[], Any]] = []
     try:
         methods = build_methods(comm, world, device=device, reducer=not args.no_reducer, cleanup=cleanup)

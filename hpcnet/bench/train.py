@@ -387,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(comm)
     if world.is_main:
         print(describe_environment(env), flush=True)
-    plane = init_data_plane(comm, world, backend="auto", device=device, timeout_s=300.0)
+    backend = "nccl" if device.type == "cuda" else "gloo"  # DDP and the raw peers run on it
+    plane = init_data_plane(comm, world, backend=backend, device=device, timeout_s=300.0)
     try:
         results = []
         for name in args.model_list:
