@@ -34,6 +34,7 @@ from hpcnet.ckpt_format import (CKPT_NAME_RE, DTYPES, FORMAT, FORMAT_VERSION, HA
                                 MAX_JSON_BYTES, TMP_SUFFIX, UID_RE, WRITE_PIECE_BYTES, CheckpointInfo, Plan,
                                 TensorSpec, block_hashes, packed_rows, parse_index, plan_ownership,
                                 plan_retention, sha256_hex, write_pieces)
+from hpcnet.watchdog import NULL_DEADLINES
 from hpcnet.world import agree_on_error
 
 if TYPE_CHECKING:
@@ -44,6 +45,15 @@ log = logging.getLogger("hpcnet.checkpoint")
 write_fault: "Callable[[SaveJob], None] | None" = None
 """Fault injection (``hpcnet.faults``, fault.fill_disk_at_step): called on rank 0 before each save's
 free-space check; an OSError it raises fails the save as a full file system would."""
+create_fault: "Callable[[SaveJob, str], None] | None" = None
+"""Fault injection (``hpcnet.faults``, fault.slow_save_s, fault.stuck_save_at_step, fault.stuck_fs_at_step):
+called by every rank's writer with phase 'arrive' before it waits for the others at the collective file
+create, and 'create' when they met and the create is announced, just before h5py's create."""
+
+PEER_POLL_S = 0.005
+"""How often a writer waiting for its peers before a collective file create checks whether they came."""
+ANNOUNCE_WAIT_S = 1.0
+"""At most this long a writer waits for a heartbeat to announce its collective create (usually one tick)."""
 
 COLLECTIVE_WRITES = True
 """Write tensors split across ranks with collective MPI-IO (else independently, each rank its rows)."""
@@ -259,8 +269,41 @@ def _gather_tables(comm: Any, job: SaveJob, counts: np.ndarray, hashes: dict[int
     return all_hashes, all_blocks
 
 
+def wait_for_peers(comm: Any) -> None:
+    """Collective: return once every rank of ``comm`` got here, polling with the GIL released.
+
+    Called before each collective HDF5 call that holds the GIL (h5py does in
+    ``H5Fcreate``/``H5Fopen`` with the MPI-IO driver), so that the wait for a
+    slower rank happens here, where the monitor thread keeps beating, and the
+    wait inside HDF5 is only the I/O itself.  A non-blocking barrier polled
+    with short sleeps, not ``Barrier``: a blocked MPI call busy-polls a core,
+    which a slow peer on an oversubscribed node needs.
+    """
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(PEER_POLL_S)
+
+
+def _create_collectively(comm: Any, job: SaveJob, tmp: Path, create: Any, deadlines: Any, timeout_s: float) -> Any:
+    """``h5py.File(tmp, "w")`` over MPI-IO, after the ranks met outside HDF5 (see ``wait_for_peers``)."""
+    import h5py
+
+    if create_fault is not None:
+        create_fault(job, "arrive")
+    # Its own guard, so that a report tells the ranks that wait here from the one they wait for.
+    with deadlines.guard("checkpoint.meet", timeout_s, what=f"checkpoint.meet (step {job.step})"):
+        wait_for_peers(comm)
+    if create is not None:
+        # The watchers must know of the create before h5py takes the GIL from the monitor thread.
+        create.announced.wait(ANNOUNCE_WAIT_S)
+    if create_fault is not None:
+        create_fault(job, "create")
+    return h5py.File(tmp, "w", driver="mpio", comm=comm)
+
+
 def _write_file(comm: Any, job: SaveJob, tmp: Path, counts: np.ndarray, index_bytes: bytes,
-                attrs: dict[str, Any], hashes: dict[int, np.ndarray], changed: dict[int, np.ndarray]
+                attrs: dict[str, Any], hashes: dict[int, np.ndarray], changed: dict[int, np.ndarray],
+                deadlines: Any = NULL_DEADLINES, timeout_s: float = 0.0
                 ) -> tuple[int, list[BaseException], dict[int, np.ndarray], dict[str, float]]:
     """Create and fill ``tmp`` (collective); return bytes written, errors, this rank's block hashes, timings.
 
@@ -269,9 +312,11 @@ def _write_file(comm: Any, job: SaveJob, tmp: Path, counts: np.ndarray, index_by
     thread fsyncs them: hashing during the writes would compete for the CPU
     with MPI's busy-polling in the collective writes (measured: 5x slower
     writes with two ranks on two cores), while during the fsync the CPU idles.
-    """
-    import h5py
 
+    The create and the structure calls after it hold the GIL (h5py): they run
+    in a quiet ``checkpoint.create`` guard of ``deadlines`` (``hpcnet.watchdog``),
+    which the heartbeats announce; the data writes and the close release it.
+    """
     rank, size = comm.Get_rank(), comm.Get_size()
     incremental = job.kind == "incremental"
     owned = job.plan.owned(rank)
@@ -282,7 +327,13 @@ def _write_file(comm: Any, job: SaveJob, tmp: Path, counts: np.ndarray, index_by
     rank_hashes = comm.gather(int(block_hashes(rank_row, width)[0]), root=0)
     t_open = time.perf_counter()
     timings: dict[str, float] = {}
-    f = h5py.File(tmp, "w", driver="mpio", comm=comm)
+    create = deadlines.open("checkpoint.create", timeout_s, what=f"checkpoint.create (step {job.step})",
+                            quiet=True)
+    try:
+        f = _create_collectively(comm, job, tmp, create, deadlines, timeout_s)
+    except BaseException:
+        deadlines.close(create)
+        raise
     try:
         # Structure: the same calls with the same arguments on every rank.
         for key, value in attrs.items():
@@ -305,6 +356,7 @@ def _write_file(comm: Any, job: SaveJob, tmp: Path, counts: np.ndarray, index_by
                                             fill_time="never")
             if DTYPES[spec.dtype][1]:
                 d_tensors[i].attrs["dtype"] = spec.dtype
+        deadlines.close(create)
         # Collective writes, where every rank has rows: split tensors of a full
         # checkpoint, in pieces (h5py's lock is held for a whole call), and the rank table.
         for i, spec in enumerate(job.specs):
@@ -373,6 +425,7 @@ def _write_file(comm: Any, job: SaveJob, tmp: Path, counts: np.ndarray, index_by
                 except Exception as exc:  # noqa: BLE001
                     errors.append(exc)
     finally:
+        deadlines.close(create)
         try:
             f.close()
         except Exception as exc:  # noqa: BLE001
@@ -385,10 +438,14 @@ def _write_file(comm: Any, job: SaveJob, tmp: Path, counts: np.ndarray, index_by
     return written, errors, hashes, timings
 
 
-def write_checkpoint(comm: Any, job: SaveJob) -> SaveResult:
+def write_checkpoint(comm: Any, job: SaveJob, *, deadlines: Any = NULL_DEADLINES, timeout_s: float = 0.0
+                     ) -> SaveResult:
     """Collective over ``comm``: hash, write, fsync, commit and prune one checkpoint.
 
     Any failure raises on every rank (agreed), and the temporary file is removed.
+
+    Args:
+        deadlines: where the collective create is guarded (``hpcnet.watchdog``), with ``timeout_s``.
     """
     rank, size = comm.Get_rank(), comm.Get_size()
     incremental = job.kind == "incremental"
@@ -425,7 +482,8 @@ def write_checkpoint(comm: Any, job: SaveJob) -> SaveResult:
             error = OSError(exc.errno, message) if exc.errno else OSError(message)  # the errno tells ENOSPC
     agree_on_error(comm, error)
     t1 = time.perf_counter()
-    written, errors, hashes, file_timings = _write_file(comm, job, tmp, counts, index_bytes, attrs, hashes, changed)
+    written, errors, hashes, file_timings = _write_file(comm, job, tmp, counts, index_bytes, attrs, hashes, changed,
+                                                        deadlines, timeout_s)
     error = OSError(f"writing checkpoint {str(tmp)!r} failed: {errors[0]}") if errors else None
     try:
         agree_on_error(comm, error)

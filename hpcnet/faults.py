@@ -29,16 +29,28 @@ The training loop calls three hooks, each one line:
   does not apply).  A full disk is not worth restarting (status 2): the next
   attempt would fail at its first save, after recomputing everything since
   the last checkpoint.
+- the constructor also arms ``hpcnet.ckpt_io.create_fault``, called by every
+  rank's writer at the collective file create.  Before the ranks meet there,
+  the chosen rank sleeps ``slow_save_s`` in every save (a slow peer, which
+  must not be a failure), or in the save of ``stuck_save_at_step`` blocks
+  for good with the GIL released, as a write or fsync to a stuck file
+  system does (every monitor still runs: they report the checkpoint
+  deadline).  With ``stuck_fs_at_step`` every rank blocks for good inside
+  the create, holding the GIL in a C call as h5py does on a stuck file
+  system: no Python runs anywhere, and only the native watchdog
+  (``hpcnet.watchdog``) can end the job.
 
 ``fault.only_attempt = k`` injects only in attempt k of ``hpcnet.launch``
 (which sets ``HPCNET_ATTEMPT``; a run without it is attempt 1), so a
 restarted run gets past the fault; 0 injects in every attempt.
 """
 
+import ctypes
 import errno
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -97,6 +109,8 @@ class FaultInjector:
         # Process-wide hook (only one run writes checkpoints in a process at a
         # time); every run sets it, so a previous run's fault never leaks.
         ckpt_io.write_fault = self._disk_full if self.active and cfg.fill_disk_at_step else None
+        blocks = (self.mine and (cfg.slow_save_s or cfg.stuck_save_at_step)) or cfg.stuck_fs_at_step
+        ckpt_io.create_fault = self._at_create if self.active and blocks else None
         armed = self.describe()
         if armed and world.rank == 0:
             log.warning("fault injection armed (attempt %d): %s", self.attempt, armed)
@@ -119,6 +133,13 @@ class FaultInjector:
             parts.append("the newest checkpoint is corrupted before resuming")
         if c.fill_disk_at_step:
             parts.append(f"checkpoint saves from step {c.fill_disk_at_step} on fail with ENOSPC")
+        if c.slow_save_s:
+            parts.append(f"{who}'s checkpoint writer sleeps {c.slow_save_s:g} s before every collective create")
+        if c.stuck_save_at_step:
+            parts.append(f"{who}'s checkpoint writer blocks for good in the save of step {c.stuck_save_at_step}")
+        if c.stuck_fs_at_step:
+            parts.append(f"every rank's checkpoint writer blocks for good, holding the GIL, in the collective "
+                         f"create of step {c.stuck_fs_at_step} (a stuck file system)")
         return "; ".join(parts)
 
     def at_step(self, step: int) -> None:
@@ -157,6 +178,36 @@ class FaultInjector:
         if job.step >= self.cfg.fill_disk_at_step:
             raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} "
                                         f"(injected: fault.fill_disk_at_step={self.cfg.fill_disk_at_step})")
+
+
+    def _at_create(self, job: Any, phase: str) -> None:
+        """``ckpt_io.create_fault``: at the collective file create, in the writer thread."""
+        c = self.cfg
+        if phase == "arrive" and self.mine and c.slow_save_s:
+            log.warning("fault injection: rank %d's checkpoint writer sleeps %g s (step %d)", self.rank,
+                        c.slow_save_s, job.step)
+            time.sleep(c.slow_save_s)
+        if phase == "arrive" and self.mine and job.step == c.stuck_save_at_step:
+            log.error("fault injection: rank %d's checkpoint writer blocks for good (step %d)", self.rank, job.step)
+            threading.Event().wait()
+        if phase == "create" and job.step == c.stuck_fs_at_step:
+            log.error("fault injection: rank %d's checkpoint writer blocks for good in the create, holding the GIL "
+                      "(step %d)", self.rank, job.step)
+            block_holding_the_gil()
+
+
+def block_holding_the_gil() -> None:
+    """Never return, inside a C call that keeps the GIL: what h5py does in a create on a stuck file system.
+
+    A read from a pipe that nobody writes to, called through ``ctypes.PyDLL``
+    (which does not release the GIL); faulthandler's signal handlers restart
+    it (SA_RESTART), so the stacks signal does not end it either.
+    """
+    libc = ctypes.PyDLL(None, use_errno=True)
+    read_end, write_end = os.pipe()  # write_end stays open: the read never sees end-of-file
+    buffer = ctypes.create_string_buffer(1)
+    while write_end >= 0:
+        libc.read(read_end, buffer, 1)
 
 
 def corrupt_newest(directory: Path) -> str:

@@ -231,7 +231,8 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
 
         faults = FaultInjector(cfg.fault, world)  # fault.*: off unless testing recovery
         manager = CheckpointManager(comm, checkpoint_dir(cfg), keep=cfg.checkpoint.keep,
-                                    full_every=cfg.checkpoint.full_every, async_save=cfg.checkpoint.async_save)
+                                    full_every=cfg.checkpoint.full_every, async_save=cfg.checkpoint.async_save,
+                                    deadlines=monitor.deadlines, timeout_s=cfg.checkpoint.timeout_s)
         state = TrainState(cfg, model, optimizer, sampler, manager)
         result = TrainResult(model, optimizer)
         loader = None
