@@ -50,13 +50,13 @@ import torch
 from torch import nn
 
 import hpcnet
-from hpcnet.ckpt_format import (CKPT_NAME_RE, TMP_SUFFIX, CheckpointInfo, Plan, TensorSpec, check_names_nest,
-                                make_spec, plan_ownership, resolve_chain, sha256_hex)
-from hpcnet.ckpt_io import (CheckpointCorrupt, SaveJob, dtype_name, read_chain, read_info, scan, to_storage,
-                            write_checkpoint)
-from hpcnet.errors import UsageError
+from hpcnet.ckpt_format import (ASIDE_PREFIX, CKPT_NAME_RE, TMP_SUFFIX, CheckpointInfo, Plan, TensorSpec, check_names_nest,
+                                committed_after, make_spec, plan_ownership, resolve_chain, sha256_hex)
+from hpcnet.ckpt_io import (IoFault, SaveJob, dtype_name, listing, read_chain, read_info, scan, set_aside,
+                            to_storage, write_checkpoint)
+from hpcnet.errors import CheckpointCorrupt, UsageError
 from hpcnet.watchdog import NULL_DEADLINES, Guard, io_timeout_s
-from hpcnet.world import agree_on_error, shared_errors
+from hpcnet.world import agree_on_error, agreed, shared_errors
 
 __all__ = ["CheckpointCorrupt", "CheckpointInfo", "CheckpointManager", "Loaded", "flatten_state", "load_checkpoint",
            "restore_state", "rng_state", "set_rng_state"]
@@ -194,87 +194,132 @@ class Loaded:
     """This rank's saved state; None on ranks at or beyond the saved world size
     (resuming on more ranks): seed those afresh, e.g. from run.seed and rank."""
     saved_world_size: int
+    info: CheckpointInfo
     skipped: list[str] = field(default_factory=list)
-    """Why newer checkpoints were passed over ('auto' only)."""
+    """Why checkpoints committed after it were passed over ('auto' only)."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds this rank spent reading and verifying, waiting for the others, exchanging."""
 
 
-def _candidates(which: str, directory: Path | None) -> tuple[list[tuple[str, list[str] | None, str]], bool, str,
-                                                               list[str]]:
-    """Rank 0: the checkpoints to try, newest first, as (path, chain or None, why not); uncommitted files."""
+@dataclass(slots=True)
+class _Choice:
+    """What rank 0 found to load (broadcast to every rank)."""
+
+    candidates: list[tuple[CheckpointInfo, list[CheckpointInfo] | None, str]]
+    """Newest first: (checkpoint, its chain or None, why it cannot be loaded or '')."""
+    explicit: bool
+    """One file was asked for: its failure is an error, not a reason to try an older one."""
+    folder: str
+    infos: list[CheckpointInfo]
+    """The folder's committed checkpoints, in commit order."""
+    listing: list[tuple[str, int]]
+    """File names and sizes of ``infos``, for comparing with what the other ranks see."""
+    stale: list[str]
+
+
+def _choose(which: str, directory: Path | None) -> _Choice:
+    """Rank 0: the checkpoints to try for ``which`` ('auto', a directory or a file)."""
     if which == "auto":
         if directory is None:
             raise UsageError("load('auto') needs the checkpoint directory")
-        folder, target, explicit = directory, None, False
+        folder, target = directory, None
     else:
         path = Path(which)
         if not which or not path.exists():
             if path.name.endswith(TMP_SUFFIX) or Path(which + TMP_SUFFIX).exists():
                 raise UsageError(f"checkpoint {which!r} was never committed (a save that did not finish)")
             raise UsageError(f"checkpoint {which!r} does not exist")
-        if path.is_dir():
-            folder, target, explicit = path, None, False
-        elif path.name.endswith(TMP_SUFFIX):
+        if path.name.endswith(TMP_SUFFIX):
             raise UsageError(f"checkpoint {which!r} is an uncommitted (half-written) file; it cannot be loaded")
-        else:
-            folder, target, explicit = path.parent, path, True
+        folder, target = (path, None) if path.is_dir() else (path.parent, path)
     infos, stale = scan(folder)
-    if target is not None:
+    if target is None:
+        todo = infos[::-1]
+    else:
         info = next((i for i in infos if Path(i.path) == target), None) or read_info(target)
         if info.kind == "unreadable":
             raise UsageError(f"checkpoint {str(target)!r} cannot be read: {info.error}")
-        infos = [*[i for i in infos if i.path != info.path], info]
         todo = [info]
-    else:
-        todo = sorted(infos, key=lambda i: i.step, reverse=True)
-    out = []
+        infos = [*[i for i in infos if i.path != info.path], info] if info not in infos else infos
+    candidates = []
     for info in todo:
         if info.kind == "unreadable":
-            out.append((info.path, None, str(info.error)))
+            candidates.append((info, None, str(info.error)))
             continue
         try:
-            out.append((info.path, [i.path for i in resolve_chain(infos, info)], ""))
+            candidates.append((info, resolve_chain(infos, info), ""))
         except ValueError as exc:
-            out.append((info.path, None, str(exc)))
-    return out, explicit, str(target or folder), [str(p) for p in stale]
+            candidates.append((info, None, str(exc)))
+    return _Choice(candidates, target is not None, str(folder), infos, listing(folder), [str(p) for p in stale])
 
 
-def load_checkpoint(comm: Any, which: str = "auto", directory: str | Path | None = None) -> Loaded | None:
+def _check_same_listing(comm: Any, folder: str, expected: list[tuple[str, int]]) -> None:
+    """Collective: every rank must see the committed checkpoints rank 0 listed (a shared directory)."""
+    with shared_errors(comm):
+        mine = listing(Path(folder))
+        if mine != expected:
+            import socket
+
+            raise UsageError(
+                f"checkpoint directory {folder!r}: rank {comm.Get_rank()} on {socket.gethostname()} sees "
+                f"{len(mine)} committed checkpoint(s), rank 0 sees {len(expected)} (other names or sizes): "
+                "checkpoint.dir must be one directory shared by every node, not a node-local one")
+
+
+def _load(comm: Any, which: str, directory: Path | None, fault: IoFault | None) -> tuple[Loaded | None, _Choice]:
+    choice = None
+    with shared_errors(comm):
+        if comm.Get_rank() == 0:
+            choice = _choose(which, directory)
+    choice = comm.bcast(choice, root=0)
+    _check_same_listing(comm, choice.folder, choice.listing)
+    for tmp in choice.stale:
+        log.warning("ignoring uncommitted checkpoint %s (a save that did not finish)", tmp)
+    rejected = []
+    for info, chain, why in choice.candidates:
+        if chain is not None:
+            try:
+                result = read_chain(comm, [Path(i.path) for i in chain], uids=[i.uid for i in chain], fault=fault)
+            except CheckpointCorrupt as exc:  # damage only: an I/O error is not a reason to go back
+                why = str(exc).removeprefix(f"{info.path}: ")
+            else:
+                return Loaded(Path(info.path), result.attrs["step"], result.tensors, result.meta,
+                              result.rank_state, result.attrs["world_size"], info,
+                              [f"{i.path}: {w}" for i, w in rejected], result.timings), choice
+        if choice.explicit:
+            raise agreed(CheckpointCorrupt(f"checkpoint {info.path!r} cannot be loaded: {why}"))
+        log.warning("skipping checkpoint %s: %s; trying the previous one", info.path, why)
+        rejected.append((info, why))
+    if rejected:
+        lines = "".join(f"\n  {info.name} (step {info.step}): {why}" for info, why in rejected)
+        raise agreed(UsageError(
+            f"none of the {len(rejected)} committed checkpoint(s) in {choice.folder!r} can be loaded:{lines}\n"
+            "Repair or remove them, or start afresh with checkpoint.move_aside=true, which moves them into "
+            f"{choice.folder}/{ASIDE_PREFIX}<time>-fresh-run/ (nothing is deleted)"))
+    if which != "auto":
+        raise agreed(UsageError(f"no loadable checkpoint in {choice.folder!r}: it holds no committed checkpoint"))
+    return None, choice
+
+
+def load_checkpoint(comm: Any, which: str = "auto", directory: str | Path | None = None, *,
+                    fault: IoFault | None = None) -> Loaded | None:
     """Collective: load a checkpoint, verified, on every rank of ``comm`` (any world size).
 
     Args:
         comm: the ranks that load; each gets the full tensors.
-        which: 'auto' (newest in ``directory`` that verifies; corrupt ones are
-            skipped with a warning; None if there is none), a directory (the
-            same, but UsageError if none), or a checkpoint file (UsageError if
-            it is missing, uncommitted or fails verification).
+        which: 'auto' (the last committed one in ``directory`` that verifies;
+            damaged ones are skipped with a warning; None if the directory holds
+            no checkpoint, UsageError listing each one if none loads), a
+            directory (the same, but UsageError if it holds none), or a
+            checkpoint file (CheckpointCorrupt if it fails verification,
+            UsageError if it is missing or uncommitted).
         directory: the checkpoint directory, for 'auto'.
+        fault: fault injection (``hpcnet.ckpt_io.IoFault``), or None.
+
+    I/O errors are not damage: they are raised (on every rank) as what they
+    are, ``OSError`` with its errno.
     """
-    plan = None
-    with shared_errors(comm):
-        if comm.Get_rank() == 0:
-            plan = _candidates(which, None if directory is None else Path(directory))
-    candidates, explicit, where, stale = comm.bcast(plan, root=0)
-    for tmp in stale:
-        log.warning("ignoring uncommitted checkpoint %s (a save that did not finish)", tmp)
-    skipped = []
-    for path, chain, why in candidates:
-        if chain is not None:
-            try:
-                result = read_chain(comm, [Path(p) for p in chain])
-            except CheckpointCorrupt as exc:
-                why = str(exc).removeprefix(f"{path}: ")
-            else:
-                return Loaded(Path(path), result.attrs["step"], result.tensors, result.meta, result.rank_state,
-                              result.attrs["world_size"], skipped, result.timings)
-        if explicit:
-            raise UsageError(f"checkpoint {path!r} cannot be loaded: {why}")
-        log.warning("skipping checkpoint %s: %s; trying the previous one", path, why)
-        skipped.append(f"{path}: {why}")
-    if which != "auto":
-        raise UsageError(f"no loadable checkpoint in {where!r}" + (f" ({len(skipped)} skipped)" if skipped else ""))
-    return None
+    return _load(comm, which, None if directory is None else Path(directory), fault)[0]
 
 
 # --- the manager -----------------------------------------------------------------
@@ -307,6 +352,34 @@ def _dumps(value: Any, what: str) -> bytes:
         raise ValueError(f"{what} is not JSON-serialisable: {exc}") from None
 
 
+def _check_shared_directory(comm: Any, directory: Path) -> None:
+    """Collective: rank 0 creates ``directory``; every rank must see it, and the same one.
+
+    Rank 0 leaves a file with a random name there: a directory that merely
+    exists on every node (node-local /tmp) shows up as ranks that cannot see it.
+    """
+    error = None
+    probe = directory / f".hpcnet-probe-{uuid.uuid4().hex}"
+    if comm.Get_rank() == 0:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+        except OSError as exc:
+            error = UsageError(f"checkpoint.dir: cannot write to checkpoint directory {str(directory)!r}: "
+                               f"{exc.strerror or exc}")
+    agree_on_error(comm, error)
+    probe = Path(comm.bcast(str(probe), root=0))
+    try:
+        seen = comm.allgather(probe.exists())
+    finally:
+        if comm.Get_rank() == 0:
+            probe.unlink(missing_ok=True)
+    blind = [r for r, ok in enumerate(seen) if not ok]
+    if blind:
+        raise agreed(UsageError(f"checkpoint.dir: {str(directory)!r} on ranks {blind} is not the directory rank 0 "
+                                "writes to; use a file system shared by every node"))
+
+
 class CheckpointManager:
     """Save, list and load the checkpoints of one directory, collectively over ``comm``.
 
@@ -318,7 +391,8 @@ class CheckpointManager:
     """
 
     def __init__(self, comm: Any, directory: str | Path, *, keep: int = 3, full_every: int = 4,
-                 async_save: bool = True, deadlines: Any = NULL_DEADLINES, timeout_s: float = 0.0) -> None:
+                 async_save: bool = True, move_aside: bool = False, fault: IoFault | None = None,
+                 deadlines: Any = NULL_DEADLINES, timeout_s: float = 0.0) -> None:
         from mpi4py import MPI
 
         if keep < 1 or full_every < 1:
@@ -327,24 +401,14 @@ class CheckpointManager:
         self.directory = Path(directory)
         self.keep = keep
         self.full_every = full_every
+        self.move_aside = move_aside
+        """Whether a run may start afresh in a directory of another run's checkpoints by moving them aside."""
+        self.fault = fault
+        _check_shared_directory(comm, self.directory)
         self.deadlines = deadlines
         self.timeout_s = timeout_s
         self._last_save_s: float | None = None
         """Seconds the last save took, from its start to its commit (the next deadline scales with it)."""
-        error = None
-        if comm.Get_rank() == 0:
-            try:
-                self.directory.mkdir(parents=True, exist_ok=True)
-                probe = self.directory / f".write-test-{os.getpid()}"
-                probe.write_bytes(b"")
-                probe.unlink()
-            except OSError as exc:
-                error = UsageError(f"checkpoint.dir: cannot write to checkpoint directory {str(self.directory)!r}: "
-                                   f"{exc.strerror or exc}")
-        agree_on_error(comm, error)
-        error = None if self.directory.is_dir() else UsageError(
-            f"checkpoint.dir: {str(self.directory)!r} is not visible on rank {comm.Get_rank()}; use a shared file system")
-        agree_on_error(comm, error)
         self.async_save = async_save and MPI.Query_thread() >= MPI.THREAD_MULTIPLE
         if async_save and not self.async_save and comm.Get_rank() == 0:
             log.warning("MPI was initialised without MPI_THREAD_MULTIPLE: checkpoints are saved synchronously")
@@ -352,6 +416,7 @@ class CheckpointManager:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._previous: _Previous | None = None
+        self._next_seq: int | None = None
         self.last_timings: dict[str, float] = {}
         """Seconds spent: blocking (in save), snapshot, hash, write, commit (after wait)."""
 
@@ -381,6 +446,7 @@ class CheckpointManager:
               t0: float, timeout_s: float) -> Path:
         comm, rank, size = self.comm, self.comm.Get_rank(), self.comm.Get_size()
         created = comm.bcast(time.time(), root=0)
+        seq = self._take_seq()
         specs: list[TensorSpec] = []
         with shared_errors(comm):
             if not isinstance(step, int) or step < 0:
@@ -403,7 +469,8 @@ class CheckpointManager:
         digests = comm.allgather((step, spec_digest, sha256_hex(meta_bytes)))
         if len(set(digests)) > 1:
             odd = [r for r, d in enumerate(digests) if d != digests[0]]
-            raise ValueError(f"checkpoint save: ranks {odd} pass a different step, tensor list or meta than rank 0")
+            raise agreed(ValueError(f"checkpoint save: ranks {odd} pass a different step, tensor list or meta "
+                                    "than rank 0"))
         plan = previous.plan if incremental else plan_ownership(specs, size)
         t1 = time.perf_counter()
         with shared_errors(comm):
@@ -413,7 +480,7 @@ class CheckpointManager:
                                         copy=self.async_save) for i, piece in plan.owned(rank)}
         job = SaveJob(directory=self.directory, step=step, kind=kind, uid=comm.bcast(uuid.uuid4().hex, root=0),
                       created_unix=created, specs=specs, plan=plan, arrays=arrays, meta_bytes=meta_bytes,
-                      rank_state_bytes=rank_bytes, keep=self.keep)
+                      rank_state_bytes=rank_bytes, keep=self.keep, seq=seq, fault=self.fault)
         if incremental:
             job.parent, job.base, job.prev_hashes = previous.info, previous.base, previous.hashes
         since_full = previous.saves_since_full + 1 if incremental else 0
@@ -484,10 +551,10 @@ class CheckpointManager:
         error, self._error = self._error, None
         agree_on_error(self.comm, error)
 
-    # -- listing and loading --
+    # -- listing, starting and loading --
 
     def committed(self) -> list[CheckpointInfo]:
-        """Collective: the committed checkpoints, oldest first (unreadable ones with kind 'unreadable')."""
+        """Collective: the committed checkpoints in commit order (unreadable ones with kind 'unreadable')."""
         self._check_open()
         infos = None
         with shared_errors(self.comm):
@@ -496,16 +563,50 @@ class CheckpointManager:
         return self.comm.bcast(infos, root=0)
 
     def load(self, which: str = "auto") -> Loaded | None:
-        """Collective: load a checkpoint; see ``load_checkpoint``.
+        """Collective: load a checkpoint; see ``load_checkpoint``.  Changes nothing on disk.
 
-        Returns None when ``which='auto'`` finds nothing.  ``Loaded.rank_state``
+        Returns None when ``which='auto'`` finds no checkpoint.  ``Loaded.rank_state``
         is None on ranks beyond the saved world size: seed those afresh.  The
         next save after a load is a full checkpoint.
         """
         self._check_open()
         self.wait()
         with self.deadlines.guard("checkpoint.load", self._deadline_s(self._stored_bytes()), what="checkpoint.load"):
-            return load_checkpoint(self.comm, which, self.directory)
+            return load_checkpoint(self.comm, which, self.directory, fault=self.fault)
+
+    def start_fresh(self) -> None:
+        """Collective: begin a run that does not resume.
+
+        The directory must hold no committed checkpoint: writing a new run's
+        saves among another run's would mix them (retention, ``latest`` and
+        ``--resume auto`` would pick across both).  With ``move_aside`` the old
+        ones are moved into an ``aside-`` folder first; otherwise this raises
+        UsageError saying how to go on.  Nothing is ever deleted here.
+        """
+        self._check_open()
+        self.wait()
+        self._claim(self._agreed_infos(), "fresh-run")
+
+    def resume(self, which: str) -> Loaded | None:
+        """Collective: load the checkpoint to continue from (``'auto'`` or a path) and settle the directory.
+
+        What the continued run abandons is moved aside, never deleted and never
+        picked again by a later ``--resume auto``: after a rollback (a path to an
+        older checkpoint of this directory), the checkpoints committed after it;
+        after ``'auto'`` passed over damaged ones, those.  Resuming from another
+        directory's checkpoint needs this directory empty, as ``start_fresh`` does.
+        Returns None when ``'auto'`` finds no checkpoint at all.
+        """
+        self._check_open()
+        self.wait()
+        with self.deadlines.guard("checkpoint.load", self._deadline_s(self._stored_bytes()), what="checkpoint.load"):
+            loaded, choice = _load(self.comm, which, self.directory, self.fault)
+        if Path(choice.folder).resolve() != self.directory.resolve():
+            self._claim(self._agreed_infos(), f"resumed-from-{Path(choice.folder).name}")
+        elif loaded is not None:
+            why = f"rollback-to-step-{loaded.step}" if choice.explicit else "skipped-unloadable"
+            self._set_aside(committed_after(choice.infos, loaded.info), why, latest=loaded.info.name)
+        return loaded
 
     def _stored_bytes(self) -> int:
         """Collective: the bytes of the committed checkpoints, which a load reads at most (its deadline)."""
@@ -515,6 +616,54 @@ class CheckpointManager:
                 with os.scandir(self.directory) as entries:
                     total = sum(e.stat().st_size for e in entries if CKPT_NAME_RE.match(e.name) and e.is_file())
         return self.comm.bcast(total, root=0)
+
+    def _agreed_infos(self) -> list[CheckpointInfo]:
+        """Collective: the committed checkpoints (rank 0 reads them), once every rank is seen to list the same."""
+        found = None
+        with shared_errors(self.comm):
+            if self.comm.Get_rank() == 0:
+                found = (scan(self.directory)[0], listing(self.directory))
+        infos, names = self.comm.bcast(found, root=0)
+        _check_same_listing(self.comm, str(self.directory), names)
+        return infos
+
+    def _claim(self, infos: list[CheckpointInfo], why: str) -> None:
+        """Make the directory this run's: refuse, or move the checkpoints of another run aside."""
+        if not infos:
+            return
+        newest = infos[-1]
+        if not self.move_aside:
+            raise agreed(UsageError(
+                f"checkpoint.dir {str(self.directory)!r} already holds {len(infos)} committed checkpoint(s) of "
+                f"another run (the last: {newest.name}, step {newest.step}), and this run does not resume. "
+                "Continue that run with --resume auto; or start this one elsewhere with another run.name or "
+                "checkpoint.dir; or set checkpoint.move_aside=true to move those checkpoints into "
+                f"{self.directory}/{ASIDE_PREFIX}<time>-{why}/ first (nothing is deleted)"))
+        self._set_aside(infos, why, latest=None)
+
+    def _set_aside(self, infos: list[CheckpointInfo], why: str, latest: str | None) -> None:
+        if not infos:
+            return
+        self._next_seq = None  # counted again from what stays
+        folder = None
+        with shared_errors(self.comm):
+            if self.comm.Get_rank() == 0:
+                try:
+                    folder = set_aside(self.directory, infos, why, latest)
+                except OSError as exc:
+                    raise UsageError(f"checkpoint.dir: cannot move checkpoints aside in {str(self.directory)!r}: "
+                                     f"{exc.strerror or exc}") from None
+        if self.comm.Get_rank() == 0:
+            log.warning("moved %d checkpoint(s) (%s) into %s: %s; nothing was deleted", len(infos),
+                        ", ".join(i.name for i in infos), folder, why.replace("-", " "))
+
+    def _take_seq(self) -> int:
+        """Collective: the next save's place in the commit order."""
+        if self._next_seq is None:
+            infos = self.committed()
+            self._next_seq = max((i.seq for i in infos if i.kind != "unreadable"), default=0) + 1
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        return seq
 
     def close(self) -> None:
         """Collective: finish the save in flight and free the writer's communicator (idempotent)."""

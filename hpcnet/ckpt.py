@@ -7,7 +7,9 @@
                                                  the model's state_dict as a plain torch file:
                                                  torch.load(OUT, weights_only=True) reads it without hpcnet or MPI
 
-Exit status: 0 fine, 1 a checkpoint failed verification, 2 a bad path or argument.
+Exit status: 0 fine, 1 a checkpoint failed verification (damaged, or crafted: declared sizes are checked
+against the file before anything is allocated, and links or storage outside the file are refused),
+2 a bad path or argument.
 """
 
 import argparse
@@ -17,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hpcnet.errors import ExitCode, UsageError
+from hpcnet.errors import CheckpointCorrupt, ExitCode, UsageError
 
 
 def _targets(path: Path) -> list[Path]:
@@ -156,6 +158,9 @@ def main(argv: list[str] | None = None, out: Any = None) -> int:
         if args.command == "verify":
             return cmd_verify(path, out)
         return cmd_export(path, args.output, out)
+    except CheckpointCorrupt as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return int(ExitCode.CODE_ERROR)
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return int(ExitCode.USAGE_ERROR)

@@ -5,7 +5,9 @@ layout of one checkpoint file (``ckpt-<step>.h5``)::
 
     /                      attrs: format, format_version, kind ('full' | 'incremental'),
                            step, uid, parent, parent_uid, base, base_uid, world_size,
-                           hash, created_unix, index_sha256, meta_sha256
+                           hash, created_unix, index_sha256, meta_sha256, and seq (the
+                           save's place in its directory's commit order; absent in files
+                           of hpcnet before 0.2, which are ordered by created_unix)
     /index                 uint8: JSON list of tensors (name, dtype, shape, block_rows,
                            hash_offset, n_hashes): the source of truth for the datasets
     /meta                  uint8: JSON of the caller's meta plus meta["checkpoint"]
@@ -53,6 +55,8 @@ MAX_JSON_BYTES = 256 << 20
 CKPT_NAME_RE = re.compile(r"^ckpt-(\d{10,19})\.h5$")
 TMP_SUFFIX = ".tmp"
 LATEST_NAME = "latest"
+ASIDE_PREFIX = "aside-"
+"""Checkpoints that a run set aside (never deleted) go to ``<dir>/aside-<UTC time>-<why>/``."""
 _COMPONENT_RE = re.compile(r"^[A-Za-z0-9_.:+\-]+$")
 UID_RE = re.compile(r"^[0-9a-f]{32}$")
 
@@ -297,10 +301,25 @@ class CheckpointInfo:
     base_uid: str = ""
     world_size: int = 0
     error: str | None = None
+    seq: int = 0
+    """Place in the directory's commit order (0 in files written before hpcnet recorded it)."""
+    created_unix: float = 0.0
 
     @property
     def name(self) -> str:
         return self.path.rsplit("/", 1)[-1]
+
+    @property
+    def commit_order(self) -> tuple[float, float, int, str]:
+        """Sort key of the order in which checkpoints were committed (not their step).
+
+        A fresh run that reused a directory, or a rollback, makes steps go back
+        while commits go on.  An unreadable file's order is unknown: it sorts
+        last, so a resume tries it first and sets it aside with the rest.
+        """
+        if self.kind == "unreadable":
+            return (math.inf, math.inf, self.step, self.name)
+        return (self.seq, self.created_unix, self.step, self.name)
 
 
 def resolve_chain(infos: list[CheckpointInfo], target: CheckpointInfo) -> list[CheckpointInfo]:
@@ -333,23 +352,28 @@ def resolve_chain(infos: list[CheckpointInfo], target: CheckpointInfo) -> list[C
 def plan_retention(infos: list[CheckpointInfo], keep: int) -> list[CheckpointInfo]:
     """The checkpoints to delete so that the newest ``keep`` full ones and their increments stay (pure).
 
-    ``infos`` oldest first.  Only readable checkpoints older than the oldest
-    kept full one are candidates, and none that a kept increment builds on
+    Newest means last committed (``CheckpointInfo.commit_order``), not
+    highest step.  Only readable checkpoints committed before the oldest kept
+    full one are candidates, and none that a kept increment builds on
     (through any number of links) is deleted, even after a rollback mixed chains.
     """
     if keep < 1:
         raise ValueError("keep must be at least 1")
-    fulls = [i for i in infos if i.kind == "full"]
+    ordered = sorted(infos, key=lambda i: i.commit_order)
+    fulls = [i for i in ordered if i.kind == "full"]
     if len(fulls) <= keep:
         return []
-    oldest_kept = fulls[-keep]
-    doomed = {i.name for i in infos if i.kind != "unreadable" and i.step < oldest_kept.step}
-    by_name = {i.name: i for i in infos}
-    for info in infos:
-        if info.name in doomed:
-            continue
+    cut = ordered.index(fulls[-keep])
+    doomed = {i.name for i in ordered[:cut] if i.kind != "unreadable"}
+    by_name = {i.name: i for i in ordered}
+    for info in ordered[cut:]:
         link = info
         while link.kind == "incremental" and link.parent in by_name:
             link = by_name[link.parent]
             doomed.discard(link.name)
-    return [i for i in infos if i.name in doomed]
+    return [i for i in ordered if i.name in doomed]
+
+
+def committed_after(infos: list[CheckpointInfo], target: CheckpointInfo) -> list[CheckpointInfo]:
+    """The checkpoints committed after ``target`` (pure): what a run that continues from it abandons."""
+    return [i for i in infos if i.name != target.name and i.commit_order > target.commit_order]

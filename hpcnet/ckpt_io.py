@@ -15,6 +15,7 @@ rank ends with the full logical tensors.
 """
 
 import concurrent.futures
+import contextlib
 import errno
 import json
 import logging
@@ -30,25 +31,26 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hpcnet.ckpt_format import (CKPT_NAME_RE, DTYPES, FORMAT, FORMAT_VERSION, HASH_NAME, LATEST_NAME,
+from hpcnet.ckpt_format import (ASIDE_PREFIX, CKPT_NAME_RE, DTYPES, FORMAT, FORMAT_VERSION, HASH_NAME, LATEST_NAME,
                                 MAX_JSON_BYTES, TMP_SUFFIX, UID_RE, WRITE_PIECE_BYTES, CheckpointInfo, Plan,
                                 TensorSpec, block_hashes, packed_rows, parse_index, plan_ownership,
                                 plan_retention, sha256_hex, write_pieces)
+from hpcnet.errors import CheckpointCorrupt, RestartableError, errno_of, error_text, os_error
 from hpcnet.watchdog import NULL_DEADLINES
-from hpcnet.world import agree_on_error
+from hpcnet.world import agree_on_error, agreed
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("hpcnet.checkpoint")
 
-write_fault: "Callable[[SaveJob], None] | None" = None
-"""Fault injection (``hpcnet.faults``, fault.fill_disk_at_step): called on rank 0 before each save's
-free-space check; an OSError it raises fails the save as a full file system would."""
-create_fault: "Callable[[SaveJob, str], None] | None" = None
-"""Fault injection (``hpcnet.faults``, fault.slow_save_s, fault.stuck_save_at_step, fault.stuck_fs_at_step):
-called by every rank's writer with phase 'arrive' before it waits for the others at the collective file
-create, and 'create' when they met and the create is announced, just before h5py's create."""
+IoFault = Callable[[str, int], None]
+"""Fault injection (``hpcnet.faults``): ``fault(phase, step)`` is called where an I/O error can strike
+(``"precheck"`` on rank 0 before a save's free-space check, ``"write"`` on every rank while it writes
+its data, ``"read"`` on every rank before it opens each file of a load); an OSError it raises fails
+the operation as the file system would.  Every rank's writer also calls it at the collective file
+create, with ``"arrive"`` before the ranks meet there and ``"create"`` once they met and the create is
+announced, just before h5py's create: where a slow or stuck writer is injected."""
 
 PEER_POLL_S = 0.005
 """How often a writer waiting for its peers before a collective file create checks whether they came."""
@@ -62,10 +64,6 @@ COLLECTIVE_WRITES = True
 # (torch is imported where used: listing and inspecting checkpoints need no torch.)
 _BITS_VIEW = {"bfloat16": ("int16", "<u2"), "bool": ("uint8", "|u1"),
               "float8_e4m3fn": ("uint8", "|u1"), "float8_e5m2": ("uint8", "|u1")}
-
-
-class CheckpointCorrupt(RuntimeError):
-    """A checkpoint failed verification; raised on every rank alike. The message names file and dataset."""
 
 
 def dtype_name(tensor: "torch.Tensor") -> str:
@@ -112,6 +110,9 @@ class SaveJob:
     meta_bytes: bytes
     rank_state_bytes: bytes
     keep: int
+    seq: int = 0
+    """Its place in the directory's commit order."""
+    fault: IoFault | None = None
     parent: CheckpointInfo | None = None
     base: CheckpointInfo | None = None
     prev_hashes: dict[int, np.ndarray] | None = None
@@ -288,16 +289,16 @@ def _create_collectively(comm: Any, job: SaveJob, tmp: Path, create: Any, deadli
     """``h5py.File(tmp, "w")`` over MPI-IO, after the ranks met outside HDF5 (see ``wait_for_peers``)."""
     import h5py
 
-    if create_fault is not None:
-        create_fault(job, "arrive")
+    if job.fault is not None:
+        job.fault("arrive", job.step)
     # Its own guard, so that a report tells the ranks that wait here from the one they wait for.
     with deadlines.guard("checkpoint.meet", timeout_s, what=f"checkpoint.meet (step {job.step})"):
         wait_for_peers(comm)
     if create is not None:
         # The watchers must know of the create before h5py takes the GIL from the monitor thread.
         create.announced.wait(ANNOUNCE_WAIT_S)
-    if create_fault is not None:
-        create_fault(job, "create")
+    if job.fault is not None:
+        job.fault("create", job.step)
     return h5py.File(tmp, "w", driver="mpio", comm=comm)
 
 
@@ -357,6 +358,11 @@ def _write_file(comm: Any, job: SaveJob, tmp: Path, counts: np.ndarray, index_by
             if DTYPES[spec.dtype][1]:
                 d_tensors[i].attrs["dtype"] = spec.dtype
         deadlines.close(create)
+        if job.fault is not None:
+            try:
+                job.fault("write", job.step)
+            except OSError as exc:  # as a failing write would: noted, and the calls go on
+                errors.append(exc)
         # Collective writes, where every rank has rows: split tensors of a full
         # checkpoint, in pieces (h5py's lock is held for a whole call), and the rank table.
         for i, spec in enumerate(job.specs):
@@ -438,6 +444,19 @@ def _write_file(comm: Any, job: SaveJob, tmp: Path, counts: np.ndarray, index_by
     return written, errors, hashes, timings
 
 
+def _write_error(tmp: Path, errors: list[BaseException]) -> OSError | None:
+    """One error for a failed write, keeping the errno (ENOSPC, EDQUOT, EIO) that decides the exit status.
+
+    The first error with an errno wins: a full disk often shows first as an
+    HDF5 error without one, and the errno tells a full disk (fix it) from an
+    I/O error (restart).
+    """
+    if not errors:
+        return None
+    first = next((e for e in errors if errno_of(e)), errors[0])
+    return os_error(errno_of(first), f"writing checkpoint {str(tmp)!r} failed: {error_text(first)}")
+
+
 def write_checkpoint(comm: Any, job: SaveJob, *, deadlines: Any = NULL_DEADLINES, timeout_s: float = 0.0
                      ) -> SaveResult:
     """Collective over ``comm``: hash, write, fsync, commit and prune one checkpoint.
@@ -466,25 +485,24 @@ def write_checkpoint(comm: Any, job: SaveJob, *, deadlines: Any = NULL_DEADLINES
         "parent": job.parent.name if incremental else "", "parent_uid": job.parent.uid if incremental else "",
         "base": job.base.name if incremental else "", "base_uid": job.base.uid if incremental else "",
         "world_size": size, "hash": HASH_NAME, "created_unix": job.created_unix,
-        "index_sha256": sha256_hex(index_bytes), "meta_sha256": sha256_hex(job.meta_bytes),
+        "index_sha256": sha256_hex(index_bytes), "meta_sha256": sha256_hex(job.meta_bytes), "seq": job.seq,
     }
     tmp = job.path.with_name(job.path.name + TMP_SUFFIX)
     error: BaseException | None = None
     if rank == 0:  # a plain create first: one clear error rather than MPI-IO errors on some ranks
         try:
-            if write_fault is not None:
-                write_fault(job)
+            if job.fault is not None:
+                job.fault("precheck", job.step)
             data_bytes = sum(int(counts[:, i, 1].sum()) * s.row_bytes for i, s in enumerate(job.specs))
             check_free_space(job.directory, data_bytes + len(job.meta_bytes) + len(index_bytes) + (1 << 20))
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
         except OSError as exc:
-            message = f"cannot create checkpoint file {str(tmp)!r}: {exc.strerror or exc}"
-            error = OSError(exc.errno, message) if exc.errno else OSError(message)  # the errno tells ENOSPC
+            error = os_error(errno_of(exc), f"cannot create checkpoint file {str(tmp)!r}: {error_text(exc)}")
     agree_on_error(comm, error)
     t1 = time.perf_counter()
     written, errors, hashes, file_timings = _write_file(comm, job, tmp, counts, index_bytes, attrs, hashes, changed,
                                                         deadlines, timeout_s)
-    error = OSError(f"writing checkpoint {str(tmp)!r} failed: {errors[0]}") if errors else None
+    error = _write_error(tmp, errors)
     try:
         agree_on_error(comm, error)
     except BaseException:
@@ -498,13 +516,14 @@ def write_checkpoint(comm: Any, job: SaveJob, *, deadlines: Any = NULL_DEADLINES
             _fsync_dir(job.directory)
             write_latest(job.directory, job.path.name)
         except OSError as exc:
-            error = OSError(f"committing checkpoint {str(job.path)!r} failed: {exc.strerror or exc}")
+            error = os_error(errno_of(exc), f"committing checkpoint {str(job.path)!r} failed: {error_text(exc)}")
         else:
             prune(job.directory, job.keep)
     agree_on_error(comm, error)
     info = CheckpointInfo(step=job.step, path=str(job.path), kind=job.kind, uid=job.uid,
                           base=attrs["base"] or None, parent=attrs["parent"] or None, base_uid=attrs["base_uid"],
-                          parent_uid=attrs["parent_uid"], world_size=size)
+                          parent_uid=attrs["parent_uid"], world_size=size, seq=job.seq,
+                          created_unix=job.created_unix)
     timings = {"prepare_s": t1 - t0, "write_s": t2 - t1, "commit_s": time.perf_counter() - t2, **file_timings}
     return SaveResult(info, hashes, timings, comm.allreduce(written))
 
@@ -534,30 +553,43 @@ _ATTR_TYPES: dict[str, type] = {
 }
 
 
+_OPTIONAL_ATTRS: dict[str, tuple[type, Any]] = {"seq": (int, 0)}
+"""Attributes that files of older hpcnet versions lack, with the value that stands in for them."""
+
+
+def _attr(f: Any, key: str, kind: type) -> Any:
+    if f.attrs.get_id(key).get_storage_size() > 1024:  # before reading it: a crafted file may hold gigabytes
+        raise ValueError(f"attribute {key!r} is too large")
+    value = f.attrs[key]
+    if kind is str:
+        if not isinstance(value, str) or len(value) > 256:
+            raise ValueError(f"attribute {key!r} is not a short string")
+    elif kind is int:
+        if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"attribute {key!r} is not an integer")
+        value = int(value)
+    elif not isinstance(value, (float, np.floating)):
+        raise ValueError(f"attribute {key!r} is not a number")
+    return kind(value)
+
+
 def read_attrs(f: Any, path: Path) -> dict[str, Any]:
     """The validated root attributes of an open checkpoint; ValueError names what is wrong."""
     out: dict[str, Any] = {}
     for key, kind in _ATTR_TYPES.items():
         if key not in f.attrs:
             raise ValueError(f"attribute {key!r} is missing (not an hpcnet checkpoint?)")
-        value = f.attrs[key]
-        if kind is str:
-            if not isinstance(value, str) or len(value) > 256:
-                raise ValueError(f"attribute {key!r} is not a short string")
-        elif kind is int:
-            if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
-                raise ValueError(f"attribute {key!r} is not an integer")
-            value = int(value)
-        elif not isinstance(value, (float, np.floating)):
-            raise ValueError(f"attribute {key!r} is not a number")
-        out[key] = kind(value)
+        out[key] = _attr(f, key, kind)
+    for key, (kind, default) in _OPTIONAL_ATTRS.items():
+        out[key] = _attr(f, key, kind) if key in f.attrs else default
     if out["format"] != FORMAT or out["format_version"] != FORMAT_VERSION:
         raise ValueError(f"format {out['format']!r} version {out['format_version']} is not "
                          f"{FORMAT!r} version {FORMAT_VERSION}")
     if out["kind"] not in ("full", "incremental") or out["hash"] != HASH_NAME:
         raise ValueError(f"unknown kind {out['kind']!r} or hash {out['hash']!r}")
-    if not 0 <= out["step"] < 10**19 or not 1 <= out["world_size"] <= 1 << 24 or not UID_RE.match(out["uid"]):
-        raise ValueError("step, world_size or uid out of range")
+    if (not 0 <= out["step"] < 10**19 or not 1 <= out["world_size"] <= 1 << 24 or not UID_RE.match(out["uid"])
+            or not 0 <= out["seq"] < 2**62 or not math.isfinite(out["created_unix"])):
+        raise ValueError("step, world_size, uid, seq or created_unix out of range")
     for key in ("parent", "base"):
         if out["kind"] == "incremental" and not (CKPT_NAME_RE.match(out[key]) and UID_RE.match(out[key + "_uid"])):
             raise ValueError(f"attribute {key!r} is not a checkpoint name")
@@ -585,11 +617,12 @@ def read_info(path: Path) -> CheckpointInfo:
         return CheckpointInfo(step=step, path=str(path), kind="unreadable", error=f"{type(exc).__name__}: {exc}")
     return CheckpointInfo(step=a["step"], path=str(path), kind=a["kind"], base=a["base"] or None,
                           parent=a["parent"] or None, uid=a["uid"], parent_uid=a["parent_uid"],
-                          base_uid=a["base_uid"], world_size=a["world_size"])
+                          base_uid=a["base_uid"], world_size=a["world_size"], seq=a["seq"],
+                          created_unix=a["created_unix"])
 
 
 def scan(directory: Path) -> tuple[list[CheckpointInfo], list[Path]]:
-    """Committed checkpoints in ``directory`` (oldest first) and uncommitted ``.tmp`` files."""
+    """Committed checkpoints in ``directory`` in commit order (oldest first) and uncommitted ``.tmp`` files."""
     committed, stale = [], []
     try:
         entries = sorted(os.listdir(directory))
@@ -600,7 +633,51 @@ def scan(directory: Path) -> tuple[list[CheckpointInfo], list[Path]]:
             committed.append(read_info(directory / entry))
         elif entry.endswith(TMP_SUFFIX) and CKPT_NAME_RE.match(entry.removesuffix(TMP_SUFFIX)):
             stale.append(directory / entry)
-    return sorted(committed, key=lambda i: (i.step, i.name)), stale
+    return sorted(committed, key=lambda i: i.commit_order), stale
+
+
+def listing(directory: Path) -> list[tuple[str, int]]:
+    """Names and sizes of the committed checkpoints in ``directory``, by name (cheap: no file is opened)."""
+    try:
+        entries = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return []
+    out = []
+    for entry in entries:
+        if CKPT_NAME_RE.match(entry):
+            try:
+                out.append((entry, os.stat(directory / entry).st_size))
+            except FileNotFoundError:
+                continue  # deleted while listing
+    return out
+
+
+def set_aside(directory: Path, infos: list[CheckpointInfo], why: str, latest: str | None) -> Path:
+    """Move committed checkpoints into a new ``<directory>/aside-<UTC time>-<why>/`` (rank 0; nothing deleted).
+
+    ``latest`` then names the newest checkpoint left (or is removed when none
+    is).  Renames within one directory tree are atomic and copy nothing.
+    """
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    folder = directory / f"{ASIDE_PREFIX}{stamp}-{why}"
+    suffix = 1
+    while folder.exists():
+        suffix += 1
+        folder = directory / f"{ASIDE_PREFIX}{stamp}-{why}-{suffix}"
+    folder.mkdir()
+    (folder / "README.txt").write_text(
+        f"hpcnet moved these {len(infos)} checkpoint(s) out of {directory} at {stamp} UTC ({why}).\n"
+        "They are complete; to continue from one, pass it to --resume (or move it back).\n")
+    for info in infos:
+        os.rename(info.path, folder / info.name)
+    if latest is not None:
+        write_latest(directory, latest)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(directory / LATEST_NAME, folder / LATEST_NAME)
+    _fsync_dir(folder)
+    _fsync_dir(directory)
+    return folder
 
 
 # --- reading -----------------------------------------------------------------
@@ -614,8 +691,35 @@ class ReadResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+def _check_links(f: Any) -> None:
+    """Raise ValueError at the first soft or external link: a checkpoint is one file of hard links.
+
+    An external link would make a read open another file, a soft link read
+    another object than the one named.
+    """
+    import h5py
+
+    found: list[str] = []
+
+    def visit(name: str, link: Any) -> bool | None:
+        if not isinstance(link, h5py.HardLink):
+            found.append(f"/{name} is {'an external' if isinstance(link, h5py.ExternalLink) else 'a soft'} link")
+            return True  # stop the walk
+        return None
+
+    f.visititems_links(visit)
+    if found:
+        raise ValueError(f"{found[0]}, which hpcnet checkpoints never hold")
+
+
 def _checked(f: Any, name: str, shape: tuple[int, ...], dtype: np.dtype) -> Any:
-    """The dataset ``name``, if it is a plain one of this shape and dtype (no filters, no external files)."""
+    """The dataset ``name``, if it is a plain one of this shape and dtype, all of it stored in this file.
+
+    Checked before anything is read or allocated, so a crafted file cannot make
+    a reader allocate what the file does not hold: no filters (they would load
+    plugins), no external or virtual storage (other files), no chunks, and the
+    stored bytes are exactly what the shape declares and lie inside the file.
+    """
     import h5py
 
     d = f.get(name)
@@ -624,9 +728,17 @@ def _checked(f: Any, name: str, shape: tuple[int, ...], dtype: np.dtype) -> Any:
     if d.shape != shape or d.dtype != dtype:
         raise ValueError(f"has shape {d.shape} and dtype {d.dtype}, expected {shape} and {dtype}")
     plist = d.id.get_create_plist()
-    # A filter would load a plugin library; external storage would read other files.
     if d.is_virtual or plist.get_nfilters() or plist.get_external_count():
         raise ValueError("uses filters, external or virtual storage, which hpcnet checkpoints never do")
+    if plist.get_layout() not in (h5py.h5d.CONTIGUOUS, h5py.h5d.COMPACT):
+        raise ValueError("is chunked, which hpcnet checkpoints never are")
+    declared = math.prod(shape) * dtype.itemsize
+    stored = d.id.get_storage_size()
+    if stored != declared:
+        raise ValueError(f"declares {declared} bytes but the file stores {stored}")
+    offset = d.id.get_offset() if declared and plist.get_layout() == h5py.h5d.CONTIGUOUS else None
+    if offset is not None and offset + declared > f.id.get_filesize():
+        raise ValueError(f"declares {declared} bytes at offset {offset}, beyond the end of the file")
     return d
 
 
@@ -647,12 +759,18 @@ def read_json(f: Any, name: str, digest: str, limit: int = MAX_JSON_BYTES) -> An
 
 
 def read_header(f: Any, path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Validated root attributes and index of an open checkpoint."""
+    """Validated root attributes, links and index of an open checkpoint."""
     attrs = read_attrs(f, path)
+    _check_links(f)
     try:
         index = parse_index(read_json(f, "index", attrs["index_sha256"]), attrs["kind"])
     except ValueError as exc:
         raise ValueError(f"dataset /index: {exc}") from None
+    if attrs["kind"] == "full":
+        declared = sum(e["spec"].nbytes for e in index)
+        if declared > f.id.get_filesize():
+            raise ValueError(f"/index declares {declared} bytes of tensors, but the file has only "
+                             f"{f.id.get_filesize()} bytes")
     return attrs, index
 
 
@@ -744,76 +862,153 @@ def _allgatherv_inplace(comm: Any, buffer: np.ndarray, counts: list[int], displs
             datatype.Free()
 
 
-def read_chain(comm: Any, chain: list[Path]) -> ReadResult:
-    """Collective: read the chain (full base first, increments after), verify it, return full tensors.
+def _read_failure(path: Path, exc: BaseException) -> BaseException:
+    """What a failed read of ``path`` was: damage to the file, an I/O error, or not enough memory.
 
-    Raises CheckpointCorrupt on every rank if any rank finds a fault; the
-    message names the file and the dataset.
+    Only damage (a checksum, a structure that HDF5 or the checks reject) is
+    ``CheckpointCorrupt``, which a resume may skip for an older checkpoint; an
+    I/O error keeps its errno (EIO restarts, ENOENT and EACCES are for the
+    user to fix) and anything else is raised as what it is.
     """
-    rank, size = comm.Get_rank(), comm.Get_size()
-    t_start = time.perf_counter()
-    out: dict[int, np.ndarray] = {}
-    result: ReadResult | None = None
-    specs: list[TensorSpec] = []
-    plan: Plan | None = None
-    error = None
-    current = chain[-1]
-    try:
-        headers = []
-        for path in chain:
-            current = path
+    if isinstance(exc, (MemoryError, RestartableError, CheckpointCorrupt)):
+        return exc
+    code = errno_of(exc)
+    if isinstance(exc, OSError) and code:
+        gone = " (it was listed a moment ago: is another job changing the directory?)" \
+            if code == errno.ENOENT else ""
+        return os_error(code, f"reading checkpoint {str(path)!r} failed: {error_text(exc)}{gone}")
+    if isinstance(exc, (ValueError, KeyError, OSError)) or type(exc) is RuntimeError:
+        return CheckpointCorrupt(f"{path}: {exc}")  # our checks, or HDF5 rejecting the structure
+    return exc
+
+
+def _raise_read_failure(path: Path, exc: Exception) -> None:
+    failure = _read_failure(path, exc)
+    if failure is exc:
+        raise exc
+    raise failure from exc
+
+
+def _read_headers(chain: list[Path], uids: list[str] | None, fault: IoFault | None
+                  ) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """Every file's validated header; the chain must hold one set of tensors and, if given, these uids."""
+    headers = []
+    for path in chain:
+        try:
+            if fault is not None:
+                fault("read", -1)
             with open_read(path) as f:
-                attrs, index = read_header(f, path)
-                headers.append((attrs, index))
-        current = chain[-1]
-        specs = [e["spec"] for e in headers[-1][1]]
-        for path, (_, index) in zip(chain, headers):
-            if [e["spec"] for e in index] != specs:
-                raise ValueError(f"{path.name} holds other tensors than {chain[-1].name} (a broken chain)")
-        plan = plan_ownership(specs, size)
-        owned = plan.owned(rank)
-        out = {i: np.empty(spec.shape, dtype=spec.storage) for i, spec in enumerate(specs)}
-        for path, (attrs, index) in zip(chain, headers):
-            current = path
+                headers.append(read_header(f, path))
+        except Exception as exc:  # noqa: BLE001 - classified
+            _raise_read_failure(path, exc)
+    specs = [e["spec"] for e in headers[-1][1]]
+    for path, (attrs, index) in zip(chain, headers):
+        if [e["spec"] for e in index] != specs:
+            raise CheckpointCorrupt(f"{path}: holds other tensors than {chain[-1].name} (a broken chain)")
+    read = [attrs["uid"] for attrs, _ in headers]
+    if uids is not None and read != uids:
+        changed = [p.name for p, a, b in zip(chain, uids, read) if a != b]
+        raise RestartableError(f"checkpoint {', '.join(changed)} was replaced after it was listed "
+                               "(is another job writing to the checkpoint directory?)")
+    return headers
+
+
+def _read_rank_state(f: Any, attrs: dict[str, Any], rank: int) -> dict[str, Any] | None:
+    """This rank's saved RNG/loader state, None beyond the saved world size."""
+    if rank >= attrs["world_size"]:
+        return None
+    table = f.get("rank_state")
+    width = table.shape[1] if table is not None and table.ndim == 2 else -1
+    try:
+        row = _checked(f, "rank_state", (attrs["world_size"], width), np.dtype(np.uint8))[rank]
+        want = _checked(f, "rank_state_hashes", (attrs["world_size"],), np.dtype("<u8"))[rank]
+        if block_hashes(row, width)[0] != want:
+            raise ValueError(f"checksum mismatch in row {rank}")
+        state = json.loads(row.tobytes().decode("utf-8"))
+        if not isinstance(state, dict):
+            raise ValueError(f"row {rank} is not a JSON object")
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"dataset /rank_state: {exc}") from None
+    return state
+
+
+def _read_local(chain: list[Path], headers: list, plan: Plan, rank: int) -> tuple[dict[int, np.ndarray], ReadResult]:
+    """This rank's verified pieces of every tensor (in full-size buffers), the meta and its rank state."""
+    specs = [e["spec"] for e in headers[-1][1]]
+    owned = plan.owned(rank)
+    # Every size was checked against the base file's own size by read_header, so
+    # a crafted /index cannot make this allocate what the file does not hold.
+    out = {i: np.empty(spec.shape, dtype=spec.storage) for i, spec in enumerate(specs)}
+    for path, (attrs, index) in zip(chain, headers):
+        try:
             with open_read(path) as f:
                 file_hashes = _checked(f, "hashes", (sum(e["n_hashes"] for e in index),), np.dtype("<u8"))[()]
                 file_blocks = None
                 if attrs["kind"] == "incremental":
                     file_blocks = _checked(f, "blocks", file_hashes.shape, np.dtype("<i8"))[()]
                 _read_owned(f, attrs, index, owned, out, file_hashes, file_blocks)
-        attrs = headers[-1][0]
-        with open_read(chain[-1]) as f:
-            try:
-                meta = read_json(f, "meta", attrs["meta_sha256"])
-            except ValueError as exc:
-                raise ValueError(f"dataset /meta: {exc}") from None
-            if not isinstance(meta, dict):
-                raise ValueError("dataset /meta: not a JSON object")
-            rank_state = None
-            if rank < attrs["world_size"]:
-                table = f.get("rank_state")
-                width = table.shape[1] if table is not None and table.ndim == 2 else -1
+                if path != chain[-1]:
+                    continue
                 try:
-                    row = _checked(f, "rank_state", (attrs["world_size"], width), np.dtype(np.uint8))[rank]
-                    want = _checked(f, "rank_state_hashes", (attrs["world_size"],), np.dtype("<u8"))[rank]
-                    if block_hashes(row, width)[0] != want:
-                        raise ValueError(f"checksum mismatch in row {rank}")
-                    rank_state = json.loads(row.tobytes().decode("utf-8"))
-                    if not isinstance(rank_state, dict):
-                        raise ValueError(f"row {rank} is not a JSON object")
-                except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-                    raise ValueError(f"dataset /rank_state: {exc}") from None
-        result = ReadResult({}, meta, rank_state, attrs)
-    except Exception as exc:  # noqa: BLE001 - shared below, with the file named
-        error = CheckpointCorrupt(f"{current}: {exc}")
+                    meta = read_json(f, "meta", attrs["meta_sha256"])
+                except ValueError as exc:
+                    raise ValueError(f"dataset /meta: {exc}") from None
+                if not isinstance(meta, dict):
+                    raise ValueError("dataset /meta: not a JSON object")
+                result = ReadResult({}, meta, _read_rank_state(f, attrs, rank), attrs)
+        except Exception as exc:  # noqa: BLE001 - classified
+            _raise_read_failure(path, exc)
+    return out, result
+
+
+def read_chain(comm: Any, chain: list[Path], *, uids: list[str] | None = None,
+               fault: IoFault | None = None) -> ReadResult:
+    """Collective: read the chain (full base first, increments after), verify it, return full tensors.
+
+    Args:
+        comm: the ranks that read; each verifies its share and all exchange.
+        chain: the files, base first.
+        uids: the uids the listing gave these files; a file replaced since is an error.
+        fault: fault injection (``IoFault``), or None.
+
+    Raises, on every rank alike: ``CheckpointCorrupt`` (a checksum or the
+    structure; the message names file and dataset), an ``OSError`` with its
+    errno for an I/O error, ``RestartableError`` when a file was replaced after
+    it was listed or ranks read different files, or what else went wrong.
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    t_start = time.perf_counter()
+    error = None
+    try:
+        headers = _read_headers(chain, uids, fault)
+        plan = plan_ownership([e["spec"] for e in headers[-1][1]], size)
+        out, result = _read_local(chain, headers, plan, rank)
+    except BaseException as exc:  # noqa: BLE001 - shared below, so every rank raises alike
+        error = exc
     t_read = time.perf_counter()
-    reports = comm.allgather(None if error is None else str(error))
-    failed = [r for r in reports if r is not None]
-    if failed:
-        raise error if error is not None else CheckpointCorrupt(failed[0])
-    assert plan is not None and result is not None
+    agree_on_error(comm, error)
+    # Every rank opened the files itself: they must have read the same ones.
+    seen = [(p.name, a["uid"], a["index_sha256"], a["meta_sha256"]) for p, (a, _) in zip(chain, headers)]
+    views = comm.allgather(sha256_hex(repr(seen).encode()))
+    if len(set(views)) > 1:
+        odd = [r for r, v in enumerate(views) if v != views[0]]
+        raise agreed(RestartableError(f"ranks {odd} read other files than rank 0 for {chain[-1]} (was a file "
+                                      "replaced while loading, or is the directory not shared?)"))
+    specs = [e["spec"] for e in headers[-1][1]]
     t_agreed = time.perf_counter()
-    # Exchange: each split tensor in place, whole small tensors packed into one buffer.
+    t_split = _exchange(comm, plan, specs, out)
+    result.tensors = {spec.name: from_storage(out[i], spec.dtype).reshape(spec.shape) for i, spec in enumerate(specs)}
+    result.timings = {"read_verify_s": t_read - t_start, "wait_s": t_agreed - t_read,
+                      "exchange_s": time.perf_counter() - t_agreed, "exchange_split_s": t_split}
+    return result
+
+
+def _exchange(comm: Any, plan: Plan, specs: list[TensorSpec], out: dict[int, np.ndarray]) -> float:
+    """Collective: give every rank the pieces the others read; return the seconds spent on split tensors.
+
+    Each split tensor is exchanged in place; whole small tensors are packed into one buffer.
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
     small = [i for i in range(len(specs)) if not plan.split[i] and plan.pieces[i]]
     t_split = time.perf_counter()
     for i, spec in enumerate(specs):
@@ -839,7 +1034,4 @@ def read_chain(comm: Any, chain: list[Path]) -> ReadResult:
             for i in ids:
                 out[i].reshape(-1).view(np.uint8)[:] = packed[pos:pos + specs[i].nbytes]
                 pos += specs[i].nbytes
-    result.tensors = {spec.name: from_storage(out[i], spec.dtype).reshape(spec.shape) for i, spec in enumerate(specs)}
-    result.timings = {"read_verify_s": t_read - t_start, "wait_s": t_agreed - t_read,
-                      "exchange_s": time.perf_counter() - t_agreed, "exchange_split_s": t_split}
-    return result
+    return t_split

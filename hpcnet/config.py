@@ -139,6 +139,8 @@ class TrainConfig:
     """Micro-batches per optimizer step; gradients are communicated once per step, after the last."""
     threads: int = 0
     """Torch CPU threads per rank; 0 divides the node's cores among its ranks."""
+    nonfinite: str = "stop"
+    """At a non-finite loss, gradient norm or state: 'stop' (status 65, never saved), 'skip' the update, or 'ignore'."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -150,6 +152,8 @@ class TrainConfig:
         for name in ("eval_every", "eval_batches", "threads"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.nonfinite not in ("stop", "skip", "ignore"):
+            raise ConfigError(f"train.nonfinite: {self.nonfinite!r} is not one of 'stop', 'skip', 'ignore'")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -222,7 +226,9 @@ class CheckpointConfig:
     at_end: bool = True
     """Save once more when training finishes."""
     resume: str = ""
-    """'' starts fresh, 'auto' resumes from the newest committed checkpoint (fresh if none), or a checkpoint path."""
+    """'' starts fresh, 'auto' resumes from the last committed checkpoint (fresh if none), or a checkpoint path."""
+    move_aside: bool = False
+    """A fresh run into a checkpoint.dir that holds checkpoints moves them into <dir>/aside-<time>-fresh-run/ (never deletes); false refuses to start."""
     timeout_s: float = 0.0
     """Deadline of each checkpoint save, background write, wait and load; 0 = max(120 s, 10 x the last save, size at 10 MiB/s). Past it: stacks, failure.json (kind 'checkpoint'), status 75."""
 
@@ -292,6 +298,10 @@ class FaultConfig:
     """Fault injection: corrupt the newest committed checkpoint before resuming."""
     fill_disk_at_step: int = 0
     """Fault injection: checkpoint writes from this step on fail with ENOSPC (a full file system)."""
+    write_error: str = ""
+    """Fault injection: the chosen rank's checkpoint writes fail inside the write with 'ENOSPC', 'EDQUOT' or 'EIO'."""
+    write_error_at_step: int = 1
+    """The first step whose save fault.write_error hits."""
     slow_save_s: float = 0.0
     """Fault injection: the chosen rank's checkpoint writer sleeps this long before every collective file create (a slow peer)."""
     stuck_save_at_step: int = 0
@@ -304,8 +314,10 @@ class FaultConfig:
     """Inject only in this attempt of hpcnet.launch (1 = the first); 0 = every attempt."""
 
     def __post_init__(self) -> None:
-        for name in ("kill_at_step", "hang_at_step", "sleep_at_step", "fill_disk_at_step", "stuck_save_at_step",
-                     "stuck_fs_at_step", "only_attempt"):
+        if self.write_error not in ("", "ENOSPC", "EDQUOT", "EIO"):
+            raise ConfigError(f"fault.write_error: {self.write_error!r} is not one of 'ENOSPC', 'EDQUOT', 'EIO'")
+        for name in ("kill_at_step", "hang_at_step", "sleep_at_step", "fill_disk_at_step", "only_attempt",
+                     "write_error_at_step", "stuck_save_at_step", "stuck_fs_at_step"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"fault.{name} must be >= 0, got {getattr(self, name)}")
         if self.sleep_s < 0 or self.slow_s < 0:

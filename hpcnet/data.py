@@ -420,10 +420,13 @@ class GlobalBatchSampler:
     """Seeded global batches, each rank taking its contiguous slice.
 
     Epoch ``e`` orders all samples by a permutation drawn from
-    ``PCG64(SeedSequence([seed, e]))``; global batch ``k`` is
-    ``perm[k*G:(k+1)*G]`` with ``G = batch_size * world_size``, and rank ``r``
-    takes ``[r*B:(r+1)*B]`` of it. The incomplete last global batch is dropped.
-    The position is kept in samples, so a run can resume at another world size.
+    ``PCG64(SeedSequence([seed, e]))`` and hands it out in consecutive global
+    batches of ``G = batch_size * world_size`` samples from the epoch's
+    position (0 in a fresh epoch, so global batch ``k`` is ``perm[k*G:(k+1)*G]``);
+    rank ``r`` takes ``[r*B:(r+1)*B]`` of each. When fewer than ``G`` samples
+    are left, they are dropped and the next epoch begins. The position is kept
+    in samples, so a run can resume at another world size or batch size: it
+    continues the same order from the saved sample on, in its own batch grid.
     """
 
     def __init__(self, num_samples: int, batch_size: int, *, rank: int, world_size: int, seed: int = 0,
@@ -449,13 +452,13 @@ class GlobalBatchSampler:
         self.num_samples, self.batch_size, self.rank, self.world_size = num_samples, batch_size, rank, world_size
         self.seed, self.shuffle = seed, shuffle
         self.global_batch_size = batch_size * world_size
-        self.steps_per_epoch = num_samples // self.global_batch_size
+        self.steps_per_epoch = num_samples // self.global_batch_size  # of an epoch started from sample 0
         if self.steps_per_epoch == 0:
             raise DatasetError(f"the dataset has {num_samples} samples, fewer than one global batch of "
                                f"{self.global_batch_size} (batch size {batch_size} x world size {world_size}); "
                                "lower train.batch_size or use fewer ranks")
         self._epoch = 0
-        self._step = 0
+        self._position = 0
         self._order_epoch = -1
         self._order = np.empty(0, dtype=np.int64)
 
@@ -465,9 +468,13 @@ class GlobalBatchSampler:
         return self._epoch
 
     @property
-    def step_in_epoch(self) -> int:
-        """Batches already returned in the current epoch."""
-        return self._step
+    def samples_in_epoch(self) -> int:
+        """Samples of the current epoch already handed out, by all ranks together."""
+        return self._position
+
+    def _epoch_is_done(self) -> bool:
+        # Less than one global batch left: the tail is dropped, as at the end of every epoch.
+        return self._position + self.global_batch_size > self.num_samples
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The order of all samples in ``epoch`` (the same on every rank and world size).
@@ -484,33 +491,34 @@ class GlobalBatchSampler:
 
     def next_indices(self) -> np.ndarray:
         """Advance one step and return this rank's B sample indices (rolls over to the next epoch)."""
-        if self._step == self.steps_per_epoch:
-            self._epoch, self._step = self._epoch + 1, 0
+        if self._epoch_is_done():
+            self._epoch, self._position = self._epoch + 1, 0
         if self._order_epoch != self._epoch:
             self._order, self._order_epoch = self.epoch_order(self._epoch), self._epoch
-        start = self._step * self.global_batch_size + self.rank * self.batch_size
-        self._step += 1
+        start = self._position + self.rank * self.batch_size
+        self._position += self.global_batch_size
         return self._order[start:start + self.batch_size].copy()
 
     def state_dict(self) -> dict[str, int]:
         """The position to resume from: ``{"epoch", "samples_consumed_in_epoch", "seed"}``."""
-        if self._step == self.steps_per_epoch:
-            # A finished epoch is stored as the start of the next, which any world size can resume.
+        if self._epoch_is_done():
+            # A finished epoch is stored as the start of the next: the tail this run
+            # dropped stays dropped, whatever global batch resumes.
             return {"epoch": self._epoch + 1, "samples_consumed_in_epoch": 0, "seed": self.seed}
-        return {"epoch": self._epoch, "samples_consumed_in_epoch": self._step * self.global_batch_size,
-                "seed": self.seed}
+        return {"epoch": self._epoch, "samples_consumed_in_epoch": self._position, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume from ``state_dict()``, possibly saved at another world size or batch size.
 
-        The saved seed replaces this sampler's, so the resumed run continues the same order.
+        The saved seed replaces this sampler's, so the resumed run continues the
+        same order from the saved sample on, in global batches of this sampler's
+        size; an epoch that has less than one of them left ends at once.
 
         Args:
             state: as returned by ``state_dict``.
 
         Raises:
-            ValueError: a malformed state, or a position that is not a whole number of
-                global batches at this world size.
+            ValueError: a malformed state, or a position beyond the end of the dataset.
         """
         missing = {"epoch", "samples_consumed_in_epoch", "seed"} - set(state)
         if missing:
@@ -518,16 +526,10 @@ class GlobalBatchSampler:
         epoch, consumed, seed = state["epoch"], state["samples_consumed_in_epoch"], state["seed"]
         if not all(_is_integer(v) and v >= 0 for v in (epoch, consumed, seed)):
             raise ValueError(f"sampler state must hold non-negative integers, got {dict(state)}")
-        G = self.global_batch_size
-        if consumed % G:
-            raise ValueError(
-                f"cannot resume: epoch {epoch} stopped after {consumed} samples, which is not a whole number of "
-                f"global batches of {G} (batch size {self.batch_size} x world size {self.world_size}); "
-                f"choose a batch size and world size whose product divides {consumed}")
-        if consumed // G > self.steps_per_epoch:
-            raise ValueError(f"cannot resume: epoch {epoch} stopped after {consumed} samples, but an epoch has "
-                             f"only {self.steps_per_epoch * G} here (has the dataset shrunk?)")
-        self.seed, self._epoch, self._step = int(seed), int(epoch), int(consumed) // G
+        if consumed > self.num_samples:
+            raise ValueError(f"cannot resume: epoch {epoch} stopped after {consumed} samples, but the dataset "
+                             f"has only {self.num_samples} here (has the dataset shrunk?)")
+        self.seed, self._epoch, self._position = int(seed), int(epoch), int(consumed)
         self._order_epoch = -1
 
 

@@ -22,23 +22,25 @@ The training loop calls three hooks, each one line:
   (``corrupt_checkpoint``), as bit rot would, below HDF5 (the file still
   opens; only the block checksums can tell), so ``--resume auto`` must skip
   it and take the previous one.
-- the constructor arms ``hpcnet.ckpt_io.write_fault`` for
-  ``fill_disk_at_step``: every save of that step or later fails with
-  ``OSError(ENOSPC)`` where hpcnet checks the free space before writing.
-  The file system is shared, so this hits every rank alike (``fault.rank``
-  does not apply).  A full disk is not worth restarting (status 2): the next
-  attempt would fail at its first save, after recomputing everything since
-  the last checkpoint.
-- the constructor also arms ``hpcnet.ckpt_io.create_fault``, called by every
-  rank's writer at the collective file create.  Before the ranks meet there,
-  the chosen rank sleeps ``slow_save_s`` in every save (a slow peer, which
-  must not be a failure), or in the save of ``stuck_save_at_step`` blocks
-  for good with the GIL released, as a write or fsync to a stuck file
-  system does (every monitor still runs: they report the checkpoint
-  deadline).  With ``stuck_fs_at_step`` every rank blocks for good inside
-  the create, holding the GIL in a C call as h5py does on a stuck file
-  system: no Python runs anywhere, and only the native watchdog
-  (``hpcnet.watchdog``) can end the job.
+- ``io_fault(phase, step)``, handed to the checkpoint manager
+  (``hpcnet.ckpt_io.IoFault``): with ``fill_disk_at_step`` every save of that
+  step or later fails with ``OSError(ENOSPC)`` where hpcnet checks the free
+  space before writing (the file system is shared, so this hits every rank
+  alike and ``fault.rank`` does not apply); with ``write_error`` the chosen
+  rank's write of every save from ``write_error_at_step`` on fails inside the
+  collective write with that errno, as a quota (EDQUOT), a disk filling up
+  meanwhile (ENOSPC) or a storage fault (EIO) would.  A full disk or quota is
+  not worth restarting (status 2): the next attempt would fail at its first
+  save, after recomputing everything since the last checkpoint; EIO is (75).
+  With ``slow_save_s`` (every save) or ``stuck_save_at_step`` the chosen
+  rank's writer sleeps, or blocks for good with the GIL released (as a write
+  or fsync to a stuck file system does: every monitor still runs and reports
+  the checkpoint deadline), where the writers meet before the collective
+  file create (phase ``arrive``): a slow peer, which must not be a failure,
+  or a stuck one.  With ``stuck_fs_at_step`` every rank's writer blocks for
+  good inside the create (``create``), holding the GIL in a C call as h5py
+  does on a stuck file system: no Python runs anywhere, and only the native
+  watchdog (``hpcnet.watchdog``) can end the job.
 
 ``fault.only_attempt = k`` injects only in attempt k of ``hpcnet.launch``
 (which sets ``HPCNET_ATTEMPT``; a run without it is attempt 1), so a
@@ -106,11 +108,6 @@ class FaultInjector:
         self.target = target
         self.rank = world.rank
         self.mine = self.active and world.rank == target
-        # Process-wide hook (only one run writes checkpoints in a process at a
-        # time); every run sets it, so a previous run's fault never leaks.
-        ckpt_io.write_fault = self._disk_full if self.active and cfg.fill_disk_at_step else None
-        blocks = (self.mine and (cfg.slow_save_s or cfg.stuck_save_at_step)) or cfg.stuck_fs_at_step
-        ckpt_io.create_fault = self._at_create if self.active and blocks else None
         armed = self.describe()
         if armed and world.rank == 0:
             log.warning("fault injection armed (attempt %d): %s", self.attempt, armed)
@@ -133,6 +130,8 @@ class FaultInjector:
             parts.append("the newest checkpoint is corrupted before resuming")
         if c.fill_disk_at_step:
             parts.append(f"checkpoint saves from step {c.fill_disk_at_step} on fail with ENOSPC")
+        if c.write_error:
+            parts.append(f"{who}'s checkpoint writes from step {c.write_error_at_step} on fail with {c.write_error}")
         if c.slow_save_s:
             parts.append(f"{who}'s checkpoint writer sleeps {c.slow_save_s:g} s before every collective create")
         if c.stuck_save_at_step:
@@ -173,26 +172,31 @@ class FaultInjector:
                 else:
                     log.warning("fault injection: no committed checkpoint in %s to corrupt", checkpoint_dir)
 
-    def _disk_full(self, job: Any) -> None:
-        """``ckpt_io.write_fault``: the file system is full for saves from ``fill_disk_at_step`` on."""
-        if job.step >= self.cfg.fill_disk_at_step:
-            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} "
-                                        f"(injected: fault.fill_disk_at_step={self.cfg.fill_disk_at_step})")
-
-
-    def _at_create(self, job: Any, phase: str) -> None:
-        """``ckpt_io.create_fault``: at the collective file create, in the writer thread."""
+    @property
+    def io_fault(self) -> "ckpt_io.IoFault | None":
+        """The hook for the checkpoint manager, or None when no I/O fault is armed."""
         c = self.cfg
+        armed = (c.fill_disk_at_step or c.write_error or c.slow_save_s or c.stuck_save_at_step or c.stuck_fs_at_step)
+        return self._io_fault if self.active and armed else None
+
+    def _io_fault(self, phase: str, step: int) -> None:
+        c = self.cfg
+        if phase == "precheck" and c.fill_disk_at_step and step >= c.fill_disk_at_step:
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} "
+                                        f"(injected: fault.fill_disk_at_step={c.fill_disk_at_step})")
+        if phase == "write" and self.mine and c.write_error and step >= c.write_error_at_step:
+            code = getattr(errno, c.write_error)
+            raise OSError(code, f"{os.strerror(code)} (injected: fault.write_error={c.write_error})")
         if phase == "arrive" and self.mine and c.slow_save_s:
             log.warning("fault injection: rank %d's checkpoint writer sleeps %g s (step %d)", self.rank,
-                        c.slow_save_s, job.step)
+                        c.slow_save_s, step)
             time.sleep(c.slow_save_s)
-        if phase == "arrive" and self.mine and job.step == c.stuck_save_at_step:
-            log.error("fault injection: rank %d's checkpoint writer blocks for good (step %d)", self.rank, job.step)
+        if phase == "arrive" and self.mine and step == c.stuck_save_at_step:
+            log.error("fault injection: rank %d's checkpoint writer blocks for good (step %d)", self.rank, step)
             threading.Event().wait()
-        if phase == "create" and job.step == c.stuck_fs_at_step:
+        if phase == "create" and step == c.stuck_fs_at_step:
             log.error("fault injection: rank %d's checkpoint writer blocks for good in the create, holding the GIL "
-                      "(step %d)", self.rank, job.step)
+                      "(step %d)", self.rank, step)
             block_holding_the_gil()
 
 
@@ -211,7 +215,7 @@ def block_holding_the_gil() -> None:
 
 
 def corrupt_newest(directory: Path) -> str:
-    """Flip ``CORRUPT_BYTES`` bytes in the largest dataset of the newest committed checkpoint.
+    """Flip ``CORRUPT_BYTES`` bytes in the largest dataset of the last committed checkpoint.
 
     The bytes are overwritten in place below HDF5 (at the dataset's file
     offset), so the file still opens and only checksum verification can
@@ -222,7 +226,7 @@ def corrupt_newest(directory: Path) -> str:
     infos = [i for i in ckpt_io.scan(directory)[0] if i.kind != "unreadable"]
     if not infos:
         return ""
-    path = Path(max(infos, key=lambda i: i.step).path)
+    path = Path(infos[-1].path)  # the last committed
     found: list[tuple[int, str, int]] = []  # (bytes, name, file offset)
 
     def visit(name: str, obj: Any) -> None:

@@ -106,6 +106,7 @@ def describe_status(status: int) -> str:
     """A status in words."""
     names = {ExitCode.OK: "finished", ExitCode.CODE_ERROR: "error (a bug, or a launcher failure)",
              ExitCode.USAGE_ERROR: "bad input (option, data, path, full disk)",
+             ExitCode.DIVERGED: "diverged (non-finite loss, gradients or state; nothing of it saved)",
              ExitCode.RESTARTABLE: "restartable failure (peer died or hung, communication failed)",
              ExitCode.PREEMPTED: "preempted after saving", ExitCode.INTERRUPTED: "interrupted"}
     if status in names:

@@ -40,7 +40,8 @@ from hpcnet.models import build_model, count_parameters
 from hpcnet.monitor import Monitor
 from hpcnet.runlog import MetricsWriter, close_logging, format_duration, make_run_dir, setup_logging
 from hpcnet.topology import probe, recommend
-from hpcnet.trainstate import StepBoundary, TrainState, checkpoint_dir, should_save
+from hpcnet.trainstate import (NONFINITE_GRAD, NONFINITE_LOSS, StepBoundary, TrainState, checkpoint_dir,
+                               should_save)
 from hpcnet.world import World, choose_device, cpu_threads, discover, exit_code_of, is_agreed, shared_errors
 
 log = logging.getLogger("hpcnet.train")
@@ -106,6 +107,17 @@ def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
     shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.decay == "cosine" else 1 - progress
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+
+def finite_flags(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> tuple[bool, bool]:
+    """Whether this rank's loss and the gradient norm (None: not computed) are finite.
+
+    One device-to-host copy for both: the only per-step synchronisation with
+    the GPU that ``train.nonfinite`` adds ('ignore' adds none).
+    """
+    norm = torch.zeros_like(loss) if grad_norm is None else grad_norm
+    loss_ok, grad_ok = torch.isfinite(torch.stack([loss.detach().float(), norm.detach().float()])).tolist()
+    return loss_ok, grad_ok
 
 
 def compute_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -232,6 +244,7 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
         faults = FaultInjector(cfg.fault, world)  # fault.*: off unless testing recovery
         manager = CheckpointManager(comm, checkpoint_dir(cfg), keep=cfg.checkpoint.keep,
                                     full_every=cfg.checkpoint.full_every, async_save=cfg.checkpoint.async_save,
+                                    move_aside=cfg.checkpoint.move_aside, fault=faults.io_fault,
                                     deadlines=monitor.deadlines, timeout_s=cfg.checkpoint.timeout_s)
         state = TrainState(cfg, model, optimizer, sampler, manager)
         result = TrainResult(model, optimizer)
@@ -239,7 +252,11 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
         try:
             if cfg.checkpoint.resume:
                 faults.before_resume(manager.directory, comm)
-            start_step = state.resume(cfg.checkpoint.resume, rank=world.rank) if cfg.checkpoint.resume else 0
+            start_step = state.start(cfg.checkpoint.resume, rank=world.rank)
+            if start_step >= cfg.train.steps and world.is_main:
+                log.warning("nothing to train: the run resumed at step %d and train.steps is %d. Raise train.steps "
+                            "to train on; another run.name or checkpoint.dir starts a new run", start_step,
+                            cfg.train.steps)
             loader = BatchLoader(train_split, sampler)  # after resume: it reads ahead from the sampler's position
             result.summary = _loop(cfg, comm, world, dp, optimizer, loader, eval_split, device, metrics, stop,
                                    state, start_step, faults, monitor)
@@ -253,13 +270,17 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
         summary = result.summary
         summary.update(world_size=world.size, wall_s=time.perf_counter() - t_start, run_dir=str(run_dir),
                        comm=dp.summary(), monitor=monitor.summary())
-        if summary.get("stopped_by_signal"):
+        if summary.get("diverged"):
+            result.exit_code = ExitCode.DIVERGED  # before a signal: a restart would diverge again
+        elif summary.get("stopped_by_signal"):
             result.exit_code = (ExitCode.INTERRUPTED if summary["stopped_by_signal"] == signal.SIGINT
                                 else ExitCode.PREEMPTED)
         if world.is_main:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-            log.info("done: %d steps in %s, final loss %.4f%s", summary["steps"], format_duration(summary["wall_s"]),
-                     summary["final_loss"], "".join(f", {k} {v:.4f}" for k, v in summary.get("eval", {}).items()))
+            if summary["steps"] > summary["start_step"]:
+                log.info("%s: %d steps in %s, final loss %.4f%s", "stopped" if summary.get("diverged") else "done",
+                         summary["steps"], format_duration(summary["wall_s"]), summary["final_loss"],
+                         "".join(f", {k} {v:.4f}" for k, v in summary.get("eval", {}).items()))
         return result
     finally:
         if monitor is not None:
@@ -295,6 +316,8 @@ def _loop(cfg: Config, comm: Any, world: World, dp: DataParallel, optimizer: tor
     step = last_step = start_step
     boundary = StepBoundary(cfg.checkpoint.every_s)
     stopped_by = 0
+    on_nonfinite = cfg.train.nonfinite  # stop | skip | ignore
+    skipped_steps, diverged = 0, ""
     model.train()
     while step < total:
         for group_ in optimizer.param_groups:
@@ -302,12 +325,22 @@ def _loop(cfg: Config, comm: Any, world: World, dp: DataParallel, optimizer: tor
         batches = [tuple(t.to(device, non_blocking=True) for t in loader.next())
                    for _ in range(cfg.train.grad_accumulation)]
         loss = dp.step(batches, compute_loss)  # forward, backward, gradients averaged across ranks
+        # The averaged gradients are the same on every rank, so a verdict from their norm needs
+        # no collective; computing it costs a pass over them, paid only for clipping or skip.
+        grad_norm = None
         if cfg.optim.grad_clip > 0:
-            nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-        optimizer.step()
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        elif on_nonfinite == "skip":
+            grad_norm = nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        applied, nonfinite = _update(optimizer, loss, grad_norm, on_nonfinite)
         step += 1
         monitor.step(step)  # heartbeats carry it; step times set the stall timeout; memory samples
         faults.at_step(step)  # fault.* injection; a no-op unless configured
+        if not applied:
+            skipped_steps += 1
+            if world.is_main:
+                log.warning("step %d: non-finite gradient norm, update skipped (train.nonfinite=skip; %d so far)",
+                            step, skipped_steps)
 
         if step % cfg.run.log_every == 0 or step == total:
             local_loss = loss.item()
@@ -333,12 +366,30 @@ def _loop(cfg: Config, comm: Any, world: World, dp: DataParallel, optimizer: tor
 
         # Step boundary: every rank agrees on stopping and saving after this step.
         with monitor.collective("step_boundary"):
-            stopped_by, time_due = boundary.agree(comm, stop.signum if stop else 0)
-        if (should_save(step, every_steps=cfg.checkpoint.every_steps, time_due=time_due, stopping=bool(stopped_by))
-                or (step == total and cfg.checkpoint.at_end)):
+            stopped_by, time_due, nonfinite = boundary.agree(comm, stop.signum if stop else 0, nonfinite=nonfinite)
+        if nonfinite:
+            diverged = _nonfinite_message(step, nonfinite)
+        elif (should_save(step, every_steps=cfg.checkpoint.every_steps, time_due=time_due, stopping=bool(stopped_by))
+              or (step == total and cfg.checkpoint.at_end)):
             dp.sync_buffers()
-            state.save(step, loader.state_dict())
-            boundary.saved()
+            finite = True
+            if on_nonfinite != "ignore":
+                with monitor.collective("state.is_finite"):
+                    finite = state.is_finite()
+            if finite:
+                state.save(step, loader.state_dict())
+                boundary.saved()
+            else:
+                diverged = (f"non-finite model or optimizer state after step {step} (an update overflowed, "
+                            "or a forward pass left non-finite statistics)")
+        if diverged:
+            if world.is_main:
+                kept = (f"the newest checkpoint, step {state.last_saved_step}, is kept"
+                        if state.last_saved_step >= 0 else "no checkpoint was saved")
+                log.error("%s: every rank stops after step %d/%d and saves nothing of it (train.nonfinite=%s); "
+                          "%s. A restart would diverge again: lower optim.lr or check the data (status %d)",
+                          diverged, step, total, on_nonfinite, kept, ExitCode.DIVERGED)
+            break
         if stopped_by:
             log.warning("stopping after step %d/%d on %s (checkpoint saved)", step, total,
                         signal.Signals(stopped_by).name)
@@ -355,7 +406,38 @@ def _loop(cfg: Config, comm: Any, world: World, dp: DataParallel, optimizer: tor
         "eval": evaluation,
         "samples_per_s": (step - start_step) * global_batch / max(elapsed, 1e-9),
         "stopped_by_signal": stopped_by,
+        "diverged": diverged,
+        "skipped_steps": skipped_steps,
     }
+
+
+def _update(optimizer: torch.optim.Optimizer, loss: torch.Tensor, grad_norm: torch.Tensor | None,
+            on_nonfinite: str) -> tuple[bool, int]:
+    """Run the optimizer step unless ``train.nonfinite=skip`` drops it.
+
+    Returns whether the update was applied, and the ``NONFINITE_*`` bits this
+    rank brings to the step boundary.
+    """
+    if on_nonfinite == "ignore":
+        optimizer.step()
+        return True, 0
+    if on_nonfinite == "skip":
+        loss_ok, grad_ok = finite_flags(loss, grad_norm)  # before the update it may drop
+        if not grad_ok:
+            return False, 0  # on every rank alike: the averaged gradients are the same everywhere
+        optimizer.step()
+        # A non-finite loss with a finite gradient stops the run: dropping updates cannot help it.
+        return True, 0 if loss_ok else NONFINITE_LOSS
+    optimizer.step()
+    loss_ok, grad_ok = finite_flags(loss, grad_norm)  # after the update is queued: the GPU need not wait for it
+    return True, (0 if loss_ok else NONFINITE_LOSS) | (0 if grad_ok else NONFINITE_GRAD)
+
+
+def _nonfinite_message(step: int, nonfinite: int) -> str:
+    """What the ranks agreed was non-finite at ``step`` (``NONFINITE_*`` bits)."""
+    what = [name for bit, name in ((NONFINITE_LOSS, "loss (on at least one rank)"), (NONFINITE_GRAD, "gradient norm"))
+            if nonfinite & bit]
+    return f"non-finite {' and '.join(what)} at step {step}"
 
 
 def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

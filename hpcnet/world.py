@@ -8,14 +8,14 @@ are alone.
 """
 
 import contextlib
-import errno
 import os
 import socket
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hpcnet.errors import ExitCode, RestartableError, UsageError
+from hpcnet.errors import (CheckpointCorrupt, ConfigError, DatasetError, ExitCode, RestartableError, UsageError,
+                           error_text, errno_of, exit_code_of, os_error)
 
 # One table for every scheduler variable hpcnet reads (after submitit's
 # slurm.py): launcher -> our name -> environment variable.
@@ -189,37 +189,43 @@ class PeerError(RuntimeError):
         self.exit_code = exit_code
 
 
-def exit_code_of(error: BaseException) -> int:
-    """The documented exit status for an exception (see ``ExitCode``)."""
-    if isinstance(error, KeyboardInterrupt):
-        return ExitCode.INTERRUPTED
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-        # A full file system (or quota) stays full on a restart: fix the input (free space, another path).
-        return ExitCode.USAGE_ERROR
-    return int(getattr(error, "exit_code", ExitCode.CODE_ERROR))
+_SHARED_KINDS: dict[str, type[Exception]] = {
+    cls.__name__: cls for cls in (UsageError, ConfigError, DatasetError, CheckpointCorrupt)}
+"""hpcnet's own errors, re-created as themselves (same message) on the ranks that did not raise them."""
+
+
+def _echo(rank: int, kind: str, message: str, code: int, errno_: int | None) -> BaseException:
+    """The error a rank raises for a peer's failure: the same kind where it matters to a caller."""
+    if kind in _SHARED_KINDS:
+        return _SHARED_KINDS[kind](message)
+    if errno_:
+        return os_error(errno_, f"rank {rank}: {message}")  # the errno decides the exit status
+    if code == ExitCode.USAGE_ERROR:
+        return UsageError(message)
+    if code == ExitCode.RESTARTABLE:
+        return RestartableError(f"rank {rank}: {message}")
+    return PeerError(rank, kind, message, code)
 
 
 def agree_on_error(comm: Any, error: BaseException | None) -> None:
     """Collective: raise on every rank if any rank of ``comm`` has an error.
 
-    The rank that failed re-raises its own exception; the others raise a
-    ``PeerError`` (or a ``UsageError`` for user mistakes, with the same
-    message) naming the first failed rank, so no rank is left waiting in a
-    later collective.
+    The rank that failed re-raises its own exception; the others raise the
+    same hpcnet error class with the same message (``UsageError``,
+    ``CheckpointCorrupt``, ...), an ``OSError`` with the same errno, or a
+    ``PeerError`` naming the first failed rank, so every rank reaches the same
+    verdict and exit status and none is left waiting in a later collective.
     """
-    report = None if error is None else (type(error).__name__, str(error), exit_code_of(error))
+    report = None
+    if error is not None:
+        report = (type(error).__name__, error_text(error), exit_code_of(error), errno_of(error))
     reports = comm.allgather(report)
     failed = [(rank, rep) for rank, rep in enumerate(reports) if rep is not None]
     if not failed:
         return
     if error is None:
-        rank, (kind, message, code) = failed[0]
-        if code == ExitCode.USAGE_ERROR:
-            error = UsageError(message)
-        elif code == ExitCode.RESTARTABLE:
-            error = RestartableError(f"rank {rank}: {message}")
-        else:
-            error = PeerError(rank, kind, message, code)
+        rank, (kind, message, code, errno_) = failed[0]
+        error = _echo(rank, kind, message, code, errno_)
     # Every rank now raises: the entry point may exit cleanly instead of aborting.
     error.hpcnet_agreed = True  # type: ignore[attr-defined]
     raise error

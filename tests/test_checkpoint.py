@@ -1,5 +1,6 @@
 """Checkpoints: pure layout logic on one process; save, load, chains and errors under MPI at any size."""
 
+import errno
 import io
 import json
 import logging
@@ -458,3 +459,326 @@ def test_ckpt_tool_and_h5ls(single_process, tmp_path, capsys):
     assert "FAILED ckpt-0000000010.h5" in out.getvalue() and "/tensors/model/0.weight" in out.getvalue()
     assert ckpt_main(["inspect", str(tmp_path / "nowhere")], out=out) == 2
     assert "nowhere" in capsys.readouterr().err
+
+
+# --- which checkpoints a run continues from, keeps and sets aside (issue 9) ------------
+
+def _seq_info(step, seq, kind="full", parent=None):
+    import dataclasses
+
+    return dataclasses.replace(_info(step, kind, parent, parent), seq=seq, created_unix=1e9 + seq)
+
+
+def test_retention_goes_by_commit_order_not_step():
+    # Steps 40, 50, 60 of an earlier run, then 10, 20, 30 of a fresh one in the same directory:
+    # keeping the three highest steps would delete the new run's own checkpoints.
+    infos = [_seq_info(40, 1), _seq_info(50, 2), _seq_info(60, 3), _seq_info(10, 4), _seq_info(20, 5),
+             _seq_info(30, 6)]
+    assert [i.step for i in plan_retention(infos, 3)] == [40, 50, 60]
+    assert [i.step for i in sorted(infos, key=lambda i: i.commit_order)][-1] == 30
+    # files of hpcnet before seq existed (seq 0) are older than any that has one, ordered by creation time
+    old = CheckpointInfo(step=99, path="/c/ckpt-0000000099.h5", kind="full", uid="9" * 32, created_unix=5.0)
+    assert sorted([infos[0], old], key=lambda i: i.commit_order)[0] is old
+    unreadable = CheckpointInfo(step=1, path="/c/ckpt-0000000001.h5", kind="unreadable", error="bad")
+    assert sorted([unreadable, *infos], key=lambda i: i.commit_order)[-1] is unreadable
+    assert unreadable not in plan_retention([unreadable, *infos], 1)  # never deleted
+
+
+def _save_steps(manager, steps, tensors):
+    for step in steps:
+        tensors["model/w"][0] = step
+        manager.save(step, tensors, {}, {"step": step})
+
+
+def _names(directory):
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("ckpt-"))
+
+
+@pytest.mark.mpi
+def test_a_fresh_run_into_a_used_directory_is_refused_or_moves_the_old_run_aside(comm, mpi_tmp_path):
+    directory = _fresh_dir(comm, mpi_tmp_path / "used")
+    tensors = {"model/w": torch.zeros(64, 256)}
+    with CheckpointManager(comm, directory, keep=3, full_every=1, async_save=False) as manager:
+        manager.start_fresh()
+        _save_steps(manager, [10, 20, 30, 40, 50, 60], tensors)
+    with CheckpointManager(comm, directory, keep=3, full_every=1, async_save=False) as manager:
+        with pytest.raises(UsageError) as info:
+            manager.start_fresh()
+    message = str(info.value)
+    for words in (str(directory), "step 60", "--resume auto", "run.name", "checkpoint.dir", "checkpoint.move_aside"):
+        assert words in message
+    assert _names(directory) == ["ckpt-0000000040.h5", "ckpt-0000000050.h5", "ckpt-0000000060.h5"]
+    with CheckpointManager(comm, directory, keep=3, full_every=1, async_save=False, move_aside=True) as manager:
+        manager.start_fresh()
+        _save_steps(manager, [10, 20, 30], tensors)
+        assert manager.load("auto").step == 30
+    assert _names(directory) == ["ckpt-0000000010.h5", "ckpt-0000000020.h5", "ckpt-0000000030.h5"]
+    assert (directory / "latest").read_text().strip() == "ckpt-0000000030.h5"
+    aside = [p for p in directory.iterdir() if p.name.startswith("aside-")]
+    assert len(aside) == 1 and aside[0].name.endswith("-fresh-run")
+    assert sorted(p.name for p in aside[0].glob("ckpt-*")) == ["ckpt-0000000040.h5", "ckpt-0000000050.h5",
+                                                                 "ckpt-0000000060.h5"]
+    assert load_checkpoint(comm, str(aside[0] / "ckpt-0000000060.h5")).tensors["model/w"][0, 0] == 60
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+def test_a_rollback_is_not_undone_by_a_later_resume_auto(comm, mpi_tmp_path):
+    directory = _fresh_dir(comm, mpi_tmp_path / "rollback")
+    tensors = {"model/w": torch.zeros(64, 256)}
+    with CheckpointManager(comm, directory, keep=10, full_every=2, async_save=False) as manager:
+        _save_steps(manager, [10, 20, 30, 40, 50, 60], tensors)
+    with CheckpointManager(comm, directory, keep=10, full_every=2, async_save=False) as manager:
+        loaded = manager.resume(str(directory / "ckpt-0000000030.h5"))  # an increment: its chain stays
+        assert loaded.step == 30 and loaded.tensors["model/w"][0, 0] == 30
+        assert _names(directory) == ["ckpt-0000000010.h5", "ckpt-0000000020.h5", "ckpt-0000000030.h5"]
+        assert (directory / "latest").read_text().strip() == "ckpt-0000000030.h5"
+        tensors["model/w"][1] = -1  # the continued run differs from the abandoned one
+        _save_steps(manager, [40], tensors)
+    with CheckpointManager(comm, directory, keep=10, full_every=2, async_save=False) as manager:
+        again = manager.resume("auto")
+    assert again.step == 40 and again.tensors["model/w"][1, 0] == -1  # not the abandoned 60, nor its 40
+    aside = [p for p in directory.iterdir() if p.name.startswith("aside-")]
+    assert len(aside) == 1 and aside[0].name.endswith("rollback-to-step-30")
+    assert sorted(p.name for p in aside[0].glob("ckpt-*")) == ["ckpt-0000000040.h5", "ckpt-0000000050.h5",
+                                                                 "ckpt-0000000060.h5"]
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+def test_damaged_checkpoints_passed_over_are_set_aside_and_never_outlive_good_ones(comm, mpi_tmp_path):
+    directory = _fresh_dir(comm, mpi_tmp_path / "passed-over")
+    tensors = {"model/w": torch.zeros(512, 300)}
+    with CheckpointManager(comm, directory, keep=2, full_every=1, async_save=False) as manager:
+        _save_steps(manager, [10, 20], tensors)
+    if comm.Get_rank() == 0:
+        _flip_bytes_in(directory / "ckpt-0000000020.h5", "tensors/model/w")
+    comm.Barrier()
+    with CheckpointManager(comm, directory, keep=1, full_every=1, async_save=False) as manager:
+        assert manager.resume("auto").step == 10
+        _save_steps(manager, [15], tensors)  # keep=1: by step, the damaged 20 would stay and 15 go
+        assert [(i.step, i.kind) for i in manager.committed()] == [(15, "full")]
+        assert manager.resume("auto").step == 15
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+def test_when_no_checkpoint_loads_resume_stops_and_lists_each_one(comm, mpi_tmp_path):
+    directory = _fresh_dir(comm, mpi_tmp_path / "all-bad")
+    tensors = {"model/w": torch.zeros(512, 300)}
+    with CheckpointManager(comm, directory, keep=5, full_every=1, async_save=False) as manager:
+        _save_steps(manager, [1, 2], tensors)
+    if comm.Get_rank() == 0:
+        _flip_bytes_in(directory / "ckpt-0000000002.h5", "tensors/model/w")
+        os.truncate(directory / "ckpt-0000000001.h5", 4000)
+    comm.Barrier()
+    with CheckpointManager(comm, directory, async_save=False) as manager:
+        with pytest.raises(UsageError) as info:
+            manager.resume("auto")
+    message = str(info.value)
+    assert "none of the 2 committed checkpoint(s)" in message and str(directory) in message
+    assert "ckpt-0000000002.h5 (step 2): dataset /tensors/model/w: checksum mismatch" in message
+    assert "ckpt-0000000001.h5" in message and "truncated" in message
+    assert _names(directory) == ["ckpt-0000000001.h5", "ckpt-0000000002.h5"]  # nothing moved or lost
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("failure", ["EIO", "ENOENT", "MemoryError"])
+def test_an_io_error_while_loading_is_not_corruption(comm, mpi_tmp_path, failure):
+    from hpcnet.errors import exit_code_of
+
+    directory = _fresh_dir(comm, mpi_tmp_path / f"io-{failure}")
+    tensors = {"model/w": torch.zeros(512, 300)}
+    with CheckpointManager(comm, directory, keep=5, full_every=1, async_save=False) as manager:
+        _save_steps(manager, [1, 2], tensors)
+    last = comm.Get_size() - 1
+
+    def fault(phase, step):
+        if phase == "read" and comm.Get_rank() == last:
+            if failure == "MemoryError":
+                raise MemoryError()
+            raise OSError(getattr(errno, failure), os.strerror(getattr(errno, failure)))
+
+    with CheckpointManager(comm, directory, async_save=False, fault=fault) as manager:
+        with pytest.raises((OSError, MemoryError, RuntimeError)) as info:
+            manager.resume("auto")  # not skipped for the older checkpoint: the disk, not the file, failed
+    error = info.value
+    if failure == "MemoryError":
+        assert isinstance(error, MemoryError) or "MemoryError" in str(error)
+        assert exit_code_of(error) == 1
+    else:
+        assert error.errno == getattr(errno, failure) and "ckpt-0000000002.h5" in str(error)
+        assert exit_code_of(error) == (75 if failure == "EIO" else 2)
+    assert _names(directory) == ["ckpt-0000000001.h5", "ckpt-0000000002.h5"]
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+def test_a_checkpoint_replaced_between_listing_and_reading_is_an_error(comm, mpi_tmp_path):
+    from hpcnet.errors import RestartableError
+
+    directory = _fresh_dir(comm, mpi_tmp_path / "replaced")
+    tensors = {"model/w": torch.zeros(64, 256)}
+    with CheckpointManager(comm, directory, keep=5, full_every=1, async_save=False) as manager:
+        _save_steps(manager, [1, 2], tensors)
+    other = directory / "other"
+    if comm.Get_rank() == 0:
+        other.mkdir()
+        with CheckpointManager(MPI.COMM_SELF, other, full_every=1, async_save=False) as alone:
+            _save_steps(alone, [2], {"model/w": torch.ones(64, 256)})
+    comm.Barrier()
+    done = []
+
+    def fault(phase, step):  # rank 0 swaps the file under the readers once it has been listed
+        if phase == "read" and comm.Get_rank() == 0 and not done:
+            os.replace(other / "ckpt-0000000002.h5", directory / "ckpt-0000000002.h5")
+            done.append(1)
+        comm.Barrier()
+
+    with CheckpointManager(comm, directory, async_save=False, fault=fault) as manager:
+        with pytest.raises(RestartableError, match="ckpt-0000000002.h5 was replaced after it was listed"):
+            manager.load("auto")
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+def test_every_rank_must_see_the_same_checkpoints(comm, mpi_tmp_path, monkeypatch):
+    if comm.Get_size() == 1:
+        pytest.skip("needs ranks that can disagree")
+    import hpcnet.checkpoint as checkpoint
+
+    directory = _fresh_dir(comm, mpi_tmp_path / "node-local")
+    with CheckpointManager(comm, directory, async_save=False) as manager:
+        _save_steps(manager, [1], {"model/w": torch.zeros(64, 256)})
+        if comm.Get_rank() == 1:  # as a node-local directory on another node would look
+            monkeypatch.setattr(checkpoint, "listing", lambda folder: [])
+        for attempt in (manager.start_fresh, lambda: manager.resume("auto")):
+            with pytest.raises(UsageError, match=r"rank 1 on .* sees 0 committed checkpoint\(s\), rank 0 sees 1"):
+                attempt()
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("code", ["ENOSPC", "EDQUOT", "EIO"])
+def test_an_error_inside_the_write_keeps_its_errno_on_every_rank(comm, mpi_tmp_path, code):
+    from hpcnet.errors import exit_code_of
+
+    directory = _fresh_dir(comm, mpi_tmp_path / f"write-{code}")
+    last = comm.Get_size() - 1
+
+    def fault(phase, step):
+        if phase == "write" and step == 2 and comm.Get_rank() == last:
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    tensors = {"model/w": torch.zeros(512, 300), "model/b": torch.zeros(3)}
+    for async_save in (False, True):
+        with CheckpointManager(comm, directory / str(async_save), full_every=1, async_save=async_save,
+                               fault=fault) as manager:
+            manager.save(1, tensors, {}, {})
+            with pytest.raises(OSError) as info:
+                manager.save(2, tensors, {}, {})
+                manager.wait()
+            assert info.value.errno == getattr(errno, code)
+            assert exit_code_of(info.value) == (75 if code == "EIO" else 2)
+            assert "ckpt-0000000002.h5.tmp" in str(info.value)
+            assert sorted(p.name for p in (directory / str(async_save)).iterdir()) == ["ckpt-0000000001.h5", "latest"]
+            assert manager.load("auto").step == 1
+    comm.Barrier()
+
+
+def test_errno_survives_in_hdf5_and_mpi_io_messages():
+    from hpcnet.errors import errno_of, exit_code_of
+
+    h5 = OSError("Can't write data (file write failed: time = Thu, errno = 122, error message = 'Disk quota "
+                 "exceeded', buf = 0x1, total write size = 4096)")
+    assert errno_of(h5) == errno.EDQUOT and exit_code_of(h5) == 2
+    assert errno_of(OSError("MPI_ERR_NO_SPACE: not enough space for file")) == errno.ENOSPC
+    assert errno_of(OSError("Unable to open file (truncated file: eof = 3048)")) is None
+    assert exit_code_of(OSError(errno.EIO, "Input/output error")) == 75
+    assert errno_of(ValueError("errno = 5")) is None
+
+
+# --- untrusted files (issue 9) -------------------------------------------------------------
+
+def _checkpoint_file(directory):
+    with CheckpointManager(MPI.COMM_SELF, directory, full_every=1, async_save=False) as manager:
+        return manager.save(1, {"model/w": torch.ones(8, 256), "model/b": torch.ones(4)}, {}, {})
+
+
+def _rewrite_index(path, edit):
+    """Change a checkpoint's /index and fix up its checksum, as someone crafting a file would."""
+    from hpcnet.ckpt_format import sha256_hex
+
+    with h5py.File(path, "r+") as f:
+        index = json.loads(f["index"][()].tobytes())
+        edit(f, index)
+        raw = json.dumps(index, separators=(",", ":")).encode()
+        del f["index"]
+        f["index"] = np.frombuffer(raw, np.uint8)
+        f.attrs["index_sha256"] = sha256_hex(raw)
+
+
+def _run_limited(args, cwd, limit_bytes=3 << 30):
+    """A tool run whose address space is capped: allocating what a crafted file declares would fail."""
+    import resource
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
+
+    return subprocess.run([sys.executable, "-m", "hpcnet.ckpt", *map(str, args)], cwd=cwd, env=clean_env(),
+                          capture_output=True, text=True, timeout=120, preexec_fn=cap)
+
+
+def test_a_file_declaring_a_64_gib_tensor_is_rejected_without_allocating_it(single_process, tmp_path):
+    path = _checkpoint_file(tmp_path / "crafted")
+
+    def huge(f, index):
+        rows = 64 << 20  # 64 Mi rows of 1 KiB: 64 GiB
+        entry = next(e for e in index if e["name"] == "model/w")
+        entry["shape"] = [rows, 256]
+        shift = rows - 8
+        for later in index[index.index(entry) + 1:]:
+            later["hash_offset"] += shift
+        entry["n_hashes"] = rows
+        del f["tensors/model/w"], f["hashes"]
+        f.create_dataset("tensors/model/w", shape=(rows, 256), dtype="<f4")  # declared, never stored
+        f.create_dataset("hashes", shape=(rows + 1,), dtype="<u8")
+
+    _rewrite_index(path, huge)
+    assert os.path.getsize(path) < 1 << 20
+    out = _run_limited(["verify", path], tmp_path)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "FAILED" in out.stdout and "declares 68719476752 bytes of tensors" in out.stdout
+    assert "MemoryError" not in out.stdout + out.stderr
+    out = _run_limited(["export", path, "-o", tmp_path / "x.pt"], tmp_path)
+    assert out.returncode == 1 and "declares" in out.stderr and not (tmp_path / "x.pt").exists()
+
+
+@pytest.mark.parametrize("trick", ["external-link", "soft-link", "external-storage", "unstored"])
+def test_files_that_read_elsewhere_or_declare_more_than_they_hold_are_rejected(single_process, tmp_path, trick):
+    from hpcnet.ckpt import main as ckpt_main
+
+    path = _checkpoint_file(tmp_path / "crafted")
+    donor = tmp_path / "donor.h5"
+    with h5py.File(donor, "w") as f:
+        f["w"] = np.ones((8, 256), np.float32)
+    raw = tmp_path / "raw.bin"
+    raw.write_bytes(np.ones((8, 256), np.float32).tobytes())
+    with h5py.File(path, "r+") as f:
+        offset = f["tensors/model/w"].id.get_offset()
+        del f["tensors/model/w"]
+        if trick == "external-link":
+            f["tensors/model/w"] = h5py.ExternalLink(str(donor), "w")
+        elif trick == "soft-link":
+            f["elsewhere"] = np.ones((8, 256), np.float32)
+            f["tensors/model/w"] = h5py.SoftLink("/elsewhere")
+        elif trick == "external-storage":
+            f.create_dataset("tensors/model/w", shape=(8, 256), dtype="<f4", external=[(str(raw), 0, 8192)])
+        else:
+            f.create_dataset("tensors/model/w", shape=(8, 256), dtype="<f4")
+    out = io.StringIO()
+    assert ckpt_main(["verify", str(path)], out=out) == 1
+    expected = {"external-link": "/tensors/model/w is an external link", "soft-link": "/tensors/model/w is a soft link",
+                "external-storage": "external", "unstored": "declares 8192 bytes but the file stores 0"}[trick]
+    assert expected in out.getvalue(), out.getvalue()

@@ -47,7 +47,7 @@ def test_sampler_covers_every_sample_once_per_epoch(world_size):
             for rank in ranks:
                 indices = rank.next_indices()
                 assert indices.shape == (3,) and indices.dtype == np.int64
-                assert rank.epoch == epoch and rank.step_in_epoch == step + 1
+                assert rank.epoch == epoch and rank.samples_in_epoch == (step + 1) * 3 * world_size
                 seen.append(indices)
         seen = np.concatenate(seen)
         assert len(np.unique(seen)) == len(seen) == steps * 3 * world_size  # the tail is dropped, nothing repeats
@@ -99,15 +99,76 @@ def test_resume_mid_epoch_at_any_world_size(new_batch, new_world):
     assert np.array_equal(sample_stream(resumed, 80), sample_stream(reference, 80))
 
 
-def test_resume_rejects_a_misaligned_position():
-    state = {"epoch": 1, "samples_consumed_in_epoch": 8, "seed": 0}
+def advance(ranks, steps):
+    for _ in range(steps):
+        global_batch(ranks)
+    return ranks[0].state_dict()
+
+
+@pytest.mark.parametrize("saved_world, new_world", [(2, 3), (4, 3), (3, 2), (1, 5), (2, 2)])
+@pytest.mark.parametrize("new_batch", [4, 5])
+def test_resume_in_another_batch_grid_continues_the_same_order(saved_world, new_world, new_batch):
+    """A position that is no whole number of the new global batches: same order on, new grid, tail dropped."""
+    n = 101  # a prime: no global batch divides it, every epoch drops a tail
+    state = advance(samplers(n, 4, saved_world, seed=3), 3)
+    position = 3 * 4 * saved_world
+    assert state == {"epoch": 0, "samples_consumed_in_epoch": position, "seed": 3}
+    resumed = samplers(n, new_batch, new_world, seed=0)
+    for s in resumed:
+        s.load_state_dict(state)
+    order, g = resumed[0].epoch_order(0), new_batch * new_world
+    left = (n - position) // g
+    for k in range(left):
+        assert np.array_equal(global_batch(resumed), order[position + k * g:position + (k + 1) * g])
+        assert resumed[0].epoch == 0 and resumed[0].samples_in_epoch == position + (k + 1) * g
+    # Fewer than g samples are left: dropped, as at any epoch end; a save now names the next epoch.
+    assert n - (position + left * g) < g
+    assert resumed[0].state_dict() == {"epoch": 1, "samples_consumed_in_epoch": 0, "seed": 3}
+    fresh = samplers(n, new_batch, new_world, seed=3)
+    advance(fresh, fresh[0].steps_per_epoch)  # epoch 0 from its start
+    for _ in range(fresh[0].steps_per_epoch + 1):  # epoch 1 and into epoch 2 are a fresh run's
+        assert np.array_equal(global_batch(resumed), global_batch(fresh))
+    assert resumed[0].epoch == 2
+
+
+@pytest.mark.parametrize("world_size, batch", [(1, 7), (2, 4), (3, 5)])
+def test_resume_at_the_same_grid_is_exact_from_any_step(world_size, batch):
+    """Saved after any step (epoch ends and dropped tails included) and resumed alike: the same batches."""
+    n = 61
+    straight = samplers(n, batch, world_size, seed=2)
+    stream = [global_batch(straight) for _ in range(4 * straight[0].steps_per_epoch)]
+    steps, g = straight[0].steps_per_epoch, batch * world_size
+    for i, got in enumerate(stream):  # the grid of a fresh run: batch k of an epoch is perm[k*G:(k+1)*G]
+        assert np.array_equal(got, straight[0].epoch_order(i // steps)[i % steps * g:(i % steps + 1) * g])
+    for stop in range(len(stream) - straight[0].steps_per_epoch):
+        state = advance(samplers(n, batch, world_size, seed=2), stop)
+        resumed = samplers(n, batch, world_size, seed=2)
+        for s in resumed:
+            s.load_state_dict(state)
+        for expected in stream[stop:stop + straight[0].steps_per_epoch]:
+            assert np.array_equal(global_batch(resumed), expected)
+
+
+def test_resume_with_less_than_a_batch_left_starts_the_next_epoch():
+    state = {"epoch": 4, "samples_consumed_in_epoch": 90, "seed": 1}  # 10 left of 100
+    (sampler,) = samplers(100, 16, 1)
+    sampler.load_state_dict(state)
+    assert sampler.state_dict() == {"epoch": 5, "samples_consumed_in_epoch": 0, "seed": 1}
+    assert np.array_equal(sampler.next_indices(), sampler.epoch_order(5)[:16]) and sampler.epoch == 5
+    exact_end = samplers(100, 16, 1)[0]
+    exact_end.load_state_dict({**state, "samples_consumed_in_epoch": 100})
+    assert np.array_equal(exact_end.next_indices(), sampler.epoch_order(5)[:16])
+
+
+def test_resume_rejects_a_bad_state():
     sampler = GlobalBatchSampler(64, 16, rank=0, world_size=1)
-    with pytest.raises(ValueError, match="global batches of 16"):
-        sampler.load_state_dict(state)
     with pytest.raises(ValueError, match="lacks"):
         sampler.load_state_dict({"epoch": 0})
-    with pytest.raises(ValueError, match="shrunk"):
-        GlobalBatchSampler(10, 2, rank=0, world_size=1).load_state_dict({**state, "samples_consumed_in_epoch": 16})
+    with pytest.raises(ValueError, match="non-negative integers"):
+        sampler.load_state_dict({"epoch": 0, "samples_consumed_in_epoch": -8, "seed": 0})
+    with pytest.raises(ValueError, match="has only 10 here"):
+        GlobalBatchSampler(10, 2, rank=0, world_size=1).load_state_dict(
+            {"epoch": 1, "samples_consumed_in_epoch": 16, "seed": 0})
 
 
 def test_finished_epoch_is_saved_as_the_next_one():

@@ -10,7 +10,6 @@ import signal
 import pytest
 import torch
 
-from hpcnet import ckpt_io
 from hpcnet.checkpoint import CheckpointManager, load_checkpoint
 from hpcnet.config import FaultConfig, load_config
 from tests.conftest import tiny_images
@@ -67,19 +66,24 @@ def test_at_step_acts_at_its_step_only(monkeypatch):
     assert slept == [0.5, 0.5, 7.0, 0.5, 0.5, 0.5]
 
 
-def test_disk_full_hook_is_armed_per_run():
-    FaultInjector(FaultConfig(fill_disk_at_step=8), _world(), attempt=1)
-    try:
-        hook = ckpt_io.write_fault
-        assert hook is not None
-        hook(type("Job", (), {"step": 7})())  # earlier saves still fit
-        with pytest.raises(OSError) as info:
-            hook(type("Job", (), {"step": 8})())
-        assert info.value.errno == errno.ENOSPC and exit_code_of(info.value) == ExitCode.USAGE_ERROR
-        FaultInjector(FaultConfig(), _world(), attempt=1)  # the next run disarms it
-        assert ckpt_io.write_fault is None
-    finally:
-        ckpt_io.write_fault = None
+def test_io_fault_hooks():
+    assert FaultInjector(FaultConfig(), _world(), attempt=1).io_fault is None  # nothing armed: no hook
+    hook = FaultInjector(FaultConfig(fill_disk_at_step=8), _world(), attempt=1).io_fault
+    hook("precheck", 7)  # earlier saves still fit
+    hook("write", 9)  # the full disk is found by the free-space check
+    with pytest.raises(OSError) as info:
+        hook("precheck", 8)
+    assert info.value.errno == errno.ENOSPC and exit_code_of(info.value) == ExitCode.USAGE_ERROR
+    cfg = FaultConfig(write_error="EIO", write_error_at_step=3, rank=-1)
+    FaultInjector(cfg, _world(0, 2), attempt=1).io_fault("write", 5)  # not the chosen rank
+    hook = FaultInjector(cfg, _world(1, 2), attempt=1).io_fault
+    hook("write", 2)
+    hook("read", 5)
+    with pytest.raises(OSError) as info:
+        hook("write", 3)
+    assert info.value.errno == errno.EIO and exit_code_of(info.value) == ExitCode.RESTARTABLE
+    with pytest.raises(ConfigError, match="fault.write_error"):
+        FaultConfig(write_error="EBADF")
 
 
 @pytest.mark.mpi
@@ -153,7 +157,6 @@ def test_full_disk_is_a_clear_error_on_every_rank_and_keeps_what_was_committed(c
     with pytest.raises((OSError, UsageError)) as info:
         run(_cfg(mpi_tmp_path, dataset, name, "fault.fill_disk_at_step=8", f"checkpoint.async_save={async_save}"),
             comm, plane=data_plane)
-    ckpt_io.write_fault = None
     error = info.value  # rank 0 (which creates the file) raises the OSError, the others its UsageError echo
     assert isinstance(error, UsageError) or error.errno == errno.ENOSPC
     assert exit_code_of(error) == ExitCode.USAGE_ERROR  # not restartable: the disk stays full

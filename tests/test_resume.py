@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,3 +132,166 @@ def test_sigterm_saves_then_resume_continues(tmp_path):
     assert f"at step {saved}" in out.stderr and f"step {saved + 3}/{saved + 3}" in out.stderr
     summary = json.loads(sorted((tmp_path / "runs").glob("hpcnet-*/summary.json"))[-1].read_text())
     assert (summary["start_step"], summary["steps"]) == (saved, saved + 3)
+
+
+# --- sequences of runs into one checkpoint directory, as a user types them (issue 9) ---------
+
+def _run_args(tmp_path, *extra):
+    return [f"data.dir={tmp_path / 'data'}", f"run.dir={tmp_path / 'runs'}", "run.name=x", "model.name=mlp",
+            "model.options.hidden=[32]", "train.batch_size=8", "train.eval_every=0", "checkpoint.every_s=0",
+            "checkpoint.every_steps=10", "checkpoint.full_every=1", "checkpoint.keep=3", "dist.probe=false", *extra]
+
+
+def _ckpts(directory):
+    return sorted(p.name for p in directory.glob("ckpt-*.h5"))
+
+
+@pytest.mark.launch
+def test_a_fresh_run_into_a_used_checkpoint_directory_refuses_and_loses_nothing(launch, tmp_path):
+    directory = tmp_path / "runs" / "x.ckpt"
+    first = launch(2, *_run_args(tmp_path, "train.steps=60"))
+    assert first.returncode == 0, first.stderr
+    assert _ckpts(directory) == ["ckpt-0000000040.h5", "ckpt-0000000050.h5", "ckpt-0000000060.h5"]
+    again = launch(2, *_run_args(tmp_path, "train.steps=30"))  # no --resume
+    assert again.returncode == ExitCode.USAGE_ERROR, again.stderr
+    for words in (str(directory), "step 60", "--resume auto", "run.name", "checkpoint.move_aside=true"):
+        assert words in again.stderr
+    assert _ckpts(directory) == ["ckpt-0000000040.h5", "ckpt-0000000050.h5", "ckpt-0000000060.h5"]
+    assert (directory / "latest").read_text().strip() == "ckpt-0000000060.h5"
+    fresh = launch(2, *_run_args(tmp_path, "train.steps=30", "checkpoint.move_aside=true"))
+    assert fresh.returncode == 0, fresh.stderr
+    assert _ckpts(directory) == ["ckpt-0000000010.h5", "ckpt-0000000020.h5", "ckpt-0000000030.h5"]
+    assert (directory / "latest").read_text().strip() == "ckpt-0000000030.h5"
+    (aside,) = directory.glob("aside-*-fresh-run")
+    assert _ckpts(aside) == ["ckpt-0000000040.h5", "ckpt-0000000050.h5", "ckpt-0000000060.h5"]
+    assert "moved 3 checkpoint(s)" in fresh.stderr
+
+
+@pytest.mark.launch
+def test_a_rollback_sticks_and_resume_auto_goes_by_commit_order(launch, tmp_path):
+    directory = tmp_path / "runs" / "x.ckpt"
+    assert launch(2, *_run_args(tmp_path, "train.steps=60", "checkpoint.keep=10")).returncode == 0
+    back = launch(2, *_run_args(tmp_path, "train.steps=40", "checkpoint.keep=10", "--resume",
+                                str(directory / "ckpt-0000000030.h5")))
+    assert back.returncode == 0, back.stderr
+    assert "at step 30" in back.stderr and "rollback to step 30" in back.stderr
+    on = launch(2, *_run_args(tmp_path, "train.steps=45", "checkpoint.keep=10", "--resume", "auto"))
+    assert on.returncode == 0, on.stderr
+    assert "ckpt-0000000040.h5 at step 40" in on.stderr  # the rolled-back run's 40, not the abandoned 60
+    assert _ckpts(directory)[-1] == "ckpt-0000000045.h5"
+
+
+@pytest.mark.launch
+def test_resume_auto_with_every_checkpoint_damaged_stops_and_lists_them(launch, tmp_path):
+    from hpcnet.faults import corrupt_newest
+
+    directory = tmp_path / "runs" / "x.ckpt"
+    assert launch(2, *_run_args(tmp_path, "train.steps=20")).returncode == 0
+    corrupt_newest(directory)  # step 20
+    newest = directory / "ckpt-0000000010.h5"
+    newest.write_bytes(newest.read_bytes()[:4096])  # step 10: cut short
+    out = launch(2, *_run_args(tmp_path, "train.steps=30", "--resume", "auto"))
+    assert out.returncode == ExitCode.USAGE_ERROR, out.stderr
+    assert "none of the 2 committed checkpoint(s)" in out.stderr and "starting from step 0" not in out.stderr
+    assert "ckpt-0000000020.h5 (step 20): dataset /tensors/" in out.stderr and "checksum mismatch" in out.stderr
+    assert "ckpt-0000000010.h5 (step 10)" in out.stderr and "truncated" in out.stderr
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("code, status", [("EDQUOT", ExitCode.USAGE_ERROR), ("ENOSPC", ExitCode.USAGE_ERROR),
+                                          ("EIO", ExitCode.RESTARTABLE)])
+def test_an_error_inside_the_checkpoint_write_gives_its_documented_status(launch, tmp_path, code, status):
+    out = launch(2, *_run_args(tmp_path, "train.steps=30", f"fault.write_error={code}", "fault.write_error_at_step=20"))
+    assert out.returncode == status, out.stderr
+    assert "ckpt-0000000020.h5.tmp" in out.stderr and os.strerror(getattr(__import__("errno"), code)) in out.stderr
+    assert _ckpts(tmp_path / "runs" / "x.ckpt") == ["ckpt-0000000010.h5"]
+
+
+@pytest.mark.launch
+def test_an_io_error_in_a_save_is_restarted_by_the_supervisor(tmp_path):
+    from tests.conftest import clean_env
+
+    cmd = [sys.executable, "-m", "hpcnet.launch", "--max-restarts", "1", "--backoff-s", "0", "--",
+           "mpirun", "-np", "2", sys.executable, "-m", "mpi4py", "-m", "hpcnet.train",
+           *_run_args(tmp_path, "train.steps=30", "fault.write_error=EIO", "fault.write_error_at_step=20",
+                      "fault.only_attempt=1")]
+    out = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "attempt 1 ended with status 75" in out.stderr and "Input/output error" in out.stderr
+    assert "ckpt-0000000010.h5 at step 10" in out.stderr
+
+
+@pytest.mark.launch
+def test_the_default_command_twice_continues_and_loses_nothing(tmp_path):
+    """scripts/train.sh (the README's default) run twice: the second run continues the first."""
+    from tests.conftest import ROOT, clean_env
+
+    args = [f"run.dir={tmp_path / 'runs'}", f"data.dir={tmp_path / 'data'}", "train.steps=8", "train.eval_every=0",
+            "model.name=mlp", "checkpoint.every_s=0", "dist.probe=false"]
+    env = clean_env(HPCNET_VENV=str(Path(sys.executable).parents[1]))
+    first = subprocess.run([ROOT / "scripts" / "train.sh", *args], env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert first.returncode == 0, first.stderr
+    directory = tmp_path / "runs" / "hpcnet.ckpt"
+    assert _ckpts(directory) == ["ckpt-0000000008.h5"]
+    second = subprocess.run([ROOT / "scripts" / "train.sh", *args], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert "at step 8" in second.stderr and "nothing to train" in second.stderr
+    longer = subprocess.run([ROOT / "scripts" / "train.sh", *args[:2], "train.steps=12", *args[3:]], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert longer.returncode == 0, longer.stderr
+    assert "at step 8" in longer.stderr and "step 12/12" in longer.stderr
+    assert _ckpts(directory) == ["ckpt-0000000008.h5", "ckpt-0000000012.h5"]
+
+
+@pytest.mark.launch
+def test_a_node_local_checkpoint_directory_is_an_error_not_a_fresh_start(tmp_path):
+    """Each rank in its own mount namespace with its own tmpfs there: what node-local /tmp looks like."""
+    import shutil
+
+    from tests.conftest import clean_env
+
+    local = tmp_path / "node-local"
+    local.mkdir()
+    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "mount", "-t", "tmpfs", "tmpfs", str(local)],
+                           capture_output=True, text=True) if shutil.which("unshare") else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip(f"needs unshare and mount (root): {probe.stderr.strip() if probe else 'no unshare'}")
+    train = " ".join([sys.executable, "-m", "mpi4py", "-m", "hpcnet.train",
+                      *_run_args(tmp_path, "train.steps=10", f"checkpoint.dir={local}")])
+    cmd = ["mpirun", "-np", "2", "unshare", "-m", "--propagation", "private", "sh", "-c",
+           f"mount -t tmpfs tmpfs {local} && exec {train}"]
+    out = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == ExitCode.USAGE_ERROR, out.stderr
+    assert "is not the directory rank 0 writes to" in out.stderr and "ranks [1]" in out.stderr
+@pytest.mark.launch
+@pytest.mark.parametrize("saved_ranks, resumed_ranks", [(2, 3), (4, 3), (3, 2)])
+def test_resume_at_another_world_size(launch, tmp_path, saved_ranks, resumed_ranks):
+    """The saved position is no whole number of the new global batches: the epoch goes on from it, and its
+    tail is dropped where the new grid runs out (seen in the epoch each step logs)."""
+    from hpcnet.data import GlobalBatchSampler
+
+    dataset = tiny_images(MPI.COMM_SELF, tmp_path, "reshard.h5", num_train=211, num_eval=16, seed=3)
+    common = [f"data.dataset={dataset}", f"checkpoint.dir={tmp_path / 'ckpt'}", "run.dir_exact=true",
+              "model.name=mlp", "model.options.hidden=[16]", "train.batch_size=8", "train.eval_every=0",
+              "dist.probe=false", "run.log_every=1", "checkpoint.every_steps=0"]
+    first = launch(saved_ranks, *common, f"run.dir={tmp_path / 'first'}", "train.steps=5", timeout=240)
+    assert first.returncode == 0, first.stderr
+    position = 5 * 8 * saved_ranks
+    assert position % (8 * resumed_ranks)  # the case the old sampler refused
+    second = launch(resumed_ranks, *common, f"run.dir={tmp_path / 'second'}", "train.steps=13", "--resume", "auto",
+                    timeout=240)
+    assert second.returncode == 0, second.stderr
+    assert f"at step 5 (saved by {saved_ranks} rank(s)" in second.stderr
+    summary = json.loads((tmp_path / "second" / "summary.json").read_text())
+    assert (summary["start_step"], summary["steps"], summary["world_size"]) == (5, 13, resumed_ranks)
+    logged = [json.loads(line) for line in (tmp_path / "second" / "metrics.rank0.jsonl").read_text().splitlines()]
+    sampler = GlobalBatchSampler(211, 8, rank=0, world_size=resumed_ranks)
+    sampler.load_state_dict({"epoch": 0, "samples_consumed_in_epoch": position, "seed": 0})
+    expected = []
+    for _ in range(8):
+        sampler.next_indices()
+        expected.append(sampler.epoch)
+    assert [r["epoch"] for r in logged if "loss" in r] == expected
+    assert expected[0] == 0 and expected[-1] == 1  # the resumed epoch ran out, the next one began

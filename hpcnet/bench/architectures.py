@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     train = [f"data.dir={Path(args.data_dir).absolute()}", f"model.name={args.model}",
              f"train.batch_size={args.batch_size}", f"train.steps={args.steps}", "train.eval_every=0",
              "run.log_every=1", f"checkpoint.every_steps={args.every_steps}", "checkpoint.every_s=0",
+             "checkpoint.move_aside=true",  # a rerun with the same --dir: set the last run's checkpoints aside
              *args.train_args]
     kill = [f"fault.kill_at_step={args.kill_at}", "fault.only_attempt=1"]
     measure = {"single": lambda: measure_single(out, train, args),

@@ -273,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     train_args = [f"data.dir={Path(args.data_dir).absolute()}", "model.name=mlp", "train.batch_size=16",
                   f"train.steps={args.steps}", "train.eval_every=0", "run.log_every=1",
-                  f"checkpoint.every_steps={args.every_steps}", *args.train_args]
+                  f"checkpoint.every_steps={args.every_steps}",
+                  "checkpoint.move_aside=true",  # a rerun with the same --dir: set the last run's checkpoints aside
+                  *args.train_args]
     load_start = load_average()
     kill = measure_kill(out_dir, train_args, args)
     hang: dict[str, Any] | None = None
