@@ -194,9 +194,10 @@ def test_an_expired_checkpoint_deadline_is_reported_like_a_stall(comm, mpi_tmp_p
     if rank == 0:
         _wait_for(lambda: found, 20)
     dumped = _wait_for(lambda: (run_dir / f"stall.rank{rank}.txt").exists(), 20)
-    comm.Barrier()
+    # Done at once: a test that lingered past the deadline plus the grace would meet the native watchdog.
     monitor.deadlines.close(waiting)
     monitor.deadlines.close(write)
+    comm.Barrier()
     monitor.stop()
     assert dumped
     dump = (run_dir / f"stall.rank{rank}.txt").read_text()
@@ -223,6 +224,8 @@ def test_start_up_has_a_deadline(comm, mpi_tmp_path):
     monitor = _monitor(comm, run_dir, found, startup_timeout_s=0.5).start()
     if rank == 0:
         _wait_for(lambda: found, 20)  # no first step: start-up never ends
+    _wait_for(lambda: (run_dir / f"stall.rank{rank}.txt").exists(), 20)
+    monitor.step(1)  # ends start-up at once (see the test above)
     comm.Barrier()
     monitor.stop()
     if rank == 0:
