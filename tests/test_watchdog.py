@@ -289,7 +289,7 @@ def test_a_stuck_checkpoint_write_ends_the_job_with_75(launch, tmp_path):
     assert report["kind"] == "checkpoint" and "checkpoint.write (step 6) has not finished" in report["detail"]
     assert [f["rank"] for f in report["failed"]] == [1]  # the last rank (fault.rank=-1) never got to the create
     assert all((tmp_path / "run" / f"stall.rank{r}.txt").exists() for r in range(2))
-    assert "in _at_create" in (tmp_path / "run" / "stall.rank1.txt").read_text()  # where its writer is stuck
+    assert "in _io_fault" in (tmp_path / "run" / "stall.rank1.txt").read_text()  # where its writer is stuck
     assert "checkpoint I/O past its deadline detected" in out.stderr
     assert not (tmp_path / "ckpt" / "ckpt-0000000006.h5").exists()
 
