@@ -414,6 +414,9 @@ class Monitor:
         if native is None:
             return  # stopped
         self._beat_now = True
+        if self._thread is not None and not self._thread.is_alive():
+            for guard in self.deadlines.guards():
+                guard.announced.set()  # nobody beats any more: nothing to wait for
         first = self.deadlines.earliest()
         if first is None:
             native.disarm()
