@@ -398,12 +398,14 @@ class Monitor:
                 self._answer(source, fields)
 
     def _beat_if_due(self, now: float) -> None:
-        if (now < self._next_beat and not self._beat_now) or self._muted:
+        due = now >= self._next_beat
+        if not (due or self._beat_now) or self._muted:
             return
         self._beat_now = False
         guards = self.deadlines.guards()
-        interval = self.cfg.heartbeat_interval_s
-        self._next_beat = self._next_beat + interval if self._next_beat + interval > now else now + interval
+        if due:  # an extra beat (a guard opened or closed) leaves the schedule alone: it must not delay the next
+            interval = self.cfg.heartbeat_interval_s
+            self._next_beat = self._next_beat + interval if self._next_beat + interval > now else now + interval
         self._link.send_beat(self.send_to, self._vector())
         for guard in guards:
             guard.announced.set()

@@ -402,3 +402,29 @@ def test_stacks_signal_works_while_a_thread_holds_the_gil_and_another_waits_in_m
     assert f'holder.py", line {barrier_line + 1} in <module>' in err  # the main thread, inside MPI_Barrier
     assert "in _run" in err  # the monitor threads, blocked behind the GIL on rank 0
     assert err.count("most recent call first") >= 4  # several threads on each of the two ranks
+
+
+class _Link:
+    session = 1
+
+    def __init__(self):
+        self.beats = []
+
+    def send_beat(self, dests, vector):
+        self.beats.append(decode(vector))
+
+
+def test_extra_beats_never_delay_the_next_regular_one(tmp_path):
+    """A guard's announcement is an extra beat; a burst of them (a save opens and closes several) must
+    not push the regular beats back, or the watchers see a silence after the burst."""
+    world = discover(MPI.COMM_SELF)
+    monitor = Monitor(MonitorConfig(heartbeat_interval_s=2.0), MPI.COMM_SELF, world, tmp_path)
+    monitor._link = link = _Link()
+    monitor._beat_if_due(0.0)
+    for t in np.arange(0.1, 1.9, 0.1):  # 18 announcements within one interval
+        monitor._beat_now = True
+        monitor._beat_if_due(t)
+    monitor._beat_if_due(1.95)
+    assert len(link.beats) == 19
+    monitor._beat_if_due(2.0)  # the regular beat, on time
+    assert len(link.beats) == 20
