@@ -56,8 +56,8 @@ PEER_POLL_S = 0.005
 """How often a writer waiting for its peers before a collective file create checks whether they came."""
 ANNOUNCE_WAIT_S = 30.0
 """At most this long a writer waits for a heartbeat to announce its collective create: usually one tick, but
-an oversubscribed node can starve the monitor thread for seconds (measured: 32 ranks on 2 cores), and a create
-entered unannounced gets its rank declared dead if it holds the GIL longer than the heartbeat deadline."""
+an oversubscribed node can starve the monitor thread for seconds, and a create entered unannounced gets its
+rank declared dead if it holds the GIL for longer than the heartbeat deadline."""
 
 COLLECTIVE_WRITES = True
 """Write tensors split across ranks with collective MPI-IO (else independently, each rank its rows)."""
