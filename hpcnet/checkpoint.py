@@ -15,6 +15,12 @@ the collective write and verified read: ``hpcnet.ckpt_io``)::
     manager.save(step, tensors, {"state": state_meta, "sampler": sampler.state_dict()}, rng_state())
     manager.close()                           # waits for a background write
 
+Deadlines: every save, background write, wait and load runs in a guard of
+``deadlines`` (``hpcnet.watchdog``; the monitor's, in training) with the
+deadline ``checkpoint.timeout_s``, or when it is 0 ``io_timeout_s``: at least
+120 s, 10 x the last save, and the bytes at 10 MiB/s.  A stuck file system
+then ends the job with status 75 instead of hanging it.
+
 Threads: with ``async_save`` the write runs in one background thread on a
 duplicated communicator.  h5py serialises its calls with one process-wide
 lock, held for a whole call (the GIL is released during the I/O), so a data
@@ -27,6 +33,7 @@ no other *parallel* (``driver="mpio"``) HDF5 in the same process while a save
 is in flight; every method of the manager first finishes the save in flight.
 """
 
+import contextlib
 import json
 import logging
 import os
@@ -43,11 +50,12 @@ import torch
 from torch import nn
 
 import hpcnet
-from hpcnet.ckpt_format import (ASIDE_PREFIX, TMP_SUFFIX, CheckpointInfo, Plan, TensorSpec, check_names_nest,
+from hpcnet.ckpt_format import (ASIDE_PREFIX, CKPT_NAME_RE, TMP_SUFFIX, CheckpointInfo, Plan, TensorSpec, check_names_nest,
                                 committed_after, make_spec, plan_ownership, resolve_chain, sha256_hex)
 from hpcnet.ckpt_io import (IoFault, SaveJob, dtype_name, listing, read_chain, read_info, scan, set_aside,
                             to_storage, write_checkpoint)
 from hpcnet.errors import CheckpointCorrupt, UsageError
+from hpcnet.watchdog import NULL_DEADLINES, Guard, io_timeout_s
 from hpcnet.world import agree_on_error, agreed, shared_errors
 
 __all__ = ["CheckpointCorrupt", "CheckpointInfo", "CheckpointManager", "Loaded", "flatten_state", "load_checkpoint",
@@ -376,10 +384,15 @@ class CheckpointManager:
     """Save, list and load the checkpoints of one directory, collectively over ``comm``.
 
     Every method is collective: call it on every rank of ``comm`` in the same order.
+
+    Args:
+        deadlines: where saves, writes, waits and loads are guarded (``Monitor.deadlines``).
+        timeout_s: ``checkpoint.timeout_s``: the deadline of each; 0 derives it (``io_timeout_s``).
     """
 
     def __init__(self, comm: Any, directory: str | Path, *, keep: int = 3, full_every: int = 4,
-                 async_save: bool = True, move_aside: bool = False, fault: IoFault | None = None) -> None:
+                 async_save: bool = True, move_aside: bool = False, fault: IoFault | None = None,
+                 deadlines: Any = NULL_DEADLINES, timeout_s: float = 0.0) -> None:
         from mpi4py import MPI
 
         if keep < 1 or full_every < 1:
@@ -392,6 +405,10 @@ class CheckpointManager:
         """Whether a run may start afresh in a directory of another run's checkpoints by moving them aside."""
         self.fault = fault
         _check_shared_directory(comm, self.directory)
+        self.deadlines = deadlines
+        self.timeout_s = timeout_s
+        self._last_save_s: float | None = None
+        """Seconds the last save took, from its start to its commit (the next deadline scales with it)."""
         self.async_save = async_save and MPI.Query_thread() >= MPI.THREAD_MULTIPLE
         if async_save and not self.async_save and comm.Get_rank() == 0:
             log.warning("MPI was initialised without MPI_THREAD_MULTIPLE: checkpoints are saved synchronously")
@@ -420,6 +437,13 @@ class CheckpointManager:
         self._check_open()
         t0 = time.perf_counter()
         self.wait()
+        timeout_s = self._deadline_s(sum(t.numel() * t.element_size() for t in tensors.values()
+                                         if isinstance(t, torch.Tensor)))
+        with self.deadlines.guard("checkpoint.save", timeout_s, what=f"checkpoint.save (step {step})"):
+            return self._save(step, tensors, meta, rank_state, t0, timeout_s)
+
+    def _save(self, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any], rank_state: dict[str, Any],
+              t0: float, timeout_s: float) -> Path:
         comm, rank, size = self.comm, self.comm.Get_rank(), self.comm.Get_size()
         created = comm.bcast(time.time(), root=0)
         seq = self._take_seq()
@@ -461,15 +485,24 @@ class CheckpointManager:
             job.parent, job.base, job.prev_hashes = previous.info, previous.base, previous.hashes
         since_full = previous.saves_since_full + 1 if incremental else 0
         self.last_timings = {"snapshot_s": time.perf_counter() - t1}
-        if self.async_save:
-            self._thread = threading.Thread(target=self._write_in_background, args=(job, spec_digest, since_full),
-                                            name="hpcnet-checkpoint", daemon=True)
-            self._thread.start()
-            self.last_timings["blocking_s"] = time.perf_counter() - t0
-        else:
-            self._write(job, spec_digest, since_full)
-            self.last_timings["blocking_s"] = time.perf_counter() - t0
+        # Closed by _write, in the writer thread when async.
+        guard = self.deadlines.open("checkpoint.write", timeout_s, what=f"checkpoint.write (step {step})")
+        try:
+            if self.async_save:
+                self._thread = threading.Thread(target=self._write_in_background,
+                                                args=(job, spec_digest, since_full, t0, timeout_s, guard),
+                                                name="hpcnet-checkpoint", daemon=True)
+                self._thread.start()
+            else:
+                self._write(job, spec_digest, since_full, t0, timeout_s, guard)
+        except BaseException:
+            self.deadlines.close(guard)
+            raise
+        self.last_timings["blocking_s"] = time.perf_counter() - t0
         return job.path
+
+    def _deadline_s(self, nbytes: int = 0) -> float:
+        return io_timeout_s(self.timeout_s, self._last_save_s, nbytes)
 
     @staticmethod
     def _snapshot(tensor: torch.Tensor, spec: TensorSpec, block_lo: int, block_hi: int, copy: bool) -> np.ndarray:
@@ -484,26 +517,37 @@ class CheckpointManager:
         host.copy_(source)
         return to_storage(host)
 
-    def _write(self, job: SaveJob, spec_digest: str, since_full: int) -> None:
-        self._previous = None  # a failed save must not become the base of an increment
-        result = write_checkpoint(self._io_comm, job)
-        base = result.info if job.kind == "full" else job.base
-        assert base is not None
-        self._previous = _Previous(result.info, base, spec_digest, job.plan, result.hashes, since_full)
-        self.last_timings.update(result.timings)
-        self.last_timings["bytes"] = result.bytes_written
-
-    def _write_in_background(self, job: SaveJob, spec_digest: str, since_full: int) -> None:
+    def _write(self, job: SaveJob, spec_digest: str, since_full: int, started: float, timeout_s: float,
+               guard: Guard | None) -> None:
         try:
-            self._write(job, spec_digest, since_full)
+            self._previous = None  # a failed save must not become the base of an increment
+            result = write_checkpoint(self._io_comm, job, deadlines=self.deadlines, timeout_s=timeout_s)
+            base = result.info if job.kind == "full" else job.base
+            assert base is not None
+            self._previous = _Previous(result.info, base, spec_digest, job.plan, result.hashes, since_full)
+            self.last_timings.update(result.timings)
+            self.last_timings["bytes"] = result.bytes_written
+            self._last_save_s = time.perf_counter() - started
+        finally:
+            self.deadlines.close(guard)
+
+    def _write_in_background(self, *args: Any) -> None:
+        try:
+            self._write(*args)
         except BaseException as exc:  # noqa: BLE001 - re-raised on every rank by wait()
             self._error = exc
 
     def wait(self) -> None:
         """Collective: finish the save in flight; re-raise its error on every rank."""
-        if self._thread is not None:
+        if self._thread is None:
+            self._agree_on_write()
+            return
+        with self.deadlines.guard("checkpoint.wait", self._deadline_s(), what="checkpoint.wait (a background write)"):
             self._thread.join()
             self._thread = None
+            self._agree_on_write()
+
+    def _agree_on_write(self) -> None:
         error, self._error = self._error, None
         agree_on_error(self.comm, error)
 
@@ -527,7 +571,8 @@ class CheckpointManager:
         """
         self._check_open()
         self.wait()
-        return load_checkpoint(self.comm, which, self.directory, fault=self.fault)
+        with self.deadlines.guard("checkpoint.load", self._deadline_s(self._stored_bytes()), what="checkpoint.load"):
+            return load_checkpoint(self.comm, which, self.directory, fault=self.fault)
 
     def start_fresh(self) -> None:
         """Collective: begin a run that does not resume.
@@ -554,13 +599,23 @@ class CheckpointManager:
         """
         self._check_open()
         self.wait()
-        loaded, choice = _load(self.comm, which, self.directory, self.fault)
+        with self.deadlines.guard("checkpoint.load", self._deadline_s(self._stored_bytes()), what="checkpoint.load"):
+            loaded, choice = _load(self.comm, which, self.directory, self.fault)
         if Path(choice.folder).resolve() != self.directory.resolve():
             self._claim(self._agreed_infos(), f"resumed-from-{Path(choice.folder).name}")
         elif loaded is not None:
             why = f"rollback-to-step-{loaded.step}" if choice.explicit else "skipped-unloadable"
             self._set_aside(committed_after(choice.infos, loaded.info), why, latest=loaded.info.name)
         return loaded
+
+    def _stored_bytes(self) -> int:
+        """Collective: the bytes of the committed checkpoints, which a load reads at most (its deadline)."""
+        total = 0
+        if self.comm.Get_rank() == 0:
+            with contextlib.suppress(OSError):
+                with os.scandir(self.directory) as entries:
+                    total = sum(e.stat().st_size for e in entries if CKPT_NAME_RE.match(e.name) and e.is_file())
+        return self.comm.bcast(total, root=0)
 
     def _agreed_infos(self) -> list[CheckpointInfo]:
         """Collective: the committed checkpoints (rank 0 reads them), once every rank is seen to list the same."""

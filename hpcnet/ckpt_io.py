@@ -36,6 +36,7 @@ from hpcnet.ckpt_format import (ASIDE_PREFIX, CKPT_NAME_RE, DTYPES, FORMAT, FORM
                                 TensorSpec, block_hashes, packed_rows, parse_index, plan_ownership,
                                 plan_retention, sha256_hex, write_pieces)
 from hpcnet.errors import CheckpointCorrupt, RestartableError, errno_of, error_text, os_error
+from hpcnet.watchdog import NULL_DEADLINES
 from hpcnet.world import agree_on_error, agreed
 
 if TYPE_CHECKING:
@@ -47,7 +48,16 @@ IoFault = Callable[[str, int], None]
 """Fault injection (``hpcnet.faults``): ``fault(phase, step)`` is called where an I/O error can strike
 (``"precheck"`` on rank 0 before a save's free-space check, ``"write"`` on every rank while it writes
 its data, ``"read"`` on every rank before it opens each file of a load); an OSError it raises fails
-the operation as the file system would."""
+the operation as the file system would.  Every rank's writer also calls it at the collective file
+create, with ``"arrive"`` before the ranks meet there and ``"create"`` once they met and the create is
+announced, just before h5py's create: where a slow or stuck writer is injected."""
+
+PEER_POLL_S = 0.005
+"""How often a writer waiting for its peers before a collective file create checks whether they came."""
+ANNOUNCE_WAIT_S = 30.0
+"""At most this long a writer waits for a heartbeat to announce its collective create: usually one tick, but
+an oversubscribed node can starve the monitor thread for seconds, and a create entered unannounced gets its
+rank declared dead if it holds the GIL for longer than the heartbeat deadline."""
 
 COLLECTIVE_WRITES = True
 """Write tensors split across ranks with collective MPI-IO (else independently, each rank its rows)."""
@@ -262,8 +272,41 @@ def _gather_tables(comm: Any, job: SaveJob, counts: np.ndarray, hashes: dict[int
     return all_hashes, all_blocks
 
 
+def wait_for_peers(comm: Any) -> None:
+    """Collective: return once every rank of ``comm`` got here, polling with the GIL released.
+
+    Called before each collective HDF5 call that holds the GIL (h5py does in
+    ``H5Fcreate``/``H5Fopen`` with the MPI-IO driver), so that the wait for a
+    slower rank happens here, where the monitor thread keeps beating, and the
+    wait inside HDF5 is only the I/O itself.  A non-blocking barrier polled
+    with short sleeps, not ``Barrier``: a blocked MPI call busy-polls a core,
+    which a slow peer on an oversubscribed node needs.
+    """
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(PEER_POLL_S)
+
+
+def _create_collectively(comm: Any, job: SaveJob, tmp: Path, create: Any, deadlines: Any, timeout_s: float) -> Any:
+    """``h5py.File(tmp, "w")`` over MPI-IO, after the ranks met outside HDF5 (see ``wait_for_peers``)."""
+    import h5py
+
+    if job.fault is not None:
+        job.fault("arrive", job.step)
+    # Its own guard, so that a report tells the ranks that wait here from the one they wait for.
+    with deadlines.guard("checkpoint.meet", timeout_s, what=f"checkpoint.meet (step {job.step})"):
+        wait_for_peers(comm)
+    if create is not None:
+        # The watchers must know of the create before h5py takes the GIL from the monitor thread.
+        create.announced.wait(ANNOUNCE_WAIT_S)
+    if job.fault is not None:
+        job.fault("create", job.step)
+    return h5py.File(tmp, "w", driver="mpio", comm=comm)
+
+
 def _write_file(comm: Any, job: SaveJob, tmp: Path, counts: np.ndarray, index_bytes: bytes,
-                attrs: dict[str, Any], hashes: dict[int, np.ndarray], changed: dict[int, np.ndarray]
+                attrs: dict[str, Any], hashes: dict[int, np.ndarray], changed: dict[int, np.ndarray],
+                deadlines: Any = NULL_DEADLINES, timeout_s: float = 0.0
                 ) -> tuple[int, list[BaseException], dict[int, np.ndarray], dict[str, float]]:
     """Create and fill ``tmp`` (collective); return bytes written, errors, this rank's block hashes, timings.
 
@@ -272,9 +315,11 @@ def _write_file(comm: Any, job: SaveJob, tmp: Path, counts: np.ndarray, index_by
     thread fsyncs them: hashing during the writes would compete for the CPU
     with MPI's busy-polling in the collective writes (measured: 5x slower
     writes with two ranks on two cores), while during the fsync the CPU idles.
-    """
-    import h5py
 
+    The create and the structure calls after it hold the GIL (h5py): they run
+    in a quiet ``checkpoint.create`` guard of ``deadlines`` (``hpcnet.watchdog``),
+    which the heartbeats announce; the data writes and the close release it.
+    """
     rank, size = comm.Get_rank(), comm.Get_size()
     incremental = job.kind == "incremental"
     owned = job.plan.owned(rank)
@@ -285,7 +330,13 @@ def _write_file(comm: Any, job: SaveJob, tmp: Path, counts: np.ndarray, index_by
     rank_hashes = comm.gather(int(block_hashes(rank_row, width)[0]), root=0)
     t_open = time.perf_counter()
     timings: dict[str, float] = {}
-    f = h5py.File(tmp, "w", driver="mpio", comm=comm)
+    create = deadlines.open("checkpoint.create", timeout_s, what=f"checkpoint.create (step {job.step})",
+                            quiet=True)
+    try:
+        f = _create_collectively(comm, job, tmp, create, deadlines, timeout_s)
+    except BaseException:
+        deadlines.close(create)
+        raise
     try:
         # Structure: the same calls with the same arguments on every rank.
         for key, value in attrs.items():
@@ -308,6 +359,7 @@ def _write_file(comm: Any, job: SaveJob, tmp: Path, counts: np.ndarray, index_by
                                             fill_time="never")
             if DTYPES[spec.dtype][1]:
                 d_tensors[i].attrs["dtype"] = spec.dtype
+        deadlines.close(create)
         if job.fault is not None:
             try:
                 job.fault("write", job.step)
@@ -381,6 +433,7 @@ def _write_file(comm: Any, job: SaveJob, tmp: Path, counts: np.ndarray, index_by
                 except Exception as exc:  # noqa: BLE001
                     errors.append(exc)
     finally:
+        deadlines.close(create)
         try:
             f.close()
         except Exception as exc:  # noqa: BLE001
@@ -406,10 +459,14 @@ def _write_error(tmp: Path, errors: list[BaseException]) -> OSError | None:
     return os_error(errno_of(first), f"writing checkpoint {str(tmp)!r} failed: {error_text(first)}")
 
 
-def write_checkpoint(comm: Any, job: SaveJob) -> SaveResult:
+def write_checkpoint(comm: Any, job: SaveJob, *, deadlines: Any = NULL_DEADLINES, timeout_s: float = 0.0
+                     ) -> SaveResult:
     """Collective over ``comm``: hash, write, fsync, commit and prune one checkpoint.
 
     Any failure raises on every rank (agreed), and the temporary file is removed.
+
+    Args:
+        deadlines: where the collective create is guarded (``hpcnet.watchdog``), with ``timeout_s``.
     """
     rank, size = comm.Get_rank(), comm.Get_size()
     incremental = job.kind == "incremental"
@@ -445,7 +502,8 @@ def write_checkpoint(comm: Any, job: SaveJob) -> SaveResult:
             error = os_error(errno_of(exc), f"cannot create checkpoint file {str(tmp)!r}: {error_text(exc)}")
     agree_on_error(comm, error)
     t1 = time.perf_counter()
-    written, errors, hashes, file_timings = _write_file(comm, job, tmp, counts, index_bytes, attrs, hashes, changed)
+    written, errors, hashes, file_timings = _write_file(comm, job, tmp, counts, index_bytes, attrs, hashes, changed,
+                                                        deadlines, timeout_s)
     error = _write_error(tmp, errors)
     try:
         agree_on_error(comm, error)

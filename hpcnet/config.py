@@ -226,6 +226,8 @@ class CheckpointConfig:
     """'' starts fresh, 'auto' resumes from the last committed checkpoint (fresh if none), or a checkpoint path."""
     move_aside: bool = False
     """A fresh run into a checkpoint.dir that holds checkpoints moves them into <dir>/aside-<time>-fresh-run/ (never deletes); false refuses to start."""
+    timeout_s: float = 0.0
+    """Deadline of each checkpoint save, background write, wait and load; 0 = max(120 s, 10 x the last save, size at 10 MiB/s). Past it: stacks, failure.json (kind 'checkpoint'), status 75."""
 
     def __post_init__(self) -> None:
         for name in ("every_steps", "keep", "full_every"):
@@ -234,6 +236,9 @@ class CheckpointConfig:
                                   f"got {getattr(self, name)}")
         if self.every_s < 0:
             raise ConfigError(f"checkpoint.every_s must be >= 0, got {self.every_s}")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s >= 0):
+            raise ConfigError(f"checkpoint.timeout_s must be a number of seconds >= 0 (0 = derived), "
+                              f"got {self.timeout_s}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -248,6 +253,8 @@ class MonitorConfig:
     """A collective running longer than this is a stall; 0 derives it from the observed step time (see stall_floor_s)."""
     stall_floor_s: float = 30.0
     """The smallest stall timeout when it is derived from the step time."""
+    startup_timeout_s: float = 600.0
+    """Start-up (from the monitor's start to the first step, checkpoint loads not counted) must end within this; past it: stacks, failure.json (kind 'startup'), status 75."""
     memory_every_steps: int = 50
     """Sample resident memory (and GPU memory) every this many steps; 0 disables the leak watch."""
     memory_window: int = 10
@@ -263,6 +270,9 @@ class MonitorConfig:
         for name in ("stall_timeout_s", "stall_floor_s", "memory_growth_mb"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"monitor.{name} must be >= 0, got {getattr(self, name)}")
+        if not (math.isfinite(self.startup_timeout_s) and self.startup_timeout_s > 0):
+            raise ConfigError(f"monitor.startup_timeout_s must be a positive number of seconds, "
+                              f"got {self.startup_timeout_s}")
         if self.memory_every_steps < 0:
             raise ConfigError(f"monitor.memory_every_steps must be >= 0, got {self.memory_every_steps}")
         if self.memory_window < 2:
@@ -289,6 +299,12 @@ class FaultConfig:
     """Fault injection: the chosen rank's checkpoint writes fail inside the write with 'ENOSPC', 'EDQUOT' or 'EIO'."""
     write_error_at_step: int = 1
     """The first step whose save fault.write_error hits."""
+    slow_save_s: float = 0.0
+    """Fault injection: the chosen rank's checkpoint writer sleeps this long before every collective file create (a slow peer)."""
+    stuck_save_at_step: int = 0
+    """Fault injection: in the save of this step, the chosen rank's writer blocks for good (GIL released, as in a stuck write)."""
+    stuck_fs_at_step: int = 0
+    """Fault injection: in the save of this step, every rank's writer blocks for good in the collective create, holding the GIL (a stuck file system)."""
     rank: int = -1
     """The rank the fault hits; -1 = the last rank."""
     only_attempt: int = 0
@@ -298,11 +314,13 @@ class FaultConfig:
         if self.write_error not in ("", "ENOSPC", "EDQUOT", "EIO"):
             raise ConfigError(f"fault.write_error: {self.write_error!r} is not one of 'ENOSPC', 'EDQUOT', 'EIO'")
         for name in ("kill_at_step", "hang_at_step", "sleep_at_step", "fill_disk_at_step", "only_attempt",
-                     "write_error_at_step"):
+                     "write_error_at_step", "stuck_save_at_step", "stuck_fs_at_step"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"fault.{name} must be >= 0, got {getattr(self, name)}")
         if self.sleep_s < 0 or self.slow_s < 0:
             raise ConfigError("fault.sleep_s and fault.slow_s must be >= 0")
+        if not (math.isfinite(self.slow_save_s) and self.slow_save_s >= 0):
+            raise ConfigError(f"fault.slow_save_s must be a number of seconds >= 0, got {self.slow_save_s}")
 
 
 @dataclass(kw_only=True, slots=True)

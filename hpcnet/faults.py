@@ -32,16 +32,27 @@ The training loop calls three hooks, each one line:
   meanwhile (ENOSPC) or a storage fault (EIO) would.  A full disk or quota is
   not worth restarting (status 2): the next attempt would fail at its first
   save, after recomputing everything since the last checkpoint; EIO is (75).
+  With ``slow_save_s`` (every save) or ``stuck_save_at_step`` the chosen
+  rank's writer sleeps, or blocks for good with the GIL released (as a write
+  or fsync to a stuck file system does: every monitor still runs and reports
+  the checkpoint deadline), where the writers meet before the collective
+  file create (phase ``arrive``): a slow peer, which must not be a failure,
+  or a stuck one.  With ``stuck_fs_at_step`` every rank's writer blocks for
+  good inside the create (``create``), holding the GIL in a C call as h5py
+  does on a stuck file system: no Python runs anywhere, and only the native
+  watchdog (``hpcnet.watchdog``) can end the job.
 
 ``fault.only_attempt = k`` injects only in attempt k of ``hpcnet.launch``
 (which sets ``HPCNET_ATTEMPT``; a run without it is attempt 1), so a
 restarted run gets past the fault; 0 injects in every attempt.
 """
 
+import ctypes
 import errno
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -121,6 +132,13 @@ class FaultInjector:
             parts.append(f"checkpoint saves from step {c.fill_disk_at_step} on fail with ENOSPC")
         if c.write_error:
             parts.append(f"{who}'s checkpoint writes from step {c.write_error_at_step} on fail with {c.write_error}")
+        if c.slow_save_s:
+            parts.append(f"{who}'s checkpoint writer sleeps {c.slow_save_s:g} s before every collective create")
+        if c.stuck_save_at_step:
+            parts.append(f"{who}'s checkpoint writer blocks for good in the save of step {c.stuck_save_at_step}")
+        if c.stuck_fs_at_step:
+            parts.append(f"every rank's checkpoint writer blocks for good, holding the GIL, in the collective "
+                         f"create of step {c.stuck_fs_at_step} (a stuck file system)")
         return "; ".join(parts)
 
     def at_step(self, step: int) -> None:
@@ -158,7 +176,8 @@ class FaultInjector:
     def io_fault(self) -> "ckpt_io.IoFault | None":
         """The hook for the checkpoint manager, or None when no I/O fault is armed."""
         c = self.cfg
-        return self._io_fault if self.active and (c.fill_disk_at_step or c.write_error) else None
+        armed = (c.fill_disk_at_step or c.write_error or c.slow_save_s or c.stuck_save_at_step or c.stuck_fs_at_step)
+        return self._io_fault if self.active and armed else None
 
     def _io_fault(self, phase: str, step: int) -> None:
         c = self.cfg
@@ -168,6 +187,31 @@ class FaultInjector:
         if phase == "write" and self.mine and c.write_error and step >= c.write_error_at_step:
             code = getattr(errno, c.write_error)
             raise OSError(code, f"{os.strerror(code)} (injected: fault.write_error={c.write_error})")
+        if phase == "arrive" and self.mine and c.slow_save_s:
+            log.warning("fault injection: rank %d's checkpoint writer sleeps %g s (step %d)", self.rank,
+                        c.slow_save_s, step)
+            time.sleep(c.slow_save_s)
+        if phase == "arrive" and self.mine and step == c.stuck_save_at_step:
+            log.error("fault injection: rank %d's checkpoint writer blocks for good (step %d)", self.rank, step)
+            threading.Event().wait()
+        if phase == "create" and step == c.stuck_fs_at_step:
+            log.error("fault injection: rank %d's checkpoint writer blocks for good in the create, holding the GIL "
+                      "(step %d)", self.rank, step)
+            block_holding_the_gil()
+
+
+def block_holding_the_gil() -> None:
+    """Never return, inside a C call that keeps the GIL: what h5py does in a create on a stuck file system.
+
+    A read from a pipe that nobody writes to, called through ``ctypes.PyDLL``
+    (which does not release the GIL); faulthandler's signal handlers restart
+    it (SA_RESTART), so the stacks signal does not end it either.
+    """
+    libc = ctypes.PyDLL(None, use_errno=True)
+    read_end, write_end = os.pipe()  # write_end stays open: the read never sees end-of-file
+    buffer = ctypes.create_string_buffer(1)
+    while write_end >= 0:
+        libc.read(read_end, buffer, 1)
 
 
 def corrupt_newest(directory: Path) -> str:

@@ -21,7 +21,8 @@ Only collectives that every rank issues identically are recorded (the
 gradient buckets, the reducer's agreement, buffer broadcasts, the step
 boundary, the logged loss and the evaluation sum).  Checkpoint I/O is not:
 its duration grows with the model and the file system, so a timeout derived
-from the step time would abort good runs there.
+from the step time would abort good runs there; it has deadlines of its own
+(``hpcnet.watchdog``).
 
 The hot path is ``start``/``end``: a lock, a counter and a slot in a list,
 about a microsecond each, a dozen times a step.
@@ -235,7 +236,8 @@ def analyze_stall(states: dict[int, dict[str, Any] | None], known_mismatch: Sequ
         states: per rank, its state from a beat or an answer (``step``; ``seq``,
             ``op``, ``bucket`` of its latest collective; optionally ``cseq``,
             ``cop``, ``digest`` of its latest control one; ``open_seq``,
-            ``open_op``, ``open_bucket``, ``open_s``), or None when it did not answer.
+            ``open_op``, ``open_bucket``, ``open_s``; optionally ``guard`` and
+            ``guard_s``, its guarded wait), or None when it did not answer.
         known_mismatch: ranks already seen to disagree (a desync found by
             comparing beats), whatever their answers show now.
 
@@ -268,6 +270,8 @@ def analyze_stall(states: dict[int, dict[str, Any] | None], known_mismatch: Sequ
         where = (f"waiting in {describe_op(s['open_op'], s['open_bucket'], s['open_seq'])} for {s['open_s']:.1f} s"
                  if s["open_seq"] > 0 else
                  f"not in a collective (last: {describe_op(s['op'], s['bucket'], s['seq'])})")
+        if s.get("guard", "none") != "none":
+            where += f"; in {s['guard']} for {s['guard_s']:.1f} s"
         tag = ""
         if r in mismatched:
             tag = " <- MISMATCHED"

@@ -3,10 +3,10 @@
 Why a ring.  Rank r sends a beat to its two successors r+1 and r+2 and
 watches its two predecessors r-1 and r-2 (modulo the world size):
 
-- every rank sends and receives two 136-byte messages per interval, whatever
+- every rank sends and receives two 160-byte messages per interval, whatever
   the size of the job: at 1,000 ranks and the default 2 s interval that is
   1,000 messages a second for the whole job, half a message a second per
-  rank per direction, about 100 B/s per rank.  A star (every rank beats to
+  rank per direction, about 160 B/s per rank.  A star (every rank beats to
   rank 0) puts 500 messages a second and 1,000 deadlines on one rank, whose
   own failure then goes unseen; a tree needs its inner nodes to forward, so
   one hung inner node hides its subtree.
@@ -28,8 +28,16 @@ watchers do not mistake the end of the run for a failure), its step, its
 latest collective (progress), the sequence number, operation and history
 digest of its latest control-plane collective (for desync checks, see
 ``hpcnet.flightrec``), the collective it is waiting in and for how long, its
-wall-clock time and process id.  Stall
+wall-clock time and process id, and the guarded wait it is in
+(``hpcnet.watchdog``: checkpoint I/O or start-up) with how long it has run and,
+for a guard whose thread may hold the GIL, how long until its deadline.  Stall
 notices and their answers use the same vector.
+
+A rank in such a guard (a collective checkpoint file create: h5py holds the
+GIL inside it, so the monitor thread cannot beat) may fall silent; its
+watchers allow it the silence until the deadline it announced, plus the
+usual misses, plus the time its peers need to report an expired deadline
+themselves.
 
 Everything here is non-blocking (``Isend``/``Irecv`` + ``Test``), on a
 private communicator: the monitor thread never waits for a peer, so a peer
@@ -43,19 +51,23 @@ from typing import Any
 import numpy as np
 
 from hpcnet.flightrec import OP_CODES, op_name
+from hpcnet.watchdog import GUARD_CODES, guard_name
 
 FIELDS: tuple[str, ...] = ("session", "rank", "state", "step", "seq", "op", "bucket", "cseq", "cop", "digest",
-                           "open_seq", "open_op", "open_bucket", "open_s", "wall", "pid", "kind")
+                           "open_seq", "open_op", "open_bucket", "open_s", "wall", "pid", "kind", "guard", "guard_s",
+                           "guard_left_s")
 """The slots of a beat: ``seq``/``op``/``bucket`` the latest collective (progress), ``cseq``/``cop``/``digest``
 the latest control-plane one (compared across ranks), ``open_*`` the oldest still running; operations are
-indices into ``hpcnet.flightrec.OPS``."""
+indices into ``hpcnet.flightrec.OPS``; ``guard`` (an index into ``hpcnet.watchdog.GUARDS``) the guarded wait
+with the earliest deadline, ``guard_s`` how long it has run, ``guard_left_s`` the time left to the latest
+deadline of a guard that may hold the GIL (0: none)."""
 _INDEX = {name: i for i, name in enumerate(FIELDS)}
-_FLOATS = {"open_s", "wall"}
+_FLOATS = {"open_s", "wall", "guard_s", "guard_left_s"}
 
 TAG_BEAT, TAG_NOTICE, TAG_ACK = 7101, 7102, 7103
 RUNNING, LEAVING = 1, 2
 """Values of ``state``."""
-KINDS = {0: "", 1: "stall", 2: "desync"}
+KINDS = {0: "", 1: "stall", 2: "desync", 3: "checkpoint", 4: "startup"}
 """Values of ``kind`` in a notice: why the sender asks every rank for its dump."""
 KIND_CODES = {name: code for code, name in KINDS.items()}
 WATCHERS = 2
@@ -80,6 +92,8 @@ def encode(**values: Any) -> np.ndarray:
             value = OP_CODES[value]
         elif name == "kind" and isinstance(value, str):
             value = KIND_CODES[value]
+        elif name == "guard" and isinstance(value, str):
+            value = GUARD_CODES[value]
         vector[_INDEX[name]] = value
     return vector
 
@@ -91,6 +105,7 @@ def decode(vector: np.ndarray) -> dict[str, Any]:
     for name in ("op", "cop", "open_op"):
         fields[name] = op_name(fields[name])
     fields["kind"] = KINDS.get(fields["kind"], str(fields["kind"]))
+    fields["guard"] = guard_name(fields["guard"])
     return fields
 
 
@@ -111,12 +126,15 @@ class PeerTracker:
         misses: beats in a row a rank may miss before it is declared failed.
         now: the current time.monotonic().
         startup_deadline_s: the silence allowed before a rank's first step.
+        guard_slack_s: the silence allowed beyond a deadline a rank announced
+            (``guard_left_s``): its peers' own report of that deadline comes first.
     """
 
     def __init__(self, watch: Iterable[int], interval_s: float, misses: int, now: float, *,
-                 startup_deadline_s: float = 0.0) -> None:
+                 startup_deadline_s: float = 0.0, guard_slack_s: float = 0.0) -> None:
         self.deadline_s = misses * interval_s
         self.startup_deadline_s = max(self.deadline_s, startup_deadline_s)
+        self.guard_slack_s = guard_slack_s
         self.frozen_s = interval_s
         self.last_heard = {r: now for r in watch}
         self.last_beat: dict[int, dict[str, Any] | None] = {r: None for r in self.last_heard}
@@ -155,9 +173,13 @@ class PeerTracker:
             self.left.add(rank)
 
     def deadline_of(self, rank: int, own_step: int = 0) -> float:
+        """How long ``rank`` may be silent after its last beat."""
         beat = self.last_beat[rank]
         started = own_step > 0 or (beat is not None and beat["step"] > 0)
-        return self.deadline_s if started else self.startup_deadline_s
+        deadline = self.deadline_s if started else self.startup_deadline_s
+        if beat is not None and beat["guard_left_s"] > 0:
+            deadline = max(deadline, beat["guard_left_s"] + self.deadline_s + self.guard_slack_s)
+        return deadline
 
     def overdue(self, now: float, own_step: int = 0) -> list[int]:
         """Watched ranks silent for longer than their deadline (and not gone on purpose).

@@ -13,7 +13,12 @@ the job's communicator.  Every ``monitor.heartbeat_interval_s`` the thread
   flight recorder (``hpcnet.flightrec``): the same position with a different
   collective is a desync;
 - watches its own oldest unfinished collective: one older than the stall
-  timeout is a stall.
+  timeout is a stall;
+- watches its guarded waits (``hpcnet.watchdog``: checkpoint I/O, start-up):
+  one past its deadline is reported like a stall, with kind ``checkpoint``
+  or ``startup``.  While a checkpoint guard is open the stall check waits
+  for it: a rank whose writer holds the GIL cannot reach the next
+  collective, and the guard's own deadline is the one that applies.
 
 On a stall or a desync the detecting rank asks every rank (a notice on the
 monitor's communicator) to dump its Python stacks and its flight recorder to
@@ -38,9 +43,11 @@ less turns the monitor thread off with a warning.
 A hung rank's own stacks: each rank registers ``faulthandler`` for
 ``DUMP_SIGNAL`` (SIGRTMIN+4), which prints every thread's stack to stderr
 from a C signal handler, so it works even when a thread holds the GIL in C
-code (the case where the monitor thread itself cannot run).  A rank that
-declares a peer on the same host silent sends it that signal before
-aborting; on any host ``kill -s RTMIN+4 <pid>`` does the same by hand.
+code (the case where the monitor thread itself cannot run).  The handler
+stays registered until the process exits: unregistered, the signal's
+default action would kill the process.  A rank that reports ranks on its
+host as silent sends them that signal before aborting; on any host
+``kill -s RTMIN+4 <pid>`` does the same by hand.
 SIGUSR1 is left to NCCL and SIGUSR2 to preemption notices (``train.StopRequest``);
 real-time signals are used by neither nor by Open MPI.  A SIGSTOPped rank
 cannot run any handler: its stack is not available, the report says where
@@ -72,6 +79,7 @@ from hpcnet.flightrec import (NULL_RECORDER, WARMUP_FACTOR, FlightRecorder, anal
 from hpcnet.heartbeat import (LEAVING, RUNNING, TAG_ACK, TAG_BEAT, TAG_NOTICE, HeartbeatLink, PeerTracker, encode,
                               ring_peers)
 from hpcnet.memwatch import MemoryWatch
+from hpcnet.watchdog import NULL_DEADLINES, Deadlines, Guard, NativeWatchdog, analyze_io
 from hpcnet.world import World
 
 log = logging.getLogger(__name__)
@@ -93,6 +101,8 @@ def where(beat: dict[str, Any] | None, last_step: int | None = None) -> str:
                  f"for {beat['open_s']:.1f} s")
     else:
         doing = f"not in a collective (last: {describe_op(beat['op'], beat['bucket'], beat['seq'])})"
+    if beat["guard"] != "none":
+        doing += f", in {beat['guard']} for {beat['guard_s']:.1f} s"
     if last_step is not None and last_step > beat["step"]:
         return f"it completed step {last_step} (its last beat, at step {beat['step']}: {doing})"
     return f"last seen at step {beat['step']}, {doing}"
@@ -121,12 +131,15 @@ def heartbeat_report(silent: dict[int, tuple[float, dict[str, Any] | None]], hos
                            beat["open_seq"] > 0 else None),
             "last_collective": describe_op(beat["op"], beat["bucket"], beat["seq"]) if beat and beat["seq"] else None,
             "pid": beat["pid"] if beat else None,
+            "guard": beat["guard"] if beat and beat["guard"] != "none" else None,
         })
         lines.append(f"rank {rank} on {hostnames[rank]} missed {misses} heartbeats (silent for {silent_s:.1f} s; "
                      f"interval {interval_s:g} s): {where(beat, last_step)}")
     message = ("; ".join(lines) + f". Declared failed by rank {detector} on {hostnames[detector]}; "
                f"ending the job with status {int(ExitCode.RESTARTABLE)} (restartable).")
-    return {"kind": "heartbeat", "failed": failed, "message": message}
+    # Silent past a checkpoint deadline it announced: its checkpoint I/O, not the rank, is what hung.
+    in_io = all(beat is not None and beat["guard_left_s"] > 0 for _, beat in silent.values())
+    return {"kind": "checkpoint" if in_io else "heartbeat", "failed": failed, "message": message}
 
 
 def stall_report(kind: str, detail: str, states: dict[int, dict[str, Any] | None], hostnames: tuple[str, ...], *,
@@ -135,13 +148,17 @@ def stall_report(kind: str, detail: str, states: dict[int, dict[str, Any] | None
 
     ``mismatched``: ranks already known to disagree (the pair a desync was seen between).
     """
-    analysis = analyze_stall(states, mismatched)
+    analysis = analyze_io(states) if kind == "checkpoint" else analyze_stall(states, mismatched)
+    if kind == "startup" and not (analysis["behind"] or analysis["mismatched"] or analysis["silent"]):
+        analysis["lines"][-1] = ("no rank is behind in the recorded collectives: the ranks wait for each other "
+                                 "elsewhere (see the stacks)")
     suspects = analysis["mismatched"] or analysis["behind"] or analysis["silent"]
     failed = [{"rank": r, "host": hostnames[r],
                "last_step": states[r]["step"] if states[r] else None,
                "why": ("mismatched" if r in analysis["mismatched"] else "behind" if r in analysis["behind"]
                        else "silent")} for r in suspects]
-    message = (f"{kind} detected by rank {detector} on {hostnames[detector]}: {detail}\n  "
+    what = {"checkpoint": "checkpoint I/O past its deadline", "startup": "start-up past its deadline"}.get(kind, kind)
+    message = (f"{what} detected by rank {detector} on {hostnames[detector]}: {detail}\n  "
                + "\n  ".join(analysis["lines"])
                + f"\n  stacks and flight recorders: stall.rank<r>.txt in the run directory; "
                  f"ending the job with status {int(ExitCode.RESTARTABLE)} (restartable).")
@@ -218,7 +235,20 @@ class Monitor:
         self._dumped = False
         self._doomed_at: float | None = None
         self._coordinating = ""  # the kind of failure this rank is collecting answers for
-        self._dump_handler = False
+        self.deadlines: Deadlines | Any = NULL_DEADLINES
+        """This rank's guarded waits (``hpcnet.watchdog``); real once the monitor thread runs."""
+        self._startup: Guard | None = None
+        self._native: NativeWatchdog | None = None
+        self._beat_now = False
+        self._pids: tuple[int, ...] = ()
+        self._last_once = 0.0
+        self._stall_clock_from = 0.0  # stalls are judged on time this rank observed, outside checkpoint I/O
+        self._coordination_s = max(2.0, 2 * cfg.heartbeat_interval_s)
+        """How long a rank that reports waits for the others' answers."""
+        misses_s = cfg.heartbeat_misses * cfg.heartbeat_interval_s
+        self.native_grace_s = misses_s + 2 * self._coordination_s + 10.0
+        """How long after a deadline the native watchdog waits for the monitor (here or on a peer) to act:
+        beyond a peer's allowance for this rank's silence, its report and the abort."""
 
     # -- life cycle (training thread) --------------------------------------------
     def start(self) -> "Monitor":
@@ -232,16 +262,26 @@ class Monitor:
             return self
         hb_comm = self.comm.Dup()
         session = hb_comm.bcast(random.getrandbits(48) if self.world.rank == 0 else None, root=0)
+        self._pids = tuple(hb_comm.allgather(os.getpid()))  # whom to ask for stacks on this host
         self._link = HeartbeatLink(hb_comm, session)
         self._tracker = PeerTracker(self.watch, self.cfg.heartbeat_interval_s, self.cfg.heartbeat_misses,
-                                    time.monotonic(), startup_deadline_s=WARMUP_FACTOR * self.cfg.stall_floor_s)
+                                    time.monotonic(), startup_deadline_s=WARMUP_FACTOR * self.cfg.stall_floor_s,
+                                    guard_slack_s=2 * self._coordination_s)
         self._register_dump_signal()
+        self._native = NativeWatchdog(int(ExitCode.RESTARTABLE))
+        self.deadlines = Deadlines(on_change=self._guards_changed)
+        self._startup = self.deadlines.open("startup", self.cfg.startup_timeout_s, kind="startup",
+                                            what="start-up (before the first step)",
+                                            option="monitor.startup_timeout_s")
         self._thread = threading.Thread(target=self._run, name="hpcnet-monitor", daemon=True)
         self._thread.start()
         return self
 
     def step(self, step: int) -> None:
         """Call at each step boundary with the number of steps completed (cheap)."""
+        if self._startup is not None:
+            self.deadlines.close(self._startup)  # started: the start-up deadline no longer applies
+            self._startup = None
         self.recorder.step = step
         now = time.monotonic()
         if self._last_step_at is not None:
@@ -255,14 +295,19 @@ class Monitor:
         return self.recorder.op(name, bucket, nbytes)
 
     def stop(self) -> None:
-        """Stop the thread after a goodbye beat; local, never waits for a peer."""
+        """Stop the thread after a goodbye beat, and every deadline; local, never waits for a peer.
+
+        The stacks signal stays registered (see the module docstring).
+        """
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
-        if self._dump_handler:
-            faulthandler.unregister(DUMP_SIGNAL)
-            self._dump_handler = False
+        native, self._native = self._native, None
+        if native is not None:
+            native.close()
+        self.deadlines = NULL_DEADLINES
+        self._startup = None
 
     def __enter__(self) -> "Monitor":
         return self.start()
@@ -312,6 +357,11 @@ class Monitor:
 
     def _once(self, now: float) -> None:
         assert self._tracker is not None
+        if now - self._last_once > self._tracker.frozen_s or self.deadlines.any_open("checkpoint"):
+            # Not observed (this thread was starved or frozen behind the GIL), or possibly held up
+            # by checkpoint I/O, which has its own deadline: that time does not count towards a stall.
+            self._stall_clock_from = now
+        self._last_once = now
         self._tracker.tick(now)
         self._receive(now)
         self._beat_if_due(now)
@@ -331,6 +381,11 @@ class Monitor:
                                            detector=self.world.rank))
             return
         self._check_desync()
+        expired = self.deadlines.expired(now)
+        if expired is not None:
+            self._coordinate(expired.kind, f"{expired.what} has not finished after {expired.elapsed_s(now):.1f} s "
+                                           f"({expired.option} = {expired.timeout_s:.0f} s)")
+            return
         self._check_stall(now)
 
     def _receive(self, now: float) -> None:
@@ -343,11 +398,46 @@ class Monitor:
                 self._answer(source, fields)
 
     def _beat_if_due(self, now: float) -> None:
-        if now < self._next_beat or self._muted:
+        due = now >= self._next_beat
+        if not (due or self._beat_now) or self._muted:
             return
-        interval = self.cfg.heartbeat_interval_s
-        self._next_beat = self._next_beat + interval if self._next_beat + interval > now else now + interval
+        self._beat_now = False
+        guards = self.deadlines.guards()
+        if due:  # an extra beat (a guard opened or closed) leaves the schedule alone: it must not delay the next
+            interval = self.cfg.heartbeat_interval_s
+            self._next_beat = self._next_beat + interval if self._next_beat + interval > now else now + interval
         self._link.send_beat(self.send_to, self._vector())
+        for guard in guards:
+            guard.announced.set()
+
+    def _guards_changed(self) -> None:
+        """A guard opened or closed (any thread): beat at the next tick, re-arm the native watchdog."""
+        native = self._native
+        if native is None:
+            return  # stopped
+        self._beat_now = True
+        if self._thread is not None and not self._thread.is_alive():
+            for guard in self.deadlines.guards():
+                guard.announced.set()  # nobody beats any more: nothing to wait for
+        first = self.deadlines.earliest()
+        if first is None:
+            native.disarm()
+            return
+        w = self.world
+        message = (f"hpcnet: rank {w.rank} on {w.hostname}: {first.what} did not finish within "
+                   f"{first.timeout_s:.0f} s ({first.option}) and no Python code could run on this rank to "
+                   f"report it (a thread holds the GIL in a C call that does not return: HDF5 or MPI-IO waiting "
+                   f"for the file system, or for a rank that does); its stacks follow. Ending the job with "
+                   f"status {int(ExitCode.RESTARTABLE)} (restartable).")
+        report = {"kind": first.kind, "detail": f"{first.what} did not finish within {first.timeout_s:.0f} s "
+                                                f"({first.option}); the native watchdog ended the job",
+                  "failed": [{"rank": w.rank, "host": w.hostname, "last_step": self.recorder.step,
+                              "why": "blocked"}],
+                  "message": message, "exit_code": int(ExitCode.RESTARTABLE), "detected_by": w.rank,
+                  "detected_host": w.hostname, "native": True,
+                  "detected_wall": time.time() + first.deadline + self.native_grace_s - time.monotonic()}
+        native.arm(first.deadline + self.native_grace_s, message=message,
+                         failure_path=self.run_dir / FAILURE_FILE, report=report)
 
     def _leave(self) -> None:
         if self._link is None or self._link.closed:
@@ -361,12 +451,16 @@ class Monitor:
         """This rank's position, as a beat carries it (see ``hpcnet.heartbeat.FIELDS``)."""
         rec = self.recorder
         latest, control, oldest = rec.latest(), rec.latest_control(), rec.oldest_open()
-        return {"step": rec.step, "seq": latest.seq if latest else 0, "op": latest.op if latest else "none",
+        now = time.monotonic()
+        guard, quiet = self.deadlines.innermost(), self.deadlines.quiet()
+        return {"guard": guard.name if guard else "none", "guard_s": guard.elapsed_s(now) if guard else 0.0,
+                "guard_left_s": max(0.0, quiet.deadline - now) if quiet else 0.0,
+                "step": rec.step, "seq": latest.seq if latest else 0, "op": latest.op if latest else "none",
                 "bucket": latest.bucket if latest else -1, "cseq": control.seq if control else 0,
                 "cop": control.op if control else "none", "digest": control.digest if control else 0,
                 "open_seq": oldest.seq if oldest else 0,
                 "open_op": oldest.op if oldest else "none", "open_bucket": oldest.bucket if oldest else -1,
-                "open_s": time.monotonic() - oldest.start if oldest else 0.0}
+                "open_s": now - oldest.start if oldest else 0.0}
 
     def _vector(self, state: int = RUNNING, kind: str = "") -> np.ndarray:
         return encode(session=self._link.session, rank=self.world.rank, state=state, wall=time.time(),
@@ -390,7 +484,7 @@ class Monitor:
                                             list(self._step_times))
             self._timeout_at = now + 1.0
         oldest = self.recorder.oldest_open()
-        if oldest is not None and now - oldest.start > self._timeout_s:
+        if oldest is not None and now - max(oldest.start, self._stall_clock_from) > self._timeout_s:
             self._coordinate("stall", f"{describe_op(oldest.op, oldest.bucket, oldest.seq)} at step {oldest.step} "
                                       f"has not finished after {now - oldest.start:.1f} s "
                                       f"(stall timeout {self._timeout_s:.1f} s)")
@@ -413,13 +507,15 @@ class Monitor:
                                   detector_step=self.recorder.step)
         self._declare(report)
 
-    def _signal_local_peers(self, ranks: list[int]) -> None:
-        """Ask silent ranks on this host to print their stacks (works while they hold the GIL)."""
+    def _signal_local_peers(self, ranks: list[int]) -> bool:
+        """Ask silent ranks on this host to print their stacks (works while they hold the GIL); any asked?"""
+        asked = False
         for rank in ranks:
-            beat = self._tracker.last_beat[rank]
-            if beat and self.world.hostnames[rank] == self.world.hostname and beat["pid"] > 0:
+            if self.world.hostnames[rank] == self.world.hostname and rank < len(self._pids) and rank != self.world.rank:
                 with contextlib.suppress(OSError):
-                    os.kill(beat["pid"], DUMP_SIGNAL)
+                    os.kill(self._pids[rank], DUMP_SIGNAL)
+                    asked = True
+        return asked
 
     def _coordinate(self, kind: str, detail: str, mismatched: tuple[int, ...] = ()) -> None:
         """Ask every rank for its dump and state, wait a little for answers, report (monitor thread).
@@ -438,7 +534,7 @@ class Monitor:
                 self._link.send(dest, TAG_NOTICE, notice)
         states: dict[int, dict[str, Any] | None] = {r: None for r in range(size)}
         states[rank] = self._state()
-        deadline = time.monotonic() + max(2.0, 2 * self.cfg.heartbeat_interval_s)
+        deadline = time.monotonic() + self._coordination_s
         while any(s is None for s in states.values()) and time.monotonic() < deadline:
             now = time.monotonic()
             self._tracker.tick(now)
@@ -446,7 +542,8 @@ class Monitor:
                 self._tracker.heard(source, fields, now)
                 if tag == TAG_ACK:
                     states[source] = {k: fields[k] for k in ("step", "seq", "op", "bucket", "cseq", "cop", "digest",
-                                                             "open_seq", "open_op", "open_bucket", "open_s")}
+                                                             "open_seq", "open_op", "open_bucket", "open_s",
+                                                             "guard", "guard_s")}
                 elif tag == TAG_NOTICE:
                     self._answer(source, fields)
                 if tag in (TAG_ACK, TAG_NOTICE) and fields["kind"] and source < rank:
@@ -467,7 +564,7 @@ class Monitor:
         """Leave the report to another rank; end the job here only if it never does."""
         self._coordinating = ""
         if self._doomed_at is None:
-            self._doomed_at = time.monotonic() + max(2.0, 2 * self.cfg.heartbeat_interval_s) + 15.0
+            self._doomed_at = time.monotonic() + self._coordination_s + 15.0
 
     def _dump(self, kind: str, detail: str) -> None:
         """Write this rank's stacks and flight recorder to ``stall.rank<r>.txt`` (once)."""
@@ -482,7 +579,11 @@ class Monitor:
                         f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n{detail}\n"
                         f"step {self.recorder.step}; stall timeout {self._timeout_s:.1f} s\n\n"
                         f"== flight recorder (oldest first; started = seconds before this dump) ==\n")
-                f.write(format_entries(self.recorder.entries()[-64:], time.monotonic()) + "\n\n")
+                now = time.monotonic()
+                f.write(format_entries(self.recorder.entries()[-64:], now) + "\n\n")
+                f.write("== guarded waits (hpcnet.watchdog), oldest first ==\n" + "".join(
+                    f"{g.what}: {g.elapsed_s(now):.1f} s of {g.deadline - g.started:.0f} s ({g.option})\n"
+                    for g in sorted(self.deadlines.guards(), key=lambda g: g.started)) + "\n")
                 names = {t.ident: t.name for t in threading.enumerate()}
                 f.write("== threads ==\n" + "".join(f"0x{i:x} {n}\n" for i, n in names.items()) + "\n")
                 f.write("== Python stacks (faulthandler) ==\n")
@@ -507,8 +608,8 @@ class Monitor:
         if self.on_failure is not None:
             self.on_failure(report)
             return
-        if report["kind"] == "heartbeat":
-            self._signal_local_peers([f["rank"] for f in report["failed"]])
+        silent = [f["rank"] for f in report["failed"] if f.get("why", "silent") == "silent"]
+        if silent and self._signal_local_peers(silent):
             # A moment for a silent peer to print its stacks, and for its other
             # watcher to add what it saw to failure.json, before the abort.
             time.sleep(min(0.5, self.cfg.heartbeat_interval_s))
@@ -516,7 +617,8 @@ class Monitor:
             handler.flush()
         self.comm.Abort(ExitCode.RESTARTABLE)
 
-    def _register_dump_signal(self) -> None:
+    @staticmethod
+    def _register_dump_signal() -> None:
         stream = sys.__stderr__
         try:
             if stream is None:
@@ -525,4 +627,3 @@ class Monitor:
         except (OSError, ValueError):
             return
         faulthandler.register(DUMP_SIGNAL, file=stream, all_threads=True, chain=False)
-        self._dump_handler = True

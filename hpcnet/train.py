@@ -250,7 +250,8 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
         faults = FaultInjector(cfg.fault, world)  # fault.*: off unless testing recovery
         manager = CheckpointManager(comm, checkpoint_dir(cfg), keep=cfg.checkpoint.keep,
                                     full_every=cfg.checkpoint.full_every, async_save=cfg.checkpoint.async_save,
-                                    move_aside=cfg.checkpoint.move_aside, fault=faults.io_fault)
+                                    move_aside=cfg.checkpoint.move_aside, fault=faults.io_fault,
+                                    deadlines=monitor.deadlines, timeout_s=cfg.checkpoint.timeout_s)
         state = TrainState(cfg, model, optimizer, sampler, manager)
         result = TrainResult(model, optimizer)
         loader = None

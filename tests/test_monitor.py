@@ -54,9 +54,11 @@ def test_two_adjacent_failures_are_both_watched_by_a_live_rank():
 def test_beat_round_trip():
     vector = encode(session=12345, rank=3, state=RUNNING, step=17, seq=99, op="allreduce.bucket", bucket=2,
                     cseq=98, cop="reducer.launched", digest=2**52 - 1, open_seq=98, open_op="reducer.launched",
-                    open_bucket=-1, open_s=1.5, wall=1.7e9, pid=4242, kind="stall")
-    assert vector.shape == (len(FIELDS),) and vector.nbytes == 136
+                    open_bucket=-1, open_s=1.5, wall=1.7e9, pid=4242, kind="stall", guard="checkpoint.create",
+                    guard_s=0.25, guard_left_s=119.5)
+    assert vector.shape == (len(FIELDS),) and vector.nbytes == 160
     beat = decode(vector)
+    assert beat["guard"] == "checkpoint.create" and beat["guard_s"] == 0.25 and beat["guard_left_s"] == 119.5
     assert beat["rank"] == 3 and beat["step"] == 17 and beat["op"] == "allreduce.bucket" and beat["bucket"] == 2
     assert beat["cop"] == "reducer.launched" and beat["cseq"] == 98 and beat["digest"] == 2**52 - 1  # exact
     assert beat["open_op"] == "reducer.launched" and beat["open_s"] == 1.5 and beat["kind"] == "stall"
@@ -172,7 +174,8 @@ def test_reports_name_rank_host_step_and_collective(tmp_path):
                               interval_s=2.0, misses=3)
     assert report["failed"][0] == {"rank": 3, "host": "n1", "silent_s": 6.1, "last_step": 42, "last_beat_step": 42,
                                    "collective": "allreduce.bucket[1] (#300)",
-                                   "last_collective": "allreduce.bucket[1] (#300)", "pid": 99}
+                                   "last_collective": "allreduce.bucket[1] (#300)", "pid": 99, "guard": None}
+    assert report["kind"] == "heartbeat"
     assert report["failed"][1]["last_step"] is None
     assert ("rank 3 on n1 missed 3 heartbeats (silent for 6.1 s; interval 2 s): last seen at step 42, in "
             "allreduce.bucket[1] (#300) for 0.2 s") in report["message"]

@@ -1,0 +1,430 @@
+"""Deadlines on checkpoint I/O and start-up, the native last resort, and saves that must not be failures.
+
+Pure logic on one process; the monitor's deadlines under MPI at any size;
+and launches (serial pass): a checkpoint writer stuck with the GIL released
+(the monitors report it), every rank stuck holding the GIL (only the native
+watchdog can), a hang at start-up, a peer whose saves are 20 s slow (not a
+failure), and the stacks signal while a thread holds the GIL.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpcnet.config import CheckpointConfig, FaultConfig, MonitorConfig
+from hpcnet.errors import ConfigError, ExitCode
+from hpcnet.heartbeat import PeerTracker, decode, encode
+from hpcnet.monitor import DUMP_SIGNAL, Monitor, heartbeat_report, stall_report
+from hpcnet.watchdog import IO_TIMEOUT_FLOOR_S, Deadlines, analyze_io, io_timeout_s
+from hpcnet.world import discover
+from tests.conftest import ROOT, clean_env
+
+# --- pure logic ------------------------------------------------------------------
+
+
+def test_io_timeout_rules():
+    assert io_timeout_s(30.0, 500.0, 10**12) == 30.0  # configured wins
+    assert io_timeout_s(0.0, None) == IO_TIMEOUT_FLOOR_S == 120.0
+    assert io_timeout_s(0.0, 3.0) == 120.0  # 10 x 3 s is under the floor
+    assert io_timeout_s(0.0, 40.0) == 400.0  # 10 x the last save
+    assert io_timeout_s(0.0, None, 50 * 2**30) == 5120.0  # a first save of 50 GiB: at 10 MiB/s
+
+
+def test_deadlines_expire_the_first_and_start_up_does_not_count_loads():
+    changes = []
+    deadlines = Deadlines(on_change=lambda: changes.append(len(deadlines.guards())))
+    startup = deadlines.open("startup", 5.0, kind="startup", option="monitor.startup_timeout_s")
+    assert deadlines.expired(startup.started + 4.9) is None
+    assert deadlines.expired(startup.started + 5.1) is startup
+    with deadlines.guard("checkpoint.load", 100.0, what="checkpoint.load") as load:
+        assert deadlines.innermost() is load and deadlines.earliest() is startup and deadlines.quiet() is None
+        time.sleep(0.2)
+    assert startup.extra_s >= 0.2  # the load's time is given back to start-up
+    assert deadlines.expired(startup.started + 5.1) is None
+    create = deadlines.open("checkpoint.create", 60.0, quiet=True)
+    wait = deadlines.open("checkpoint.wait", 60.0)
+    assert deadlines.quiet() is create and deadlines.innermost() is create  # a wait names what it waits for
+    deadlines.close(wait)
+    deadlines.close(create)
+    deadlines.close(create)  # twice is harmless
+    deadlines.close(startup)
+    assert deadlines.guards() == [] and changes == [1, 2, 1, 2, 3, 2, 1, 0]
+    with pytest.raises(ValueError, match="unknown guard"):
+        deadlines.open("checkpoint.typo", 1.0)
+    with pytest.raises(ValueError, match="positive number"):
+        deadlines.open("checkpoint.load", float("nan"))
+
+
+def test_watchers_allow_the_silence_of_an_announced_create():
+    tracker = PeerTracker([1, 2], interval_s=2.0, misses=3, now=0.0, guard_slack_s=8.0)
+    tracker.heard(1, decode(encode(step=5, guard="checkpoint.create", guard_s=0.1, guard_left_s=100.0)), 0.0)
+    tracker.heard(2, decode(encode(step=5, guard="checkpoint.write", guard_s=0.1)), 0.0)  # not quiet
+    for t in np.arange(0.05, 30.0, 0.05):
+        tracker.tick(t)
+    assert tracker.overdue(30.0) == [2]  # a rank that may not be silent is found as fast as ever
+    for t in np.arange(30.0, 113.9, 0.05):
+        tracker.tick(t)
+    assert tracker.overdue(113.9) == [2]  # 100 s announced + 3 x 2 s + 8 s for its peers' own report
+    tracker.tick(114.1)
+    assert tracker.overdue(114.1) == [1, 2]
+    silent_past_deadline = heartbeat_report({1: (114.1, tracker.last_beat[1])}, ("h",) * 3, detector=0,
+                                            interval_s=2.0, misses=3)
+    assert silent_past_deadline["kind"] == "checkpoint"  # its checkpoint I/O, not a heartbeat, is what hung
+    assert "in checkpoint.create for 0.1 s" in silent_past_deadline["message"]
+    plain = heartbeat_report({2: (6.1, tracker.last_beat[2])}, ("h",) * 3, detector=0, interval_s=2.0, misses=3)
+    assert plain["kind"] == "heartbeat" and plain["failed"][0]["guard"] == "checkpoint.write"
+
+
+def _answer(step, guard, guard_s=3.0):
+    return {"step": step, "seq": 10, "op": "step_boundary", "bucket": -1, "cseq": 10, "cop": "step_boundary",
+            "digest": 1, "open_seq": 0, "open_op": "none", "open_bucket": -1, "open_s": 0.0, "guard": guard,
+            "guard_s": guard_s}
+
+
+def test_a_checkpoint_report_names_the_rank_the_others_wait_for():
+    states = {0: _answer(20, "checkpoint.meet"), 1: _answer(20, "checkpoint.create"), 2: _answer(20, "checkpoint.meet")}
+    analysis = analyze_io(states)
+    assert analysis["behind"] == [1] and "ranks [1] did not reach the collective file create" in analysis["lines"][-1]
+    report = stall_report("checkpoint", "checkpoint.write (step 20) has not finished after 10.0 s", states,
+                          ("a", "b", "c"), detector=0)
+    assert report["kind"] == "checkpoint" and report["failed"] == [
+        {"rank": 1, "host": "b", "last_step": 20, "why": "behind"}]
+    assert "checkpoint I/O past its deadline detected by rank 0 on a" in report["message"]
+    assert "rank 1: step 20, in checkpoint.create for 3.0 s <- the others wait for it" in report["message"]
+    stuck = analyze_io({0: _answer(20, "checkpoint.write"), 1: None})
+    assert stuck["silent"] == [1] and "did not answer" in stuck["lines"][-1] and "holding the GIL" in stuck["lines"][1]
+    assert "file system (or MPI-IO) is stuck" in analyze_io({0: _answer(20, "checkpoint.write")})["lines"][-1]
+
+
+def test_new_options_are_validated():
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="checkpoint.timeout_s"):
+            CheckpointConfig(timeout_s=bad)
+        with pytest.raises(ConfigError, match="fault.slow_save_s"):
+            FaultConfig(slow_save_s=bad)
+    for bad in (0.0, -5.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="monitor.startup_timeout_s"):
+            MonitorConfig(startup_timeout_s=bad)
+    for name in ("stuck_save_at_step", "stuck_fs_at_step"):
+        with pytest.raises(ConfigError, match=f"fault.{name}"):
+            FaultConfig(**{name: -1})
+
+
+NATIVE = '''
+import sys, threading, time
+from pathlib import Path
+from hpcnet.faults import block_holding_the_gil
+from hpcnet.watchdog import NativeWatchdog
+
+run_dir, disarm = Path(sys.argv[1]), sys.argv[2] == "disarm"
+watchdog = NativeWatchdog(75)
+watchdog.arm(time.monotonic() + 1.0, message="it's the native watchdog", failure_path=run_dir / "failure.json",
+             report={"kind": "checkpoint", "why": "a 'quoted' $(reason) `here`"})
+if disarm:
+    watchdog.disarm()
+    time.sleep(2.0)
+    print("still alive", flush=True)
+    sys.exit(0)
+threading.Thread(target=block_holding_the_gil, name="stuck-writer", daemon=True).start()
+block_holding_the_gil()  # the main thread too: no Python code runs any more in this process
+'''
+
+
+@pytest.mark.timeout(60)
+def test_native_watchdog_ends_a_process_whose_python_cannot_run(tmp_path):
+    if MPI.COMM_WORLD.Get_size() > 1:
+        pytest.skip("starts its own processes; runs in the serial pass")
+    script = tmp_path / "native.py"
+    script.write_text(NATIVE)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, str(script), str(tmp_path), "hold"], env=env, capture_output=True,
+                         text=True, timeout=30)
+    elapsed = time.monotonic() - started
+    assert out.returncode == ExitCode.RESTARTABLE, out.stderr
+    assert elapsed < 10
+    assert "it's the native watchdog" in out.stderr
+    assert "in block_holding_the_gil" in out.stderr and "most recent call first" in out.stderr  # every thread
+    report = json.loads((tmp_path / "failure.json").read_text())
+    assert report == {"kind": "checkpoint", "why": "a 'quoted' $(reason) `here`"}  # the shell quoting holds
+    (tmp_path / "failure.json").unlink()
+    calm = subprocess.run([sys.executable, str(script), str(tmp_path), "disarm"], env=env, capture_output=True,
+                          text=True, timeout=30)
+    assert calm.returncode == 0 and "still alive" in calm.stdout and not (tmp_path / "failure.json").exists()
+
+
+# --- the monitor's deadlines under MPI ---------------------------------------------------
+
+def _monitor(comm, run_dir, found, **options):
+    cfg = MonitorConfig(heartbeat_interval_s=0.5, memory_every_steps=0, **options)
+    return Monitor(cfg, comm, discover(comm), run_dir, on_failure=found.append)
+
+
+def _wait_for(condition, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_an_expired_checkpoint_deadline_is_reported_like_a_stall(comm, mpi_tmp_path):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    run_dir = mpi_tmp_path / "ckpt-deadline"
+    if rank == 0:
+        run_dir.mkdir()
+    comm.Barrier()
+    found = []
+    monitor = _monitor(comm, run_dir, found).start()
+    monitor.step(1)
+    # Every rank saves; the last one never gets to the create, the others wait for it there.
+    write = monitor.deadlines.open("checkpoint.write", 0.6, what="checkpoint.write (step 1)")
+    waiting = monitor.deadlines.open("checkpoint.create" if rank == size - 1 else "checkpoint.meet", 30.0)
+    if rank == 0:
+        _wait_for(lambda: found, 20)
+    dumped = _wait_for(lambda: (run_dir / f"stall.rank{rank}.txt").exists(), 20)
+    # Done at once: a test that lingered past the deadline plus the grace would meet the native watchdog.
+    monitor.deadlines.close(waiting)
+    monitor.deadlines.close(write)
+    comm.Barrier()
+    monitor.stop()
+    assert dumped
+    dump = (run_dir / f"stall.rank{rank}.txt").read_text()
+    assert "== guarded waits" in dump and "checkpoint.write (step 1)" in dump
+    if rank == 0:
+        assert found, "the expired deadline was not reported"
+        report = found[0]
+        assert report["kind"] == "checkpoint" and "checkpoint.write (step 1) has not finished" in report["detail"]
+        assert "(checkpoint.timeout_s = 1 s)" in report["detail"]
+        if size > 1:
+            assert report["failed"] == [{"rank": size - 1, "host": MPI.Get_processor_name(), "last_step": 1,
+                                         "why": "behind"}]
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_start_up_has_a_deadline(comm, mpi_tmp_path):
+    rank = comm.Get_rank()
+    run_dir = mpi_tmp_path / "startup"
+    if rank == 0:
+        run_dir.mkdir()
+    comm.Barrier()
+    found = []
+    monitor = _monitor(comm, run_dir, found, startup_timeout_s=0.5).start()
+    if rank == 0:
+        _wait_for(lambda: found, 20)  # no first step: start-up never ends
+    _wait_for(lambda: (run_dir / f"stall.rank{rank}.txt").exists(), 20)
+    monitor.step(1)  # ends start-up at once (see the test above)
+    comm.Barrier()
+    monitor.stop()
+    if rank == 0:
+        assert found and found[0]["kind"] == "startup"
+        assert "start-up (before the first step) has not finished" in found[0]["detail"]
+        assert "monitor.startup_timeout_s" in found[0]["detail"]
+    calm = []
+    monitor = _monitor(comm, run_dir, calm, startup_timeout_s=0.5).start()
+    monitor.step(1)  # the first step ends start-up
+    time.sleep(1.0)
+    comm.Barrier()
+    monitor.stop()
+    assert calm == []
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_checkpoint_operations_are_guarded(comm, mpi_tmp_path):
+    import torch
+
+    from hpcnet.checkpoint import CheckpointManager
+
+    opened = []
+
+    class Recording(Deadlines):
+        def open(self, name, timeout_s, **options):
+            opened.append((name, timeout_s))
+            return super().open(name, timeout_s, **options)
+
+    deadlines = Recording()
+    tensors = {"model/w": torch.arange(64, dtype=torch.float32).reshape(8, 8)}
+    with CheckpointManager(comm, mpi_tmp_path / "guarded", deadlines=deadlines, timeout_s=0.0) as manager:
+        manager.save(1, tensors, {"state": {}}, {"rank": comm.Get_rank()})
+        manager.wait()
+        assert manager._last_save_s is not None
+        manager.load("auto")
+    assert deadlines.guards() == []  # all closed, the writer thread's too
+    assert sorted(n for n, _ in opened) == ["checkpoint.create", "checkpoint.load", "checkpoint.meet",
+                                            "checkpoint.save", "checkpoint.wait", "checkpoint.write"]
+    assert all(t == 120.0 for _, t in opened)  # a small checkpoint: the floor
+
+
+# --- launches -------------------------------------------------------------------------
+
+def _train(tmp_path: Path, *extra: str) -> list[str]:
+    return ["data.dataset=synthetic-images", f"data.dir={tmp_path / 'data'}", "data.options.num_train=512",
+            "data.options.num_eval=64", f"run.dir={tmp_path / 'run'}", "run.dir_exact=true",
+            f"checkpoint.dir={tmp_path / 'ckpt'}", "model.name=mlp", "train.batch_size=8", "train.steps=12",
+            "train.eval_every=0", "dist.probe=false", "checkpoint.every_steps=6", *extra]
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(200)
+def test_a_stuck_checkpoint_write_ends_the_job_with_75(launch, tmp_path):
+    started = time.time()
+    out = launch(2, *_train(tmp_path, "checkpoint.timeout_s=5", "fault.stuck_save_at_step=6"), timeout=180)
+    assert out.returncode == ExitCode.RESTARTABLE, out.stderr
+    report = json.loads((tmp_path / "run" / "failure.json").read_text())
+    print(f"stuck write: status 75 {time.time() - started:.1f} s after the start, "
+          f"{report['detected_wall'] - started:.1f} s to the report")
+    assert report["kind"] == "checkpoint" and "checkpoint.write (step 6) has not finished" in report["detail"]
+    assert [f["rank"] for f in report["failed"]] == [1]  # the last rank (fault.rank=-1) never got to the create
+    assert all((tmp_path / "run" / f"stall.rank{r}.txt").exists() for r in range(2))
+    assert "in _io_fault" in (tmp_path / "run" / "stall.rank1.txt").read_text()  # where its writer is stuck
+    assert "checkpoint I/O past its deadline detected" in out.stderr
+    assert not (tmp_path / "ckpt" / "ckpt-0000000006.h5").exists()
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(200)
+def test_a_stuck_file_system_ends_the_job_with_75_although_no_python_runs(launch, tmp_path):
+    started = time.time()
+    out = launch(2, *_train(tmp_path, "checkpoint.timeout_s=5", "fault.stuck_fs_at_step=6",
+                            "monitor.heartbeat_interval_s=0.5"), timeout=180)
+    elapsed = time.time() - started
+    assert out.returncode == ExitCode.RESTARTABLE, out.stderr
+    report = json.loads((tmp_path / "run" / "failure.json").read_text())
+    print(f"stuck file system: status 75 after {elapsed:.1f} s; failure.json by the native watchdog of rank "
+          f"{report['detected_by']}")
+    assert report["kind"] == "checkpoint" and report["native"] is True
+    assert "checkpoint.write (step 6) did not finish within 5 s (checkpoint.timeout_s)" in report["detail"]
+    assert "no Python code could run on this rank" in out.stderr
+    assert "in block_holding_the_gil" in out.stderr  # the stacks, printed by faulthandler's C thread
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(300)
+def test_a_peer_whose_saves_are_20_s_slow_is_not_a_failure(launch, tmp_path):
+    """Item 5: the others wait for it outside HDF5, beating; with the defaults (deadline 120 s)."""
+    started = time.monotonic()
+    out = launch(2, *_train(tmp_path, "fault.slow_save_s=20", "fault.rank=0"), timeout=280)
+    elapsed = time.monotonic() - started
+    assert out.returncode == 0, out.stderr
+    assert not (tmp_path / "run" / "failure.json").exists()
+    assert (tmp_path / "ckpt" / "ckpt-0000000012.h5").exists()
+    assert elapsed > 40  # two saves, each 20 s late on rank 0
+    print(f"20 s slow saves on rank 0: finished with 0 in {elapsed:.1f} s, no failure.json")
+
+
+TINY_SLOW = '''
+import time
+import torch
+from mpi4py import MPI
+
+
+def make_dataset(split, n=64):
+    if split == "train" and MPI.COMM_WORLD.Get_rank() == 1:
+        time.sleep(600)  # start-up never ends on this rank, while its monitor beats
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 4, (n,), generator=g)
+    return torch.utils.data.TensorDataset(torch.randn(n, 1, 8, 8, generator=g), y)
+'''
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(200)
+def test_a_hang_at_start_up_ends_within_the_start_up_deadline(launch, tmp_path):
+    (tmp_path / "tiny.py").write_text(TINY_SLOW)
+    started = time.time()
+    out = launch(2, "data.dataset=tiny:make_dataset", f"run.dir={tmp_path / 'run'}", "run.dir_exact=true",
+                 "model.name=mlp", "dist.probe=false", "monitor.startup_timeout_s=10",
+                 env={"PYTHONPATH": f"{tmp_path}:{ROOT}"}, timeout=180)
+    elapsed = time.time() - started
+    assert out.returncode == ExitCode.RESTARTABLE, out.stderr
+    report = json.loads((tmp_path / "run" / "failure.json").read_text())
+    print(f"start-up hang: status 75 after {elapsed:.1f} s ({report['detected_wall'] - started:.1f} s to the report)")
+    assert report["kind"] == "startup" and "monitor.startup_timeout_s = 10 s" in report["detail"]
+    assert "in make_dataset" in (tmp_path / "run" / "stall.rank1.txt").read_text()
+    assert elapsed < 120
+
+
+HOLDER = '''
+import sys, threading, time
+from mpi4py import MPI
+from hpcnet.faults import block_holding_the_gil
+from hpcnet.monitor import Monitor
+from hpcnet.config import MonitorConfig
+from hpcnet.world import discover
+
+comm = MPI.COMM_WORLD.Dup()
+monitor = Monitor(MonitorConfig(), comm, discover(comm), sys.argv[1]).start()
+if comm.Get_rank() == 0:
+    # Takes the GIL for good a second after the main thread entered the barrier.
+    threading.Thread(target=lambda: (time.sleep(1.0), block_holding_the_gil()), name="stuck", daemon=True).start()
+    print("holding", flush=True)
+    comm.Barrier()  # never completes: rank 1 never comes; the main thread waits inside MPI
+else:
+    time.sleep(600)
+'''
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(120)
+def test_stacks_signal_works_while_a_thread_holds_the_gil_and_another_waits_in_mpi(tmp_path):
+    if MPI.COMM_WORLD.Get_size() > 1:
+        pytest.skip("launches its own mpirun; runs in the serial pass")
+    (tmp_path / "holder.py").write_text(HOLDER)
+    proc = subprocess.Popen(["mpirun", "-np", "2", sys.executable, "-m", "mpi4py", str(tmp_path / "holder.py"),
+                             str(tmp_path)], env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=tmp_path)
+    try:
+        assert proc.stdout.readline().strip() == "holding"
+        time.sleep(1.0)
+        ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert len(ranks) == 2
+        for pid in ranks:
+            os.kill(int(pid), DUMP_SIGNAL)
+        time.sleep(3.0)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    barrier_line = HOLDER.splitlines().index(next(line for line in HOLDER.splitlines() if "comm.Barrier()" in line))
+    assert "in block_holding_the_gil" in err  # the thread that holds the GIL
+    assert f'holder.py", line {barrier_line + 1} in <module>' in err  # the main thread, inside MPI_Barrier
+    assert "in _run" in err  # the monitor threads, blocked behind the GIL on rank 0
+    assert err.count("most recent call first") >= 4  # several threads on each of the two ranks
+
+
+class _Link:
+    session = 1
+
+    def __init__(self):
+        self.beats = []
+
+    def send_beat(self, dests, vector):
+        self.beats.append(decode(vector))
+
+
+def test_extra_beats_never_delay_the_next_regular_one(tmp_path):
+    """A guard's announcement is an extra beat; a burst of them (a save opens and closes several) must
+    not push the regular beats back, or the watchers see a silence after the burst."""
+    world = discover(MPI.COMM_SELF)
+    monitor = Monitor(MonitorConfig(heartbeat_interval_s=2.0), MPI.COMM_SELF, world, tmp_path)
+    monitor._link = link = _Link()
+    monitor._beat_if_due(0.0)
+    for t in np.arange(0.1, 1.9, 0.1):  # 18 announcements within one interval
+        monitor._beat_now = True
+        monitor._beat_if_due(t)
+    monitor._beat_if_due(1.95)
+    assert len(link.beats) == 19
+    monitor._beat_if_due(2.0)  # the regular beat, on time
+    assert len(link.beats) == 20
