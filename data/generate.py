@@ -8,13 +8,13 @@ from pathlib import Path
 
 
 def run() -> int:
-    """Call ``hpcnet.data.main`` with ``generate`` and this script's arguments."""
+    """Call ``hpcnet.data.synthetic.main`` with ``generate`` and this script's arguments."""
     try:
-        from hpcnet.data import main
+        from hpcnet.data.synthetic import main
     except ModuleNotFoundError:
         # Run from a checkout without installing hpcnet: the package sits next to this folder.
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from hpcnet.data import main
+        from hpcnet.data.synthetic import main
     return main(["generate", *sys.argv[1:]])
 
 

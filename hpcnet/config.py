@@ -535,7 +535,7 @@ def check_same_config(comm: Any, cfg: Config) -> None:
             groups.setdefault(digest, []).append(rank)
         majority = max(groups.values(), key=len)
         odd = sorted(r for ranks in groups.values() if ranks is not majority for r in ranks)
-        from hpcnet.world import agreed
+        from hpcnet.agree import agreed
 
         raise agreed(ConfigError(
             f"ranks disagree on the configuration: ranks {odd} differ from ranks {majority[:8]}"

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hpcnet.errors import UsageError
-from hpcnet.world import agree_on_error
+from hpcnet.agree import agree_on_error
 
 _FORMAT = "%(asctime)s rank %(rank)s %(levelname)s %(name)s: %(message)s"
 

@@ -28,21 +28,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpcnet import __version__
-from hpcnet.bootstrap import DataPlane, init_data_plane
-from hpcnet.checkpoint import CheckpointManager
+from hpcnet.comm.bootstrap import DataPlane, init_data_plane
+from hpcnet.ckpt.manager import CheckpointManager
 from hpcnet.config import Config, OptimConfig, check_same_config, describe_options, load_config, to_toml
-from hpcnet.data import BatchLoader, GlobalBatchSampler, eval_indices, open_dataset
-from hpcnet.dataparallel import DataParallel, decide_plan
+from hpcnet.data.loader import BatchLoader, GlobalBatchSampler, eval_indices, open_dataset
+from hpcnet.comm.dataparallel import DataParallel, decide_plan
 from hpcnet.errors import ExitCode
-from hpcnet.faults import FaultInjector
-from hpcnet.flightrec import NULL_RECORDER
+from hpcnet.fault.inject import FaultInjector
+from hpcnet.fault.flightrec import NULL_RECORDER
 from hpcnet.models import build_model, count_parameters
-from hpcnet.monitor import Monitor
+from hpcnet.fault.monitor import Monitor
 from hpcnet.runlog import MetricsWriter, close_logging, format_duration, make_run_dir, setup_logging
-from hpcnet.topology import probe, recommend
-from hpcnet.trainstate import (NONFINITE_GRAD, NONFINITE_LOSS, StepBoundary, TrainState, checkpoint_dir,
-                               should_save)
-from hpcnet.world import World, choose_device, cpu_threads, discover, exit_code_of, is_agreed, shared_errors
+from hpcnet.comm.topology import probe, recommend
+from hpcnet.ckpt.state import NONFINITE_GRAD, NONFINITE_LOSS, StepBoundary, TrainState, checkpoint_dir, should_save
+from hpcnet.comm.world import World, choose_device, cpu_threads, discover
+from hpcnet.agree import is_agreed, shared_errors
+from hpcnet.errors import exit_code_of
 
 log = logging.getLogger("hpcnet.train")
 

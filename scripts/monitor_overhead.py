@@ -23,10 +23,10 @@ from mpi4py import MPI
 from torch import nn
 
 from hpcnet.config import DistConfig, MonitorConfig
-from hpcnet.dataparallel import DataParallel
-from hpcnet.flightrec import NULL_RECORDER
-from hpcnet.monitor import Monitor
-from hpcnet.world import cpu_threads, discover
+from hpcnet.comm.dataparallel import DataParallel
+from hpcnet.fault.flightrec import NULL_RECORDER
+from hpcnet.fault.monitor import Monitor
+from hpcnet.comm.world import cpu_threads, discover
 
 
 def main() -> None:

@@ -29,8 +29,8 @@ def comm():
 @pytest.fixture(scope="session")
 def data_plane():
     """torch.distributed (gloo) over COMM_WORLD, initialised once per session."""
-    from hpcnet.bootstrap import init_data_plane
-    from hpcnet.world import discover
+    from hpcnet.comm.bootstrap import init_data_plane
+    from hpcnet.comm.world import discover
 
     import torch
 
@@ -44,7 +44,7 @@ def data_plane():
 
 def tiny_images(comm, directory: Path, name: str, *, num_train: int, num_eval: int, seed: int) -> Path:
     """A small 4-class 1x8x8 image set shared by the ranks of ``comm``: rank 0 writes it once (collective)."""
-    from hpcnet.data import generate_images
+    from hpcnet.data.loader import generate_images
 
     path = directory / name
     if comm.Get_rank() == 0 and not path.exists():

@@ -5,11 +5,11 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from hpcnet.allreduce import Reducer, plan_buckets
+from hpcnet.comm.reducer import Reducer, plan_buckets
 from hpcnet.config import DistConfig, load_config
-from hpcnet.dataparallel import DataParallel, Plan, build_transport, decide_plan, plan_transport
+from hpcnet.comm.dataparallel import DataParallel, Plan, build_transport, decide_plan, plan_transport
 from hpcnet.errors import RestartableError, UsageError
-from hpcnet.world import discover
+from hpcnet.comm.world import discover
 
 
 def test_plan_buckets_reverse_order_and_caps():
@@ -315,7 +315,7 @@ def fake_nccl(monkeypatch):
 def test_hierarchical_nccl_phases_wait_for_each_other_on_the_stream(fake_nccl):
     import datetime
 
-    from hpcnet.transport import HierarchicalTransport
+    from hpcnet.comm.transport import HierarchicalTransport
 
     transport = HierarchicalTransport(_FakeComm(), node_index=0, local_rank=0, kind="nccl", timeout_s=42)
     # the subgroups get dist.timeout_s: NCCL's watchdog enforces it, not a CPU wait
@@ -339,7 +339,7 @@ def test_hierarchical_nccl_phases_wait_for_each_other_on_the_stream(fake_nccl):
 def test_only_gloo_works_are_waited_for_with_a_timeout(fake_nccl):
     import datetime
 
-    from hpcnet.transport import TorchTransport
+    from hpcnet.comm.transport import TorchTransport
 
     TorchTransport("g", "nccl", 2).start(torch.zeros(4)).wait(30.0)
     assert fake_nccl[-1] == ("wait", "all_reduce", (), {})
@@ -374,7 +374,7 @@ class _CountingComm:
 
 @pytest.mark.mpi
 def test_buffers_of_every_dtype_travel_in_one_broadcast(comm):
-    from hpcnet.allreduce import broadcast_buffers
+    from hpcnet.comm.reducer import broadcast_buffers
 
     model, counting = _BufferNet(float(comm.Get_rank())), _CountingComm(comm)
     broadcast_buffers(model, counting)
@@ -387,7 +387,7 @@ def test_buffers_on_a_nccl_group_are_broadcast_on_the_device(monkeypatch):
     """The NCCL path: one broadcast of the flat tensor, waited for on the stream; no MPI, no host copy."""
     import torch.distributed as dist
 
-    from hpcnet.allreduce import broadcast_buffers
+    from hpcnet.comm.reducer import broadcast_buffers
 
     rank0 = torch.cat([b.reshape(-1).view(torch.uint8)
                        for b in sorted(_BufferNet(5.0).buffers(), key=lambda b: -b.element_size())])

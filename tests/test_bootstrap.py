@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from hpcnet.bootstrap import init_data_plane, interfaces
-from hpcnet.world import discover
+from hpcnet.comm.bootstrap import init_data_plane, interfaces
+from hpcnet.comm.world import discover
 
 
 def listening_sockets(pid: str = "self") -> dict[str, tuple[str, int]]:
@@ -84,8 +84,8 @@ def test_data_plane_allreduce(data_plane, comm):
 PROBE = """
 import json, sys, torch, torch.distributed as dist
 from mpi4py import MPI
-from hpcnet.bootstrap import init_data_plane
-from hpcnet.world import discover
+from hpcnet.comm.bootstrap import init_data_plane
+from hpcnet.comm.world import discover
 from tests.test_bootstrap import listening_sockets
 comm = MPI.COMM_WORLD
 world = discover(comm)

@@ -18,9 +18,9 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from hpcnet.checkpoint import (CheckpointManager, flatten_state, load_checkpoint, restore_state, rng_state,
-                               set_rng_state)
-from hpcnet.ckpt_format import (BLOCK_BYTES, CheckpointInfo, block_hashes, check_names_nest, check_tensor_name,
+from hpcnet.ckpt.manager import (CheckpointManager, flatten_state, load_checkpoint, restore_state, rng_state,
+                                 set_rng_state)
+from hpcnet.ckpt.format import (BLOCK_BYTES, CheckpointInfo, block_hashes, check_names_nest, check_tensor_name,
                                 make_spec, plan_ownership, plan_retention, resolve_chain, write_pieces)
 from hpcnet.errors import UsageError
 
@@ -451,7 +451,7 @@ def test_ckpt_tool_and_h5ls(single_process, tmp_path, capsys):
     with h5py.File(directory / "ckpt-0000000010.h5", "r") as f:  # plain serial h5py
         assert f["tensors/model/0.weight"].shape == (300, 16) and f["tensors/model/bf16"].attrs["dtype"] == "bfloat16"
     # the error paths in-process (a subprocess costs seconds of imports)
-    from hpcnet.ckpt import main as ckpt_main
+    from hpcnet.ckpt.tool import main as ckpt_main
 
     _flip_bytes_in(directory / "ckpt-0000000010.h5", "tensors/model/0.weight")
     out = io.StringIO()
@@ -646,7 +646,7 @@ def test_a_checkpoint_replaced_between_listing_and_reading_is_an_error(comm, mpi
 def test_every_rank_must_see_the_same_checkpoints(comm, mpi_tmp_path, monkeypatch):
     if comm.Get_size() == 1:
         pytest.skip("needs ranks that can disagree")
-    import hpcnet.checkpoint as checkpoint
+    import hpcnet.ckpt.tool.manager as checkpoint
 
     directory = _fresh_dir(comm, mpi_tmp_path / "node-local")
     with CheckpointManager(comm, directory, async_save=False) as manager:
@@ -708,7 +708,7 @@ def _checkpoint_file(directory):
 
 def _rewrite_index(path, edit):
     """Change a checkpoint's /index and fix up its checksum, as someone crafting a file would."""
-    from hpcnet.ckpt_format import sha256_hex
+    from hpcnet.ckpt.format import sha256_hex
 
     with h5py.File(path, "r+") as f:
         index = json.loads(f["index"][()].tobytes())
@@ -757,7 +757,7 @@ def test_a_file_declaring_a_64_gib_tensor_is_rejected_without_allocating_it(sing
 
 @pytest.mark.parametrize("trick", ["external-link", "soft-link", "external-storage", "unstored"])
 def test_files_that_read_elsewhere_or_declare_more_than_they_hold_are_rejected(single_process, tmp_path, trick):
-    from hpcnet.ckpt import main as ckpt_main
+    from hpcnet.ckpt.tool import main as ckpt_main
 
     path = _checkpoint_file(tmp_path / "crafted")
     donor = tmp_path / "donor.h5"

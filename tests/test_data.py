@@ -13,9 +13,10 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from hpcnet import data
-from hpcnet.data import (BatchLoader, GlobalBatchSampler, H5Split, TorchDatasetSplit, ensure_synthetic, eval_indices,
-                         generate_images, generate_tokens, main, open_dataset, open_split)
+from hpcnet.data import loader as data
+from hpcnet.data.loader import (BatchLoader, GlobalBatchSampler, H5Split, TorchDatasetSplit, eval_indices,
+                                open_dataset, open_split)
+from hpcnet.data.synthetic import ensure_synthetic, generate_images, generate_tokens, main
 from hpcnet.errors import ConfigError, DatasetError
 from hpcnet.models import DatasetInfo
 
@@ -560,7 +561,7 @@ def small_synthetic(monkeypatch):
     """Make the built-in generators write tiny files, so ensure_synthetic tests are fast."""
     tokens_small = generate_tokens
     images_small = generate_images
-    from hpcnet import synthetic
+    from hpcnet.data import synthetic
 
     monkeypatch.setattr(synthetic, "generate_tokens",
                         lambda path, *, seed: tokens_small(path, num_train=64, num_eval=16, seq_len=8, seed=seed))

@@ -10,13 +10,14 @@ import signal
 import pytest
 import torch
 
-from hpcnet.checkpoint import CheckpointManager, load_checkpoint
+from hpcnet.ckpt.manager import CheckpointManager, load_checkpoint
 from hpcnet.config import FaultConfig, load_config
 from tests.conftest import tiny_images
 from hpcnet.errors import ConfigError, ExitCode, UsageError
-from hpcnet.faults import ATTEMPT_ENV, FaultInjector, corrupt_newest, current_attempt
+from hpcnet.fault.inject import ATTEMPT_ENV, FaultInjector, corrupt_newest, current_attempt
 from hpcnet.train import run
-from hpcnet.world import World, exit_code_of
+from hpcnet.comm.world import World
+from hpcnet.errors import exit_code_of
 
 
 def _world(rank=0, size=4):

@@ -14,13 +14,15 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from hpcnet import faults, launch
+from hpcnet.fault import inject as faults
+from hpcnet.launch import supervisor as launch
 from hpcnet.config import load_config
 from hpcnet.errors import ExitCode
-from hpcnet.launch import (attempt_command, backoff_s, default_checkpoint_dir, describe_failure, exclude_hosts,
-                           expand_nodelist, expand_tasks_per_node, failed_where, failure_from_line, is_restartable,
-                           normalise_status, resume_args, slurm_allocation, train_args_start)
-from hpcnet.trainstate import checkpoint_dir
+from hpcnet.launch.supervisor import (attempt_command, backoff_s, default_checkpoint_dir, describe_failure,
+                                      exclude_hosts, expand_nodelist, expand_tasks_per_node, failed_where,
+                                      failure_from_line, is_restartable, normalise_status, resume_args,
+                                      slurm_allocation, train_args_start)
+from hpcnet.ckpt.state import checkpoint_dir
 
 TRAIN = ["mpirun", "-np", "2", "python", "-m", "mpi4py", "-m", "hpcnet.train"]
 
@@ -323,7 +325,7 @@ def test_an_uncreatable_launch_directory_is_a_clear_error(tmp_path):
 # --- real recoveries: mpirun, hpcnet.train, injected faults --------------------------------
 
 def _train_command(tmp_path, name, *extra):
-    from hpcnet.data import generate_images
+    from hpcnet.data.loader import generate_images
 
     dataset = tmp_path / "tiny.h5"
     if not dataset.exists():
@@ -337,7 +339,7 @@ def _train_command(tmp_path, name, *extra):
 
 
 def _final_tensors(tmp_path, name):
-    from hpcnet.checkpoint import load_checkpoint
+    from hpcnet.ckpt.manager import load_checkpoint
 
     loaded = load_checkpoint(MPI.COMM_SELF, "auto", tmp_path / "runs" / f"{name}.ckpt")
     assert loaded.step == 10
@@ -379,7 +381,7 @@ def test_killed_rank_is_restarted_and_ends_identical(tmp_path, reference):
 
 def _monitor_missing() -> str:
     train = Path(__file__).resolve().parents[1] / "hpcnet" / "train.py"
-    if importlib.util.find_spec("hpcnet.monitor") is None or "monitor" not in train.read_text():
+    if importlib.util.find_spec("hpcnet.fault.monitor") is None or "monitor" not in train.read_text():
         return "the heartbeat monitor (hpcnet/monitor.py, wired into train.py) is not there yet"
     return ""
 

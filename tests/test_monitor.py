@@ -20,11 +20,11 @@ from mpi4py import MPI
 
 from hpcnet.config import MonitorConfig, load_config
 from hpcnet.errors import ExitCode
-from hpcnet.flightrec import FlightRecorder, analyze_stall, desync, format_entries, stall_timeout
-from hpcnet.heartbeat import FIELDS, LEAVING, RUNNING, PeerTracker, decode, encode, ring_peers
-from hpcnet.memwatch import MemoryWatch, Series, steady_growth, theil_sen_slope
-from hpcnet.monitor import DUMP_SIGNAL, Monitor, heartbeat_report, merge_reports, stall_report, write_failure
-from hpcnet.world import discover
+from hpcnet.fault.flightrec import FlightRecorder, analyze_stall, desync, format_entries, stall_timeout
+from hpcnet.fault.heartbeat import FIELDS, LEAVING, RUNNING, PeerTracker, decode, encode, ring_peers
+from hpcnet.fault.memwatch import MemoryWatch, Series, steady_growth, theil_sen_slope
+from hpcnet.fault.monitor import DUMP_SIGNAL, Monitor, heartbeat_report, merge_reports, stall_report, write_failure
+from hpcnet.comm.world import discover
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -249,7 +249,7 @@ def test_series_warns_once_per_window_and_reports_the_trend():
 
 def test_memory_watch_samples_every_n_steps(monkeypatch, tmp_path, caplog):
     values = iter([500.0 + 50 * i for i in range(100)])
-    monkeypatch.setattr("hpcnet.memwatch.rss_mb", lambda: next(values))
+    monkeypatch.setattr("hpcnet.fault.memwatch.rss_mb", lambda: next(values))
     watch = MemoryWatch(every_steps=10, window=4, growth_mb=100.0, run_dir=tmp_path, rank=3)
     for step in range(1, 101):
         watch.maybe_sample(step)
@@ -498,8 +498,8 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 from hpcnet.config import MonitorConfig
-from hpcnet.monitor import Monitor
-from hpcnet.world import discover
+from hpcnet.fault.monitor import Monitor
+from hpcnet.comm.world import discover
 
 mode, interval, run_dir = sys.argv[1], float(sys.argv[2]), Path(sys.argv[3])
 comm = MPI.COMM_WORLD.Dup()

@@ -106,7 +106,7 @@ def test_bad_resume_path_fails_on_every_rank(comm, data_plane, mpi_tmp_path):
 @pytest.mark.timeout(120)
 def test_rng_state_that_fails_to_restore_on_one_rank_stops_every_rank(comm, data_plane, mpi_tmp_path, monkeypatch):
     """Each rank restores its own RNG state: a failure there is shared, not a hang of the others."""
-    from hpcnet import trainstate
+    from hpcnet.ckpt import state as trainstate
 
     dataset = _dataset(comm, mpi_tmp_path)
     run(_cfg(mpi_tmp_path, dataset, "rng", "model.name=mlp", "train.steps=10"), comm, plane=data_plane)
@@ -203,7 +203,7 @@ def test_a_rollback_sticks_and_resume_auto_goes_by_commit_order(launch, tmp_path
 
 @pytest.mark.launch
 def test_resume_auto_with_every_checkpoint_damaged_stops_and_lists_them(launch, tmp_path):
-    from hpcnet.faults import corrupt_newest
+    from hpcnet.fault.inject import corrupt_newest
 
     directory = tmp_path / "runs" / "x.ckpt"
     assert launch(2, *_run_args(tmp_path, "train.steps=20")).returncode == 0
@@ -290,7 +290,7 @@ def test_a_node_local_checkpoint_directory_is_an_error_not_a_fresh_start(tmp_pat
 def test_resume_at_another_world_size(launch, tmp_path, saved_ranks, resumed_ranks):
     """The saved position is no whole number of the new global batches: the epoch goes on from it, and its
     tail is dropped where the new grid runs out (seen in the epoch each step logs)."""
-    from hpcnet.data import GlobalBatchSampler
+    from hpcnet.data.loader import GlobalBatchSampler
 
     dataset = tiny_images(MPI.COMM_SELF, tmp_path, "reshard.h5", num_train=211, num_eval=16, seed=3)
     common = [f"data.dataset={dataset}", f"checkpoint.dir={tmp_path / 'ckpt'}", "run.dir_exact=true",

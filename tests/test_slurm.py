@@ -21,8 +21,8 @@ import torch
 from mpi4py import MPI
 
 from conftest import ROOT, clean_env
-from hpcnet import launch
-from hpcnet.data import generate_images
+from hpcnet.launch import supervisor as launch
+from hpcnet.data.synthetic import generate_images
 
 pytestmark = [
     pytest.mark.slurm,
@@ -107,7 +107,7 @@ class Job:
 
     def final_state(self) -> dict[str, torch.Tensor]:
         """Every tensor of the newest checkpoint: model parameters and optimizer state."""
-        from hpcnet.checkpoint import load_checkpoint
+        from hpcnet.ckpt.manager import load_checkpoint
 
         loaded = load_checkpoint(MPI.COMM_SELF, str(self.checkpoints))
         assert loaded is not None and loaded.step == STEPS, f"job {self.id}: no checkpoint at step {STEPS}"

@@ -8,10 +8,11 @@ import time
 import numpy as np
 import pytest
 
-from hpcnet.bootstrap import Interface, interfaces
-from hpcnet.topology import (Gpu, IbPort, Node, RankInfo, Topology, common_interface, ib_ports, intra_samples,
-                             local_gpus, local_interfaces, main, pair_key, plan_rounds, probe, recommend, tournament)
-from hpcnet.world import discover, node_layout
+from hpcnet.comm.bootstrap import Interface, interfaces
+from hpcnet.comm.topology import (Gpu, IbPort, Node, RankInfo, Topology, common_interface, ib_ports,
+                                  intra_samples, local_gpus, local_interfaces, main, pair_key, plan_rounds, probe,
+                                  recommend, tournament)
+from hpcnet.comm.world import discover, node_layout
 
 BUDGET_S = 0.5  # the tests check figures for sanity, not precision
 

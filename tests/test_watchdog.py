@@ -21,10 +21,10 @@ from mpi4py import MPI
 
 from hpcnet.config import CheckpointConfig, FaultConfig, MonitorConfig
 from hpcnet.errors import ConfigError, ExitCode
-from hpcnet.heartbeat import PeerTracker, decode, encode
-from hpcnet.monitor import DUMP_SIGNAL, Monitor, heartbeat_report, stall_report
-from hpcnet.watchdog import IO_TIMEOUT_FLOOR_S, Deadlines, analyze_io, io_timeout_s
-from hpcnet.world import discover
+from hpcnet.fault.heartbeat import PeerTracker, decode, encode
+from hpcnet.fault.monitor import DUMP_SIGNAL, Monitor, heartbeat_report, stall_report
+from hpcnet.fault.watchdog import IO_TIMEOUT_FLOOR_S, Deadlines, analyze_io, io_timeout_s
+from hpcnet.comm.world import discover
 from tests.conftest import ROOT, clean_env
 
 # --- pure logic ------------------------------------------------------------------
@@ -121,8 +121,8 @@ def test_new_options_are_validated():
 NATIVE = '''
 import sys, threading, time
 from pathlib import Path
-from hpcnet.faults import block_holding_the_gil
-from hpcnet.watchdog import NativeWatchdog
+from hpcnet.fault.inject import block_holding_the_gil
+from hpcnet.fault.watchdog import NativeWatchdog
 
 run_dir, disarm = Path(sys.argv[1]), sys.argv[2] == "disarm"
 watchdog = NativeWatchdog(75)
@@ -246,7 +246,7 @@ def test_start_up_has_a_deadline(comm, mpi_tmp_path):
 def test_checkpoint_operations_are_guarded(comm, mpi_tmp_path):
     import torch
 
-    from hpcnet.checkpoint import CheckpointManager
+    from hpcnet.ckpt.manager import CheckpointManager
 
     opened = []
 
@@ -360,10 +360,10 @@ def test_a_hang_at_start_up_ends_within_the_start_up_deadline(launch, tmp_path):
 HOLDER = '''
 import sys, threading, time
 from mpi4py import MPI
-from hpcnet.faults import block_holding_the_gil
-from hpcnet.monitor import Monitor
+from hpcnet.fault.inject import block_holding_the_gil
+from hpcnet.fault.monitor import Monitor
 from hpcnet.config import MonitorConfig
-from hpcnet.world import discover
+from hpcnet.comm.world import discover
 
 comm = MPI.COMM_WORLD.Dup()
 monitor = Monitor(MonitorConfig(), comm, discover(comm), sys.argv[1]).start()

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from hpcnet.errors import ConfigError, UsageError
-from hpcnet.world import (SCHEDULER_ENV, agree_on_error, choose_device, cpu_threads, discover, is_agreed,
-                          launcher_env, node_layout, shared_errors)
+from hpcnet.comm.world import SCHEDULER_ENV, choose_device, cpu_threads, discover, launcher_env, node_layout
+from hpcnet.agree import agree_on_error, is_agreed, shared_errors
 
 
 def test_launcher_env_table():

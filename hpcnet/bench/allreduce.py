@@ -70,9 +70,9 @@ def build_methods(comm: Any, world: Any, *, device: torch.device, reducer: bool,
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from hpcnet.allreduce import Reducer
-    from hpcnet.dataparallel import build_transport
-    from hpcnet.transport import TorchTransport
+    from hpcnet.comm.reducer import Reducer
+    from hpcnet.comm.dataparallel import build_transport
+    from hpcnet.comm.transport import TorchTransport
 
     methods: list[Method] = []
     peer_comm = comm.Dup()  # the raw peer gets a private communicator too, as MpiTransport does
@@ -157,7 +157,7 @@ def _time_block(runner: Runner, iters: int, comm: Any) -> float:
 def bench_size(methods: list[Method], nbytes: int, comm: Any, args: argparse.Namespace,
                device: torch.device) -> dict[str, Any]:
     """Every method at one size, alternating in rounds (collective)."""
-    from hpcnet.world import agreed
+    from hpcnet.agree import agreed
 
     numel = max(1, nbytes // 4)  # float32
     buffers = {"cpu": torch.zeros(numel, dtype=torch.float32)}
@@ -283,8 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m hpcnet.bench allreduce``; the only place that uses COMM_WORLD."""
     from mpi4py import MPI
 
-    from hpcnet.bootstrap import init_data_plane
-    from hpcnet.world import choose_device, cpu_threads, discover, shared_errors
+    from hpcnet.comm.bootstrap import init_data_plane
+    from hpcnet.comm.world import choose_device, cpu_threads, discover
+    from hpcnet.agree import shared_errors
 
     args = _parse_args(sys.argv[1:] if argv is None else argv)
     comm = MPI.COMM_WORLD.Dup()

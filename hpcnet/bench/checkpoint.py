@@ -99,7 +99,7 @@ def run(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from mpi4py import MPI
 
-    from hpcnet.checkpoint import CheckpointManager
+    from hpcnet.ckpt.manager import CheckpointManager
 
     rank, size = comm.Get_rank(), comm.Get_size()
     base = Path(args.dir)
@@ -129,8 +129,8 @@ def run(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     dcp_target = {k: torch.empty_like(v) for k, v in state.items()}
     plane = None
     if size > 1:
-        from hpcnet.bootstrap import init_data_plane
-        from hpcnet.world import discover
+        from hpcnet.comm.bootstrap import init_data_plane
+        from hpcnet.comm.world import discover
 
         plane = init_data_plane(comm, discover(comm), backend="gloo", device=torch.device("cpu"), timeout_s=600)
 
@@ -139,7 +139,7 @@ def run(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
         phases.update(sync.last_timings)
 
     def hpcnet_independent() -> None:
-        from hpcnet import ckpt_io
+        from hpcnet.ckpt import store as ckpt_io
 
         ckpt_io.COLLECTIVE_WRITES = False
         try:
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m hpcnet.bench checkpoint``; the only place that uses COMM_WORLD."""
     from mpi4py import MPI
 
-    from hpcnet.world import cpu_threads, discover
+    from hpcnet.comm.world import cpu_threads, discover
 
     parser = argparse.ArgumentParser(prog="python -m hpcnet.bench checkpoint", description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=float, default=512.0, help="state size in MB (default 512)")

@@ -280,8 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     kill = measure_kill(out_dir, train_args, args)
     hang: dict[str, Any] | None = None
     if not args.no_hang:
-        if importlib.util.find_spec("hpcnet.monitor") is None:
-            hang = {"skipped": "hpcnet.monitor is not there: a SIGSTOPped rank would never be detected"}
+        if importlib.util.find_spec("hpcnet.fault.monitor") is None:
+            hang = {"skipped": "hpcnet.fault.monitor is not there: a SIGSTOPped rank would never be detected"}
         else:
             hang = measure_hang(out_dir, train_args, args)
     startup = None if args.no_startup else measure_startup(args)

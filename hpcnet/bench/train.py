@@ -95,7 +95,7 @@ def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.dev
     from torch.nn.parallel import DistributedDataParallel
 
     from hpcnet.config import DistConfig, OptimConfig
-    from hpcnet.dataparallel import DataParallel
+    from hpcnet.comm.dataparallel import DataParallel
     from hpcnet.models import DatasetInfo, build_model
     from hpcnet.train import build_optimizer, compute_loss
 
@@ -375,8 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m hpcnet.bench train``; the only place that uses COMM_WORLD."""
     from mpi4py import MPI
 
-    from hpcnet.bootstrap import init_data_plane
-    from hpcnet.world import choose_device, cpu_threads, discover, shared_errors
+    from hpcnet.comm.bootstrap import init_data_plane
+    from hpcnet.comm.world import choose_device, cpu_threads, discover
+    from hpcnet.agree import shared_errors
 
     args = _parse_args(sys.argv[1:] if argv is None else argv)
     comm = MPI.COMM_WORLD.Dup()

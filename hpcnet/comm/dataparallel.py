@@ -17,13 +17,14 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from hpcnet.allreduce import Reducer, broadcast_buffers, broadcast_module
+from hpcnet.comm.reducer import Reducer, broadcast_buffers, broadcast_module
 from hpcnet.config import DistConfig
 from hpcnet.errors import RestartableError, UsageError
-from hpcnet.flightrec import NULL_RECORDER
-from hpcnet.transport import (CommFailure, FaultyTransport, HierarchicalTransport, MpiTransport, TorchTransport,
-                              Transport, cuda_aware_mpi)
-from hpcnet.world import World, agreed, shared_errors
+from hpcnet.fault.flightrec import NULL_RECORDER
+from hpcnet.comm.transport import (CommFailure, FaultyTransport, HierarchicalTransport, MpiTransport,
+                                   TorchTransport, Transport, cuda_aware_mpi)
+from hpcnet.comm.world import World
+from hpcnet.agree import agreed, shared_errors
 
 log = logging.getLogger(__name__)
 

@@ -74,13 +74,13 @@ import numpy as np
 
 from hpcnet.config import MonitorConfig
 from hpcnet.errors import ExitCode
-from hpcnet.flightrec import (NULL_RECORDER, WARMUP_FACTOR, FlightRecorder, analyze_stall, describe_op, desync,
-                              format_entries, stall_timeout)
-from hpcnet.heartbeat import (LEAVING, RUNNING, TAG_ACK, TAG_BEAT, TAG_NOTICE, HeartbeatLink, PeerTracker, encode,
-                              ring_peers)
-from hpcnet.memwatch import MemoryWatch
-from hpcnet.watchdog import NULL_DEADLINES, Deadlines, Guard, NativeWatchdog, analyze_io
-from hpcnet.world import World
+from hpcnet.fault.flightrec import (NULL_RECORDER, WARMUP_FACTOR, FlightRecorder, analyze_stall, describe_op,
+                                    desync, format_entries, stall_timeout)
+from hpcnet.fault.heartbeat import (LEAVING, RUNNING, TAG_ACK, TAG_BEAT, TAG_NOTICE, HeartbeatLink, PeerTracker,
+                                    encode, ring_peers)
+from hpcnet.fault.memwatch import MemoryWatch
+from hpcnet.fault.watchdog import NULL_DEADLINES, Deadlines, Guard, NativeWatchdog, analyze_io
+from hpcnet.comm.world import World
 
 log = logging.getLogger(__name__)
 

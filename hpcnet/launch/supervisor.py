@@ -198,7 +198,7 @@ def committed_checkpoints(directory: Path | None) -> dict[str, tuple[int, int]]:
     count, read from the directory listing alone: the supervisor imports
     neither torch nor h5py.
     """
-    from hpcnet.ckpt_format import CKPT_NAME_RE  # numpy only
+    from hpcnet.ckpt.format import CKPT_NAME_RE  # numpy only
 
     found: dict[str, tuple[int, int]] = {}
     if directory is None:
@@ -796,7 +796,3 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max-restarts, --backoff-s and --max-backoff-s must be >= 0")
     return supervise(command, max_restarts=args.max_restarts, backoff_base_s=args.backoff_s,
                      backoff_cap_s=args.max_backoff_s, exclude_failed_hosts=args.exclude_failed_hosts)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from hpcnet.flightrec import NULL_RECORDER
-from hpcnet.transport import CommFailure, FaultyTransport, Transport, wait_all
-from hpcnet.world import agreed
+from hpcnet.fault.flightrec import NULL_RECORDER
+from hpcnet.comm.transport import CommFailure, FaultyTransport, Transport, wait_all
+from hpcnet.agree import agreed
 
 log = logging.getLogger(__name__)
 

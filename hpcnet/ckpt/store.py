@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hpcnet.ckpt_format import (ASIDE_PREFIX, CKPT_NAME_RE, DTYPES, FORMAT, FORMAT_VERSION, HASH_NAME, LATEST_NAME,
-                                MAX_JSON_BYTES, TMP_SUFFIX, UID_RE, WRITE_PIECE_BYTES, CheckpointInfo, Plan,
-                                TensorSpec, block_hashes, packed_rows, parse_index, plan_ownership,
-                                plan_retention, sha256_hex, write_pieces)
+from hpcnet.ckpt.format import (ASIDE_PREFIX, CKPT_NAME_RE, DTYPES, FORMAT, FORMAT_VERSION, HASH_NAME,
+                                LATEST_NAME, MAX_JSON_BYTES, TMP_SUFFIX, UID_RE, WRITE_PIECE_BYTES,
+                                CheckpointInfo, Plan, TensorSpec, block_hashes, packed_rows, parse_index,
+                                plan_ownership, plan_retention, sha256_hex, write_pieces)
 from hpcnet.errors import CheckpointCorrupt, RestartableError, errno_of, error_text, os_error
-from hpcnet.watchdog import NULL_DEADLINES
-from hpcnet.world import agree_on_error, agreed
+from hpcnet.fault.watchdog import NULL_DEADLINES
+from hpcnet.agree import agree_on_error, agreed
 
 if TYPE_CHECKING:
     import torch

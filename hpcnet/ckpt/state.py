@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from hpcnet.checkpoint import CheckpointManager, Loaded, flatten_state, restore_state, rng_state, set_rng_state
+from hpcnet.ckpt.manager import CheckpointManager, Loaded, flatten_state, restore_state, rng_state, set_rng_state
 from hpcnet.config import Config, to_dict
-from hpcnet.world import shared_errors
+from hpcnet.agree import shared_errors
 
 log = logging.getLogger(__name__)
 

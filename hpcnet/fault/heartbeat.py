@@ -50,8 +50,8 @@ from typing import Any
 
 import numpy as np
 
-from hpcnet.flightrec import OP_CODES, op_name
-from hpcnet.watchdog import GUARD_CODES, guard_name
+from hpcnet.fault.flightrec import OP_CODES, op_name
+from hpcnet.fault.watchdog import GUARD_CODES, guard_name
 
 FIELDS: tuple[str, ...] = ("session", "rank", "state", "step", "seq", "op", "bucket", "cseq", "cop", "digest",
                            "open_seq", "open_op", "open_bucket", "open_s", "wall", "pid", "kind", "guard", "guard_s",

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from hpcnet.errors import RestartableError, UsageError
-from hpcnet.world import World, agree_on_error
+from hpcnet.comm.world import World
+from hpcnet.agree import agree_on_error
 
 log = logging.getLogger(__name__)
 

@@ -58,12 +58,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hpcnet import ckpt_io
+from hpcnet.ckpt import store as ckpt_io
 from hpcnet.config import FaultConfig
 from hpcnet.errors import ConfigError
-from hpcnet.world import World, agreed, shared_errors
+from hpcnet.comm.world import World
+from hpcnet.agree import agreed, shared_errors
 
-log = logging.getLogger("hpcnet.faults")
+log = logging.getLogger(__name__)
 
 ATTEMPT_ENV = "HPCNET_ATTEMPT"
 """Set by ``hpcnet.launch`` for every attempt: 1, 2, ... (absent: 1)."""

@@ -26,9 +26,7 @@ import torch
 from hpcnet.errors import ConfigError, DatasetError
 from hpcnet.importing import is_import_path, load_object
 from hpcnet.models import DATASET_KINDS, DatasetInfo
-# Re-exported: callers find everything about datasets here.
-from hpcnet.synthetic import (FORMAT_VERSION, SPLITS, SYNTHETIC_DATASETS, ensure_synthetic,  # noqa: F401
-                              generate_images, generate_tokens, positive_ints, synthetic_path)
+from hpcnet.data.synthetic import FORMAT_VERSION, SPLITS, SYNTHETIC_DATASETS, ensure_synthetic, positive_ints
 
 MAX_SCANNED_ITEMS = 100_000
 """A map-style dataset larger than this must say its ``num_classes`` instead of being scanned for it."""
@@ -642,18 +640,3 @@ class BatchLoader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# ---------------------------------------------------------------------------
-# command line
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hpcnet.data generate images|tokens --out PATH [options]`` (see hpcnet.synthetic)."""
-    from hpcnet.synthetic import main as synthetic_main
-
-    return synthetic_main(argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,590 @@
+"""What the job runs on: hosts, GPUs, network, and measured latency and bandwidth.
+
+``probe(comm, world)`` collects every rank's host, local rank and GPUs, each
+node's network interfaces and InfiniBand ports, and times MPI ping-pong
+between all pairs of node leaders and between each leader and a few ranks of
+its own node.  The pairs are played in rounds (a round-robin tournament) so
+disjoint pairs run at the same time, and each pair has a time slot, so the
+whole probe takes about ``budget_s`` seconds at any size.  Rank 0 assembles a
+``Topology`` and broadcasts it, so every rank holds the same one.
+
+``recommend(topology)`` turns it into decisions (NCCL interface, whether to
+disable NCCL's InfiniBand transport, flat or hierarchical all-reduce); it is
+pure, like the pair schedule, and tested on one process.
+
+Figures: latency is half the round trip of a small message, the *median* over
+the repetitions; bandwidth is the large message's size over the *mean* half
+round trip (one-way throughput: total bytes over total time, as
+``mpi4py.bench pingpong`` computes it), in Gbit/s (1e9 bit/s; divide by 8 for
+GB/s).  Run on its own:
+
+    mpirun -np 4 python -m mpi4py -m hpcnet.topology [--out DIR] [--budget-s S]
+"""
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpcnet.comm.bootstrap import Interface, interfaces
+from hpcnet.comm.world import World, discover
+from hpcnet.agree import shared_errors
+
+FORMAT = "hpcnet-topology/1"
+"""Written as ``format`` in topology.json; bumped when the layout changes."""
+
+# Ping-pong tags.  The responder echoes every message until STOP, so the
+# initiator alone decides (by the clock) how many repetitions to time.
+_HELLO, _PING, _PONG, _STOP = 11, 12, 13, 14
+# Repetition caps per pair: enough for stable figures; the time slot usually
+# ends the loop first on slow links.
+_LATENCY_WARMUP, _LATENCY_REPS = 20, 1000
+_BANDWIDTH_WARMUP, _BANDWIDTH_REPS = 1, 50
+_INTRA_SAMPLES = 3
+"""Local ranks each node leader is timed against: the first, middle and last."""
+_VIRTUAL_PREFIXES = ("docker", "virbr", "veth", "br-")
+_POLL_S = 0.0005
+
+
+@dataclass(kw_only=True, slots=True)
+class Gpu:
+    """A GPU visible to a node's leader."""
+
+    index: int
+    name: str
+    memory_bytes: int
+
+
+@dataclass(kw_only=True, slots=True)
+class IbPort:
+    """One port of an RDMA device under /sys/class/infiniband (InfiniBand or RoCE)."""
+
+    device: str
+    """HCA name, e.g. ``mlx5_0``."""
+    port: int
+    state: str
+    """``ACTIVE`` when usable."""
+    rate_gbps: float
+    """Signalling rate in Gbit/s; 0 when unknown."""
+    link_layer: str
+    """``InfiniBand``, or ``Ethernet`` for RoCE."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Node:
+    """A node (or a virtual node): its ranks and the hardware its leader sees."""
+
+    index: int
+    host: str
+    ranks: list[int]
+    """Global ranks, in local-rank order; ``ranks[0]`` is the leader."""
+    interfaces: list[Interface] = field(default_factory=list)
+    """Up, non-loopback IPv4 interfaces, fastest first (``bootstrap.interfaces``)."""
+    ib_ports: list[IbPort] = field(default_factory=list)
+    gpus: list[Gpu] = field(default_factory=list)
+
+    @property
+    def leader(self) -> int:
+        return self.ranks[0]
+
+    @property
+    def has_ib(self) -> bool:
+        """An active RDMA port, or an IPoIB interface."""
+        return any(p.state == "ACTIVE" for p in self.ib_ports) or any(i.infiniband for i in self.interfaces)
+
+
+@dataclass(kw_only=True, slots=True)
+class RankInfo:
+    """Where one rank runs."""
+
+    rank: int
+    host: str
+    node_index: int
+    local_rank: int
+    gpu_count: int
+    """GPUs this rank can see (after CUDA_VISIBLE_DEVICES)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Topology:
+    """The probe's result, equal on every rank.
+
+    Pair figures are keyed ``"i-j"`` with global ranks ``i < j`` (``pair_key``);
+    only the probed pairs are present.
+    """
+
+    size: int
+    num_nodes: int
+    virtual_nodes: bool
+    """True when nodes share a host: HPCNET_RANKS_PER_NODE split it into virtual nodes."""
+    nodes: list[Node]
+    ranks: list[RankInfo]
+    latency_us: dict[str, float]
+    """Half round trip of ``small_bytes`` messages, median over repetitions, microseconds."""
+    bandwidth_gbps: dict[str, float]
+    """``large_bytes`` over its mean half round trip, Gbit/s (1e9 bit/s; /8 for GB/s)."""
+    small_bytes: int
+    large_bytes: int
+    rounds: int
+    """Rounds of concurrent pairs the probe played."""
+    budget_s: float
+    probe_s: float
+    """Wall time of the measurement, seconds."""
+
+    def is_intra(self, key: str) -> bool:
+        """True when the pair ``key`` lies inside one node."""
+        i, j = (int(r) for r in key.split("-"))
+        return self.ranks[i].node_index == self.ranks[j].node_index
+
+    def _median(self, figures: dict[str, float], intra: bool) -> float | None:
+        values = [v for k, v in figures.items() if self.is_intra(k) == intra]
+        return statistics.median(values) if values else None
+
+    @property
+    def intra_latency_us(self) -> float | None:
+        """Median over the intra-node pairs; None when there are none."""
+        return self._median(self.latency_us, True)
+
+    @property
+    def inter_latency_us(self) -> float | None:
+        return self._median(self.latency_us, False)
+
+    @property
+    def intra_bandwidth_gbps(self) -> float | None:
+        return self._median(self.bandwidth_gbps, True)
+
+    @property
+    def inter_bandwidth_gbps(self) -> float | None:
+        return self._median(self.bandwidth_gbps, False)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {"format": FORMAT, **dataclasses.asdict(self)}
+        data["summary"] = {name: getattr(self, name) for name in _SUMMARY_FIELDS}
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Topology":
+        data = dict(data)
+        if data.pop("format", FORMAT) != FORMAT:
+            raise ValueError(f"not a {FORMAT} document")
+        data.pop("summary", None)  # derived from the pair figures
+        data["nodes"] = [
+            Node(**{**n, "interfaces": [Interface(**i) for i in n["interfaces"]],
+                    "ib_ports": [IbPort(**p) for p in n["ib_ports"]], "gpus": [Gpu(**g) for g in n["gpus"]]})
+            for n in data["nodes"]]
+        data["ranks"] = [RankInfo(**r) for r in data["ranks"]]
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Topology":
+        return cls.from_dict(json.loads(text))
+
+    def write(self, path: str | os.PathLike) -> Path:
+        """Write the JSON to ``path`` atomically (call it on one rank)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.to_json() + "\n")
+        os.replace(tmp, path)
+        return path
+
+    def summary(self) -> str:
+        """A few lines for the console."""
+        per_node = sorted({len(n.ranks) for n in self.nodes})
+        hosts = sorted({n.host for n in self.nodes})
+        lines = [f"topology: {self.size} ranks on {self.num_nodes} {'virtual ' if self.virtual_nodes else ''}"
+                 f"node(s) ({'/'.join(map(str, per_node))} per node), host(s) {', '.join(hosts[:4])}"
+                 + (" ..." if len(hosts) > 4 else "")]
+        leader = self.nodes[0]
+        models = collections.Counter(f"{g.name} ({g.memory_bytes / 2**30:.0f} GiB)" for g in leader.gpus)
+        lines.append(f"  GPUs: {sum(len(n.gpus) for n in self.nodes)} in all; node 0: "
+                     + (", ".join(f"{count} x {model}" for model, count in models.items()) or "none"))
+        nets = ", ".join(f"{i.name} ({i.speed_mbps} Mb/s)" if i.speed_mbps > 0 else f"{i.name} (speed unknown)"
+                         for i in leader.interfaces) or "none"
+        ib = "InfiniBand/RDMA on every node" if all(n.has_ib for n in self.nodes) else (
+            "InfiniBand/RDMA on some nodes" if any(n.has_ib for n in self.nodes) else "no InfiniBand/RDMA")
+        lines.append(f"  node 0 network: {nets}; {ib}")
+        for kind, lat, bw in (("intra-node", self.intra_latency_us, self.intra_bandwidth_gbps),
+                              ("inter-node", self.inter_latency_us, self.inter_bandwidth_gbps)):
+            count = sum(self.is_intra(k) == (kind == "intra-node") for k in self.latency_us)
+            if count:
+                lines.append(f"  {kind}: latency {lat:.2f} us ({self.small_bytes} B), bandwidth {bw:.2f} Gbit/s "
+                             f"= {bw / 8:.2f} GB/s ({_size(self.large_bytes)}), median of {count} pair(s)")
+        lines.append(f"  probe: {len(self.latency_us)} pair(s) in {self.rounds} round(s), {self.probe_s:.2f} s")
+        return "\n".join(lines)
+
+
+_SUMMARY_FIELDS = ("intra_latency_us", "inter_latency_us", "intra_bandwidth_gbps", "inter_bandwidth_gbps")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 and nbytes % (1 << 20) == 0 else f"{nbytes} B"
+
+
+def pair_key(i: int, j: int) -> str:
+    """The key of a rank pair in ``Topology.latency_us``/``bandwidth_gbps``."""
+    return f"{min(i, j)}-{max(i, j)}"
+
+
+# --------------------------------------------------------------------------- pure logic
+
+
+def tournament(players: list[int]) -> list[list[tuple[int, int]]]:
+    """Round-robin rounds (circle method): every pair once, nobody twice in a round.
+
+    ``len(players) - 1`` rounds for an even count, ``len(players)`` for an odd
+    one (one player rests each round).  Pairs are ``(low, high)``.
+    """
+    circle: list[int | None] = list(players)
+    if len(circle) % 2:
+        circle.append(None)
+    n = len(circle)
+    rounds = []
+    for _ in range(n - 1):
+        pairs = [(circle[i], circle[n - 1 - i]) for i in range(n // 2)]
+        rounds.append([(min(a, b), max(a, b)) for a, b in pairs if a is not None and b is not None])
+        circle.insert(1, circle.pop())  # the first player stays, the others turn
+    return [r for r in rounds if r]
+
+
+def intra_samples(local_size: int, count: int = _INTRA_SAMPLES) -> list[int]:
+    """Local ranks a node leader is timed against: up to ``count``, evenly spread from 1 to the last."""
+    others = local_size - 1
+    if others <= 0 or count <= 0:
+        return []
+    if others <= count:
+        return list(range(1, local_size))
+    # First, last and evenly between: neighbours and the far side of the node
+    # (another socket or PCIe switch) both show up.
+    picks = {1 + round(k * (others - 1) / (count - 1)) for k in range(count)} if count > 1 else {1}
+    return sorted(picks)
+
+
+def plan_rounds(nodes: list[list[int]], samples: int = _INTRA_SAMPLES) -> list[list[tuple[int, int]]]:
+    """The probe's schedule: rounds of disjoint ``(low, high)`` rank pairs (pure logic).
+
+    Args:
+        nodes: the global ranks of each node, leader first.
+        samples: how many local ranks each leader is timed against.
+
+    Every pair of node leaders appears once (a round-robin tournament); then
+    each leader meets ``intra_samples`` of its node's ranks, placed in the
+    first round where neither rank is busy (a leader resting in an odd
+    tournament takes one there), so different nodes measure at the same time.
+    """
+    rounds = tournament([members[0] for members in nodes])
+    busy = [{r for pair in rnd for r in pair} for rnd in rounds]
+    # Sample order first, so node A's k-th pair and node B's k-th pair share a round.
+    intra = sorted((order, members[0], members[local])
+                   for members in nodes for order, local in enumerate(intra_samples(len(members), samples)))
+    for _, *pair in intra:
+        for rnd, taken in zip(rounds, busy):
+            if not taken.intersection(pair):
+                break
+        else:
+            rnd, taken = [], set()
+            rounds.append(rnd)
+            busy.append(taken)
+        rnd.append((min(pair), max(pair)))
+        taken.update(pair)
+    return rounds
+
+
+def common_interface(nodes: list[Node]) -> str | None:
+    """The fastest interface name every node has, or None (pure logic).
+
+    InfiniBand (IPoIB) first, then by the slowest node's link speed (unknown
+    speeds last); virtual bridges only when nothing else is common.
+    """
+    if not nodes:
+        return None
+    names = set.intersection(*({i.name for i in n.interfaces} for n in nodes))
+    if not names:
+        return None
+
+    def preference(name: str) -> tuple:
+        links = [i for n in nodes for i in n.interfaces if i.name == name]
+        speed = min(i.speed_mbps for i in links)
+        return (name.startswith(_VIRTUAL_PREFIXES), not all(i.infiniband for i in links), -speed, name)
+
+    return min(names, key=preference)
+
+
+def recommend(topology: Topology) -> dict[str, Any]:
+    """Decisions from a probe (pure logic).
+
+    Returns:
+        ``nccl_socket_ifname``: the fastest interface every node has (None if none);
+        ``nccl_ib_disable``: True unless every node has an active InfiniBand/RDMA
+        port (NCCL cannot mix its IB and socket transports, so "IB on some nodes"
+        disables it too); ``hierarchical``: more than one node and more than one
+        rank on every node; ``num_nodes``, ``ranks_per_node`` (the largest);
+        measured ``intra_``/``inter_node_latency_us`` and
+        ``intra_``/``inter_node_bandwidth_gbps`` (None where no such pair) for a
+        cost model.
+    """
+    nodes = topology.nodes
+    local_sizes = [len(n.ranks) for n in nodes]
+    return {
+        "nccl_socket_ifname": common_interface(nodes),
+        "nccl_ib_disable": not (nodes and all(n.has_ib for n in nodes)),
+        "hierarchical": len(nodes) > 1 and min(local_sizes) > 1,
+        "num_nodes": len(nodes),
+        "ranks_per_node": max(local_sizes, default=0),
+        "intra_node_latency_us": topology.intra_latency_us,
+        "inter_node_latency_us": topology.inter_latency_us,
+        "intra_node_bandwidth_gbps": topology.intra_bandwidth_gbps,
+        "inter_node_bandwidth_gbps": topology.inter_bandwidth_gbps,
+    }
+
+
+# --------------------------------------------------------------------------- local hardware
+
+
+def local_interfaces(sys_net: Path = Path("/sys/class/net")) -> list[Interface]:
+    """``bootstrap.interfaces``, with IPoIB also recognised by its link type (32)."""
+    found = []
+    for iface in interfaces(sys_net):
+        ipoib = _read(sys_net / iface.name / "type") == "32"  # ARPHRD_INFINIBAND
+        found.append(dataclasses.replace(iface, infiniband=iface.infiniband or ipoib))
+    return found
+
+
+def ib_ports(sys_ib: Path = Path("/sys/class/infiniband")) -> list[IbPort]:
+    """Ports of the RDMA devices under /sys/class/infiniband (empty when there are none)."""
+    found = []
+    for device in sorted(sys_ib.glob("*")) if sys_ib.is_dir() else []:
+        for port in sorted((device / "ports").glob("*")):
+            try:  # "100 Gb/sec (4X EDR)"
+                rate = float(_read(port / "rate").split()[0])
+            except (IndexError, ValueError):
+                rate = 0.0
+            found.append(IbPort(device=device.name, port=int(port.name) if port.name.isdigit() else 0,
+                                state=_read(port / "state").split(":", 1)[-1].strip(),  # "4: ACTIVE"
+                                rate_gbps=rate, link_layer=_read(port / "link_layer") or "InfiniBand"))
+    return found
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+def local_gpus(properties: bool) -> tuple[int, list[Gpu]]:
+    """GPUs torch can see: their count, and (when ``properties``) model and memory.
+
+    Only node leaders ask for properties, so one process per node talks to
+    the driver beyond counting.
+    """
+    if "torch" not in sys.modules and not _gpu_driver_present():
+        return 0, []  # importing torch takes seconds per rank, for nothing on a CPU node
+    try:
+        import torch
+    except ImportError:
+        return 0, []
+    if not torch.cuda.is_available():
+        return 0, []
+    count = torch.cuda.device_count()
+    gpus = []
+    if properties:
+        for index in range(count):
+            props = torch.cuda.get_device_properties(index)
+            gpus.append(Gpu(index=index, name=props.name, memory_bytes=int(props.total_memory)))
+    return count, gpus
+
+
+def _gpu_driver_present() -> bool:
+    """An NVIDIA or AMD (ROCm) kernel driver is loaded: torch.cuda may find a GPU."""
+    return (Path("/proc/driver/nvidia").exists() or Path("/dev/kfd").exists()
+            or any(Path("/dev").glob("nvidia[0-9]*")))
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def _wait(request: Any) -> None:
+    """Complete ``request`` while sleeping, so a waiting rank leaves the core to the ranks measuring."""
+    while not request.Test():
+        time.sleep(_POLL_S)
+
+
+def _time_pair(comm: Any, peer: int, small: Any, large: Any, end: float) -> tuple[float, float]:
+    """Initiator side of one pair: (latency_us, bandwidth_gbps), done by ``end`` (MPI.Wtime).
+
+    At least one repetition of each size runs, even when ``end`` has passed.
+    """
+    from mpi4py import MPI
+
+    wtime = MPI.Wtime
+    hello = bytearray(1)
+    _wait(comm.Irecv(hello, peer, _HELLO))  # the responder has finished its earlier rounds
+    begin = wtime()
+    # A quarter of what is left for latency (small messages are cheap), the rest for bandwidth.
+    results = []
+    for buf, warmup, reps, deadline in ((small, _LATENCY_WARMUP, _LATENCY_REPS, begin + 0.25 * (end - begin)),
+                                        (large, _BANDWIDTH_WARMUP, _BANDWIDTH_REPS, end)):
+        for i in range(warmup):
+            if i and wtime() > deadline:
+                break
+            comm.Send(buf, peer, _PING)
+            comm.Recv(buf, peer, _PONG)
+        half_trips: list[float] = []
+        while not half_trips or (len(half_trips) < reps and wtime() < deadline):
+            t0 = wtime()
+            comm.Send(buf, peer, _PING)
+            comm.Recv(buf, peer, _PONG)
+            half_trips.append((wtime() - t0) / 2)
+        # Latency: the median, the typical small message on a busy machine.
+        # Bandwidth: bytes over the mean time (total bytes over total time),
+        # the throughput a stream of buckets gets, as mpi4py.bench and
+        # nccl-tests define it.
+        results.append(statistics.median(half_trips) if buf is small else statistics.fmean(half_trips))
+    comm.Send(hello, peer, _STOP)
+    latency_s, large_s = results
+    return latency_s * 1e6, len(large) * 8 / large_s / 1e9
+
+
+def _echo_pair(comm: Any, peer: int, buf: Any) -> None:
+    """Responder side of one pair: send every message back until STOP."""
+    from mpi4py import MPI
+
+    comm.Send(bytearray(1), peer, _HELLO)
+    status = MPI.Status()
+    # Sleep until the first message: the initiator may still be busy elsewhere.
+    request = comm.Irecv(buf, peer, MPI.ANY_TAG)
+    while not request.Test(status):
+        time.sleep(_POLL_S)
+    while status.Get_tag() != _STOP:
+        comm.Send([buf, status.Get_count(MPI.BYTE), MPI.BYTE], peer, _PONG)
+        comm.Recv(buf, peer, MPI.ANY_TAG, status)
+
+
+def probe(comm: Any, world: World, *, budget_s: float = 3.0, sizes: tuple[int, int] = (8, 4 << 20),
+          intra_pairs: int = _INTRA_SAMPLES) -> Topology:
+    """Collective: describe the ranks of ``comm`` and time ping-pong between them.
+
+    Args:
+        comm: the communicator to probe (rank order kept).
+        world: its layout from ``hpcnet.world.discover(comm)``; its nodes
+            (virtual ones included) decide which pairs are inter-node.
+        budget_s: about how long the timing takes, whatever the size (each
+            round of concurrent pairs gets ``budget_s / rounds``; a link too
+            slow for one repetition of the large message in its slot overruns).
+        sizes: ``(small_bytes, large_bytes)``: the latency and the bandwidth message.
+        intra_pairs: how many ranks of its node each leader is timed against.
+    """
+    if not budget_s > 0:
+        raise ValueError("budget_s must be greater than 0")
+    small_bytes, large_bytes = sizes
+    if not 0 < small_bytes <= large_bytes:
+        raise ValueError("sizes must be (small_bytes, large_bytes) with 0 < small_bytes <= large_bytes")
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = comm.Dup()  # private tags: no clash with the caller's messages
+    try:
+        with shared_errors(comm):  # a driver error on one rank stops every rank alike
+            leader_view = world.local_rank == 0
+            gpu_count, gpus = local_gpus(properties=leader_view)
+            hardware = (local_interfaces(), ib_ports(), gpus) if leader_view else None
+        placement = comm.allgather((world.node_index, world.local_rank))
+        nodes_ranks: list[list[int]] = [[] for _ in range(max(n for n, _ in placement) + 1)]
+        for rank, (node, _) in sorted(enumerate(placement), key=lambda item: item[1]):
+            nodes_ranks[node].append(rank)
+        rounds = plan_rounds(nodes_ranks, intra_pairs)
+        slot_s = budget_s / max(1, len(rounds))
+
+        # Written, so every page is real: an untouched buffer maps to the one
+        # shared zero page, stays in cache and flatters the sender (as
+        # mpi4py.bench's numpy.empty buffers do, by about 1.5x here).
+        small = np.ones(small_bytes, dtype=np.uint8)
+        large = np.ones(large_bytes, dtype=np.uint8)
+        rank = comm.Get_rank()
+        measured: dict[str, tuple[float, float]] = {}
+        _wait(comm.Ibarrier())  # start the clocks together (within a latency)
+        start = time.perf_counter()
+        wtime_start = MPI.Wtime()
+        # No barrier between rounds: each rank plays its own pairs in round
+        # order, which cannot deadlock, and disjoint pairs overlap in time.
+        # Round r ends at start + (r + 1) * slot on the initiator's clock, so
+        # a late pair takes less time instead of pushing every later round.
+        for index, rnd in enumerate(rounds):
+            for low, high in rnd:
+                if rank == low:
+                    end = wtime_start + (index + 1) * slot_s
+                    measured[pair_key(low, high)] = _time_pair(comm, high, small, large, end)
+                elif rank == high:
+                    _echo_pair(comm, low, large)
+        _wait(comm.Ibarrier())
+        probe_s = time.perf_counter() - start
+
+        gathered = comm.gather((gpu_count, hardware, measured), root=0)
+        data = None
+        if rank == 0:
+            # Ibarrier completed on rank 0 only once every rank had finished: its clock is the job's.
+            data = _assemble(world, nodes_ranks, gathered, rounds=len(rounds), budget_s=budget_s,
+                             probe_s=probe_s, sizes=(small_bytes, large_bytes)).to_dict()
+        # A plain dict travels (small, pickled once); every rank rebuilds the same Topology.
+        return Topology.from_dict(comm.bcast(data, root=0))
+    finally:
+        comm.Free()
+
+
+def _assemble(world: World, nodes_ranks: list[list[int]], gathered: list[Any], *, rounds: int, budget_s: float,
+              probe_s: float, sizes: tuple[int, int]) -> Topology:
+    nodes = []
+    for index, members in enumerate(nodes_ranks):
+        nets, ports, gpus = gathered[members[0]][1]
+        nodes.append(Node(index=index, host=world.hostnames[members[0]], ranks=members, interfaces=nets,
+                          ib_ports=ports, gpus=gpus))
+    ranks = [RankInfo(rank=r, host=world.hostnames[r], node_index=i, local_rank=members.index(r),
+                      gpu_count=gathered[r][0])
+             for i, members in enumerate(nodes_ranks) for r in members]
+    ranks.sort(key=lambda info: info.rank)
+    latency_us, bandwidth_gbps = {}, {}
+    for _, _, measured in gathered:
+        for key, (lat, bw) in measured.items():
+            latency_us[key], bandwidth_gbps[key] = lat, bw
+    order = sorted(latency_us, key=lambda k: tuple(map(int, k.split("-"))))
+    return Topology(size=world.size, num_nodes=len(nodes), virtual_nodes=len({n.host for n in nodes}) < len(nodes),
+                    nodes=nodes, ranks=ranks,
+                    latency_us={k: latency_us[k] for k in order},
+                    bandwidth_gbps={k: bandwidth_gbps[k] for k in order},
+                    small_bytes=sizes[0], large_bytes=sizes[1], rounds=rounds, budget_s=budget_s, probe_s=probe_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hpcnet.topology``: probe COMM_WORLD, print the summary, write topology.json."""
+    from mpi4py import MPI
+
+    parser = argparse.ArgumentParser(prog="python -m hpcnet.topology", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=".", help="directory for topology.json (default: .)")
+    parser.add_argument("--budget-s", type=float, default=3.0, help="about how long the timing takes, seconds")
+    parser.add_argument("--small-bytes", type=int, default=8, help="latency message size")
+    parser.add_argument("--large-bytes", type=int, default=4 << 20, help="bandwidth message size")
+    args = parser.parse_args(argv)
+    comm = MPI.COMM_WORLD
+    world = discover(comm)
+    topology = probe(comm, world, budget_s=args.budget_s, sizes=(args.small_bytes, args.large_bytes))
+    if comm.Get_rank() == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        path = topology.write(out / "topology.json")
+        print(topology.summary())
+        print(f"  wrote {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
