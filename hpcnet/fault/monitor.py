@@ -78,6 +78,7 @@ from hpcnet.fault.flightrec import (NULL_RECORDER, WARMUP_FACTOR, FlightRecorder
                                     desync, format_entries, stall_timeout)
 from hpcnet.fault.heartbeat import (LEAVING, RUNNING, TAG_ACK, TAG_BEAT, TAG_NOTICE, HeartbeatLink, PeerTracker,
                                     encode, ring_peers)
+from hpcnet.fault.liveness import LocalLiveness, name_this_thread, start_time
 from hpcnet.fault.memwatch import MemoryWatch
 from hpcnet.fault.watchdog import NULL_DEADLINES, Deadlines, Guard, NativeWatchdog, analyze_io
 from hpcnet.comm.world import World
@@ -241,6 +242,7 @@ class Monitor:
         self._native: NativeWatchdog | None = None
         self._beat_now = False
         self._pids: tuple[int, ...] = ()
+        self._local = LocalLiveness({})
         self._last_once = 0.0
         self._stall_clock_from = 0.0  # stalls are judged on time this rank observed, outside checkpoint I/O
         self._coordination_s = max(2.0, 2 * cfg.heartbeat_interval_s)
@@ -262,7 +264,10 @@ class Monitor:
             return self
         hb_comm = self.comm.Dup()
         session = hb_comm.bcast(random.getrandbits(48) if self.world.rank == 0 else None, root=0)
-        self._pids = tuple(hb_comm.allgather(os.getpid()))  # whom to ask for stacks on this host
+        ids = hb_comm.allgather((os.getpid(), start_time(os.getpid())))
+        self._pids = tuple(pid for pid, _ in ids)  # whom to ask for stacks on this host
+        self._local = LocalLiveness({r: ids[r] for r in self.watch
+                                     if self.world.hostnames[r] == self.world.hostname and r != self.world.rank})
         self._link = HeartbeatLink(hb_comm, session)
         self._tracker = PeerTracker(self.watch, self.cfg.heartbeat_interval_s, self.cfg.heartbeat_misses,
                                     time.monotonic(), startup_deadline_s=WARMUP_FACTOR * self.cfg.stall_floor_s,
@@ -346,6 +351,7 @@ class Monitor:
 
     # -- the monitor thread -------------------------------------------------------
     def _run(self) -> None:
+        name_this_thread()
         try:
             while not self._stop.is_set():
                 self._once(time.monotonic())
@@ -369,7 +375,8 @@ class Monitor:
             return  # declared (tests go on running): keep answering, judge no more
         if self._tracker.judging_paused(now):
             return  # this rank itself was away (stopped, starved): its view is stale
-        overdue = self._tracker.overdue(now, self.recorder.step)
+        overdue = self._local.failed(self._tracker.overdue(now, self.recorder.step),
+                                     lambda r: self._tracker.silent_s(r, now), self._timeout_s)
         if overdue:
             self._declare_silent(overdue, now)
             return
@@ -392,6 +399,7 @@ class Monitor:
         assert self._link is not None and self._tracker is not None
         for tag, source, fields in self._link.poll():
             self._tracker.heard(source, fields, now)
+            self._local.heard(source)
             if tag == TAG_BEAT:
                 self._peer_latest[source] = fields
             elif tag == TAG_NOTICE:
@@ -498,9 +506,11 @@ class Monitor:
         """
         tracker = self._tracker
         nearly = max(1, self.cfg.heartbeat_misses - 1) * self.cfg.heartbeat_interval_s
-        ranks = sorted(set(ranks) | {r for r in tracker.last_heard
-                                     if r not in tracker.left and tracker.silent_s(r, now) > nearly
-                                     and tracker.deadline_of(r, self.recorder.step) == tracker.deadline_s})
+        nearly_silent = [r for r in tracker.last_heard
+                         if r not in tracker.left and tracker.silent_s(r, now) > nearly
+                         and tracker.deadline_of(r, self.recorder.step) == tracker.deadline_s]
+        ranks = sorted(set(ranks) | set(self._local.failed(nearly_silent, lambda r: tracker.silent_s(r, now),
+                                                           self._timeout_s)))
         report = heartbeat_report({r: (tracker.silent_s(r, now), tracker.last_beat[r]) for r in ranks},
                                   self.world.hostnames, detector=self.world.rank,
                                   interval_s=self.cfg.heartbeat_interval_s, misses=self.cfg.heartbeat_misses,

@@ -1,0 +1,99 @@
+"""Starved or failed: the /proc check a watcher makes before declaring a silent rank on its host dead."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from hpcnet.fault.liveness import LocalLiveness, ThreadState, process_threads, start_time, starved
+
+MONITOR = "hpcnet-monitor"
+
+# A process whose "monitor" thread waits on a lock (a futex, like the GIL) while the main thread spins or sleeps.
+PROGRAM = textwrap.dedent("""
+    import sys, threading, time
+    from hpcnet.fault.liveness import name_this_thread
+    lock = threading.Lock(); lock.acquire()
+    def monitor():
+        name_this_thread()
+        lock.acquire()
+    threading.Thread(target=monitor, daemon=True).start()
+    print("ready", flush=True)
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        if sys.argv[1] == "sleep":
+            time.sleep(1)
+""")
+
+
+@pytest.fixture
+def process(request):
+    proc = subprocess.Popen([sys.executable, "-c", PROGRAM, request.param], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(0.3)
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_states_decide():
+    mon_running = ThreadState(MONITOR, "R", "0")
+    mon_futex = ThreadState(MONITOR, "S", "futex_wait_queue")
+    mon_sleeping = ThreadState(MONITOR, "S", "hrtimer_nanosleep")
+    main_running, main_blocked = ThreadState("python", "R", "0"), ThreadState("python", "S", "futex_wait_queue")
+    assert starved([main_blocked, mon_running]) is True              # waits for a CPU
+    assert starved([main_running, mon_futex]) is True                # waits for the GIL a runnable thread holds
+    assert starved([ThreadState("python", "D", "io"), mon_futex]) is True
+    assert starved([main_blocked, mon_futex]) is False               # everything blocked: a deadlock
+    assert starved([main_running, mon_sleeping]) is False            # its monitor could beat and did not
+    assert starved([ThreadState("python", "T", "do_signal_stop"), mon_running]) is None  # stopped
+    assert starved([main_running]) is False                          # no monitor thread at all
+
+
+def test_failed_keeps_a_starved_rank_until_the_limit():
+    states = {1: [ThreadState("python", "R", "0"), ThreadState(MONITOR, "S", "futex_wait_queue")],
+              2: [ThreadState("python", "S", "futex_wait_queue"), ThreadState(MONITOR, "S", "futex_wait_queue")],
+              3: None}
+    live = LocalLiveness({1: (11, None), 2: (12, None), 3: (13, None)}, read=lambda pid, _: states[pid - 10])
+    silent = {1: 7.0, 2: 7.0, 3: 7.0, 4: 7.0}
+    assert live.failed([1, 2, 3, 4], silent.get, limit_s=30.0) == [2, 3, 4]  # 4 is on another host
+    silent[1] = 31.0
+    assert live.failed([1], silent.get, limit_s=30.0) == [1]
+
+
+@pytest.mark.parametrize("process", ["spin"], indirect=True)
+def test_a_spinning_process_is_starved_not_failed(process):
+    threads = process_threads(process.pid, start_time(process.pid))
+    assert threads is not None and MONITOR in {t.name for t in threads}
+    assert starved(threads) is True
+
+
+@pytest.mark.parametrize("process", ["sleep"], indirect=True)
+def test_a_blocked_process_is_failed(process):
+    assert starved(process_threads(process.pid, start_time(process.pid))) is False
+
+
+@pytest.mark.parametrize("process", ["spin"], indirect=True)
+def test_a_stopped_process_is_failed_at_once(process):
+    os.kill(process.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 5
+        while (threads := process_threads(process.pid, None)) and all(t.state not in "Tt" for t in threads):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert starved(threads) is None
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("process", ["spin"], indirect=True)
+def test_a_gone_or_reused_pid_is_failed(process):
+    started = start_time(process.pid)
+    assert process_threads(process.pid, started + 1) is None  # another process now has this pid
+    process.kill()
+    process.wait()
+    assert process_threads(process.pid, started) is None
