@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-ROOT = Path(__file__).resolve().parents[1]
-
+from tests.helpers import clean_env
 
 def pytest_configure(config):
     # Ranks of one pytest job race on pytest's own temp folder: give each its own.
@@ -40,27 +39,6 @@ def data_plane():
     yield plane
     plane.close()
     comm.Free()
-
-
-def tiny_images(comm, directory: Path, name: str, *, num_train: int, num_eval: int, seed: int) -> Path:
-    """A small 4-class 1x8x8 image set shared by the ranks of ``comm``: rank 0 writes it once (collective)."""
-    from hpcnet.data.loader import generate_images
-
-    path = directory / name
-    if comm.Get_rank() == 0 and not path.exists():
-        generate_images(path, num_train=num_train, num_eval=num_eval, shape=(1, 8, 8), num_classes=4, seed=seed)
-    comm.Barrier()
-    return path
-
-
-def clean_env(**extra):
-    """The environment for a child mpirun: none of this process's MPI wiring."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1", OMPI_MCA_btl_base_warn_component_unused="0",
-               PYTHONPATH=str(ROOT))
-    env.update(extra)
-    return env
 
 
 @pytest.fixture

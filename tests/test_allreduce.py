@@ -182,7 +182,7 @@ def test_mismatched_models_are_an_error_on_every_rank(comm):
 
 def _run(comm, plane, tmp, name, *extra):
     from hpcnet.train import run
-    from tests.conftest import tiny_images
+    from tests.helpers import tiny_images
 
     path = tiny_images(comm, tmp, "tiny.h5", num_train=256, num_eval=64, seed=5)
     cfg = load_config(overrides=[

@@ -24,7 +24,7 @@ from hpcnet.ckpt.format import (BLOCK_BYTES, CheckpointInfo, block_hashes, check
                                 make_spec, plan_ownership, plan_retention, resolve_chain, write_pieces)
 from hpcnet.errors import UsageError
 
-from conftest import clean_env
+from tests.helpers import clean_env
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,7 +12,7 @@ import torch
 
 from hpcnet.ckpt.manager import CheckpointManager, load_checkpoint
 from hpcnet.config import FaultConfig, load_config
-from tests.conftest import tiny_images
+from tests.helpers import StopAfter, tiny_images
 from hpcnet.errors import ConfigError, ExitCode, UsageError
 from hpcnet.fault.inject import ATTEMPT_ENV, FaultInjector, corrupt_newest, current_attempt
 from hpcnet.train import run
@@ -119,16 +119,6 @@ def _params(result):
     return [p.detach().clone() for p in result.model.parameters()]
 
 
-class StopAfter:
-    """Stands in for the signal handler: asks to stop (SIGUSR2) after ``steps`` steps."""
-
-    def __init__(self, steps):
-        self.calls, self.steps = 0, steps
-
-    @property
-    def signum(self):
-        self.calls += 1
-        return signal.SIGUSR2 if self.calls >= self.steps else 0
 
 
 @pytest.mark.mpi

@@ -165,7 +165,7 @@ def _serial_only():
 
 
 def _supervise(tmp_path, command, *options, timeout=120):
-    from tests.conftest import clean_env
+    from tests.helpers import clean_env
 
     return subprocess.run([sys.executable, "-m", "hpcnet.launch", *options, "--", *command], cwd=tmp_path,
                           env=clean_env(), capture_output=True, text=True, timeout=timeout)
@@ -204,7 +204,7 @@ def test_restarts_until_success_or_exhausted(tmp_path, exit_with, attempts, fina
 def test_stop_signals_are_forwarded_and_end_the_restarts(tmp_path, sig):
     """SIGHUP (the terminal went away) too: passed on as SIGTERM, on which the job saves; not left to kill us."""
     _serial_only()
-    from tests.conftest import clean_env
+    from tests.helpers import clean_env
 
     job = ("import signal, sys, time, pathlib; "
            "[signal.signal(s, lambda n, f: sys.exit(76)) for s in (signal.SIGTERM, signal.SIGUSR2)]; "
@@ -407,7 +407,7 @@ def test_hung_rank_is_detected_then_restarted_and_ends_identical(tmp_path, refer
 def test_sigterm_to_the_supervisor_saves_and_stops_the_job(tmp_path):
     """mpirun would kill the ranks a second after SIGTERM; the supervisor sends SIGUSR2, so they save and exit 76."""
     _serial_only()
-    from tests.conftest import clean_env
+    from tests.helpers import clean_env
 
     command = _train_command(tmp_path, "term", "train.steps=100000", "checkpoint.every_steps=0")
     proc = subprocess.Popen([sys.executable, "-m", "hpcnet.launch", "--", *command], cwd=tmp_path, env=clean_env(),

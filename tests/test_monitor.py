@@ -442,7 +442,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
 @pytest.mark.launch
 @pytest.mark.timeout(120)
 def test_sigstopped_rank_ends_the_job_and_is_named(tmp_path):
-    from tests.conftest import clean_env
+    from tests.helpers import clean_env
 
     cmd = ["mpirun", "-np", "2", sys.executable, "-m", "mpi4py", "-m", "hpcnet.train", *_train_args(tmp_path)]
     proc = subprocess.Popen(cmd, env=clean_env(**_env(tmp_path)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -13,7 +13,7 @@ from hpcnet.ckpt.manager import load_checkpoint
 from hpcnet.config import load_config
 from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.train import run
-from tests.conftest import tiny_images
+from tests.helpers import tiny_images
 
 
 class GoesBadAt(nn.Module):

@@ -20,7 +20,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from conftest import ROOT, clean_env
+from tests.helpers import ROOT, clean_env
 from hpcnet.launch import supervisor as launch
 from hpcnet.data.synthetic import generate_images
 

@@ -17,7 +17,7 @@ from hpcnet.data.loader import GlobalBatchSampler, open_dataset
 from hpcnet.errors import ExitCode
 from hpcnet.models import build_model
 from hpcnet.train import build_optimizer, loss_and_correct, lr_factor, run
-from tests.conftest import tiny_images
+from tests.helpers import tiny_images
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,7 +152,7 @@ def test_launch_trains_and_loss_falls(launch, tmp_path):
 def test_plain_python_single_process(tmp_path):
     import subprocess
 
-    from tests.conftest import clean_env
+    from tests.helpers import clean_env
 
     out = subprocess.run([sys.executable, "-m", "hpcnet.train", *_tiny_args(tmp_path, "train.steps=5")],
                          env=clean_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
@@ -199,7 +199,7 @@ def test_sigterm_to_one_rank_stops_all(launch, tmp_path):
     """SIGTERM (what SLURM sends) to one rank: every rank stops after the same step."""
     import subprocess
 
-    from tests.conftest import clean_env
+    from tests.helpers import clean_env
 
     cmd = ["mpirun", "-np", "2", sys.executable, "-m", "mpi4py", "-m", "hpcnet.train",
            *_tiny_args(tmp_path, "train.steps=100000", "run.metrics=all", "run.log_every=1")]

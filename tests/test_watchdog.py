@@ -25,7 +25,7 @@ from hpcnet.fault.heartbeat import PeerTracker, decode, encode
 from hpcnet.fault.monitor import DUMP_SIGNAL, Monitor, heartbeat_report, stall_report
 from hpcnet.fault.watchdog import IO_TIMEOUT_FLOOR_S, Deadlines, analyze_io, io_timeout_s
 from hpcnet.comm.world import discover
-from tests.conftest import ROOT, clean_env
+from tests.helpers import ROOT, clean_env
 
 # --- pure logic ------------------------------------------------------------------
 
