@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Set up (if needed), then run the whole test suite: a serial pass (every
 # test, MPI tests on one rank, plus the tests that launch mpirun or submit
-# SLURM jobs themselves), then the MPI tests on 2 and on 4 ranks.  pytest-mpi
-# needs --with-mpi, or it silently skips every MPI test; python -m mpi4py aborts
-# the job when one rank fails instead of leaving the others hanging.
+# SLURM jobs themselves), then the MPI tests on 2 and on 4 ranks.  setup.cfg
+# passes pytest-mpi's --with-mpi (without it every MPI test is skipped);
+# python -m mpi4py aborts the job when one rank fails instead of leaving the
+# others hanging.
 #
 # The serial pass runs beside a one-node SLURM on this machine
 # (scripts/slurm.sh, which installs slurm-wlm and munge when missing), started
@@ -21,12 +22,12 @@ if [ "${HPCNET_SLURM:-on}" != off ] && ! scripts/slurm.sh status >/dev/null 2>&1
         echo "test.sh: the local SLURM did not start; the SLURM tests will be skipped" >&2
     fi
 fi
-python -m pytest --with-mpi "$@"
+python -m pytest "$@"
 if [ "$slurm_started" = 1 ]; then
     scripts/slurm.sh stop
     trap - EXIT
 fi
 for n in 2 4; do
     echo "=== MPI tests on $n ranks ==="
-    timeout 900 mpiexec -n "$n" python -m mpi4py -m pytest --with-mpi -m mpi -q "$@"
+    timeout 900 mpiexec -n "$n" python -m mpi4py -m pytest -m mpi -q "$@"
 done

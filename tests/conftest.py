@@ -17,6 +17,16 @@ def pytest_configure(config):
         config.option.basetemp = str(base)
 
 
+def pytest_collection_modifyitems(config, items):
+    # At more than one rank every rank would start the same mpirun or SLURM job at once.
+    if MPI.COMM_WORLD.Get_size() == 1:
+        return
+    skip = pytest.mark.skip(reason="starts its own mpirun or SLURM job: runs in the serial pass (scripts/test.sh)")
+    for item in items:
+        if item.get_closest_marker("launch") or item.get_closest_marker("slurm"):
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def comm():
     """A private duplicate of COMM_WORLD, freed after the test."""
