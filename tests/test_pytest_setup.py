@@ -20,8 +20,11 @@ def test_ranks_reach_each_other(comm):
 @pytest.mark.launch
 def test_plain_mpiexec_pytest_runs_the_mpi_tests():
     # Nothing but `mpiexec -n 2 pytest FILE`: the MPI test above must pass on both ranks, and this test (it
-    # starts an mpirun of its own) must skip there.
-    env = clean_env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", PY_COLORS="0")
+    # starts an mpirun of its own) must skip there, for that reason.
+    if os.environ.get("HPCNET_NESTED_PYTEST"):
+        pytest.skip("nested run of this test")  # never recurse, whatever the configuration does
+    env = clean_env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", PY_COLORS="0",
+                    HPCNET_NESTED_PYTEST="1")
     result = subprocess.run(["mpiexec", "-n", "2", "pytest", "tests/test_pytest_setup.py", "-q"], cwd=ROOT,
                             env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
