@@ -21,10 +21,9 @@ from typing import Any
 import h5py
 import numpy as np
 
+from hpcnet.data.info import FORMAT_VERSION, SPLITS, positive_ints
 from hpcnet.errors import DatasetError
 
-FORMAT_VERSION = 1
-SPLITS = ("train", "eval")
 SYNTHETIC_DATASETS = ("synthetic-images", "synthetic-tokens")
 CHUNK_BYTES = 1 << 20
 """Target size of one HDF5 chunk: big enough for fast scans, small enough that a random row is cheap."""
@@ -91,13 +90,6 @@ def _create_split(f: h5py.File, split: str, inputs: tuple[tuple[int, ...], str],
         chunks = _chunk_rows(shape[1:], np.dtype(dtype).itemsize, shape[0])
         datasets.append(group.create_dataset(name, shape=shape, dtype=dtype, chunks=chunks))
     return datasets[0], datasets[1]
-
-
-def positive_ints(**values: int) -> None:
-    """Raise ValueError naming the first value that is not a positive integer."""
-    for name, value in values.items():
-        if not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def generate_images(path: str | os.PathLike[str], *, num_train: int = 8192, num_eval: int = 1024,
