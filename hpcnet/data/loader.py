@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from hpcnet.agree import agree_on_one_error
 from hpcnet.data.h5 import open_split
 from hpcnet.data.info import SPLITS, Split
 from hpcnet.data.sampler import GlobalBatchSampler
@@ -35,22 +36,6 @@ def _open_here(spec: str, split: str, directory: str | os.PathLike[str], comm: A
     return open_split(path, split)
 
 
-def _share_error(comm: Any, error: Exception | None) -> None:
-    """Collective: if any rank failed, raise the first failure's error on every rank."""
-    report = None if error is None else (isinstance(error, ConfigError), str(error))
-    reports = comm.allgather(report)
-    failed = [rank for rank, rep in enumerate(reports) if rep is not None]
-    if not failed:
-        return
-    is_config, message = reports[failed[0]]
-    if len(failed) < len(reports):
-        message += f" (on ranks {failed} of {len(reports)} only)"
-    kind = ConfigError if is_config else DatasetError
-    if error is not None and type(error) is kind and str(error) == message:
-        raise error
-    raise kind(message) from error
-
-
 def open_dataset(spec: str, split: str, *, directory: str | os.PathLike[str], comm: Any,
                  options: dict[str, Any] | None = None, seed: int = 0) -> Split:
     """Open one split of the dataset named by ``data.dataset`` (collective).
@@ -66,7 +51,7 @@ def open_dataset(spec: str, split: str, *, directory: str | os.PathLike[str], co
         seed: generation seed of the built-in datasets.
 
     Raises:
-        DatasetError, ConfigError: the same error on every rank.
+        DatasetError, ConfigError: the same error, with the same message, on every rank.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
@@ -79,7 +64,7 @@ def open_dataset(spec: str, split: str, *, directory: str | os.PathLike[str], co
             f"data.dataset: {spec!r} ({split} split): {type(exc).__name__}: {exc}")
         if error is not exc:
             error.__cause__ = exc
-    _share_error(comm, error)
+    agree_on_one_error(comm, error)
     assert opened is not None
     return opened
 
