@@ -229,7 +229,7 @@ def ensure_synthetic(name: str, directory: str | os.PathLike[str], *, comm: Any,
         except Exception as exc:  # noqa: BLE001 - shared below, so no rank is left waiting
             error = DatasetError(f"cannot create the synthetic dataset {path}: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
-    # Also the barrier: the others cannot pass it before rank 0 has finished writing.
+    # The agreement is also the barrier: the others cannot pass it before rank 0 has finished writing.
     agree_on_error(comm, error)
     missing = [rank for rank, seen in enumerate(comm.allgather(path.is_file())) if not seen]
     if missing:
