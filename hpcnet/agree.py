@@ -1,6 +1,7 @@
 """One protocol for agreeing on errors: every rank learns whether any rank failed, and raises alike.
 
-``agree_on_error`` is the collective; ``shared_errors`` wraps a block in it;
+``agree_on_error`` is the collective (``agree_on_one_error`` its variant where every rank raises the
+first failure, one message); ``shared_errors`` wraps a block in it;
 ``agreed`` marks an error every rank raises by itself after a collective check.
 Torch-free: the supervisor and the tools import it.
 """
@@ -88,3 +89,35 @@ def shared_errors(comm: Any) -> Iterator[None]:
         agree_on_error(comm, exc)
         raise
     agree_on_error(comm, None)
+
+
+def _shared_kind(error: BaseException) -> str:
+    """The name of the nearest class of ``error`` that peers re-create as itself, else its own class name."""
+    shared = (cls.__name__ for cls in type(error).__mro__ if _SHARED_KINDS.get(cls.__name__) is cls)
+    return next(shared, type(error).__name__)
+
+
+def agree_on_one_error(comm: Any, error: BaseException | None) -> None:
+    """Collective: raise one error, the first failed rank's, on every rank if any rank of ``comm`` has one.
+
+    Unlike ``agree_on_error``, where each failed rank raises its own, every rank here raises the first
+    failure's class and message, so the user reads the same verdict from any rank; a failure on some
+    ranks only says which: ``"... (on ranks [3] of 4 only)"``. A subclass of an hpcnet error is raised
+    as that error (a ``DatasetError`` subclass as ``DatasetError``); other classes are echoed as
+    ``agree_on_error`` echoes them. A rank raises its own exception where it is exactly that error,
+    otherwise the echo, chained to its own error.
+    """
+    report = None
+    if error is not None:
+        report = (_shared_kind(error), error_text(error), exit_code_of(error), errno_of(error))
+    reports = comm.allgather(report)
+    failed = [rank for rank, rep in enumerate(reports) if rep is not None]
+    if not failed:
+        return
+    kind, message, code, errno_ = reports[failed[0]]
+    if len(failed) < len(reports):
+        message += f" (on ranks {failed} of {len(reports)} only)"
+    if error is not None and error_text(error) == message and (
+            type(error) is _SHARED_KINDS[kind] if kind in _SHARED_KINDS else type(error).__name__ == kind):
+        raise agreed(error)
+    raise agreed(_echo(failed[0], kind, message, code, errno_)) from error

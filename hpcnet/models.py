@@ -10,56 +10,25 @@ import difflib
 import inspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpcnet.data.info import DatasetInfo, is_int
 from hpcnet.errors import ConfigError
 from hpcnet.importing import load_object
 
-DATASET_KINDS = ("image", "tokens")
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
-
-
-@dataclass(frozen=True, slots=True)
-class DatasetInfo:
-    """What a model needs to know about the data it will be trained on."""
-
-    kind: str
-    """``"image"`` (inputs float[B, C, H, W], targets long[B]) or ``"tokens"``
-    (inputs long[B, T], targets long[B, T])."""
-    input_shape: tuple[int, ...]
-    """Per-sample input shape, e.g. ``(3, 32, 32)`` or ``(T,)``."""
-    num_classes: int
-    """Number of image classes, or the vocabulary size for tokens."""
-
-    def __post_init__(self) -> None:
-        if self.kind not in DATASET_KINDS:
-            raise ValueError(f"DatasetInfo.kind must be one of {', '.join(DATASET_KINDS)}, got {self.kind!r}")
-        # A list would make the frozen dataclass unhashable; slots+frozen still allow object.__setattr__.
-        object.__setattr__(self, "input_shape", tuple(self.input_shape))
-        if not self.input_shape or any(not _is_int(d) or d < 1 for d in self.input_shape):
-            raise ValueError(f"DatasetInfo.input_shape must be positive integers, got {self.input_shape}")
-        if self.kind == "tokens" and len(self.input_shape) != 1:
-            raise ValueError(f"DatasetInfo.input_shape must be (T,) for token data, got {self.input_shape}")
-        if not _is_int(self.num_classes) or self.num_classes < 1:
-            raise ValueError(f"DatasetInfo.num_classes must be a positive integer, got {self.num_classes!r}")
 
 
 # ---------------------------------------------------------------------------
 # option validation helpers
 
 
-def _is_int(value: Any) -> bool:
-    # bool is an int subclass, but `width = true` in a config is a mistake, not 1.
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _positive_int(value: Any, option: str) -> int:
-    if not _is_int(value) or value < 1:
+    if not is_int(value) or value < 1:
         raise ConfigError(f"model.options.{option}: must be a positive integer, got {value!r}")
     return value
 

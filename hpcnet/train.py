@@ -31,7 +31,8 @@ from hpcnet import __version__
 from hpcnet.comm.bootstrap import DataPlane, init_data_plane
 from hpcnet.ckpt.manager import CheckpointManager
 from hpcnet.config import Config, OptimConfig, check_same_config, describe_options, load_config, to_toml
-from hpcnet.data.loader import BatchLoader, GlobalBatchSampler, eval_indices, open_dataset
+from hpcnet.data.loader import BatchLoader, open_dataset
+from hpcnet.data.sampler import GlobalBatchSampler, eval_indices
 from hpcnet.comm.dataparallel import DataParallel, decide_plan
 from hpcnet.errors import ExitCode
 from hpcnet.fault.inject import FaultInjector

@@ -325,7 +325,7 @@ def test_an_uncreatable_launch_directory_is_a_clear_error(tmp_path):
 # --- real recoveries: mpirun, hpcnet.train, injected faults --------------------------------
 
 def _train_command(tmp_path, name, *extra):
-    from hpcnet.data.loader import generate_images
+    from hpcnet.data.synthetic import generate_images
 
     dataset = tmp_path / "tiny.h5"
     if not dataset.exists():

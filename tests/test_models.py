@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpcnet.errors import ConfigError
-from hpcnet.models import MODELS, DatasetInfo, build_model, count_parameters
+from hpcnet.data.info import DatasetInfo
+from hpcnet.models import MODELS, build_model, count_parameters
 
 CIFAR = DatasetInfo("image", (3, 32, 32), 10)
 MNIST = DatasetInfo("image", (1, 28, 28), 10)

@@ -280,7 +280,7 @@ def test_a_node_local_checkpoint_directory_is_an_error_not_a_fresh_start(tmp_pat
 def test_resume_at_another_world_size(launch, tmp_path, saved_ranks, resumed_ranks):
     """The saved position is no whole number of the new global batches: the epoch goes on from it, and its
     tail is dropped where the new grid runs out (seen in the epoch each step logs)."""
-    from hpcnet.data.loader import GlobalBatchSampler
+    from hpcnet.data.sampler import GlobalBatchSampler
 
     dataset = tiny_images(MPI.COMM_SELF, tmp_path, "reshard.h5", num_train=211, num_eval=16, seed=3)
     common = [f"data.dataset={dataset}", f"checkpoint.dir={tmp_path / 'ckpt'}", "run.dir_exact=true",

@@ -13,7 +13,8 @@ import torch
 from mpi4py import MPI
 
 from hpcnet.config import load_config
-from hpcnet.data.loader import GlobalBatchSampler, open_dataset
+from hpcnet.data.loader import open_dataset
+from hpcnet.data.sampler import GlobalBatchSampler
 from hpcnet.errors import ExitCode
 from hpcnet.models import build_model
 from hpcnet.train import build_optimizer, loss_and_correct, lr_factor, run

@@ -96,7 +96,8 @@ def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.dev
 
     from hpcnet.config import DistConfig, OptimConfig
     from hpcnet.comm.dataparallel import DataParallel
-    from hpcnet.models import DatasetInfo, build_model
+    from hpcnet.data.info import DatasetInfo
+    from hpcnet.models import build_model
     from hpcnet.train import build_optimizer, compute_loss
 
     torch.manual_seed(seed)

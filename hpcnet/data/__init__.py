@@ -1,3 +1,4 @@
-"""Datasets: the HDF5 reader, user datasets, the synthetic generators, the global-batch sampler and the
-background loader; ``python -m hpcnet.data`` makes the synthetic datasets.
+"""Datasets: ``info`` (what describes one), ``h5`` (HDF5 files), ``user`` (``package.module:function``
+datasets), ``sampler`` (which samples each rank reads), ``loader`` (opening ``data.dataset``, background
+reads) and ``synthetic`` (the built-in sets; ``python -m hpcnet.data generate ...``).
 """

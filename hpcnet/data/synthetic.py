@@ -21,10 +21,10 @@ from typing import Any
 import h5py
 import numpy as np
 
+from hpcnet.agree import agree_on_error, agreed
+from hpcnet.data.info import FORMAT_VERSION, SPLITS, positive_ints
 from hpcnet.errors import DatasetError
 
-FORMAT_VERSION = 1
-SPLITS = ("train", "eval")
 SYNTHETIC_DATASETS = ("synthetic-images", "synthetic-tokens")
 CHUNK_BYTES = 1 << 20
 """Target size of one HDF5 chunk: big enough for fast scans, small enough that a random row is cheap."""
@@ -91,13 +91,6 @@ def _create_split(f: h5py.File, split: str, inputs: tuple[tuple[int, ...], str],
         chunks = _chunk_rows(shape[1:], np.dtype(dtype).itemsize, shape[0])
         datasets.append(group.create_dataset(name, shape=shape, dtype=dtype, chunks=chunks))
     return datasets[0], datasets[1]
-
-
-def positive_ints(**values: int) -> None:
-    """Raise ValueError naming the first value that is not a positive integer."""
-    for name, value in values.items():
-        if not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def generate_images(path: str | os.PathLike[str], *, num_train: int = 8192, num_eval: int = 1024,
@@ -228,23 +221,20 @@ def ensure_synthetic(name: str, directory: str | os.PathLike[str], *, comm: Any,
     if name not in SYNTHETIC_DATASETS:
         raise DatasetError(f"data.dataset: {name!r} is not a built-in dataset ({', '.join(SYNTHETIC_DATASETS)})")
     path = synthetic_path(name, directory, seed)
-    error: Exception | None = None
-    message = None
+    error: DatasetError | None = None
     if comm.Get_rank() == 0 and not path.is_file():
         try:
             generate = generate_images if name == "synthetic-images" else generate_tokens
             generate(path, seed=seed)
         except Exception as exc:  # noqa: BLE001 - shared below, so no rank is left waiting
-            error = exc
-            message = f"cannot create the synthetic dataset {path}: {type(exc).__name__}: {exc}"
-    # The bcast is also the barrier: the others cannot pass it before rank 0 has finished writing.
-    message = comm.bcast(message, root=0)
-    if message is not None:
-        raise DatasetError(message) from error
+            error = DatasetError(f"cannot create the synthetic dataset {path}: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+    # The agreement is also the barrier: the others cannot pass it before rank 0 has finished writing.
+    agree_on_error(comm, error)
     missing = [rank for rank, seen in enumerate(comm.allgather(path.is_file())) if not seen]
     if missing:
-        raise DatasetError(f"{path} was written by rank 0 but ranks {missing} cannot see it: "
-                           "data.dir must be a directory shared by every node")
+        raise agreed(DatasetError(f"{path} was written by rank 0 but ranks {missing} cannot see it: "
+                                  "data.dir must be a directory shared by every node"))
     return path
 
 
