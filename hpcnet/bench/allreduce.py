@@ -71,7 +71,7 @@ def build_methods(comm: Any, world: Any, *, device: torch.device, reducer: bool,
     from mpi4py import MPI
 
     from hpcnet.comm.reducer import Reducer
-    from hpcnet.comm.dataparallel import build_transport
+    from hpcnet.comm.transport import build_transport
     from hpcnet.comm.transport import TorchTransport
 
     methods: list[Method] = []

@@ -96,6 +96,7 @@ def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.dev
 
     from hpcnet.config import DistConfig, OptimConfig
     from hpcnet.comm.dataparallel import DataParallel
+    from hpcnet.comm.plan import decide_plan
     from hpcnet.models import DatasetInfo, build_model
     from hpcnet.train import build_optimizer, compute_loss
 
@@ -114,7 +115,9 @@ def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.dev
         return optimizer, update
 
     model_h = copy.deepcopy(base)
-    dp = DataParallel(model_h, comm, world, DistConfig(), device=device)  # hpcnet's defaults
+    dist_cfg = DistConfig()  # hpcnet's defaults
+    dp = DataParallel(model_h, comm, world, dist_cfg, device=device,
+                      plan=decide_plan(comm, world, dist_cfg, device_type=device.type))
     contenders = [Contender("hpcnet", model_h, lambda x, y: dp.step([(x, y)], compute_loss), updater(model_h)[1], dp)]
 
     model_d = copy.deepcopy(base)
