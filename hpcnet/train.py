@@ -33,13 +33,14 @@ from hpcnet.ckpt.manager import CheckpointManager
 from hpcnet.config import Config, OptimConfig, check_same_config, describe_options, load_config, to_toml
 from hpcnet.data.loader import BatchLoader, open_dataset
 from hpcnet.data.sampler import GlobalBatchSampler, eval_indices
-from hpcnet.comm.dataparallel import DataParallel, decide_plan
+from hpcnet.comm.dataparallel import DataParallel
 from hpcnet.errors import ExitCode
 from hpcnet.fault.inject import FaultInjector
 from hpcnet.fault.flightrec import NULL_RECORDER
 from hpcnet.models import build_model, count_parameters
 from hpcnet.fault.monitor import Monitor
 from hpcnet.runlog import MetricsWriter, close_logging, format_duration, make_run_dir, setup_logging
+from hpcnet.comm.plan import decide_plan
 from hpcnet.comm.topology import probe, recommend
 from hpcnet.ckpt.state import NONFINITE_GRAD, NONFINITE_LOSS, StepBoundary, TrainState, checkpoint_dir, should_save
 from hpcnet.comm.world import World, choose_device, cpu_threads, discover
@@ -194,14 +195,15 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
                      __version__, torch.__version__, world.size, world.num_nodes, world.launcher,
                      device, torch.get_num_threads())
             log.info("run directory: %s\nresolved config:\n%s", run_dir, resolved)
-        hint = None
+        # The transport, decided once (dist.backend=auto resolved here): an
+        # impossible choice stops every rank before the probe, the rendezvous,
+        # the data and the model; the torch.distributed group is the one it needs, if any.
+        plan = decide_plan(comm, world, cfg.dist, device_type=device.type)
         interface = cfg.dist.interface
         if cfg.dist.probe and world.size > 1:
-            # Measured latency/bandwidth pick the network interface and the
-            # all-reduce path (flat or hierarchical).
+            # Measured latency/bandwidth pick the network interface.
             topology = probe(comm, world, budget_s=2.0)
             advice = recommend(topology)
-            hint = advice["hierarchical"]
             if world.is_main:
                 topology.write(run_dir / "topology.json")
                 log.info("%s", topology.summary())
@@ -209,10 +211,6 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
                 interface = advice["nccl_socket_ifname"]
             if advice["nccl_ib_disable"] and device.type == "cuda":
                 os.environ.setdefault("NCCL_IB_DISABLE", "1")
-        # The transport, decided once (dist.backend=auto resolved here): an
-        # impossible choice stops every rank before the rendezvous, the data
-        # and the model; the torch.distributed group is the one it needs, if any.
-        plan = decide_plan(comm, world, cfg.dist, device_type=device.type, hierarchical_hint=hint)
         if plane is None and world.size > 1 and plan.torch_backend:
             plane = init_data_plane(comm, world, backend=plan.torch_backend, device=device,
                                     timeout_s=cfg.dist.timeout_s, interface=interface)

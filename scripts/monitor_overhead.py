@@ -24,6 +24,7 @@ from torch import nn
 
 from hpcnet.config import DistConfig, MonitorConfig
 from hpcnet.comm.dataparallel import DataParallel
+from hpcnet.comm.plan import decide_plan
 from hpcnet.fault.flightrec import NULL_RECORDER
 from hpcnet.fault.monitor import Monitor
 from hpcnet.comm.world import cpu_threads, discover
@@ -43,8 +44,9 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, args.hidden), nn.ReLU(),
                           nn.Linear(args.hidden, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10))
-    dp = DataParallel(model, comm, world, DistConfig(backend="mpi", probe=False, fallback="none"),
-                      device=torch.device("cpu"))
+    dist_cfg = DistConfig(backend="mpi", probe=False, fallback="none")
+    dp = DataParallel(model, comm, world, dist_cfg, device=torch.device("cpu"),
+                      plan=decide_plan(comm, world, dist_cfg, device_type="cpu"))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     batch = [(torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,)))]
     flags = np.zeros(2, dtype=np.int64)

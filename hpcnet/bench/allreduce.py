@@ -70,9 +70,7 @@ def build_methods(comm: Any, world: Any, *, device: torch.device, reducer: bool,
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from hpcnet.comm.reducer import Reducer
-    from hpcnet.comm.dataparallel import build_transport
-    from hpcnet.comm.transport import TorchTransport
+    from hpcnet.comm.transport import TorchTransport, build_transport
 
     methods: list[Method] = []
     peer_comm = comm.Dup()  # the raw peer gets a private communicator too, as MpiTransport does
@@ -105,25 +103,30 @@ def build_methods(comm: Any, world: Any, *, device: torch.device, reducer: bool,
         methods.append(Method(f"hpcnet-hierarchical-{primary}", primary_peer, device.type,
                               hpcnet_transport(build_transport(primary, True, comm, world))))
     if reducer:
-        def reducer_path(buf: torch.Tensor) -> Runner:
-            # hpcnet's whole bucket path for one flat parameter: autograd
-            # accumulates a (zero) gradient into the bucket view, the hook
-            # launches the bucket, finish() agrees over the control plane,
-            # waits and averages.
-            param = torch.nn.Parameter(torch.zeros_like(buf))
-            zeros = torch.zeros_like(buf)
-            red = Reducer([("flat", param)], build_transport(primary, False, comm, world), comm,
-                          bucket_bytes=buf.numel() * buf.element_size(), first_bucket_bytes=0, timeout_s=TIMEOUT_S)
-
-            def run() -> None:
-                param.backward(zeros)
-                red.finish()
-
-            return Runner(run, param.grad, close=red.close)
-
-        methods.append(Method(f"hpcnet-reducer-{primary}", primary_peer, device.type, reducer_path,
-                              result_scale=1 / world.size))
+        methods.append(_reducer_method(primary, primary_peer, comm, world, device))
     return methods
+
+
+def _reducer_method(primary: str, peer: str, comm: Any, world: Any, device: torch.device) -> Method:
+    """hpcnet's whole bucket path for one flat parameter: autograd accumulates a (zero) gradient into the
+    bucket view, the hook launches the bucket, finish() agrees over the control plane, waits and averages.
+    """
+    from hpcnet.comm.reducer import Reducer
+    from hpcnet.comm.transport import build_transport
+
+    def reducer_path(buf: torch.Tensor) -> Runner:
+        param = torch.nn.Parameter(torch.zeros_like(buf))
+        zeros = torch.zeros_like(buf)
+        red = Reducer([("flat", param)], build_transport(primary, False, comm, world), comm,
+                      bucket_bytes=buf.numel() * buf.element_size(), first_bucket_bytes=0, timeout_s=TIMEOUT_S)
+
+        def run() -> None:
+            param.backward(zeros)
+            red.finish()
+
+        return Runner(run, param.grad, close=red.close)
+
+    return Method(f"hpcnet-reducer-{primary}", peer, device.type, reducer_path, result_scale=1 / world.size)
 
 
 def _check(method: Method, runner: Runner, comm: Any) -> str | None:
@@ -157,53 +160,67 @@ def _time_block(runner: Runner, iters: int, comm: Any) -> float:
 def bench_size(methods: list[Method], nbytes: int, comm: Any, args: argparse.Namespace,
                device: torch.device) -> dict[str, Any]:
     """Every method at one size, alternating in rounds (collective)."""
-    from hpcnet.agree import agreed
-
     numel = max(1, nbytes // 4)  # float32
     buffers = {"cpu": torch.zeros(numel, dtype=torch.float32)}
     if device.type == "cuda":
         buffers["cuda"] = torch.zeros(numel, dtype=torch.float32, device=device)
     runners: list[Runner] = []
-    estimates = []
     try:
-        for method in methods:
-            runner = method.prepare(buffers[method.device])
-            runners.append(runner)
-            errors = [e for e in comm.allgather(_check(method, runner, comm)) if e]
-            if errors:
-                raise agreed(RuntimeError("; ".join(errors)))
-            runner.tensor.zero_()  # zeros stay zeros: no growth towards inf, no denormals
-            estimates.append(_time_block(runner, args.warmup, comm))
+        estimates = [_prepare(method, buffers[method.device], runners, comm, args) for method in methods]
         if args.iters:
             iters = args.iters
         else:
             iters = int(min(args.max_iters, max(1, args.time_budget_s / (args.rounds * sum(estimates)))))
         iters = comm.bcast(iters, root=0)  # every rank must issue the same collectives
-        times: dict[str, list[float]] = {m.name: [] for m in methods}
-        iters_used = []
-        order = list(zip(methods, runners))
-        t_start = time.perf_counter()
-        for r in range(args.rounds):
-            # Rotate the order each round, so no method always follows the same one.
-            shift = r % len(order)
-            for method, runner in order[shift:] + order[:shift]:
-                times[method.name].append(_time_block(runner, iters, comm))
-            iters_used.append(iters)
-            over = time.perf_counter() - t_start > args.max_size_s and r + 1 >= MIN_ROUNDS
-            if comm.bcast(over, root=0):
-                break  # even one iteration per round is too slow here: fewer rounds, bounded time
-            if not args.iters and r + 1 < args.rounds:
-                # The warm-up estimate can be far off on a loaded machine: keep
-                # the size within its budget by shrinking (never growing) the
-                # blocks of the remaining rounds.
-                left_s = args.time_budget_s - (time.perf_counter() - t_start)
-                round_s = sum(times[m.name][-1] for m in methods) * iters
-                fit = int(iters * max(0.0, left_s) / (args.rounds - r - 1) / max(round_s, 1e-9))
-                iters = comm.bcast(min(iters, max(1, fit)), root=0)
+        times, iters_used = _play_rounds(list(zip(methods, runners)), iters, comm, args)
     finally:
         for runner in runners:
             runner.close()
-    n = comm.Get_size()
+    return _size_result(methods, times, iters_used, numel, comm.Get_size())
+
+
+def _prepare(method: Method, buf: torch.Tensor, runners: list[Runner], comm: Any, args: argparse.Namespace) -> float:
+    """Collective: the method's runner (appended to ``runners``), checked on every rank; its warm-up seconds/op."""
+    from hpcnet.agree import agreed
+
+    runner = method.prepare(buf)
+    runners.append(runner)
+    errors = [e for e in comm.allgather(_check(method, runner, comm)) if e]
+    if errors:
+        raise agreed(RuntimeError("; ".join(errors)))
+    runner.tensor.zero_()  # zeros stay zeros: no growth towards inf, no denormals
+    return _time_block(runner, args.warmup, comm)
+
+
+def _play_rounds(order: list[tuple[Method, Runner]], iters: int, comm: Any,
+                 args: argparse.Namespace) -> tuple[dict[str, list[float]], list[int]]:
+    """Collective: the alternating rounds of one size; seconds/op per method and round, iterations per round."""
+    methods = [m for m, _ in order]
+    times: dict[str, list[float]] = {m.name: [] for m in methods}
+    iters_used = []
+    t_start = time.perf_counter()
+    for r in range(args.rounds):
+        # Rotate the order each round, so no method always follows the same one.
+        shift = r % len(order)
+        for method, runner in order[shift:] + order[:shift]:
+            times[method.name].append(_time_block(runner, iters, comm))
+        iters_used.append(iters)
+        over = time.perf_counter() - t_start > args.max_size_s and r + 1 >= MIN_ROUNDS
+        if comm.bcast(over, root=0):
+            break  # even one iteration per round is too slow here: fewer rounds, bounded time
+        if not args.iters and r + 1 < args.rounds:
+            # The warm-up estimate can be far off on a loaded machine: keep
+            # the size within its budget by shrinking (never growing) the
+            # blocks of the remaining rounds.
+            left_s = args.time_budget_s - (time.perf_counter() - t_start)
+            round_s = sum(times[m.name][-1] for m in methods) * iters
+            fit = int(iters * max(0.0, left_s) / (args.rounds - r - 1) / max(round_s, 1e-9))
+            iters = comm.bcast(min(iters, max(1, fit)), root=0)
+    return times, iters_used
+
+
+def _size_result(methods: list[Method], times: dict[str, list[float]], iters_used: list[int], numel: int,
+                 n: int) -> dict[str, Any]:
     size = numel * 4
     result: dict[str, Any] = {"size_bytes": size, "count": numel, "rounds": len(iters_used), "iters": iters_used[0],
                               "iters_per_round": iters_used, "methods": {}}
@@ -303,18 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     plane = init_data_plane(comm, world, backend=backend, device=device, timeout_s=TIMEOUT_S)
     cleanup: list[Callable[[], Any]] = []
     try:
-        methods = build_methods(comm, world, device=device, reducer=not args.no_reducer, cleanup=cleanup)
-        if args.methods:
-            wanted = [s.strip() for s in args.methods.split(",") if s.strip()]
-            unknown = sorted(set(wanted) - {m.name for m in methods})
-            if unknown:
-                if rank0:
-                    print(f"hpcnet.bench allreduce: unknown method(s) {', '.join(unknown)}; "
-                          f"available: {', '.join(m.name for m in methods)}", file=sys.stderr)
-                return 2
-            # A compared method needs its peer in the same rounds.
-            keep = set(wanted) | {m.peer for m in methods if m.name in wanted and m.peer}
-            methods = [m for m in methods if m.name in keep]
+        methods = _select(build_methods(comm, world, device=device, reducer=not args.no_reducer, cleanup=cleanup),
+                          args.methods, rank0)
+        if methods is None:
+            return 2
         if rank0:
             print(f"methods: {', '.join(m.name for m in methods)}; sizes: "
                   f"{', '.join(format_size(s) for s in args.size_list)}", flush=True)
@@ -332,28 +341,50 @@ def main(argv: list[str] | None = None) -> int:
         env["load_average_end"] = load_average()
         summary = _target(results) if world.size > 1 else None  # one rank: nothing moves, no ratio
         if rank0:
-            print()
-            print(format_results(results, methods, args.rounds))
-            print(f"load average at end: {', '.join(f'{x:.2f}' for x in env['load_average_end'])}; "
-                  f"{time.perf_counter() - t_start:.0f} s")
-            if summary:
-                print(f"target: hpcnet-mpi busbw at {format_size(summary['size_bytes'])} = "
-                      f"{summary['ratio']:.3f} x raw MPI Allreduce (target >= {TARGET_RATIO}): "
-                      f"{'met' if summary['met'] else 'NOT met'}")
-            if args.json:
-                write_json(args.json, {
-                    "benchmark": "allreduce", "environment": env, "rounds": args.rounds,
-                    "methods": [{"name": m.name, "peer": m.peer, "device": m.device} for m in methods],
-                    "results": results, "target": summary,
-                    "ratio_hpcnet_mpi_vs_mpi4py": {str(r["size_bytes"]): r["methods"]["hpcnet-mpi"]["ratio_vs_peer"]
-                                                   ["median"] for r in results if "hpcnet-mpi" in r["methods"]},
-                })
+            _report(results, methods, env, summary, args, time.perf_counter() - t_start)
         return 0
     finally:
         for close in reversed(cleanup):
             close()
         plane.close()
         comm.Free()
+
+
+def _select(methods: list[Method], wanted_text: str, rank0: bool) -> list[Method] | None:
+    """The methods ``--methods`` names, with their peers; None (after a message) when one is unknown."""
+    if not wanted_text:
+        return methods
+    wanted = [s.strip() for s in wanted_text.split(",") if s.strip()]
+    unknown = sorted(set(wanted) - {m.name for m in methods})
+    if unknown:
+        if rank0:
+            print(f"hpcnet.bench allreduce: unknown method(s) {', '.join(unknown)}; "
+                  f"available: {', '.join(m.name for m in methods)}", file=sys.stderr)
+        return None
+    # A compared method needs its peer in the same rounds.
+    keep = set(wanted) | {m.peer for m in methods if m.name in wanted and m.peer}
+    return [m for m in methods if m.name in keep]
+
+
+def _report(results: list[dict[str, Any]], methods: list[Method], env: dict[str, Any],
+            summary: dict[str, Any] | None, args: argparse.Namespace, wall_s: float) -> None:
+    """Rank 0: the table, the load, the target line and the JSON file."""
+    print()
+    print(format_results(results, methods, args.rounds))
+    print(f"load average at end: {', '.join(f'{x:.2f}' for x in env['load_average_end'])}; "
+          f"{wall_s:.0f} s")
+    if summary:
+        print(f"target: hpcnet-mpi busbw at {format_size(summary['size_bytes'])} = "
+              f"{summary['ratio']:.3f} x raw MPI Allreduce (target >= {TARGET_RATIO}): "
+              f"{'met' if summary['met'] else 'NOT met'}")
+    if args.json:
+        write_json(args.json, {
+            "benchmark": "allreduce", "environment": env, "rounds": args.rounds,
+            "methods": [{"name": m.name, "peer": m.peer, "device": m.device} for m in methods],
+            "results": results, "target": summary,
+            "ratio_hpcnet_mpi_vs_mpi4py": {str(r["size_bytes"]): r["methods"]["hpcnet-mpi"]["ratio_vs_peer"]
+                                           ["median"] for r in results if "hpcnet-mpi" in r["methods"]},
+        })
 
 
 def _target(results: list[dict[str, Any]]) -> dict[str, Any] | None:

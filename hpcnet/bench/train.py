@@ -18,7 +18,6 @@ hides behind the backward pass.
 
 import argparse
 import copy
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from torch import nn
 
 from hpcnet.bench.common import (describe_environment, environment, load_average, max_over_ranks, summarize, table,
                                  write_json)
+from hpcnet.bench.stepsplit import profile_block, sync_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,11 +83,6 @@ class Contender:
         return loss
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.device, local: bool,
                     seed: int = 0) -> list[Contender]:
     """hpcnet, DDP and (optionally) the no-communication baseline on copies of one model (collective)."""
@@ -96,6 +91,7 @@ def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.dev
 
     from hpcnet.config import DistConfig, OptimConfig
     from hpcnet.comm.dataparallel import DataParallel
+    from hpcnet.comm.plan import decide_plan
     from hpcnet.data.info import DatasetInfo
     from hpcnet.models import build_model
     from hpcnet.train import build_optimizer, compute_loss
@@ -115,7 +111,9 @@ def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.dev
         return optimizer, update
 
     model_h = copy.deepcopy(base)
-    dp = DataParallel(model_h, comm, world, DistConfig(), device=device)  # hpcnet's defaults
+    dist_cfg = DistConfig()  # hpcnet's defaults
+    dp = DataParallel(model_h, comm, world, dist_cfg, device=device,
+                      plan=decide_plan(comm, world, dist_cfg, device_type=device.type))
     contenders = [Contender("hpcnet", model_h, lambda x, y: dp.step([(x, y)], compute_loss), updater(model_h)[1], dp)]
 
     model_d = copy.deepcopy(base)
@@ -162,82 +160,8 @@ def run_block(contender: Contender, batches: list[tuple[torch.Tensor, torch.Tens
         loss = contender.step(*batches[i % len(batches)])
     if loss is not None:
         loss.item()  # the step is finished (GPU: its kernels too)
-    _sync(device)
+    sync_device(device)
     return max_over_ranks(comm, time.perf_counter() - t0)
-
-
-def profile_block(contender: Contender, batches: list[tuple[torch.Tensor, torch.Tensor]], first: int, steps: int,
-                  comm: Any, device: torch.device) -> dict[str, Any]:
-    """Median per-step split in ms: forward+backward, exposed communication, optimizer (collective).
-
-    For hpcnet, ``Reducer.finish`` (the exposed wait) and, on the MPI
-    transport, the worker's all-reduce call (when each bucket is on the wire)
-    are wrapped for the duration of this block only, to measure how much
-    communication hides behind backward.  For DDP, the exposed wait is part
-    of backward; compare with ``local``.
-    """
-    reducer = contender.dp.reducer if contender.dp is not None else None
-    transport = reducer.transport if reducer is not None else None
-    spans: list[tuple[float, float]] = []  # per bucket on the worker thread: start, end
-    marks: dict[str, float] = {}
-    if reducer is not None:
-        finish = reducer.finish
-
-        def timed_finish() -> None:
-            marks["finish_start"] = time.perf_counter()
-            finish()
-            marks["finish_end"] = time.perf_counter()
-
-        reducer.finish = timed_finish
-    inner = getattr(transport, "_allreduce", None)
-    if inner is not None:
-        def timed_allreduce(flat: torch.Tensor) -> None:
-            t0 = time.perf_counter()
-            inner(flat)
-            spans.append((t0, time.perf_counter()))
-
-        transport._allreduce = timed_allreduce
-    rows: dict[str, list[float]] = {}
-
-    def add(key: str, seconds: float) -> None:
-        rows.setdefault(key, []).append(seconds * 1e3)
-
-    try:
-        comm.Barrier()
-        for i in range(first, first + steps):
-            spans.clear()
-            _sync(device)
-            t0 = time.perf_counter()
-            loss = contender.forward_backward(*batches[i % len(batches)])
-            _sync(device)
-            t1 = time.perf_counter()
-            contender.update()
-            loss.item()
-            _sync(device)
-            t2 = time.perf_counter()
-            add("step", t2 - t0)
-            add("optimizer", t2 - t1)
-            if reducer is None:
-                add("forward_backward", t1 - t0)
-                continue
-            add("forward_backward", marks["finish_start"] - t0)
-            add("exposed_comm", marks["finish_end"] - marks["finish_start"])
-            if spans:
-                end_of_backward = marks["finish_start"]
-                add("comm_busy", sum(e - s for s, e in spans))
-                # Wire time before backward ended ran behind compute (hidden).
-                add("comm_hidden", sum(max(0.0, min(e, end_of_backward) - s) for s, e in spans))
-                add("first_launch_after", min(s for s, _ in spans) - t0)
-                add("last_done_after_backward", max(e for _, e in spans) - end_of_backward)
-    finally:
-        if reducer is not None:
-            del reducer.finish  # the instance attribute: the class method shows through again
-        if inner is not None:
-            del transport._allreduce
-    out: dict[str, Any] = {f"{k}_ms": statistics.median(v) for k, v in rows.items()}
-    if reducer is not None:
-        out["buckets_mib"] = [round(b.buffer.numel() * b.buffer.element_size() / 2**20, 2) for b in reducer.buckets]
-    return out
 
 
 def bench_model(name: str, spec: ModelSpec, comm: Any, world: Any, args: argparse.Namespace,
@@ -245,12 +169,9 @@ def bench_model(name: str, spec: ModelSpec, comm: Any, world: Any, args: argpars
     """Warm-up, alternating timed rounds and an instrumented block for the model ``SPECS[name]`` (collective)."""
     from mpi4py import MPI
 
-    from hpcnet.models import count_parameters
-
     batch_size = args.batch_size or spec.batch_size
     contenders = make_contenders(spec, comm, world, device=device, local=not args.no_local)
     batches = synthetic_batches(spec, batch_size, args.distinct_batches, world.rank, device)
-    global_batch = batch_size * world.size
     try:
         position = {c.name: 0 for c in contenders}  # every contender walks the same batch sequence
 
@@ -261,13 +182,7 @@ def bench_model(name: str, spec: ModelSpec, comm: Any, world: Any, args: argpars
 
         for c in contenders:
             block(c, args.warmup)
-        seconds: dict[str, list[float]] = {c.name: [] for c in contenders}
-        for r in range(args.rounds):
-            # Rotate who goes first, so no contender always runs right after the same one.
-            shift = r % len(contenders)
-            order = contenders[shift:] + contenders[:shift]
-            for c in order:
-                seconds[c.name].append(block(c, args.steps))
+        seconds = _alternate(contenders, block, args.rounds, args.steps)
         profiles = {}
         if args.profile_steps:
             for c in contenders:
@@ -282,6 +197,28 @@ def bench_model(name: str, spec: ModelSpec, comm: Any, world: Any, args: argpars
         for c in contenders:
             if c.dp is not None:
                 c.dp.close()
+    return _model_result(name, spec, contenders, seconds, profiles, diff, batch_size, world.size, args)
+
+
+def _alternate(contenders: list[Contender], block: Callable[[Contender, int], float], rounds: int,
+               steps: int) -> dict[str, list[float]]:
+    """Collective: ``rounds`` of one block of ``steps`` per contender; seconds per block, per contender."""
+    seconds: dict[str, list[float]] = {c.name: [] for c in contenders}
+    for r in range(rounds):
+        # Rotate who goes first, so no contender always runs right after the same one.
+        shift = r % len(contenders)
+        for c in contenders[shift:] + contenders[:shift]:
+            seconds[c.name].append(block(c, steps))
+    return seconds
+
+
+def _model_result(name: str, spec: ModelSpec, contenders: list[Contender], seconds: dict[str, list[float]],
+                  profiles: dict[str, Any], diff: float, batch_size: int, world_size: int,
+                  args: argparse.Namespace) -> dict[str, Any]:
+    """The JSON record of one model: figures per contender and the paired hpcnet/DDP ratio."""
+    from hpcnet.models import count_parameters
+
+    global_batch = batch_size * world_size
     hp, ddp = contenders[0].name, contenders[1].name
     result: dict[str, Any] = {
         "name": name, "model": spec.model, "options": spec.options, "kind": spec.kind,

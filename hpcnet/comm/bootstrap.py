@@ -1,8 +1,9 @@
 """Bring up torch.distributed from MPI: no MASTER_ADDR, no hostfile, no guessing.
 
 Rank 0 picks the rendezvous address deliberately (loopback when every rank
-shares one node; otherwise the first of its interfaces that *every* rank can
-actually connect to, tested over TCP against short-lived probe listeners),
+shares one node; otherwise the first of its interfaces, in ``netif``'s order
+(IPoIB and RDMA first), that *every* rank can actually connect to, tested over
+TCP against short-lived probe listeners),
 then starts the TCPStore on a socket bound to that address alone, on a free
 port the kernel gives it, so there is no race for a port and nothing listens
 on the other interfaces.  The address and port travel to the other ranks
@@ -15,72 +16,21 @@ read and write its keys (see the README, Communication).
 import contextlib
 import datetime
 import errno
-import fcntl
 import logging
 import os
 import select
 import socket
-import struct
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from hpcnet.errors import RestartableError, UsageError
+from hpcnet.comm.netif import has_rdma_devices, interfaces
 from hpcnet.comm.world import World
 from hpcnet.agree import agree_on_error
 
 log = logging.getLogger(__name__)
-
-_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
-
-
-@dataclass(frozen=True, slots=True)
-class Interface:
-    """A network interface as seen from /sys/class/net."""
-
-    name: str
-    address: str
-    speed_mbps: int
-    """Link speed reported by the kernel; -1 when unknown (virtual links)."""
-    infiniband: bool
-
-
-def interfaces(sys_net: Path = Path("/sys/class/net")) -> list[Interface]:
-    """Up, non-loopback interfaces with an IPv4 address, fastest first."""
-    found = []
-    for _, name in socket.if_nameindex():
-        if name == "lo":
-            continue
-        base = sys_net / name
-        try:
-            if (base / "operstate").read_text().strip() not in ("up", "unknown"):
-                continue
-        except OSError:
-            continue
-        address = _ipv4_address(name)
-        if address is None:
-            continue
-        try:
-            speed = int((base / "speed").read_text().strip())
-        except (OSError, ValueError):
-            speed = -1
-        infiniband = (base / "device" / "infiniband").exists() or name.startswith("ib")
-        found.append(Interface(name, address, speed, infiniband))
-    # InfiniBand (IPoIB) first, then by speed; virtual bridges (docker0, virbr)
-    # last, since they are usually not reachable from other hosts.
-    virtual = ("docker", "virbr", "veth", "br-")
-    return sorted(found, key=lambda i: (i.name.startswith(virtual), not i.infiniband, -i.speed_mbps, i.name))
-
-
-def _ipv4_address(name: str) -> str | None:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        try:
-            packed = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
-        except OSError:
-            return None
-    return socket.inet_ntoa(packed[20:24])
 
 
 def _can_connect(address: str, port: int, timeout_s: float) -> bool:
@@ -210,22 +160,21 @@ def init_data_plane(comm: Any, world: World, *, backend: str, device: Any, timeo
 
     Args:
         comm: the MPI communicator whose ranks form the group (rank order kept).
-        world: its layout (``hpcnet.world.discover``).
+        world: its layout (``hpcnet.comm.world.discover``).
         backend: 'nccl' or 'gloo': the group the transport plan needs
-            (``hpcnet.dataparallel.Plan.torch_backend``), decided before.
+            (``hpcnet.comm.plan.Plan.torch_backend``), decided before.
         device: this rank's torch device.
         timeout_s: store and collective timeout.
         interface: network interface to use across nodes, or empty to choose.
     """
     import torch.distributed as dist
-    from torch.distributed import TCPStore
 
     if backend not in BACKENDS or (backend == "nccl" and device.type != "cuda"):
         raise ValueError(f"init_data_plane: backend {backend!r} on a {device.type} device")
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process")
     timeout = datetime.timedelta(seconds=timeout_s)
-    env_addr, env_port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    env_addr = os.environ.get("MASTER_ADDR")
     if env_addr:
         address, ifname = env_addr, interface
     else:
@@ -235,33 +184,30 @@ def init_data_plane(comm: Any, world: World, *, backend: str, device: Any, timeo
         # that other hosts can reach); make them use the one chosen here.
         _set_default_env("NCCL_SOCKET_IFNAME", ifname)
         _set_default_env("GLOO_SOCKET_IFNAME", ifname)
-    if backend == "nccl" and not Path("/sys/class/infiniband").exists():
+    if backend == "nccl" and not has_rdma_devices():
         _set_default_env("NCCL_IB_DISABLE", "1")
-    store = None
-    error: BaseException | None = None
-    port = 0
-    if world.rank == 0:
-        try:
-            port = int(env_port) if env_port else 0
-            # Bound to the chosen address only; the store takes over the socket.
-            listener = _listen(address, port, backlog=max(world.size, 128))
-            port = listener.getsockname()[1]
-            store = TCPStore(address, port, world.size, is_master=True, timeout=timeout,
-                             wait_for_workers=False, master_listen_fd=listener.detach())
-        except (ValueError, OverflowError):
-            error = UsageError(f"MASTER_PORT={env_port!r} is not a port number")
-        except OSError as exc:
-            where = f"rank 0 on {world.hostname} cannot listen on {address}:{port} for the rendezvous store"
-            if env_addr and (isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL):
-                error = UsageError(f"MASTER_ADDR={env_addr!r}: {where}: {exc.strerror or exc} "
-                                   "(it must be an address of rank 0's host)")
-            else:
-                error = RestartableError(f"{where}: {exc.strerror or exc}")
-        except Exception as exc:  # noqa: BLE001 - shared with every rank below
-            error = RestartableError(f"rank 0 could not start the rendezvous store on {address}:{port}: {exc}")
+    store, port = _connect_store(comm, world, address, timeout)
+    kwargs: dict[str, Any] = {}
+    if backend == "nccl":
+        kwargs["device_id"] = device  # eager NCCL communicator creation
+    error = None
+    try:
+        dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size,
+                                timeout=timeout, **kwargs)
+    except Exception as exc:  # noqa: BLE001
+        error = RestartableError(f"rank {world.rank}: init_process_group({backend!r}) failed: {exc}")
+    agree_on_error(comm, error)
+    log.info("torch.distributed %s: %d ranks, rendezvous %s:%d (%s)", backend, world.size, address, port, ifname)
+    return DataPlane(backend, address, port, ifname, dist.group.WORLD, store)
+
+
+def _connect_store(comm: Any, world: World, address: str, timeout: datetime.timedelta) -> tuple[Any, int]:
+    """Collective: rank 0 starts the rendezvous store on ``address``, the others connect; (store, port)."""
+    from torch.distributed import TCPStore
+
+    store, port, error = _start_store(world, address, timeout) if world.rank == 0 else (None, 0, None)
     agree_on_error(comm, error)
     port = comm.bcast(port, root=0)
-    error = None
     try:
         if world.rank != 0:
             store = TCPStore(address, port, world.size, is_master=False, timeout=timeout)
@@ -269,15 +215,30 @@ def init_data_plane(comm: Any, world: World, *, backend: str, device: Any, timeo
         error = RestartableError(f"rank {world.rank} on {world.hostname} cannot reach the rendezvous "
                                  f"store at {address}:{port}: {exc}")
     agree_on_error(comm, error)
-    kwargs: dict[str, Any] = {}
-    if backend == "nccl":
-        kwargs["device_id"] = device  # eager NCCL communicator creation
+    return store, port
+
+
+def _start_store(world: World, address: str, timeout: datetime.timedelta) -> tuple[Any, int, BaseException | None]:
+    """Rank 0: the store on ``address`` (``MASTER_PORT``, or a free port); (store, port, error to share)."""
+    from torch.distributed import TCPStore
+
+    env_addr, env_port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    port = 0
     try:
-        dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size,
-                                timeout=timeout, **kwargs)
-        error = None
-    except Exception as exc:  # noqa: BLE001
-        error = RestartableError(f"rank {world.rank}: init_process_group({backend!r}) failed: {exc}")
-    agree_on_error(comm, error)
-    log.info("torch.distributed %s: %d ranks, rendezvous %s:%d (%s)", backend, world.size, address, port, ifname)
-    return DataPlane(backend, address, port, ifname, dist.group.WORLD, store)
+        port = int(env_port) if env_port else 0
+        # Bound to the chosen address only; the store takes over the socket.
+        listener = _listen(address, port, backlog=max(world.size, 128))
+        port = listener.getsockname()[1]
+        store = TCPStore(address, port, world.size, is_master=True, timeout=timeout,
+                         wait_for_workers=False, master_listen_fd=listener.detach())
+        return store, port, None
+    except (ValueError, OverflowError):
+        return None, port, UsageError(f"MASTER_PORT={env_port!r} is not a port number")
+    except OSError as exc:
+        where = f"rank 0 on {world.hostname} cannot listen on {address}:{port} for the rendezvous store"
+        if env_addr and (isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL):
+            return None, port, UsageError(f"MASTER_ADDR={env_addr!r}: {where}: {exc.strerror or exc} "
+                                          "(it must be an address of rank 0's host)")
+        return None, port, RestartableError(f"{where}: {exc.strerror or exc}")
+    except Exception as exc:  # noqa: BLE001 - shared with every rank by the caller
+        return None, port, RestartableError(f"rank 0 could not start the rendezvous store on {address}:{port}: {exc}")

@@ -3,10 +3,10 @@
 ``probe(comm, world)`` collects every rank's host, local rank and GPUs, each
 node's network interfaces and InfiniBand ports, and times MPI ping-pong
 between all pairs of node leaders and between each leader and a few ranks of
-its own node.  The pairs are played in rounds (a round-robin tournament) so
-disjoint pairs run at the same time, and each pair has a time slot, so the
-whole probe takes about ``budget_s`` seconds at any size.  Rank 0 assembles a
-``Topology`` and broadcasts it, so every rank holds the same one.
+its own node (``pingpong``: rounds of disjoint pairs, each in a time slot, so
+the whole probe takes about ``budget_s`` seconds at any size).  Rank 0
+assembles a ``Topology`` and broadcasts it, so every rank holds the same one.
+The interfaces and ports are ``netif``'s.
 
 ``recommend(topology)`` turns it into decisions (NCCL interface, whether to
 disable NCCL's InfiniBand transport, flat or hierarchical all-reduce); it is
@@ -28,30 +28,18 @@ import json
 import os
 import statistics
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcnet.comm.bootstrap import Interface, interfaces
-from hpcnet.comm.world import World, discover
 from hpcnet.agree import shared_errors
+from hpcnet.comm.netif import IbPort, Interface, ib_ports, interfaces, preference
+from hpcnet.comm.pingpong import INTRA_SAMPLES, play_rounds, plan_rounds
+from hpcnet.comm.plan import hierarchical_layout
+from hpcnet.comm.world import World, discover
 
 FORMAT = "hpcnet-topology/1"
 """Written as ``format`` in topology.json; bumped when the layout changes."""
-
-# Ping-pong tags.  The responder echoes every message until STOP, so the
-# initiator alone decides (by the clock) how many repetitions to time.
-_HELLO, _PING, _PONG, _STOP = 11, 12, 13, 14
-# Repetition caps per pair: enough for stable figures; the time slot usually
-# ends the loop first on slow links.
-_LATENCY_WARMUP, _LATENCY_REPS = 20, 1000
-_BANDWIDTH_WARMUP, _BANDWIDTH_REPS = 1, 50
-_INTRA_SAMPLES = 3
-"""Local ranks each node leader is timed against: the first, middle and last."""
-_VIRTUAL_PREFIXES = ("docker", "virbr", "veth", "br-")
-_POLL_S = 0.0005
-
 
 @dataclass(kw_only=True, slots=True)
 class Gpu:
@@ -63,21 +51,6 @@ class Gpu:
 
 
 @dataclass(kw_only=True, slots=True)
-class IbPort:
-    """One port of an RDMA device under /sys/class/infiniband (InfiniBand or RoCE)."""
-
-    device: str
-    """HCA name, e.g. ``mlx5_0``."""
-    port: int
-    state: str
-    """``ACTIVE`` when usable."""
-    rate_gbps: float
-    """Signalling rate in Gbit/s; 0 when unknown."""
-    link_layer: str
-    """``InfiniBand``, or ``Ethernet`` for RoCE."""
-
-
-@dataclass(kw_only=True, slots=True)
 class Node:
     """A node (or a virtual node): its ranks and the hardware its leader sees."""
 
@@ -86,7 +59,7 @@ class Node:
     ranks: list[int]
     """Global ranks, in local-rank order; ``ranks[0]`` is the leader."""
     interfaces: list[Interface] = field(default_factory=list)
-    """Up, non-loopback IPv4 interfaces, fastest first (``bootstrap.interfaces``)."""
+    """Up, non-loopback IPv4 interfaces, best first (``netif.interfaces``)."""
     ib_ports: list[IbPort] = field(default_factory=list)
     gpus: list[Gpu] = field(default_factory=list)
 
@@ -166,6 +139,8 @@ class Topology:
 
     def to_dict(self) -> dict[str, Any]:
         data = {"format": FORMAT, **dataclasses.asdict(self)}
+        for node, record in zip(self.nodes, data["nodes"]):
+            record["interfaces"] = [i.to_dict() for i in node.interfaces]
         data["summary"] = {name: getattr(self, name) for name in _SUMMARY_FIELDS}
         return data
 
@@ -176,7 +151,7 @@ class Topology:
             raise ValueError(f"not a {FORMAT} document")
         data.pop("summary", None)  # derived from the pair figures
         data["nodes"] = [
-            Node(**{**n, "interfaces": [Interface(**i) for i in n["interfaces"]],
+            Node(**{**n, "interfaces": [Interface.from_dict(i) for i in n["interfaces"]],
                     "ib_ports": [IbPort(**p) for p in n["ib_ports"]], "gpus": [Gpu(**g) for g in n["gpus"]]})
             for n in data["nodes"]]
         data["ranks"] = [RankInfo(**r) for r in data["ranks"]]
@@ -230,80 +205,15 @@ def _size(nbytes: int) -> str:
     return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 and nbytes % (1 << 20) == 0 else f"{nbytes} B"
 
 
-def pair_key(i: int, j: int) -> str:
-    """The key of a rank pair in ``Topology.latency_us``/``bandwidth_gbps``."""
-    return f"{min(i, j)}-{max(i, j)}"
-
-
 # --------------------------------------------------------------------------- pure logic
-
-
-def tournament(players: list[int]) -> list[list[tuple[int, int]]]:
-    """Round-robin rounds (circle method): every pair once, nobody twice in a round.
-
-    ``len(players) - 1`` rounds for an even count, ``len(players)`` for an odd
-    one (one player rests each round).  Pairs are ``(low, high)``.
-    """
-    circle: list[int | None] = list(players)
-    if len(circle) % 2:
-        circle.append(None)
-    n = len(circle)
-    rounds = []
-    for _ in range(n - 1):
-        pairs = [(circle[i], circle[n - 1 - i]) for i in range(n // 2)]
-        rounds.append([(min(a, b), max(a, b)) for a, b in pairs if a is not None and b is not None])
-        circle.insert(1, circle.pop())  # the first player stays, the others turn
-    return [r for r in rounds if r]
-
-
-def intra_samples(local_size: int, count: int = _INTRA_SAMPLES) -> list[int]:
-    """Local ranks a node leader is timed against: up to ``count``, evenly spread from 1 to the last."""
-    others = local_size - 1
-    if others <= 0 or count <= 0:
-        return []
-    if others <= count:
-        return list(range(1, local_size))
-    # First, last and evenly between: neighbours and the far side of the node
-    # (another socket or PCIe switch) both show up.
-    picks = {1 + round(k * (others - 1) / (count - 1)) for k in range(count)} if count > 1 else {1}
-    return sorted(picks)
-
-
-def plan_rounds(nodes: list[list[int]], samples: int = _INTRA_SAMPLES) -> list[list[tuple[int, int]]]:
-    """The probe's schedule: rounds of disjoint ``(low, high)`` rank pairs (pure logic).
-
-    Args:
-        nodes: the global ranks of each node, leader first.
-        samples: how many local ranks each leader is timed against.
-
-    Every pair of node leaders appears once (a round-robin tournament); then
-    each leader meets ``intra_samples`` of its node's ranks, placed in the
-    first round where neither rank is busy (a leader resting in an odd
-    tournament takes one there), so different nodes measure at the same time.
-    """
-    rounds = tournament([members[0] for members in nodes])
-    busy = [{r for pair in rnd for r in pair} for rnd in rounds]
-    # Sample order first, so node A's k-th pair and node B's k-th pair share a round.
-    intra = sorted((order, members[0], members[local])
-                   for members in nodes for order, local in enumerate(intra_samples(len(members), samples)))
-    for _, *pair in intra:
-        for rnd, taken in zip(rounds, busy):
-            if not taken.intersection(pair):
-                break
-        else:
-            rnd, taken = [], set()
-            rounds.append(rnd)
-            busy.append(taken)
-        rnd.append((min(pair), max(pair)))
-        taken.update(pair)
-    return rounds
 
 
 def common_interface(nodes: list[Node]) -> str | None:
     """The fastest interface name every node has, or None (pure logic).
 
-    InfiniBand (IPoIB) first, then by the slowest node's link speed (unknown
-    speeds last); virtual bridges only when nothing else is common.
+    ``netif.preference`` over the nodes' links of each name: InfiniBand (IPoIB)
+    first, then by the slowest node's link speed (unknown speeds last); virtual
+    bridges only when nothing else is common.
     """
     if not nodes:
         return None
@@ -311,12 +221,14 @@ def common_interface(nodes: list[Node]) -> str | None:
     if not names:
         return None
 
-    def preference(name: str) -> tuple:
+    def weakest(name: str) -> Interface:
+        """What every node's link of that name can be counted on for: InfiniBand only if all are, the lowest speed."""
         links = [i for n in nodes for i in n.interfaces if i.name == name]
-        speed = min(i.speed_mbps for i in links)
-        return (name.startswith(_VIRTUAL_PREFIXES), not all(i.infiniband for i in links), -speed, name)
+        kind = ("virtual" if any(i.virtual for i in links) else
+                "ipoib" if all(i.infiniband for i in links) else "ethernet")
+        return Interface(name, "", kind, min(i.speed_mbps for i in links))
 
-    return min(names, key=preference)
+    return min(names, key=lambda name: preference(weakest(name)))
 
 
 def recommend(topology: Topology) -> dict[str, Any]:
@@ -337,7 +249,7 @@ def recommend(topology: Topology) -> dict[str, Any]:
     return {
         "nccl_socket_ifname": common_interface(nodes),
         "nccl_ib_disable": not (nodes and all(n.has_ib for n in nodes)),
-        "hierarchical": len(nodes) > 1 and min(local_sizes) > 1,
+        "hierarchical": hierarchical_layout(len(nodes), min(local_sizes, default=0)),
         "num_nodes": len(nodes),
         "ranks_per_node": max(local_sizes, default=0),
         "intra_node_latency_us": topology.intra_latency_us,
@@ -348,37 +260,6 @@ def recommend(topology: Topology) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- local hardware
-
-
-def local_interfaces(sys_net: Path = Path("/sys/class/net")) -> list[Interface]:
-    """``bootstrap.interfaces``, with IPoIB also recognised by its link type (32)."""
-    found = []
-    for iface in interfaces(sys_net):
-        ipoib = _read(sys_net / iface.name / "type") == "32"  # ARPHRD_INFINIBAND
-        found.append(dataclasses.replace(iface, infiniband=iface.infiniband or ipoib))
-    return found
-
-
-def ib_ports(sys_ib: Path = Path("/sys/class/infiniband")) -> list[IbPort]:
-    """Ports of the RDMA devices under /sys/class/infiniband (empty when there are none)."""
-    found = []
-    for device in sorted(sys_ib.glob("*")) if sys_ib.is_dir() else []:
-        for port in sorted((device / "ports").glob("*")):
-            try:  # "100 Gb/sec (4X EDR)"
-                rate = float(_read(port / "rate").split()[0])
-            except (IndexError, ValueError):
-                rate = 0.0
-            found.append(IbPort(device=device.name, port=int(port.name) if port.name.isdigit() else 0,
-                                state=_read(port / "state").split(":", 1)[-1].strip(),  # "4: ACTIVE"
-                                rate_gbps=rate, link_layer=_read(port / "link_layer") or "InfiniBand"))
-    return found
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return ""
 
 
 def local_gpus(properties: bool) -> tuple[int, list[Gpu]]:
@@ -410,73 +291,13 @@ def _gpu_driver_present() -> bool:
             or any(Path("/dev").glob("nvidia[0-9]*")))
 
 
-# --------------------------------------------------------------------------- measurement
-
-
-def _wait(request: Any) -> None:
-    """Complete ``request`` while sleeping, so a waiting rank leaves the core to the ranks measuring."""
-    while not request.Test():
-        time.sleep(_POLL_S)
-
-
-def _time_pair(comm: Any, peer: int, small: Any, large: Any, end: float) -> tuple[float, float]:
-    """Initiator side of one pair: (latency_us, bandwidth_gbps), done by ``end`` (MPI.Wtime).
-
-    At least one repetition of each size runs, even when ``end`` has passed.
-    """
-    from mpi4py import MPI
-
-    wtime = MPI.Wtime
-    hello = bytearray(1)
-    _wait(comm.Irecv(hello, peer, _HELLO))  # the responder has finished its earlier rounds
-    begin = wtime()
-    # A quarter of what is left for latency (small messages are cheap), the rest for bandwidth.
-    results = []
-    for buf, warmup, reps, deadline in ((small, _LATENCY_WARMUP, _LATENCY_REPS, begin + 0.25 * (end - begin)),
-                                        (large, _BANDWIDTH_WARMUP, _BANDWIDTH_REPS, end)):
-        for i in range(warmup):
-            if i and wtime() > deadline:
-                break
-            comm.Send(buf, peer, _PING)
-            comm.Recv(buf, peer, _PONG)
-        half_trips: list[float] = []
-        while not half_trips or (len(half_trips) < reps and wtime() < deadline):
-            t0 = wtime()
-            comm.Send(buf, peer, _PING)
-            comm.Recv(buf, peer, _PONG)
-            half_trips.append((wtime() - t0) / 2)
-        # Latency: the median, the typical small message on a busy machine.
-        # Bandwidth: bytes over the mean time (total bytes over total time),
-        # the throughput a stream of buckets gets, as mpi4py.bench and
-        # nccl-tests define it.
-        results.append(statistics.median(half_trips) if buf is small else statistics.fmean(half_trips))
-    comm.Send(hello, peer, _STOP)
-    latency_s, large_s = results
-    return latency_s * 1e6, len(large) * 8 / large_s / 1e9
-
-
-def _echo_pair(comm: Any, peer: int, buf: Any) -> None:
-    """Responder side of one pair: send every message back until STOP."""
-    from mpi4py import MPI
-
-    comm.Send(bytearray(1), peer, _HELLO)
-    status = MPI.Status()
-    # Sleep until the first message: the initiator may still be busy elsewhere.
-    request = comm.Irecv(buf, peer, MPI.ANY_TAG)
-    while not request.Test(status):
-        time.sleep(_POLL_S)
-    while status.Get_tag() != _STOP:
-        comm.Send([buf, status.Get_count(MPI.BYTE), MPI.BYTE], peer, _PONG)
-        comm.Recv(buf, peer, MPI.ANY_TAG, status)
-
-
 def probe(comm: Any, world: World, *, budget_s: float = 3.0, sizes: tuple[int, int] = (8, 4 << 20),
-          intra_pairs: int = _INTRA_SAMPLES) -> Topology:
+          intra_pairs: int = INTRA_SAMPLES) -> Topology:
     """Collective: describe the ranks of ``comm`` and time ping-pong between them.
 
     Args:
         comm: the communicator to probe (rank order kept).
-        world: its layout from ``hpcnet.world.discover(comm)``; its nodes
+        world: its layout from ``hpcnet.comm.world.discover(comm)``; its nodes
             (virtual ones included) decide which pairs are inter-node.
         budget_s: about how long the timing takes, whatever the size (each
             round of concurrent pairs gets ``budget_s / rounds``; a link too
@@ -490,48 +311,24 @@ def probe(comm: Any, world: World, *, budget_s: float = 3.0, sizes: tuple[int, i
     if not 0 < small_bytes <= large_bytes:
         raise ValueError("sizes must be (small_bytes, large_bytes) with 0 < small_bytes <= large_bytes")
     import numpy as np
-    from mpi4py import MPI
 
     comm = comm.Dup()  # private tags: no clash with the caller's messages
     try:
         with shared_errors(comm):  # a driver error on one rank stops every rank alike
             leader_view = world.local_rank == 0
             gpu_count, gpus = local_gpus(properties=leader_view)
-            hardware = (local_interfaces(), ib_ports(), gpus) if leader_view else None
-        placement = comm.allgather((world.node_index, world.local_rank))
-        nodes_ranks: list[list[int]] = [[] for _ in range(max(n for n, _ in placement) + 1)]
-        for rank, (node, _) in sorted(enumerate(placement), key=lambda item: item[1]):
-            nodes_ranks[node].append(rank)
+            hardware = (interfaces(), ib_ports(), gpus) if leader_view else None
+        nodes_ranks = _nodes_ranks(comm, world)
         rounds = plan_rounds(nodes_ranks, intra_pairs)
-        slot_s = budget_s / max(1, len(rounds))
-
         # Written, so every page is real: an untouched buffer maps to the one
         # shared zero page, stays in cache and flatters the sender (as
         # mpi4py.bench's numpy.empty buffers do, by about 1.5x here).
         small = np.ones(small_bytes, dtype=np.uint8)
         large = np.ones(large_bytes, dtype=np.uint8)
-        rank = comm.Get_rank()
-        measured: dict[str, tuple[float, float]] = {}
-        _wait(comm.Ibarrier())  # start the clocks together (within a latency)
-        start = time.perf_counter()
-        wtime_start = MPI.Wtime()
-        # No barrier between rounds: each rank plays its own pairs in round
-        # order, which cannot deadlock, and disjoint pairs overlap in time.
-        # Round r ends at start + (r + 1) * slot on the initiator's clock, so
-        # a late pair takes less time instead of pushing every later round.
-        for index, rnd in enumerate(rounds):
-            for low, high in rnd:
-                if rank == low:
-                    end = wtime_start + (index + 1) * slot_s
-                    measured[pair_key(low, high)] = _time_pair(comm, high, small, large, end)
-                elif rank == high:
-                    _echo_pair(comm, low, large)
-        _wait(comm.Ibarrier())
-        probe_s = time.perf_counter() - start
-
+        measured, probe_s = play_rounds(comm, rounds, small, large, budget_s=budget_s)
         gathered = comm.gather((gpu_count, hardware, measured), root=0)
         data = None
-        if rank == 0:
+        if comm.Get_rank() == 0:
             # Ibarrier completed on rank 0 only once every rank had finished: its clock is the job's.
             data = _assemble(world, nodes_ranks, gathered, rounds=len(rounds), budget_s=budget_s,
                              probe_s=probe_s, sizes=(small_bytes, large_bytes)).to_dict()
@@ -539,6 +336,15 @@ def probe(comm: Any, world: World, *, budget_s: float = 3.0, sizes: tuple[int, i
         return Topology.from_dict(comm.bcast(data, root=0))
     finally:
         comm.Free()
+
+
+def _nodes_ranks(comm: Any, world: World) -> list[list[int]]:
+    """Collective: the global ranks of each node, in local-rank order (leader first)."""
+    placement = comm.allgather((world.node_index, world.local_rank))
+    nodes_ranks: list[list[int]] = [[] for _ in range(max(n for n, _ in placement) + 1)]
+    for rank, (node, _) in sorted(enumerate(placement), key=lambda item: item[1]):
+        nodes_ranks[node].append(rank)
+    return nodes_ranks
 
 
 def _assemble(world: World, nodes_ranks: list[list[int]], gathered: list[Any], *, rounds: int, budget_s: float,

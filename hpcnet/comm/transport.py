@@ -18,11 +18,14 @@ handle whose ``wait`` finishes it.  Three kinds:
 """
 
 import concurrent.futures
+import datetime
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+
+from hpcnet.comm.world import World
 
 
 class CommFailure(RuntimeError):
@@ -67,8 +70,6 @@ class _TorchHandle:
         self.keep = keep  # buffers the enqueued collectives still use
 
     def wait(self, timeout_s: float) -> None:
-        import datetime
-
         if self.stream_ordered:
             try:
                 self.work.wait()
@@ -188,9 +189,7 @@ class HierarchicalTransport:
             for rank, (node, local) in enumerate(nodes):
                 by_node.setdefault(node, []).append(rank)
                 by_local.setdefault(local, []).append(rank)
-            import datetime
-
-            # Given, or new_group takes torch's default (10 min for NCCL), not dist.timeout_s.
+                # Given, or new_group takes torch's default (10 min for NCCL), not dist.timeout_s.
             timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
             self._local_group, _ = dist.new_subgroups_by_enumeration(list(by_node.values()), timeout=timeout,
                                                                      backend=kind)
@@ -253,6 +252,29 @@ class HierarchicalTransport:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for comm in (self.local, self.cross):
             comm.Free()
+
+
+def build_transport(kind: str, hierarchical: bool, comm: Any, world: World, *,
+                    timeout_s: float | None = None) -> Transport:
+    """Create a transport over the ranks of ``comm`` (collective).
+
+    ``timeout_s`` (``dist.timeout_s``; None: torch's default) is given to
+    every torch.distributed group created here: NCCL enforces it in its own
+    watchdog, so nothing waits on a NCCL work with a CPU timeout (see
+    the ``_TorchHandle`` docstring).
+    """
+    if hierarchical and world.size > 1:
+        return HierarchicalTransport(comm, node_index=world.node_index, local_rank=world.local_rank, kind=kind,
+                                     timeout_s=timeout_s)
+    if kind == "mpi":
+        return MpiTransport(comm)
+    import torch.distributed as dist
+
+    if world.size == 1:
+        return TorchTransport(None, kind, 1)
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    group = dist.group.WORLD if dist.get_backend() == kind else dist.new_group(backend=kind, timeout=timeout)
+    return TorchTransport(group, kind, world.size)
 
 
 def enqueue_in_order(phases: list[Callable[[], Any]]) -> Any:
@@ -343,15 +365,3 @@ def wait_all(handles: list[Handle], timeout_s: float,
         if on_done is not None:
             on_done(i)
     return error
-
-
-def cuda_aware_mpi() -> bool:
-    """True when the MPI library says it can read CUDA device memory."""
-    try:
-        from mpi4py import MPI
-
-        query = getattr(MPI, "Query_cuda_support", None)
-        return bool(query()) if query else False
-    except Exception:  # noqa: BLE001 - an MPI without the query is not CUDA-aware for us
-        return False
-

@@ -2,42 +2,20 @@
 
 import ipaddress
 import json
-import os
 import re
 import socket
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from hpcnet.comm.bootstrap import init_data_plane, interfaces
+from hpcnet.comm import bootstrap
+from hpcnet.comm.bootstrap import choose_address, init_data_plane
+from hpcnet.comm.netif import interfaces
 from hpcnet.comm.world import discover
-
-
-def listening_sockets(pid: str = "self") -> dict[str, tuple[str, int]]:
-    """This process's listening TCP sockets: inode -> (address, port), from /proc (no psutil)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = {}
-    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state != "0A" or inode not in inodes:  # 0A: LISTEN
-                continue
-            hex_addr, hex_port = local.split(":")
-            # The kernel prints the address as 32-bit words in host (little-endian) order.
-            raw = b"".join(bytes.fromhex(hex_addr[i:i + 8])[::-1] for i in range(0, len(hex_addr), 8))
-            found[inode] = (str(ipaddress.ip_address(raw[:width])), int(hex_port, 16))
-    return found
+from hpcnet.errors import UsageError
+from tests.helpers import PROGRAMS, fake_net, listening_sockets
 
 
 def is_loopback(address: str) -> bool:
@@ -66,6 +44,21 @@ def test_the_backend_is_decided_before_the_bootstrap():
 
 
 @pytest.mark.mpi
+def test_the_rendezvous_prefers_ipoib_from_the_one_lister(comm, tmp_path, monkeypatch):
+    """Rank 0's candidates are netif's, best first: an IPoIB interface (by link type) before Ethernet."""
+    fake_net(tmp_path, "eth0", speed=100000)
+    fake_net(tmp_path, "ibp65s0", link_type="32", speed=1000)
+    table = {"eth0": "127.0.0.3", "ibp65s0": "127.0.0.2"}  # loopback addresses: reachable from every rank
+    monkeypatch.setattr(bootstrap, "interfaces", lambda: interfaces(tmp_path, address_of=table.get))
+    nodes = discover(comm, environ={"HPCNET_RANKS_PER_NODE": "1"})  # a node per rank: the multi-node path
+    expected = ("127.0.0.2", "ibp65s0") if comm.Get_size() > 1 else ("127.0.0.1", "lo")
+    assert choose_address(comm, nodes) == expected
+    assert choose_address(comm, nodes, interface="eth0") == ("127.0.0.3", "eth0")
+    with pytest.raises(UsageError, match="dist.interface: rank 0 .* no interface 'ib9'"):
+        choose_address(comm, nodes, interface="ib9")
+
+
+@pytest.mark.mpi
 def test_data_plane_allreduce(data_plane, comm):
     assert dist.is_initialized() and dist.get_world_size() == comm.Get_size()
     assert dist.get_rank() == comm.Get_rank()
@@ -81,24 +74,6 @@ def test_data_plane_allreduce(data_plane, comm):
         assert ports == ["127.0.0.1"]
 
 
-PROBE = """
-import json, sys, torch, torch.distributed as dist
-from mpi4py import MPI
-from hpcnet.comm.bootstrap import init_data_plane
-from hpcnet.comm.world import discover
-from tests.test_bootstrap import listening_sockets
-comm = MPI.COMM_WORLD
-world = discover(comm)
-before = listening_sockets()  # MPI's own listeners, which hpcnet does not open
-plane = init_data_plane(comm, world, backend='gloo', device=torch.device('cpu'), timeout_s=60)
-t = torch.ones(4) * (world.rank + 1); dist.all_reduce(t)
-opened = sorted({address for inode, (address, _) in listening_sockets().items() if inode not in before})
-print(f'RESULT {world.rank} {world.num_nodes} {plane.address} {plane.interface} {t[0].item()}', flush=True)
-print('OPENED ' + json.dumps([world.rank, opened]), flush=True)
-plane.close()
-"""
-
-
 def _opened(stdout: str) -> dict[int, list[str]]:
     """Per rank, the addresses the data plane opened listening sockets on."""
     return dict(json.loads(m) for m in re.findall(r"OPENED (\[\d+, \[[^\]]*\]\])", stdout))
@@ -107,8 +82,7 @@ def _opened(stdout: str) -> dict[int, list[str]]:
 @pytest.mark.launch
 def test_one_node_listens_on_loopback_only(launch, tmp_path):
     """The rendezvous store (unauthenticated) and gloo's sockets are not reachable from other hosts."""
-    script = tmp_path / "probe.py"
-    script.write_text(PROBE)
+    script = PROGRAMS / "bootstrap_listeners.py"
     out = launch(2, str(script), module=None, timeout=120)
     assert out.returncode == 0, out.stderr
     opened = _opened(out.stdout)
@@ -120,8 +94,7 @@ def test_one_node_listens_on_loopback_only(launch, tmp_path):
 @pytest.mark.launch
 def test_bootstrap_across_virtual_nodes_and_master_addr(launch, tmp_path):
     """Virtual nodes force the multi-node path: an interface every rank can reach."""
-    script = tmp_path / "probe.py"
-    script.write_text(PROBE)
+    script = PROGRAMS / "bootstrap_listeners.py"
     out = launch(3, str(script), module=None, env={"HPCNET_RANKS_PER_NODE": "2"}, timeout=120)
     assert out.returncode == 0, out.stderr
     # ranks' output lines may interleave: pick the records out of the stream

@@ -1,4 +1,4 @@
-"""Topology probe: pair schedule, recommendations, JSON, and the probe under MPI at any size."""
+"""Topology probe: recommendations, JSON, and the probe under MPI at any size."""
 
 import itertools
 import json
@@ -8,64 +8,21 @@ import time
 import numpy as np
 import pytest
 
-from hpcnet.comm.bootstrap import Interface, interfaces
-from hpcnet.comm.topology import (Gpu, IbPort, Node, RankInfo, Topology, common_interface, ib_ports,
-                                  intra_samples, local_gpus, local_interfaces, main, pair_key, plan_rounds, probe,
-                                  recommend, tournament)
+from hpcnet.comm.netif import IbPort, Interface, interfaces, kind_of
+from hpcnet.comm.pingpong import pair_key, plan_rounds, wait_sleeping
+from hpcnet.comm.topology import Gpu, Node, RankInfo, Topology, common_interface, local_gpus, main, probe, recommend
 from hpcnet.comm.world import discover, node_layout
+from tests.helpers import nodes_of
 
 BUDGET_S = 0.5  # the tests check figures for sanity, not precision
 
 
-def _nodes(local_sizes: list[int]) -> list[list[int]]:
-    ranks = iter(range(sum(local_sizes)))
-    return [[next(ranks) for _ in range(n)] for n in local_sizes]
-
-
-def _check_schedule(nodes: list[list[int]], rounds: list[list[tuple[int, int]]], samples: int = 3) -> None:
-    leaders = [m[0] for m in nodes]
-    required = {(a, b) for a, b in itertools.combinations(sorted(leaders), 2)}
-    required |= {(m[0], m[k]) for m in nodes for k in intra_samples(len(m), samples)}
-    played = [pair for rnd in rounds for pair in rnd]
-    assert sorted(played) == sorted(required), "every required pair exactly once"
-    assert all(a < b for a, b in played)
-    for rnd in rounds:
-        ranks = [r for pair in rnd for r in pair]
-        assert len(ranks) == len(set(ranks)), f"a rank twice in round {rnd}"
-        assert rnd, "no empty round"
-
-
-@pytest.mark.parametrize("local_sizes", [[1], [2], [8], [1, 1], [2, 2], [2, 2, 1], [4] * 8, [8] * 4, [1] * 32,
-                                         [1] * 7, [3, 1, 5, 2, 2], [16, 16]])
-def test_schedule_covers_required_pairs_once(local_sizes):
-    nodes = _nodes(local_sizes)
-    rounds = plan_rounds(nodes)
-    _check_schedule(nodes, rounds)
-    # Optimal for the leaders: n-1 rounds (n even) or n (odd); then one round per
-    # intra-node sample, shared by all nodes (a resting leader may take one earlier).
-    n = len(nodes)
-    leader_rounds = n - 1 if n % 2 == 0 else n
-    assert len(rounds) <= leader_rounds + max(len(intra_samples(s)) for s in local_sizes)
-
-
-def test_tournament_and_samples():
-    for n in range(1, 12):
-        rounds = tournament(list(range(n)))
-        assert len(rounds) == (0 if n == 1 else n - 1 if n % 2 == 0 else n)
-        assert sorted(p for r in rounds for p in r) == list(itertools.combinations(range(n), 2))
-    assert intra_samples(1) == [] and intra_samples(2) == [1] and intra_samples(4) == [1, 2, 3]
-    assert intra_samples(8) == [1, 4, 7] and intra_samples(8, 1) == [1]
-    # virtual nodes of 2 ranks on 4 ranks: leaders 0 and 2 meet, then both nodes time their pair together
-    assert plan_rounds(_nodes([2, 2])) == [[(0, 2)], [(0, 1), (2, 3)]]
-    assert pair_key(3, 1) == "1-3"
-
-
 def _eth(name="eth0", speed=10000, ib=False):
-    return Interface(name, "10.0.0.1", speed, ib)
+    return Interface(name, "10.0.0.1", "ipoib" if ib else kind_of(name, link_type="", rdma_device=False), speed)
 
 
 def _topology(local_sizes, *, nets=None, ib=False, pairs=None) -> Topology:
-    nodes_ranks = _nodes(local_sizes)
+    nodes_ranks = nodes_of(local_sizes)
     nodes = [Node(index=i, host=f"n{i}", ranks=m, interfaces=list(nets or [_eth()]),
                   ib_ports=[IbPort(device="mlx5_0", port=1, state="ACTIVE", rate_gbps=200.0,
                                    link_layer="InfiniBand")] if ib else [],
@@ -111,19 +68,6 @@ def test_interface_choice():
     # IPoIB alone (no RDMA port listed) still counts as InfiniBand
     t.nodes[1].interfaces = t.nodes[0].interfaces = [_eth("ib0", 100000, ib=True)]
     assert recommend(t)["nccl_ib_disable"] is False
-    # this machine's view: bootstrap's interfaces, extended
-    assert [i.name for i in local_interfaces()] == [i.name for i in interfaces()]
-
-
-def test_ib_ports_from_sysfs(tmp_path):
-    assert ib_ports(tmp_path / "missing") == []
-    port = tmp_path / "mlx5_0" / "ports" / "1"
-    port.mkdir(parents=True)
-    (port / "state").write_text("4: ACTIVE\n")
-    (port / "rate").write_text("200 Gb/sec (4X HDR)\n")
-    (port / "link_layer").write_text("InfiniBand\n")
-    assert ib_ports(tmp_path) == [IbPort(device="mlx5_0", port=1, state="ACTIVE", rate_gbps=200.0,
-                                         link_layer="InfiniBand")]
 
 
 def test_local_gpus_through_torch_cuda(monkeypatch):
@@ -178,6 +122,9 @@ def test_probe_any_size(comm):
     assert topology.num_nodes == 1 and topology.inter_latency_us is None
     assert (topology.intra_latency_us is None) == (comm.Get_size() == 1)
     assert not recommend(topology)["hierarchical"]
+    # the leader reports the one lister's interfaces (one host here: the same as this rank's)
+    assert [(i.name, i.infiniband) for i in topology.nodes[0].interfaces] == [(i.name, i.infiniband)
+                                                                              for i in interfaces()]
 
 
 @pytest.mark.mpi
@@ -197,11 +144,6 @@ def test_probe_virtual_nodes_make_leaders(comm, ranks_per_node):
         assert not topology.is_intra(pair_key(a, b)) and pair_key(a, b) in topology.latency_us
     assert (topology.inter_bandwidth_gbps is None) == (len(leaders) == 1)
     assert recommend(topology)["hierarchical"] == (ranks_per_node == 2 and size >= 4)
-
-
-def _wait_sleeping(request):
-    while not request.Test():
-        time.sleep(0.0005)
 
 
 @pytest.mark.mpi
@@ -226,7 +168,7 @@ def test_bandwidth_is_plausible(comm):
             comm.Sendrecv(send, 1 - rank, 0, recv, 1 - rank, 0)
             times.append(time.perf_counter() - start)
         direct_gbps = large * 8 / float(np.median(times)) / 1e9
-    _wait_sleeping(comm.Ibarrier())  # the other ranks sleep instead of spinning on the two cores
+    wait_sleeping(comm.Ibarrier())  # the other ranks sleep instead of spinning on the two cores
     direct_gbps = comm.bcast(direct_gbps, root=0)
     measured = topology.bandwidth_gbps["0-1"]
     # Broad on purpose: a shared 2-core machine swings several-fold between runs.

@@ -1,0 +1,126 @@
+"""The transport plan: which backend carries the gradients, flat or hierarchical, and the fallback.
+
+A pure function of the ``dist`` options, the device and the job's layout (``plan_transport``), decided once
+per job before the topology probe and the rendezvous (``decide_plan``), so an impossible choice stops every
+rank before anything is set up.  The choices are described in the README, Communication.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+from hpcnet.agree import agreed, shared_errors
+from hpcnet.comm.world import World
+from hpcnet.config import DistConfig
+from hpcnet.errors import UsageError
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Which transports to use (pure decision, see ``plan_transport``); given to the bootstrap
+    (``torch_backend``) and to ``DataParallel``."""
+
+    primary: str
+    hierarchical: bool
+    fallback: str | None
+
+    @property
+    def torch_backend(self) -> str | None:
+        """The torch.distributed default group the plan needs: 'nccl', 'gloo', or None (MPI only).
+
+        The gloo fallback of a NCCL run is a subgroup created on demand from
+        the NCCL default group, so NCCL wins.
+        """
+        kinds = {self.primary, self.fallback} - {None, "mpi"}
+        return "nccl" if "nccl" in kinds else ("gloo" if kinds else None)
+
+
+def hierarchical_layout(num_nodes: int, min_local_size: int) -> bool:
+    """Hierarchical all-reduce pays when there are several nodes and every node has several ranks."""
+    return num_nodes > 1 and min_local_size > 1
+
+
+def plan_transport(cfg: DistConfig, *, device_type: str, num_nodes: int, min_local_size: int,
+                   cuda_aware: bool = False, hierarchical_hint: bool | None = None) -> Plan:
+    """Decide the primary backend, flat or hierarchical, and the fallback (pure logic).
+
+    The one place where ``dist.backend = 'auto'`` is resolved: the bootstrap
+    and ``DataParallel`` both follow the plan this returns.  An impossible
+    choice is a ``UsageError`` naming the option.
+
+    Args:
+        cfg: the ``dist`` options.
+        device_type: 'cpu' or 'cuda'.
+        num_nodes: nodes in the job (virtual nodes count).
+        min_local_size: ranks on the node with the fewest.
+        cuda_aware: the MPI library can read GPU memory.
+        hierarchical_hint: a measured topology's advice, used when
+            ``dist.hierarchical`` is 'auto' (None: ``hierarchical_layout``;
+            ``topology.recommend`` advises the same rule today).
+    """
+    gpu = device_type == "cuda"
+    primary = cfg.backend if cfg.backend != "auto" else ("nccl" if gpu else "mpi")
+    if primary == "nccl" and not gpu:
+        raise UsageError("dist.backend: 'nccl' needs a GPU device (dist.device is cpu or no GPU is visible)")
+    if primary == "mpi" and gpu and not cuda_aware:
+        raise UsageError("dist.backend: 'mpi' on GPU tensors needs a CUDA-aware MPI; use 'nccl'")
+    compressed = cfg.compression != "none"
+    if compressed and primary == "mpi":
+        which = "'auto' is mpi on CPU" if cfg.backend == "auto" else "is 'mpi'"
+        raise UsageError(f"dist.compression: {cfg.compression} needs the nccl or gloo backend, and dist.backend "
+                         f"{which} (MPI has no half-precision sum); set dist.backend=gloo")
+    if cfg.hierarchical == "auto":
+        hierarchical = hierarchical_layout(num_nodes, min_local_size) if hierarchical_hint is None else hierarchical_hint
+    else:
+        hierarchical = cfg.hierarchical == "on"
+    if cfg.fallback == "none":
+        fallback = None
+    elif cfg.fallback == "auto":
+        fallback = "mpi" if primary == "gloo" and (not gpu or cuda_aware) else "gloo"
+        if fallback == "mpi" and compressed:
+            fallback = None  # the wire format cannot change mid-run, and MPI cannot sum it
+    else:
+        fallback = cfg.fallback
+    if fallback == primary and fallback != "gloo":
+        fallback = None  # a fresh gloo group is a real alternative; the same MPI communicator is not
+    if fallback == "mpi" and gpu and not cuda_aware:
+        raise UsageError("dist.fallback: 'mpi' on GPU tensors needs a CUDA-aware MPI; use 'gloo'")
+    if fallback == "mpi" and compressed:
+        raise UsageError(f"dist.fallback: 'mpi' cannot carry dist.compression={cfg.compression} "
+                         "(MPI has no half-precision sum); use 'gloo' or 'none'")
+    return Plan(primary, hierarchical, fallback)
+
+
+def decide_plan(comm: Any, world: World, cfg: DistConfig, *, device_type: str,
+                hierarchical_hint: bool | None = None) -> Plan:
+    """Collective: ``plan_transport`` for this job, the same on every rank, or the same error on every rank.
+
+    Ranks that see different devices (a node without GPUs under
+    ``dist.device=auto``) would initialise different backends and wait for
+    each other forever; that is an error naming them.
+    """
+    from mpi4py import MPI
+
+    min_local = comm.allreduce(world.local_size, op=MPI.MIN)
+    with shared_errors(comm):
+        plan = plan_transport(cfg, device_type=device_type, num_nodes=world.num_nodes, min_local_size=min_local,
+                              cuda_aware=device_type == "cuda" and cuda_aware_mpi(),
+                              hierarchical_hint=hierarchical_hint)
+    plans = comm.allgather((device_type, plan))
+    odd = [r for r, p in enumerate(plans) if p != plans[0]]
+    if odd:
+        raise agreed(UsageError(
+            f"the ranks chose different transports: rank 0 has a {plans[0][0]} device and {plans[0][1]}, rank "
+            f"{odd[0]} a {plans[odd[0]][0]} device and {plans[odd[0]][1]} (ranks {odd} differ); set dist.device"))
+    return plan
+
+
+def cuda_aware_mpi() -> bool:
+    """True when the MPI library says it can read CUDA device memory."""
+    try:
+        from mpi4py import MPI
+
+        query = getattr(MPI, "Query_cuda_support", None)
+        return bool(query()) if query else False
+    except Exception:  # noqa: BLE001 - an MPI without the query is not CUDA-aware for us
+        return False
+

@@ -1,0 +1,166 @@
+"""DataParallel: replicas kept equal, gradients averaged, fallback mid-run, accumulation, whole runs."""
+
+import pytest
+import torch
+from torch import nn
+
+from hpcnet.comm.dataparallel import DataParallel
+from hpcnet.comm.plan import Plan
+from hpcnet.comm.world import discover
+from hpcnet.config import DistConfig, load_config
+from hpcnet.errors import RestartableError, UsageError
+from tests.helpers import Net, reference_grads
+
+MPI_ONLY = Plan("mpi", False, None)
+
+
+@pytest.mark.mpi
+def test_mismatched_models_are_an_error_on_every_rank(comm):
+    world = discover(comm, environ={})
+    model = nn.Linear(4, 4 + (comm.Get_rank() == comm.Get_size() - 1 and comm.Get_size() > 1))
+    if comm.Get_size() == 1:
+        DataParallel(model, comm, world, DistConfig(), device=torch.device("cpu"), plan=MPI_ONLY).close()
+        return
+    with pytest.raises(UsageError, match=rf"model differs across ranks: ranks \[{comm.Get_size() - 1}\]"):
+        DataParallel(model, comm, world, DistConfig(), device=torch.device("cpu"), plan=MPI_ONLY)
+
+
+def _loss(model, x, y):
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def _data(comm, n=8):
+    torch.manual_seed(100 + comm.Get_rank())  # different data on every rank
+    return torch.randn(n, 16), torch.randint(0, 4, (n,))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("plan", [MPI_ONLY, Plan("gloo", False, "mpi"), Plan("mpi", True, None)])
+def test_a_step_averages_the_gradients_of_equal_replicas(comm, data_plane, plan):
+    world = discover(comm, environ={"HPCNET_RANKS_PER_NODE": "2"} if plan.hierarchical else {})
+    torch.manual_seed(comm.Get_rank())  # replicas initialised differently: rank 0's weights win
+    model = Net()
+    dp = DataParallel(model, comm, world, DistConfig(bucket_mb=0.004), device=torch.device("cpu"), plan=plan)
+    first = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert comm.allgather(first.sum().item()) == [first.sum().item()] * comm.Get_size()
+    x, y = _data(comm)
+    expected = reference_grads(model, x, y, comm)
+    loss = dp.step([(x, y)], _loss)
+    assert loss.shape == () and dp.step_count == 1
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-6)
+    hierarchical = plan.hierarchical and comm.Get_size() > 1
+    assert dp.backend == ("hierarchical-" if hierarchical else "") + plan.primary
+    assert dp.summary()["hierarchical"] == plan.hierarchical
+    assert f"gradients: {dp.backend} all-reduce" in dp.describe()
+    assert f"fallback {plan.fallback or 'none'}" in dp.describe()
+    dp.close()
+
+
+@pytest.mark.mpi
+def test_micro_batches_communicate_once_and_average(comm):
+    world = discover(comm, environ={})
+    torch.manual_seed(0)
+    model = Net()
+    dp = DataParallel(model, comm, world, DistConfig(), device=torch.device("cpu"), plan=MPI_ONLY)
+    x, y = _data(comm)
+    expected = reference_grads(model, x, y, comm)
+    before = dp.summary()["bytes_reduced"]
+    dp.step([(x[:4], y[:4]), (x[4:], y[4:])], _loss)
+    numel = sum(p.numel() for p in model.parameters())
+    assert dp.summary()["bytes_reduced"] - before == numel * 4  # one reduction of every gradient
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-6)
+    dp.close()
+
+
+@pytest.mark.mpi
+def test_a_failed_step_is_redone_on_the_fallback_by_every_rank(comm, data_plane):
+    world = discover(comm, environ={})
+    last = comm.Get_size() - 1
+    cfg = DistConfig(fail_at_step=2, fail_ranks=[last])
+    torch.manual_seed(0)
+    model = Net()
+    dp = DataParallel(model, comm, world, cfg, device=torch.device("cpu"), plan=Plan("gloo", False, "mpi"))
+    x, y = _data(comm)
+    dp.step([(x, y)], _loss)
+    assert dp.backend == "gloo"
+    expected = reference_grads(model, x, y, comm)
+    dp.step([(x, y)], _loss)
+    assert dp.backend == "mpi" and dp.plan == Plan("mpi", False, None)
+    assert [(f["step"], f["from"], f["to"]) for f in dp.summary()["fallbacks"]] == [(2, "gloo", "mpi")]
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-6)
+    dp.close()
+
+
+@pytest.mark.mpi
+def test_a_failure_without_fallback_stops_every_rank(comm):
+    world = discover(comm, environ={})
+    cfg = DistConfig(fail_at_step=1, fail_ranks=[comm.Get_size() - 1])
+    dp = DataParallel(Net(), comm, world, cfg, device=torch.device("cpu"), plan=MPI_ONLY)
+    with pytest.raises(RestartableError, match=r"step 1: mpi all-reduce failed .*; no fallback left"):
+        dp.step([_data(comm)], _loss)
+    dp.close()
+
+
+# --- whole runs -------------------------------------------------------------
+
+def _run(comm, plane, tmp, name, *extra):
+    from hpcnet.train import run
+    from tests.helpers import tiny_images
+
+    path = tiny_images(comm, tmp, "tiny.h5", num_train=256, num_eval=64, seed=5)
+    cfg = load_config(overrides=[
+        f"data.dataset={path}", f"run.dir={tmp / name}", "run.dir_exact=true", "train.batch_size=4",
+        "train.steps=6", "train.eval_every=0", "model.name=mlp", "model.options.hidden=[32, 32]",
+        "optim.name=adamw", "optim.lr=0.01", "dist.bucket_mb=0.002", "dist.first_bucket_mb=0.001",
+        "dist.probe=false", *extra])
+    result = run(cfg, comm, plane=plane)
+    return torch.cat([p.detach().reshape(-1) for p in result.model.parameters()]), result.summary
+
+
+@pytest.mark.mpi
+def test_backends_train_alike(comm, data_plane, mpi_tmp_path, monkeypatch):
+    base, summary = _run(comm, data_plane, mpi_tmp_path, "mpi", "dist.backend=mpi")
+    assert summary["comm"]["backend"] == "mpi"
+    for name, extra in [("gloo", ["dist.backend=gloo"]), ("hier", ["dist.hierarchical=on"])]:
+        monkeypatch.setenv("HPCNET_RANKS_PER_NODE", "2")
+        params, summary = _run(comm, data_plane, mpi_tmp_path, name, *extra)
+        torch.testing.assert_close(params, base, rtol=1e-4, atol=1e-5)
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+def test_fallback_mid_run_gives_the_same_parameters(comm, data_plane, mpi_tmp_path):
+    base, _ = _run(comm, data_plane, mpi_tmp_path, "nofault", "dist.backend=gloo")
+    last = comm.Get_size() - 1
+    params, summary = _run(comm, data_plane, mpi_tmp_path, "fault", "dist.backend=gloo", "dist.fail_at_step=3",
+                           f"dist.fail_ranks=[{last}]")
+    fallbacks = summary["comm"]["fallbacks"]
+    assert [(f["step"], f["from"], f["to"]) for f in fallbacks] == [(3, "gloo", "mpi")]
+    assert summary["comm"]["backend"] == "mpi"
+    torch.testing.assert_close(params, base, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RestartableError, match="no fallback left"):
+        _run(comm, data_plane, mpi_tmp_path, "nofallback", "dist.fail_at_step=2", "dist.fallback=none")
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+def test_accumulation_matches_a_large_batch(comm, data_plane, mpi_tmp_path):
+    big, _ = _run(comm, data_plane, mpi_tmp_path, "big", "train.batch_size=8")
+    accumulated, _ = _run(comm, data_plane, mpi_tmp_path, "acc", "train.batch_size=4", "train.grad_accumulation=2")
+    torch.testing.assert_close(accumulated, big, rtol=1e-4, atol=1e-5)
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+def test_fail_at_step_counts_global_steps_like_fault_options(comm, data_plane, mpi_tmp_path):
+    """A resumed run injects at the same step as an uninterrupted one (fault.* count global steps too)."""
+    ckpt = f"checkpoint.dir={mpi_tmp_path / 'global-steps.ckpt'}"
+    _run(comm, data_plane, mpi_tmp_path, "first-half", "dist.backend=gloo", "train.steps=2", ckpt)
+    _, summary = _run(comm, data_plane, mpi_tmp_path, "second-half", "dist.backend=gloo", "train.steps=4", ckpt,
+                      "checkpoint.resume=auto", "dist.fail_at_step=3")
+    assert summary["start_step"] == 2
+    assert [(f["step"], f["from"], f["to"]) for f in summary["comm"]["fallbacks"]] == [(3, "gloo", "mpi")]
+    comm.Barrier()

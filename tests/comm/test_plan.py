@@ -1,0 +1,124 @@
+"""The transport plan: a pure function of the options, the device and the layout, decided once, before the probe."""
+
+import pytest
+
+from hpcnet.comm.plan import Plan, decide_plan, hierarchical_layout, plan_transport
+from hpcnet.config import DistConfig, load_config
+from hpcnet.errors import UsageError
+from hpcnet.comm.world import discover
+
+
+@pytest.mark.parametrize("cfg, kw, expected", [
+    ({}, dict(device_type="cpu", num_nodes=1, min_local_size=4), Plan("mpi", False, "gloo")),
+    ({}, dict(device_type="cuda", num_nodes=2, min_local_size=8), Plan("nccl", True, "gloo")),
+    ({}, dict(device_type="cuda", num_nodes=2, min_local_size=1), Plan("nccl", False, "gloo")),
+    ({"backend": "gloo"}, dict(device_type="cpu", num_nodes=1, min_local_size=2), Plan("gloo", False, "mpi")),
+    ({"hierarchical": "on", "fallback": "none"}, dict(device_type="cpu", num_nodes=1, min_local_size=2),
+     Plan("mpi", True, None)),
+    ({"backend": "mpi", "fallback": "mpi"}, dict(device_type="cpu", num_nodes=1, min_local_size=2),
+     Plan("mpi", False, None)),
+])
+def test_plan_transport(cfg, kw, expected):
+    assert plan_transport(DistConfig(**cfg), **kw) == expected
+
+
+def test_plan_transport_errors():
+    with pytest.raises(UsageError, match="dist.backend: 'nccl' needs a GPU"):
+        plan_transport(DistConfig(backend="nccl"), device_type="cpu", num_nodes=1, min_local_size=1)
+    with pytest.raises(UsageError, match="CUDA-aware"):
+        plan_transport(DistConfig(backend="mpi"), device_type="cuda", num_nodes=1, min_local_size=1)
+    with pytest.raises(UsageError, match="dist.compression"):
+        plan_transport(DistConfig(backend="mpi", compression="bf16"), device_type="cpu", num_nodes=1,
+                       min_local_size=1)
+
+
+def test_compression_is_checked_against_the_resolved_backend():
+    """'auto' is mpi on CPU, which cannot sum half precision: an error before training, not in backward."""
+    cpu = dict(device_type="cpu", num_nodes=1, min_local_size=2)
+    with pytest.raises(UsageError, match=r"dist.compression: bf16 .* dist.backend 'auto' is mpi on CPU"):
+        plan_transport(DistConfig(compression="bf16"), **cpu)
+    # gloo carries it; its automatic fallback (mpi) could not, so there is none
+    assert plan_transport(DistConfig(backend="gloo", compression="fp16"), **cpu) == Plan("gloo", False, None)
+    with pytest.raises(UsageError, match="dist.fallback: 'mpi' cannot carry dist.compression=bf16"):
+        plan_transport(DistConfig(backend="gloo", compression="bf16", fallback="mpi"), **cpu)
+    gpu = dict(device_type="cuda", num_nodes=1, min_local_size=2)
+    assert plan_transport(DistConfig(compression="bf16"), **gpu) == Plan("nccl", False, "gloo")
+    load_config(overrides=["dist.compression=bf16"])  # the option alone is valid: the device decides
+
+
+@pytest.mark.parametrize("plan, torch_backend", [
+    (Plan("mpi", False, None), None), (Plan("mpi", True, None), None),
+    (Plan("mpi", False, "gloo"), "gloo"), (Plan("gloo", False, "mpi"), "gloo"),
+    (Plan("nccl", True, "gloo"), "nccl"), (Plan("nccl", False, None), "nccl"),
+])
+def test_the_plan_says_which_torch_group_the_bootstrap_starts(plan, torch_backend):
+    assert plan.torch_backend == torch_backend
+
+
+def test_the_topology_hint_decides_auto_only():
+    kw = dict(device_type="cpu", num_nodes=2, min_local_size=2)
+    assert plan_transport(DistConfig(), **kw).hierarchical
+    assert not plan_transport(DistConfig(), **kw, hierarchical_hint=False).hierarchical
+    assert plan_transport(DistConfig(hierarchical="on"), **kw, hierarchical_hint=False).hierarchical
+
+
+@pytest.mark.mpi
+def test_ranks_with_different_devices_are_an_error_on_every_rank(comm):
+    world = discover(comm, environ={})
+    last = comm.Get_rank() == comm.Get_size() - 1 and comm.Get_size() > 1
+    cfg = DistConfig(backend="gloo")
+    assert decide_plan(comm, world, cfg, device_type="cpu") == Plan("gloo", False, "mpi")
+    if comm.Get_size() == 1:
+        return
+    with pytest.raises(UsageError, match=rf"ranks chose different transports: .*\(ranks \[{comm.Get_size() - 1}\]"):
+        decide_plan(comm, world, cfg, device_type="cuda" if last else "cpu")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("option, needle", [
+    ("dist.compression=bf16", "dist.compression: bf16 needs the nccl or gloo backend"),
+    ("dist.backend=nccl", "dist.backend: 'nccl' needs a GPU"),
+])
+def test_an_impossible_transport_stops_before_the_data_and_the_model(comm, mpi_tmp_path, option, needle):
+    from hpcnet.train import run
+
+    cfg = load_config(overrides=[
+        f"run.dir={mpi_tmp_path / 'impossible'}", "run.dir_exact=true", "dist.probe=false", "dist.device=cpu",
+        "data.dataset=/nonexistent/set.h5", option])  # opening the data would be the first error otherwise
+    with pytest.raises(UsageError, match=needle):
+        run(cfg, comm)  # no plane given: the rendezvous would come before the data
+    comm.Barrier()
+
+
+def test_the_layout_rule_is_the_topologys_advice():
+    """The probe's 'hierarchical' advice is this rule, so deciding the plan before the probe changes nothing."""
+    from hpcnet.comm.topology import Node, Topology, recommend
+
+    for local_sizes in ([1], [4], [1, 1], [2, 2], [2, 1], [3, 3, 3]):
+        starts = [sum(local_sizes[:i]) for i in range(len(local_sizes))]
+        nodes = [Node(index=i, host=f"n{i}", ranks=list(range(s, s + n)))
+                 for i, (s, n) in enumerate(zip(starts, local_sizes))]
+        topology = Topology(size=sum(local_sizes), num_nodes=len(nodes), virtual_nodes=False, nodes=nodes, ranks=[],
+                            latency_us={}, bandwidth_gbps={}, small_bytes=8, large_bytes=8, rounds=0, budget_s=1.0,
+                            probe_s=0.0)
+        layout = hierarchical_layout(len(local_sizes), min(local_sizes))
+        assert recommend(topology)["hierarchical"] == layout
+        cpu = dict(device_type="cpu", num_nodes=len(local_sizes), min_local_size=min(local_sizes))
+        assert plan_transport(DistConfig(), **cpu).hierarchical == layout
+
+
+@pytest.mark.mpi
+def test_an_impossible_transport_stops_before_the_probe_on_every_rank(comm, mpi_tmp_path, monkeypatch):
+    """dist.backend=nccl on a CPU-only job: the planning error, not a probe, on every rank."""
+    from hpcnet import train
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("the probe ran before the plan")
+
+    monkeypatch.setattr(train, "probe", no_probe)
+    cfg = load_config(overrides=[f"run.dir={mpi_tmp_path / 'before-probe'}", "run.dir_exact=true",
+                                 "dist.probe=true", "dist.device=cpu", "dist.backend=nccl",
+                                 "data.dataset=/nonexistent/set.h5"])
+    with pytest.raises(UsageError, match=r"dist.backend: 'nccl' needs a GPU device"):
+        train.run(cfg, comm)
+    comm.Barrier()

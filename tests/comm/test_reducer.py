@@ -1,0 +1,167 @@
+"""The bucketed reducer: bucket layout, overlap with backward, unused parameters, buffers."""
+
+import pytest
+import torch
+from torch import nn
+
+from hpcnet.comm.transport import build_transport
+from hpcnet.comm.reducer import Reducer, plan_buckets
+from hpcnet.comm.world import discover
+from tests.helpers import FakeComm, FakeWork, Net, reference_grads
+
+
+def test_plan_buckets_reverse_order_and_caps():
+    assert plan_buckets([4, 4, 4, 4], 8) == [[3, 2], [1, 0]]
+    assert plan_buckets([4, 4, 4, 4], 8, first_bucket_bytes=4) == [[3], [2, 1], [0]]
+    assert plan_buckets([100, 1, 1], 8) == [[2, 1], [0]]  # an oversized tensor gets its own bucket
+    every = sorted(i for b in plan_buckets(list(range(1, 50)), 64, 16) for i in b)
+    assert every == list(range(49))
+    with pytest.raises(ValueError):
+        plan_buckets([1], 0)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind, hierarchical, compression", [
+    ("mpi", False, None), ("gloo", False, None), ("mpi", True, None), ("gloo", True, None),
+    ("gloo", False, torch.bfloat16),
+])
+def test_bucketed_overlapped_equals_plain(comm, data_plane, kind, hierarchical, compression):
+    world = discover(comm, environ={"HPCNET_RANKS_PER_NODE": "2"} if hierarchical else {})
+    torch.manual_seed(0)
+    model = Net()
+    torch.manual_seed(100 + comm.Get_rank())  # different data on every rank
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    expected = reference_grads(model, x, y, comm)
+    # tiny buckets: many of them, launched from hooks during backward
+    reducer = Reducer(list(model.named_parameters()), build_transport(kind, hierarchical, comm, world), comm,
+                      bucket_bytes=4096, first_bucket_bytes=512, compression=compression)
+    assert len(reducer.buckets) >= 4
+    launched_during_backward = []
+    reducer.buckets[0].params[0].register_post_accumulate_grad_hook(
+        lambda p: launched_during_backward.append(reducer.buckets[0].launched))
+    reducer.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    reducer.finish()
+    tol = dict(rtol=2e-2, atol=2e-3) if compression else dict(rtol=1e-5, atol=1e-6)
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, g, **tol)
+    assert launched_during_backward == [True]  # the last layer's bucket went out before backward ended
+    reducer.close()
+
+
+@pytest.mark.mpi
+def test_unused_parameters(comm):
+    world = discover(comm, environ={})
+
+    class Partial(Net):
+        def forward(self, x):
+            return self.c(torch.relu(self.a(x)) @ torch.eye(64))  # self.b unused
+
+    torch.manual_seed(0)
+    model = Partial()
+    x, y = torch.randn(4, 16), torch.randint(0, 4, (4,))
+    reducer = Reducer(list(model.named_parameters()), build_transport("mpi", False, comm, world), comm,
+                      bucket_bytes=2**20)
+    reducer.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"no gradient this step \(b\.bias, b\.weight\).*dist.find_unused"):
+        reducer.finish()
+    reducer.close()
+    reducer = Reducer(list(model.named_parameters()), build_transport("mpi", False, comm, world), comm,
+                      bucket_bytes=2**20, find_unused=True)
+    reducer.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    reducer.finish()
+    assert torch.all(model.b.weight.grad == 0)
+    reducer.close()
+
+
+@pytest.mark.mpi
+def test_unused_parameters(comm):
+    world = discover(comm, environ={})
+
+    class Partial(Net):
+        def forward(self, x):
+            return self.c(torch.relu(self.a(x)) @ torch.eye(64))  # self.b unused
+
+    torch.manual_seed(0)
+    model = Partial()
+    x, y = torch.randn(4, 16), torch.randint(0, 4, (4,))
+    reducer = Reducer(list(model.named_parameters()), build_transport("mpi", False, comm, world), comm,
+                      bucket_bytes=2**20)
+    reducer.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"no gradient this step \(b\.bias, b\.weight\).*dist.find_unused"):
+        reducer.finish()
+    reducer.close()
+    reducer = Reducer(list(model.named_parameters()), build_transport("mpi", False, comm, world), comm,
+                      bucket_bytes=2**20, find_unused=True)
+    reducer.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    reducer.finish()
+    assert torch.all(model.b.weight.grad == 0)
+    reducer.close()
+
+
+# --- buffers: one flat tensor -----------------------------------------------------------------
+
+class _BufferNet(nn.Module):
+    def __init__(self, fill: float):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(3)  # float32 statistics and an int64 counter
+        self.register_buffer("mask", torch.tensor([True, False, fill > 0]))
+        self.register_buffer("halves", torch.full((2, 3), fill, dtype=torch.float16))
+        with torch.no_grad():
+            self.bn.running_mean.fill_(fill)
+            self.bn.num_batches_tracked.fill_(int(fill) + 7)
+
+
+class _CountingComm:
+    def __init__(self, comm):
+        self.comm, self.bcasts = comm, 0
+
+    def Get_size(self):
+        return self.comm.Get_size()
+
+    def Bcast(self, buf, root=0):
+        self.bcasts += 1
+        return self.comm.Bcast(buf, root=root)
+
+
+@pytest.mark.mpi
+def test_buffers_of_every_dtype_travel_in_one_broadcast(comm):
+    from hpcnet.comm.reducer import broadcast_buffers
+
+    model, counting = _BufferNet(float(comm.Get_rank())), _CountingComm(comm)
+    broadcast_buffers(model, counting)
+    assert counting.bcasts == (1 if comm.Get_size() > 1 else 0)
+    for got, want in zip(model.buffers(), _BufferNet(0.0).buffers()):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_buffers_on_a_nccl_group_are_broadcast_on_the_device(monkeypatch):
+    """The NCCL path: one broadcast of the flat tensor, waited for on the stream; no MPI, no host copy."""
+    import torch.distributed as dist
+
+    from hpcnet.comm.reducer import broadcast_buffers
+
+    rank0 = torch.cat([b.reshape(-1).view(torch.uint8)
+                       for b in sorted(_BufferNet(5.0).buffers(), key=lambda b: -b.element_size())])
+    log = []
+
+    def broadcast(tensor, src, group=None, async_op=False):
+        log.append((tensor.dtype, tensor.numel(), src, group, async_op))
+        tensor.copy_(rank0)  # what rank 0 sends
+        return FakeWork(log, "broadcast")
+
+    monkeypatch.setattr(dist, "broadcast", broadcast)
+
+    class NoMpi(FakeComm):
+        def Bcast(self, *args, **kwargs):
+            raise AssertionError("buffers on a NCCL group must not go through MPI")
+
+    model = _BufferNet(1.0)
+    broadcast_buffers(model, NoMpi(size=2), group="world")
+    assert log == [(torch.uint8, rank0.numel(), 0, "world", True), ("wait", "broadcast", (), {})]
+    for got, want in zip(model.buffers(), _BufferNet(5.0).buffers()):
+        assert torch.equal(got, want)

@@ -1,0 +1,159 @@
+"""Transports: MPI, torch.distributed and hierarchical sums at any size; NCCL ordering with a stand-in."""
+
+import pytest
+import torch
+
+from hpcnet.comm.transport import (CommFailure, FaultyTransport, MpiTransport, TorchTransport, build_transport,
+                                   enqueue_in_order, wait_all)
+from hpcnet.comm.world import discover
+from tests.helpers import FakeComm, FakeWork
+
+
+@pytest.fixture
+def fake_nccl(monkeypatch):
+    """torch.distributed's collectives replaced by fakes that log enqueues and waits."""
+    import torch.distributed as dist
+
+    log = []
+
+    def collective(op):
+        def enqueue(*args, group=None, async_op=False, **kwargs):
+            # Each phase must be ordered after the previous one before it is enqueued.
+            log.append(("enqueue", op, group, async_op))
+            return FakeWork(log, op) if async_op else None
+        return enqueue
+
+    def subgroups(ranks, timeout=None, backend=None):
+        log.append(("new_group", backend, timeout))
+        return f"group{len([e for e in log if e[0] == 'new_group'])}", []
+
+    for name, op in [("reduce_scatter_single", "reduce_scatter"), ("reduce_scatter_tensor", "reduce_scatter"),
+                     ("all_gather_single", "all_gather"), ("all_gather_into_tensor", "all_gather"),
+                     ("all_reduce", "all_reduce")]:
+        monkeypatch.setattr(dist, name, collective(op), raising=False)
+    monkeypatch.setattr(dist, "new_subgroups_by_enumeration", subgroups)
+    return log
+
+
+def test_hierarchical_nccl_phases_wait_for_each_other_on_the_stream(fake_nccl):
+    import datetime
+
+    from hpcnet.comm.transport import HierarchicalTransport
+
+    transport = HierarchicalTransport(FakeComm(), node_index=0, local_rank=0, kind="nccl", timeout_s=42)
+    # the subgroups get dist.timeout_s: NCCL's watchdog enforces it, not a CPU wait
+    assert [e for e in fake_nccl if e[0] == "new_group"] == [("new_group", "nccl", datetime.timedelta(seconds=42))] * 2
+    fake_nccl.clear()
+    flat = torch.arange(11, dtype=torch.float32)  # odd: a padded work buffer
+    handle = transport.start(flat)
+    assert fake_nccl == [
+        ("enqueue", "reduce_scatter", "group1", True),
+        ("wait", "reduce_scatter", (), {}),  # no timeout: a stream wait, the CPU goes on
+        ("enqueue", "all_reduce", "group2", True),
+        ("wait", "all_reduce", (), {}),
+        ("enqueue", "all_gather", "group1", True),
+    ]
+    handle.wait(30.0)
+    assert fake_nccl[-1] == ("wait", "all_gather", (), {})  # no timed (CPU-spinning) wait on NCCL
+    assert torch.equal(flat, torch.arange(11, dtype=torch.float32))  # copied back out of the padded buffer
+    transport.close()
+
+
+def test_only_gloo_works_are_waited_for_with_a_timeout(fake_nccl):
+    import datetime
+
+
+    TorchTransport("g", "nccl", 2).start(torch.zeros(4)).wait(30.0)
+    assert fake_nccl[-1] == ("wait", "all_reduce", (), {})
+    TorchTransport("g", "gloo", 2).start(torch.zeros(4)).wait(30.0)
+    assert fake_nccl[-1] == ("wait", "all_reduce", (datetime.timedelta(seconds=30),), {})
+
+
+# --- real sums, at any size -------------------------------------------------------------------
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind, hierarchical", [("mpi", False), ("gloo", False), ("mpi", True), ("gloo", True)])
+@pytest.mark.parametrize("numel", [1, 11, 4096])
+def test_every_transport_sums_in_place(comm, data_plane, kind, hierarchical, numel):
+    """Flat or hierarchical (virtual nodes of 2 ranks), with odd lengths that need a padded work buffer."""
+    world = discover(comm, environ={"HPCNET_RANKS_PER_NODE": "2"} if hierarchical else {})
+    transport = build_transport(kind, hierarchical, comm, world, timeout_s=60)
+    size, rank = comm.Get_size(), comm.Get_rank()
+    flat = torch.arange(numel, dtype=torch.float32) + rank
+    transport.start(flat).wait(60.0)
+    expected = torch.arange(numel, dtype=torch.float32) * size + size * (size - 1) / 2
+    assert torch.equal(flat, expected)
+    transport.close()
+
+
+@pytest.mark.mpi
+def test_mpi_handles_finish_in_submission_order(comm):
+    transport = MpiTransport(comm)
+    buckets = [torch.full((1000,), float(i)) for i in range(8)]
+    handles = [transport.start(b) for b in buckets]
+    done = []
+    assert wait_all(handles, 60.0, on_done=done.append) is None
+    assert done == list(range(8))
+    for i, b in enumerate(buckets):
+        assert torch.all(b == i * comm.Get_size())
+    transport.close()
+
+
+@pytest.mark.mpi
+def test_an_injected_failure_runs_the_collective_then_fails_on_the_chosen_ranks(comm):
+    last = comm.Get_rank() == comm.Get_size() - 1
+    faulty = FaultyTransport(MpiTransport(comm), fail=last)
+    assert faulty.name == "mpi"
+    flat = torch.ones(4)
+    faulty.start(flat).wait(30.0)  # not armed: a plain sum
+    faulty.armed = True
+    flat = torch.ones(4)
+    handle = faulty.start(flat)
+    if last:
+        with pytest.raises(CommFailure, match="injected communication failure"):
+            handle.wait(30.0)
+    else:
+        handle.wait(30.0)
+    assert torch.all(flat == comm.Get_size())  # no rank was left inside the collective
+    faulty.close()
+
+
+def test_wait_all_returns_the_first_error_and_waits_for_every_handle():
+    class Failing:
+        def __init__(self, message):
+            self.message = message
+
+        def wait(self, timeout_s):
+            raise CommFailure(self.message)
+
+    class Fine:
+        waited = 0
+
+        def wait(self, timeout_s):
+            Fine.waited += 1
+
+    done = []
+    error = wait_all([Fine(), Failing("first"), Fine(), Failing("second")], 5.0, on_done=done.append)
+    assert isinstance(error, CommFailure) and str(error) == "first"
+    assert done == [0, 1, 2, 3] and Fine.waited == 2
+
+
+def test_enqueue_in_order_waits_for_each_phase_before_the_next():
+    log = []
+
+    def phase(op):
+        def run():
+            log.append(("enqueue", op))
+            return FakeWork(log, op)
+        return run
+
+    last = enqueue_in_order([phase("a"), phase("b"), phase("c")])
+    assert last.op == "c"
+    assert log == [("enqueue", "a"), ("wait", "a", (), {}), ("enqueue", "b"), ("wait", "b", (), {}),
+                   ("enqueue", "c")]
+
+
+def test_one_rank_needs_no_communication():
+    flat = torch.ones(3)
+    TorchTransport(None, "gloo", 1).start(flat).wait(1.0)
+    assert torch.equal(flat, torch.ones(3))
