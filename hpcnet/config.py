@@ -7,6 +7,7 @@ dotted option.  ``python -m hpcnet.train --help`` prints every option with
 its docstring, read from this file's source.
 """
 
+import argparse
 import ast
 import dataclasses
 import difflib
@@ -513,6 +514,35 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"--config: {str(path)!r} is not valid TOML: {exc}") from None
     tree = _merge(tree, parse_overrides(overrides or []))
     return _build(Config, tree, "")
+
+
+@dataclass(slots=True)
+class CommandLine:
+    """``python -m hpcnet.train``'s command line: its own flags, and the dotted overrides."""
+
+    config: str | None
+    """--config: a TOML file."""
+    resume: str | None
+    """--resume: 'auto' or a checkpoint file (the same as checkpoint.resume, and it wins over it)."""
+    print_config: bool
+    help: bool
+    overrides: list[str]
+    """Everything else: section.key=value (or --section.key value), for ``load_config``."""
+
+
+def parse_command_line(argv: list[str]) -> CommandLine:
+    """Read hpcnet.train's command line; ``hpcnet.launch`` reads the trainer's arguments with this too."""
+    parser = argparse.ArgumentParser(
+        prog="python -m hpcnet.train", add_help=False,
+        description="Data-parallel training over MPI. Options are section.key=value (or --section.key value).",
+    )
+    parser.add_argument("--config", help="a TOML file with [run], [model], [data], [optim], [train], [dist]")
+    parser.add_argument("--resume", metavar="auto|PATH",
+                        help="resume from the newest checkpoint ('auto') or a checkpoint file (= checkpoint.resume)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("-h", "--help", action="store_true", help="show every option and exit")
+    args, overrides = parser.parse_known_args(argv)
+    return CommandLine(args.config, args.resume, args.print_config, args.help, overrides)
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from typing import Any, TextIO
 
 from hpcnet.errors import UsageError
 from hpcnet.agree import agree_on_error
+from hpcnet.layout import rank_log, run_dir_path
 
 _FORMAT = "%(asctime)s rank %(rank)s %(levelname)s %(name)s: %(message)s"
 
@@ -29,10 +30,9 @@ def make_run_dir(comm: Any, parent: str, name: str, *, exact: bool = False) -> P
     path = None
     error = None
     if comm.Get_rank() == 0:
-        path = Path(parent) if exact else Path(parent) / f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+        path = Path(parent)
         try:
-            if not exact and path.exists():  # two runs started in the same second
-                path = path.with_name(path.name + f"-{time.monotonic_ns() % 10**6:06d}")
+            path = run_dir_path(parent, name, exact=exact)
             path.mkdir(parents=True, exist_ok=True)
             probe = path / ".write-test"
             probe.write_text("")
@@ -78,7 +78,7 @@ def setup_logging(run_dir: Path | None, rank: int, *, console: TextIO | None = N
     stream.addFilter(rank_filter)
     logger.addHandler(stream)
     if run_dir is not None:
-        file_handler = logging.FileHandler(run_dir / f"rank{rank}.log")
+        file_handler = logging.FileHandler(run_dir / rank_log(rank))
         file_handler.setLevel(logging.DEBUG)
         file_handler.setFormatter(logging.Formatter(_FORMAT))
         file_handler.addFilter(rank_filter)

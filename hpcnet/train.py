@@ -10,7 +10,6 @@ gradients are averaged across ranks, so N ranks with batch B train exactly as
 one rank with batch N*B would.
 """
 
-import argparse
 import json
 import logging
 import math
@@ -30,7 +29,8 @@ from torch import nn
 from hpcnet import __version__
 from hpcnet.comm.bootstrap import DataPlane, init_data_plane
 from hpcnet.ckpt.manager import CheckpointManager
-from hpcnet.config import Config, OptimConfig, check_same_config, describe_options, load_config, to_toml
+from hpcnet.config import (Config, OptimConfig, check_same_config, describe_options, load_config, parse_command_line,
+                           to_toml)
 from hpcnet.data.loader import BatchLoader, open_dataset
 from hpcnet.data.sampler import GlobalBatchSampler, eval_indices
 from hpcnet.comm.dataparallel import DataParallel
@@ -42,9 +42,10 @@ from hpcnet.fault.monitor import Monitor
 from hpcnet.runlog import MetricsWriter, close_logging, format_duration, make_run_dir, setup_logging
 from hpcnet.comm.plan import decide_plan
 from hpcnet.comm.topology import probe, recommend
-from hpcnet.ckpt.state import NONFINITE_GRAD, NONFINITE_LOSS, StepBoundary, TrainState, checkpoint_dir, should_save
+from hpcnet.ckpt.state import NONFINITE_GRAD, NONFINITE_LOSS, StepBoundary, TrainState, should_save
 from hpcnet.comm.world import World, choose_device, cpu_threads, discover
 from hpcnet.agree import is_agreed, shared_errors
+from hpcnet.layout import CONFIG_FILE, SUMMARY_FILE, checkpoint_dir, metrics_file
 from hpcnet.errors import exit_code_of
 
 log = logging.getLogger("hpcnet.train")
@@ -189,7 +190,7 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
         with shared_errors(comm):  # rank 0 writes; an unwritable directory or option stops every rank
             if world.is_main:
                 resolved = to_toml(cfg)
-                (run_dir / "config.toml").write_text(resolved)
+                (run_dir / CONFIG_FILE).write_text(resolved)
         if world.is_main:
             log.info("hpcnet %s, torch %s: %d rank(s) on %d node(s) (%s), device %s, %d threads/rank",
                      __version__, torch.__version__, world.size, world.num_nodes, world.launcher,
@@ -238,7 +239,7 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
         optimizer = build_optimizer(model, cfg.optim)
         torch.manual_seed(cfg.run.seed + 1 + world.rank)  # dropout etc. differ per rank
         random.seed(cfg.run.seed + world.rank)
-        metrics = MetricsWriter(run_dir / f"metrics.rank{world.rank}.jsonl"
+        metrics = MetricsWriter(run_dir / metrics_file(world.rank)
                                 if cfg.run.metrics == "all" or (cfg.run.metrics == "rank0" and world.is_main)
                                 else None)
         if world.is_main:
@@ -248,7 +249,8 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
             log.info("%s", dp.describe())
 
         faults = FaultInjector(cfg.fault, world)  # fault.*: off unless testing recovery
-        manager = CheckpointManager(comm, checkpoint_dir(cfg), keep=cfg.checkpoint.keep,
+        manager = CheckpointManager(comm, checkpoint_dir(cfg.run.dir, cfg.run.name, cfg.checkpoint.dir),
+                                    keep=cfg.checkpoint.keep,
                                     full_every=cfg.checkpoint.full_every, async_save=cfg.checkpoint.async_save,
                                     move_aside=cfg.checkpoint.move_aside, fault=faults.io_fault,
                                     deadlines=monitor.deadlines, timeout_s=cfg.checkpoint.timeout_s)
@@ -282,7 +284,7 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
             result.exit_code = (ExitCode.INTERRUPTED if summary["stopped_by_signal"] == signal.SIGINT
                                 else ExitCode.PREEMPTED)
         if world.is_main:
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
             if summary["steps"] > summary["start_step"]:
                 log.info("%s: %d steps in %s, final loss %.4f%s", "stopped" if summary.get("diverged") else "done",
                          summary["steps"], format_duration(summary["wall_s"]), summary["final_loss"],
@@ -446,25 +448,12 @@ def _nonfinite_message(step: int, nonfinite: int) -> str:
     return f"non-finite {' and '.join(what)} at step {step}"
 
 
-def _parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(
-        prog="python -m hpcnet.train", add_help=False,
-        description="Data-parallel training over MPI. Options are section.key=value (or --section.key value).",
-    )
-    parser.add_argument("--config", help="a TOML file with [run], [model], [data], [optim], [train], [dist]")
-    parser.add_argument("--resume", metavar="auto|PATH",
-                        help="resume from the newest checkpoint ('auto') or a checkpoint file (= checkpoint.resume)")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    parser.add_argument("-h", "--help", action="store_true", help="show every option and exit")
-    return parser.parse_known_args(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m hpcnet.train``; the only place that uses COMM_WORLD."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    args, overrides = _parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_command_line(sys.argv[1:] if argv is None else argv)
     rank = comm.Get_rank()
     if args.help:
         if rank == 0:
@@ -473,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopRequest().install()
     try:
         with shared_errors(comm):  # a config file missing on one node fails everywhere
-            cfg = load_config(args.config, overrides + ([f"checkpoint.resume={args.resume}"] if args.resume else []))
+            cfg = load_config(args.config, args.overrides + ([f"checkpoint.resume={args.resume}"] if args.resume else []))
         if args.print_config:
             if rank == 0:
                 print(to_toml(cfg), end="")

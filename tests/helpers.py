@@ -3,6 +3,7 @@
 import ipaddress
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -177,3 +178,19 @@ class FakeComm:
 
     def Free(self):
         pass
+
+
+def wait_for(condition, timeout_s):
+    """Poll ``condition`` until it is true or ``timeout_s`` passed; its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def rank_state(step, seq, op="step_boundary", bucket=-1, open_seq=0, open_op="none", open_s=0.0):
+    """A rank's answer to a stall notice, as the monitor collects it (the flight recorder's part)."""
+    return {"step": step, "seq": seq, "op": op, "bucket": bucket, "open_seq": open_seq, "open_op": open_op,
+            "open_bucket": bucket if open_seq else -1, "open_s": open_s}

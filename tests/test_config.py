@@ -4,7 +4,7 @@ import pytest
 from mpi4py import MPI
 
 from hpcnet.config import (Config, check_same_config, config_hash, describe_options, field_docs, load_config,
-                           parse_overrides, to_toml)
+                           parse_command_line, parse_overrides, to_toml)
 from hpcnet.errors import ConfigError
 
 
@@ -135,3 +135,11 @@ def test_same_config_passes_and_mismatch_fails_on_every_rank(comm):
     with pytest.raises(ConfigError, match=rf"ranks \[{comm.Get_size() - 1}\] differ"):
         check_same_config(comm, cfg)
     comm.Barrier()
+
+
+def test_the_train_command_line():
+    line = parse_command_line(["--config", "a.toml", "train.steps=3", "--resume", "auto", "--run.name", "x"])
+    assert (line.config, line.resume, line.print_config, line.help) == ("a.toml", "auto", False, False)
+    assert line.overrides == ["train.steps=3", "--run.name", "x"]
+    assert parse_command_line(["--resume=/c/ckpt-5.h5"]).resume == "/c/ckpt-5.h5"
+    assert parse_command_line(["-h"]).help and parse_command_line(["--print-config"]).print_config

@@ -21,7 +21,7 @@ import torch
 from mpi4py import MPI
 
 from tests.helpers import ROOT, clean_env
-from hpcnet.launch import supervisor as launch
+from hpcnet.launch import policy as launch
 from hpcnet.data.synthetic import generate_images
 
 pytestmark = [

@@ -42,6 +42,7 @@ from typing import Any
 
 from hpcnet.bench.common import load_average, table, write_json
 from hpcnet.bench.recovery import first_event, log_events, step_times
+from hpcnet.layout import LAUNCH_FILE, attempt_dir, metrics_file, rank_log
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,12 +91,12 @@ def step_statistics(times: dict[int, float], first: int, last: int, global_batch
 
 def recovery_time(launch_dir: Path, victim: int) -> dict[str, Any]:
     """Kill of ``victim`` in attempt 1 -> the first step completed by attempt 2 (from the runs' records)."""
-    killed = first_event(log_events(launch_dir / "attempt-1" / f"rank{victim}.log"), r"kills itself \(SIGKILL\)")
-    resumed = first_event(log_events(launch_dir / "attempt-2" / "rank0.log"), r"^resumed from .* at step (\d+)")
+    killed = first_event(log_events(attempt_dir(launch_dir, 1) / rank_log(victim)), r"kills itself \(SIGKILL\)")
+    resumed = first_event(log_events(attempt_dir(launch_dir, 2) / rank_log(0)), r"^resumed from .* at step (\d+)")
     if killed is None or resumed is None:
         raise RuntimeError(f"{launch_dir}: no kill in attempt-1/rank{victim}.log or no resume in attempt-2/rank0.log")
     step = int(resumed[1].group(1))
-    done = step_times(launch_dir / "attempt-2" / "metrics.rank0.jsonl").get(step + 1)
+    done = step_times(attempt_dir(launch_dir, 2) / metrics_file(0)).get(step + 1)
     if done is None:
         raise RuntimeError(f"{launch_dir}: attempt 2 completed no step after resuming at step {step}")
     return {"recovery_s": done - killed[0], "resumed_at_step": step}
@@ -125,12 +126,12 @@ def measure_single(out: Path, train: list[str], args: argparse.Namespace) -> dic
     threads = f"train.threads={max(1, (os.cpu_count() or 1) // args.np)}"
     wall = _run([sys.executable, "-m", "hpcnet.train", f"run.dir={run_dir}", "run.dir_exact=true", threads, *train],
                 out, timeout_s=1200)
-    stats = step_statistics(step_times(run_dir / "metrics.rank0.jsonl"), args.warmup, args.steps, args.batch_size)
+    stats = step_statistics(step_times(run_dir / metrics_file(0)), args.warmup, args.steps, args.batch_size)
     return {"ranks": 1, "wall_s": wall, "run_dir": str(run_dir), **stats, "recovery_s": None}
 
 
 def _measure_supervised(launch_dir: Path, wall: float, args: argparse.Namespace) -> dict[str, Any]:
-    stats = step_statistics(step_times(launch_dir / "attempt-1" / "metrics.rank0.jsonl"), args.warmup,
+    stats = step_statistics(step_times(attempt_dir(launch_dir, 1) / metrics_file(0)), args.warmup,
                             args.kill_at - 1, args.batch_size * args.np)
     return {"ranks": args.np, "wall_s": wall, "run_dir": str(launch_dir), **stats,
             **recovery_time(launch_dir, args.np - 1)}
@@ -140,7 +141,7 @@ def measure_mpirun(out: Path, train: list[str], args: argparse.Namespace) -> dic
     wall = _run([sys.executable, "-m", "hpcnet.launch", "--max-restarts", "1", "--backoff-s", "0", "--",
                  "mpirun", "-np", str(args.np), sys.executable, "-m", "mpi4py", "-m", "hpcnet.train",
                  f"run.dir={out / 'mpirun'}", "run.name=mpirun", *train], out, timeout_s=1200)
-    launch_dir = sorted((out / "mpirun").glob("mpirun-*/launch.json"))[-1].parent
+    launch_dir = sorted((out / "mpirun").glob(f"mpirun-*/{LAUNCH_FILE}"))[-1].parent
     return _measure_supervised(launch_dir, wall, args)
 
 
@@ -163,7 +164,7 @@ def measure_slurm(out: Path, train: list[str], args: argparse.Namespace) -> dict
     if proc.returncode != 0:
         tail = log.read_text()[-3000:] if log.exists() else proc.stderr
         raise RuntimeError(f"SLURM job {job_id}: sbatch --wait status {proc.returncode}\n{tail}")
-    launch_dir = sorted((slurm_dir / "runs" / job_id).glob("arch-*/launch.json"))[-1].parent
+    launch_dir = sorted((slurm_dir / "runs" / job_id).glob(f"arch-*/{LAUNCH_FILE}"))[-1].parent
     return {"job_id": job_id, **_measure_supervised(launch_dir, wall, args)}
 
 

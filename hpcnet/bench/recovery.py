@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcnet.bench.common import load_average, table, write_json
+from hpcnet.layout import FAILURE_FILE, LAUNCH_FILE, attempt_dir, metrics_file, rank_log
 
 _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank (\d+) (\w+) ([\w.]+): (.*)$")
 
@@ -93,7 +94,7 @@ def _supervise(out_dir: Path, name: str, train_args: list[str], args: argparse.N
     t0 = time.monotonic()
     proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     wall = time.monotonic() - t0
-    launch_dirs = sorted(out_dir.glob(f"{name}-*/launch.json"))
+    launch_dirs = sorted(out_dir.glob(f"{name}-*/{LAUNCH_FILE}"))
     if not launch_dirs:
         raise RuntimeError(f"{name}: no launch.json (status {proc.returncode}):\n{proc.stderr[-3000:]}")
     if proc.returncode != 0:
@@ -105,7 +106,7 @@ def _restart_phases(launch_dir: Path, record: dict[str, Any], fault_step: int, f
                     detected: float | None) -> dict[str, Any]:
     """The phases from the fault to the first step after the restart, and the recomputation."""
     first, second = record["attempts"][0], record["attempts"][1]
-    events = log_events(launch_dir / "attempt-2" / "rank0.log")
+    events = log_events(attempt_dir(launch_dir, 2) / rank_log(0))
     setup = events[0][0] if events else None
     probe = first_event(events, r"^topology: ")
     plane = first_event(events, r"^torch\.distributed ")
@@ -114,10 +115,10 @@ def _restart_phases(launch_dir: Path, record: dict[str, Any], fault_step: int, f
     if model is None or resumed is None or setup is None:
         raise RuntimeError(f"attempt 2 in {launch_dir} did not resume (see its rank0.log)")
     resume_step = int(resumed[1].group(1))
-    steps = step_times(launch_dir / "attempt-2" / "metrics.rank0.jsonl")
+    steps = step_times(attempt_dir(launch_dir, 2) / metrics_file(0))
     t_first = steps[resume_step + 1]
     t_caught = steps.get(fault_step)
-    before = step_times(launch_dir / "attempt-1" / "metrics.rank0.jsonl")
+    before = step_times(attempt_dir(launch_dir, 1) / metrics_file(0))
     gaps = [before[s] - before[s - 1] for s in range(2, fault_step) if s in before and s - 1 in before]
     phases = {
         "detection_s": (detected or first["end_unix"]) - fault_time,
@@ -146,9 +147,9 @@ def _restart_phases(launch_dir: Path, record: dict[str, Any], fault_step: int, f
 def measure_kill(out_dir: Path, train_args: list[str], args: argparse.Namespace) -> dict[str, Any]:
     status, wall, launch_dir = _supervise(out_dir, "kill", [*train_args, f"fault.kill_at_step={args.kill_at}",
                                                            "fault.only_attempt=1"], args, timeout_s=600)
-    record = json.loads((launch_dir / "launch.json").read_text())
+    record = json.loads((launch_dir / LAUNCH_FILE).read_text())
     victim = args.np - 1
-    killed = first_event(log_events(launch_dir / "attempt-1" / f"rank{victim}.log"), r"kills itself \(SIGKILL\)")
+    killed = first_event(log_events(attempt_dir(launch_dir, 1) / rank_log(victim)), r"kills itself \(SIGKILL\)")
     if status != 0 or killed is None or len(record["attempts"]) != 2:
         raise RuntimeError(f"kill run: status {status}, {len(record['attempts'])} attempt(s) in {launch_dir}")
     phases = _restart_phases(launch_dir, record, args.kill_at, killed[0], record["attempts"][0]["launcher_report_unix"])
@@ -159,10 +160,10 @@ def measure_kill(out_dir: Path, train_args: list[str], args: argparse.Namespace)
 def measure_hang(out_dir: Path, train_args: list[str], args: argparse.Namespace) -> dict[str, Any]:
     status, wall, launch_dir = _supervise(out_dir, "hang", [*train_args, f"fault.hang_at_step={args.kill_at}",
                                                            "fault.only_attempt=1"], args, timeout_s=600)
-    record = json.loads((launch_dir / "launch.json").read_text())
+    record = json.loads((launch_dir / LAUNCH_FILE).read_text())
     victim = args.np - 1
-    stopped = first_event(log_events(launch_dir / "attempt-1" / f"rank{victim}.log"), r"stops itself \(SIGSTOP\)")
-    failure_path = launch_dir / "attempt-1" / "failure.json"
+    stopped = first_event(log_events(attempt_dir(launch_dir, 1) / rank_log(victim)), r"stops itself \(SIGSTOP\)")
+    failure_path = attempt_dir(launch_dir, 1) / FAILURE_FILE
     failure = json.loads(failure_path.read_text()) if failure_path.exists() else {}
     detected = failure.get("detected_wall") or (failure_path.stat().st_mtime if failure_path.exists() else None)
     out: dict[str, Any] = {"status": status, "wall_s": wall, "launch_dir": str(launch_dir),

@@ -52,11 +52,6 @@ lock for a whole call, and other threads (the data loader) must get a turn."""
 MAX_NAME_CHARS = 1024
 MAX_JSON_BYTES = 256 << 20
 
-CKPT_NAME_RE = re.compile(r"^ckpt-(\d{10,19})\.h5$")
-TMP_SUFFIX = ".tmp"
-LATEST_NAME = "latest"
-ASIDE_PREFIX = "aside-"
-"""Checkpoints that a run set aside (never deleted) go to ``<dir>/aside-<UTC time>-<why>/``."""
 _COMPONENT_RE = re.compile(r"^[A-Za-z0-9_.:+\-]+$")
 UID_RE = re.compile(r"^[0-9a-f]{32}$")
 
@@ -70,13 +65,6 @@ DTYPES: dict[str, tuple[str, bool]] = {
     "bool": ("|u1", True),
     "float8_e4m3fn": ("|u1", True), "float8_e5m2": ("|u1", True),
 }
-
-
-def checkpoint_name(step: int) -> str:
-    """The committed file name of the checkpoint of ``step``."""
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    return f"ckpt-{step:010d}.h5"
 
 
 def check_tensor_name(name: str) -> None:

@@ -50,14 +50,14 @@ import torch
 from torch import nn
 
 import hpcnet
-from hpcnet.ckpt.format import (ASIDE_PREFIX, CKPT_NAME_RE, TMP_SUFFIX, CheckpointInfo, Plan, TensorSpec,
-                                check_names_nest, committed_after, make_spec, plan_ownership, resolve_chain,
-                                sha256_hex)
+from hpcnet.ckpt.format import (CheckpointInfo, Plan, TensorSpec, check_names_nest, committed_after, make_spec,
+                                plan_ownership, resolve_chain, sha256_hex)
 from hpcnet.ckpt.store import (IoFault, SaveJob, dtype_name, listing, read_chain, read_info, scan, set_aside,
                                to_storage, write_checkpoint)
 from hpcnet.errors import CheckpointCorrupt, UsageError
 from hpcnet.fault.watchdog import NULL_DEADLINES, Guard, io_timeout_s
 from hpcnet.agree import agree_on_error, agreed, shared_errors
+from hpcnet.layout import ASIDE_PREFIX, CKPT_NAME_RE, TMP_SUFFIX
 
 __all__ = ["CheckpointCorrupt", "CheckpointInfo", "CheckpointManager", "Loaded", "flatten_state", "load_checkpoint",
            "restore_state", "rng_state", "set_rng_state"]

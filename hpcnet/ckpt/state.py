@@ -25,11 +25,6 @@ from hpcnet.agree import shared_errors
 log = logging.getLogger(__name__)
 
 
-def checkpoint_dir(cfg: Config) -> Path:
-    """``checkpoint.dir``, or ``<run.dir>/<run.name>.ckpt`` (shared by every run of that name)."""
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run.dir) / f"{cfg.run.name}.ckpt"
-
-
 def should_save(step: int, *, every_steps: int, time_due: bool, stopping: bool) -> bool:
     """The save decision at a step boundary (pure)."""
     return stopping or time_due or (every_steps > 0 and step % every_steps == 0)

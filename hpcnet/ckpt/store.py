@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hpcnet.ckpt.format import (ASIDE_PREFIX, CKPT_NAME_RE, DTYPES, FORMAT, FORMAT_VERSION, HASH_NAME,
-                                LATEST_NAME, MAX_JSON_BYTES, TMP_SUFFIX, UID_RE, WRITE_PIECE_BYTES,
-                                CheckpointInfo, Plan, TensorSpec, block_hashes, packed_rows, parse_index,
+from hpcnet.ckpt.format import (DTYPES, FORMAT, FORMAT_VERSION, HASH_NAME, MAX_JSON_BYTES, UID_RE,
+                                WRITE_PIECE_BYTES, CheckpointInfo, Plan, TensorSpec, block_hashes, packed_rows, parse_index,
                                 plan_ownership, plan_retention, sha256_hex, write_pieces)
 from hpcnet.errors import CheckpointCorrupt, RestartableError, errno_of, error_text, os_error
 from hpcnet.fault.watchdog import NULL_DEADLINES
 from hpcnet.agree import agree_on_error, agreed
+from hpcnet.layout import ASIDE_PREFIX, CKPT_NAME_RE, LATEST_NAME, TMP_SUFFIX, checkpoint_name
 
 if TYPE_CHECKING:
     import torch
@@ -121,7 +121,7 @@ class SaveJob:
 
     @property
     def path(self) -> Path:
-        return self.directory / f"ckpt-{self.step:010d}.h5"
+        return self.directory / checkpoint_name(self.step)
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpcnet.errors import UsageError
+from hpcnet.layout import RANKS_PER_NODE_ENV
 
 # One table for every scheduler variable hpcnet reads (after submitit's
 # slurm.py): launcher -> our name -> environment variable.
@@ -45,9 +46,6 @@ SCHEDULER_ENV: dict[str, dict[str, str]] = {
         "local_size": "MPI_LOCALNRANKS",
     },
 }
-# Environment variable that splits one machine into virtual nodes of this many
-# ranks each, so multi-node code paths can be tested on a single host.
-VIRTUAL_NODE_ENV = "HPCNET_RANKS_PER_NODE"
 
 
 def launcher_env(environ: Mapping[str, str] | None = None) -> tuple[str, dict[str, str]]:
@@ -123,9 +121,9 @@ def discover(comm: Any, environ: Mapping[str, str] | None = None) -> World:
     hostname = MPI.Get_processor_name() or socket.gethostname()
     hostnames = comm.allgather(hostname)
     try:
-        virtual = int(environ.get(VIRTUAL_NODE_ENV, "0") or 0)
+        virtual = int(environ.get(RANKS_PER_NODE_ENV, "0") or 0)
     except ValueError:
-        raise UsageError(f"{VIRTUAL_NODE_ENV}={environ[VIRTUAL_NODE_ENV]!r} is not an integer") from None
+        raise UsageError(f"{RANKS_PER_NODE_ENV}={environ[RANKS_PER_NODE_ENV]!r} is not an integer") from None
     if virtual > 0:
         node_index, local_rank, local_size = node_layout(hostnames, virtual)[rank]
     else:

@@ -98,6 +98,20 @@ def encode(**values: Any) -> np.ndarray:
     return vector
 
 
+def position(recorder: Any, deadlines: Any, now: float) -> dict[str, Any]:
+    """A rank's position, as its beats carry it: its flight recorder's and its guarded waits' (see ``FIELDS``)."""
+    latest, control, oldest = recorder.latest(), recorder.latest_control(), recorder.oldest_open()
+    guard, quiet = deadlines.innermost(), deadlines.quiet()
+    return {"guard": guard.name if guard else "none", "guard_s": guard.elapsed_s(now) if guard else 0.0,
+            "guard_left_s": max(0.0, quiet.deadline - now) if quiet else 0.0,
+            "step": recorder.step, "seq": latest.seq if latest else 0, "op": latest.op if latest else "none",
+            "bucket": latest.bucket if latest else -1, "cseq": control.seq if control else 0,
+            "cop": control.op if control else "none", "digest": control.digest if control else 0,
+            "open_seq": oldest.seq if oldest else 0,
+            "open_op": oldest.op if oldest else "none", "open_bucket": oldest.bucket if oldest else -1,
+            "open_s": now - oldest.start if oldest else 0.0}
+
+
 def decode(vector: np.ndarray) -> dict[str, Any]:
     """The fields of a beat vector, with operation and kind names."""
     fields: dict[str, Any] = {name: (float(vector[i]) if name in _FLOATS else int(vector[i]))

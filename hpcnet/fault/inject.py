@@ -23,7 +23,7 @@ The training loop calls three hooks, each one line:
   opens; only the block checksums can tell), so ``--resume auto`` must skip
   it and take the previous one.
 - ``io_fault(phase, step)``, handed to the checkpoint manager
-  (``hpcnet.ckpt_io.IoFault``): with ``fill_disk_at_step`` every save of that
+  (``hpcnet.ckpt.store.IoFault``): with ``fill_disk_at_step`` every save of that
   step or later fails with ``OSError(ENOSPC)`` where hpcnet checks the free
   space before writing (the file system is shared, so this hits every rank
   alike and ``fault.rank`` does not apply); with ``write_error`` the chosen
@@ -40,7 +40,7 @@ The training loop calls three hooks, each one line:
   or a stuck one.  With ``stuck_fs_at_step`` every rank's writer blocks for
   good inside the create (``create``), holding the GIL in a C call as h5py
   does on a stuck file system: no Python runs anywhere, and only the native
-  watchdog (``hpcnet.watchdog``) can end the job.
+  watchdog (``hpcnet.fault.native``) can end the job.
 
 ``fault.only_attempt = k`` injects only in attempt k of ``hpcnet.launch``
 (which sets ``HPCNET_ATTEMPT``; a run without it is attempt 1), so a
@@ -63,11 +63,9 @@ from hpcnet.config import FaultConfig
 from hpcnet.errors import ConfigError
 from hpcnet.comm.world import World
 from hpcnet.agree import agreed, shared_errors
+from hpcnet.layout import ATTEMPT_ENV
 
 log = logging.getLogger(__name__)
-
-ATTEMPT_ENV = "HPCNET_ATTEMPT"
-"""Set by ``hpcnet.launch`` for every attempt: 1, 2, ... (absent: 1)."""
 
 CORRUPT_BYTES = 64
 """Bytes flipped in the middle of a dataset: inside one checksum block, so the read fails there."""

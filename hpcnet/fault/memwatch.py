@@ -166,3 +166,16 @@ class MemoryWatch:
         """This rank's trend per quantity, and its warnings."""
         return {"trend": {name: s.trend() for name, s in self.series.items() if s.first is not None},
                 "warnings": self.warnings}
+
+
+def merge_summaries(every: list[dict[str, Any]], every_steps: int) -> dict[str, Any]:
+    """The ``monitor.memory`` part of summary.json from every rank's ``MemoryWatch.summary`` (rank 0)."""
+    memory: dict[str, Any] = {"every_steps": every_steps, "warnings": []}
+    for rank, entry in enumerate(every):
+        for name, trend in entry["trend"].items():
+            memory.setdefault(name, []).append({"rank": rank, **trend})
+        memory["warnings"] += entry["warnings"]
+    if memory["warnings"]:
+        log.warning("memory grew steadily on rank(s) %s (see summary.json monitor.memory)",
+                    sorted({w["rank"] for w in memory["warnings"]}))
+    return memory

@@ -1,30 +1,13 @@
 """Failure detection while training: heartbeats, stalls, desyncs and memory leaks.
 
 One ``Monitor`` per rank owns a background thread on a private duplicate of
-the job's communicator.  Every ``monitor.heartbeat_interval_s`` the thread
-
-- beats to its two ring successors and listens for its two predecessors
-  (``hpcnet.heartbeat``: why a ring, what a beat carries, the blind spot);
-- declares a predecessor silent for ``heartbeat_misses`` intervals failed:
-  it writes ``failure.json`` to the run directory, prints one line naming
-  the rank, its host, its last step and the collective it was in, and ends
-  the job with ``MPI_Abort`` (status 75, restartable);
-- compares the sequence number and operation in each beat with its own
-  flight recorder (``hpcnet.flightrec``): the same position with a different
-  collective is a desync;
-- watches its own oldest unfinished collective: one older than the stall
-  timeout is a stall;
-- watches its guarded waits (``hpcnet.watchdog``: checkpoint I/O, start-up):
-  one past its deadline is reported like a stall, with kind ``checkpoint``
-  or ``startup``.  While a checkpoint guard is open the stall check waits
-  for it: a rank whose writer holds the GIL cannot reach the next
-  collective, and the guard's own deadline is the one that applies.
-
-On a stall or a desync the detecting rank asks every rank (a notice on the
-monitor's communicator) to dump its Python stacks and its flight recorder to
-``stall.rank<r>.txt``; the ranks answer with their state, and the detecting
-rank (the lowest, when several detect at once) says which ranks are behind,
-out of step or silent, writes ``failure.json`` and aborts the job.
+the job's communicator: it beats to its ring successors and watches its
+predecessors (``hpcnet.fault.heartbeat``), compares their positions with its
+own flight recorder (``hpcnet.fault.flightrec``: desyncs), watches its oldest
+unfinished collective (stalls) and its guarded waits
+(``hpcnet.fault.watchdog``: checkpoint I/O, start-up).  What it declares, how
+the ranks agree on who reports, and what ``failure.json`` says: the README,
+"Failure detection".
 
 Why abort and not a clean exit: when a rank hangs, the others are usually
 blocked inside a collective waiting for it.  No Python code runs on those
@@ -40,29 +23,15 @@ with a hung peer would hold it forever: the monitor would freeze exactly when
 it is needed.  mpi4py asks for MULTIPLE by default; a library that grants
 less turns the monitor thread off with a warning.
 
-A hung rank's own stacks: each rank registers ``faulthandler`` for
-``DUMP_SIGNAL`` (SIGRTMIN+4), which prints every thread's stack to stderr
-from a C signal handler, so it works even when a thread holds the GIL in C
-code (the case where the monitor thread itself cannot run).  The handler
-stays registered until the process exits: unregistered, the signal's
-default action would kill the process.  A rank that reports ranks on its
-host as silent sends them that signal before aborting; on any host
-``kill -s RTMIN+4 <pid>`` does the same by hand.
-SIGUSR1 is left to NCCL and SIGUSR2 to preemption notices (``train.StopRequest``);
-real-time signals are used by neither nor by Open MPI.  A SIGSTOPped rank
-cannot run any handler: its stack is not available, the report says where
-it was from its last beat.
+The reports and dumps it writes, and the stacks signal: ``hpcnet.fault.report``.
 """
 
 import contextlib
-import faulthandler
-import json
 import logging
 import os
 import random
 import signal
 import statistics
-import sys
 import threading
 import time
 from collections import deque
@@ -74,124 +43,19 @@ import numpy as np
 
 from hpcnet.config import MonitorConfig
 from hpcnet.errors import ExitCode
-from hpcnet.fault.flightrec import (NULL_RECORDER, WARMUP_FACTOR, FlightRecorder, analyze_stall, describe_op,
-                                    desync, format_entries, stall_timeout)
+from hpcnet.fault.flightrec import NULL_RECORDER, WARMUP_FACTOR, FlightRecorder, describe_op, desync, stall_timeout
 from hpcnet.fault.heartbeat import (LEAVING, RUNNING, TAG_ACK, TAG_BEAT, TAG_NOTICE, HeartbeatLink, PeerTracker,
-                                    encode, ring_peers)
+                                    encode, position, ring_peers)
 from hpcnet.fault.liveness import LocalLiveness, name_this_thread, start_time
-from hpcnet.fault.memwatch import MemoryWatch
-from hpcnet.fault.watchdog import NULL_DEADLINES, Deadlines, Guard, NativeWatchdog, analyze_io
+from hpcnet.fault.memwatch import MemoryWatch, merge_summaries
+from hpcnet.fault.native import NativeWatchdog
+from hpcnet.fault.report import (DUMP_SIGNAL, heartbeat_report, native_report, register_dump_signal, stall_report,
+                                 write_dump, write_failure)
+from hpcnet.fault.watchdog import NULL_DEADLINES, Deadlines, Guard
+from hpcnet.layout import FAILURE_FILE, stall_dump
 from hpcnet.comm.world import World
 
 log = logging.getLogger(__name__)
-
-DUMP_SIGNAL = getattr(signal, "SIGRTMIN", signal.SIGXCPU) + (4 if hasattr(signal, "SIGRTMIN") else 0)
-"""The signal that makes a rank print every thread's stack to stderr."""
-FAILURE_FILE = "failure.json"
-
-
-def where(beat: dict[str, Any] | None, last_step: int | None = None) -> str:
-    """Where a rank was, from its last beat: ``last seen at step 12, in allreduce.bucket[2] (#842) for 0.3 s``.
-
-    ``last_step`` is a better lower bound of its steps when one is known (see ``heartbeat_report``).
-    """
-    if beat is None:
-        return "never heard from (it failed before its first beat)"
-    if beat["open_seq"] > 0:
-        doing = (f"in {describe_op(beat['open_op'], beat['open_bucket'], beat['open_seq'])} "
-                 f"for {beat['open_s']:.1f} s")
-    else:
-        doing = f"not in a collective (last: {describe_op(beat['op'], beat['bucket'], beat['seq'])})"
-    if beat["guard"] != "none":
-        doing += f", in {beat['guard']} for {beat['guard_s']:.1f} s"
-    if last_step is not None and last_step > beat["step"]:
-        return f"it completed step {last_step} (its last beat, at step {beat['step']}: {doing})"
-    return f"last seen at step {beat['step']}, {doing}"
-
-
-def heartbeat_report(silent: dict[int, tuple[float, dict[str, Any] | None]], hostnames: tuple[str, ...], *,
-                     detector: int, interval_s: float, misses: int, detector_step: int = 0) -> dict[str, Any]:
-    """The report of ranks that stopped beating (pure).
-
-    Args:
-        silent: per failed rank, (seconds since it was last heard, its last beat or None).
-        hostnames: host of every rank.
-        detector: the rank that noticed.
-        detector_step: steps the detector completed.  A step needs every
-            rank, so a silent rank completed at least one step fewer; its
-            last beat, up to an interval old, may say less.
-    """
-    failed = []
-    lines = []
-    for rank, (silent_s, beat) in sorted(silent.items()):
-        last_step = max(beat["step"] if beat else 0, detector_step - 1) if beat or detector_step > 1 else None
-        failed.append({
-            "rank": rank, "host": hostnames[rank], "silent_s": round(silent_s, 2),
-            "last_step": last_step, "last_beat_step": beat["step"] if beat else None,
-            "collective": (describe_op(beat["open_op"], beat["open_bucket"], beat["open_seq"]) if beat and
-                           beat["open_seq"] > 0 else None),
-            "last_collective": describe_op(beat["op"], beat["bucket"], beat["seq"]) if beat and beat["seq"] else None,
-            "pid": beat["pid"] if beat else None,
-            "guard": beat["guard"] if beat and beat["guard"] != "none" else None,
-        })
-        lines.append(f"rank {rank} on {hostnames[rank]} missed {misses} heartbeats (silent for {silent_s:.1f} s; "
-                     f"interval {interval_s:g} s): {where(beat, last_step)}")
-    message = ("; ".join(lines) + f". Declared failed by rank {detector} on {hostnames[detector]}; "
-               f"ending the job with status {int(ExitCode.RESTARTABLE)} (restartable).")
-    # Silent past a checkpoint deadline it announced: its checkpoint I/O, not the rank, is what hung.
-    in_io = all(beat is not None and beat["guard_left_s"] > 0 for _, beat in silent.values())
-    return {"kind": "checkpoint" if in_io else "heartbeat", "failed": failed, "message": message}
-
-
-def stall_report(kind: str, detail: str, states: dict[int, dict[str, Any] | None], hostnames: tuple[str, ...], *,
-                 detector: int, mismatched: tuple[int, ...] = ()) -> dict[str, Any]:
-    """The report of a stall or desync from every rank's answer (pure).
-
-    ``mismatched``: ranks already known to disagree (the pair a desync was seen between).
-    """
-    analysis = analyze_io(states) if kind == "checkpoint" else analyze_stall(states, mismatched)
-    if kind == "startup" and not (analysis["behind"] or analysis["mismatched"] or analysis["silent"]):
-        analysis["lines"][-1] = ("no rank is behind in the recorded collectives: the ranks wait for each other "
-                                 "elsewhere (see the stacks)")
-    suspects = analysis["mismatched"] or analysis["behind"] or analysis["silent"]
-    failed = [{"rank": r, "host": hostnames[r],
-               "last_step": states[r]["step"] if states[r] else None,
-               "why": ("mismatched" if r in analysis["mismatched"] else "behind" if r in analysis["behind"]
-                       else "silent")} for r in suspects]
-    what = {"checkpoint": "checkpoint I/O past its deadline", "startup": "start-up past its deadline"}.get(kind, kind)
-    message = (f"{what} detected by rank {detector} on {hostnames[detector]}: {detail}\n  "
-               + "\n  ".join(analysis["lines"])
-               + f"\n  stacks and flight recorders: stall.rank<r>.txt in the run directory; "
-                 f"ending the job with status {int(ExitCode.RESTARTABLE)} (restartable).")
-    ranks = [{"rank": r, "host": hostnames[r], **(s or {"answered": False})} for r, s in sorted(states.items())]
-    return {"kind": kind, "detail": detail, "failed": failed, "ranks": ranks, "message": message}
-
-
-def merge_reports(earlier: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
-    """What ``failure.json`` says when a second rank reports after a first (pure).
-
-    The first report stands; a second one of the same kind adds the ranks it
-    names (two watchers of two adjacent failed ranks each see a different
-    part), one of another kind is dropped: it describes the aftermath (a
-    stopped rank continued by ``mpirun`` for its teardown, say).
-    """
-    if earlier.get("kind") != report["kind"]:
-        return earlier
-    named = {f["rank"] for f in earlier["failed"]}
-    failed = earlier["failed"] + [f for f in report["failed"] if f["rank"] not in named]
-    also = sorted(set(earlier.get("also_detected_by", [])) | {report["detected_by"]})
-    return {**earlier, "failed": sorted(failed, key=lambda f: f["rank"]), "also_detected_by": also}
-
-
-def write_failure(run_dir: Path, report: dict[str, Any]) -> Path:
-    """Write (or, when another rank was first, merge into) ``failure.json``, atomically."""
-    path = run_dir / FAILURE_FILE
-    with contextlib.suppress(OSError, ValueError, KeyError):
-        report = merge_reports(json.loads(path.read_text()), report)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, path)
-    return path
 
 
 class Monitor:
@@ -272,7 +136,7 @@ class Monitor:
         self._tracker = PeerTracker(self.watch, self.cfg.heartbeat_interval_s, self.cfg.heartbeat_misses,
                                     time.monotonic(), startup_deadline_s=WARMUP_FACTOR * self.cfg.stall_floor_s,
                                     guard_slack_s=2 * self._coordination_s)
-        self._register_dump_signal()
+        register_dump_signal()
         self._native = NativeWatchdog(int(ExitCode.RESTARTABLE))
         self.deadlines = Deadlines(on_change=self._guards_changed)
         self._startup = self.deadlines.open("startup", self.cfg.startup_timeout_s, kind="startup",
@@ -338,15 +202,7 @@ class Monitor:
             median_step_s=round(statistics.median(times), 6) if times else None,
             stall_timeout_s=round(stall_timeout(self.cfg.stall_timeout_s, self.cfg.stall_floor_s, times), 3))
         if self.memory is not None:
-            memory: dict[str, Any] = {"every_steps": self.cfg.memory_every_steps, "warnings": []}
-            for rank, entry in enumerate(every):
-                for name, trend in entry["memory"]["trend"].items():
-                    memory.setdefault(name, []).append({"rank": rank, **trend})
-                memory["warnings"] += entry["memory"]["warnings"]
-            result["memory"] = memory
-            if memory["warnings"]:
-                log.warning("memory grew steadily on rank(s) %s (see summary.json monitor.memory)",
-                            sorted({w["rank"] for w in memory["warnings"]}))
+            result["memory"] = merge_summaries([e["memory"] for e in every], self.cfg.memory_every_steps)
         return result
 
     # -- the monitor thread -------------------------------------------------------
@@ -431,21 +287,10 @@ class Monitor:
         if first is None:
             native.disarm()
             return
-        w = self.world
-        message = (f"hpcnet: rank {w.rank} on {w.hostname}: {first.what} did not finish within "
-                   f"{first.timeout_s:.0f} s ({first.option}) and no Python code could run on this rank to "
-                   f"report it (a thread holds the GIL in a C call that does not return: HDF5 or MPI-IO waiting "
-                   f"for the file system, or for a rank that does); its stacks follow. Ending the job with "
-                   f"status {int(ExitCode.RESTARTABLE)} (restartable).")
-        report = {"kind": first.kind, "detail": f"{first.what} did not finish within {first.timeout_s:.0f} s "
-                                                f"({first.option}); the native watchdog ended the job",
-                  "failed": [{"rank": w.rank, "host": w.hostname, "last_step": self.recorder.step,
-                              "why": "blocked"}],
-                  "message": message, "exit_code": int(ExitCode.RESTARTABLE), "detected_by": w.rank,
-                  "detected_host": w.hostname, "native": True,
-                  "detected_wall": time.time() + first.deadline + self.native_grace_s - time.monotonic()}
+        message, report = native_report(first, rank=self.world.rank, host=self.world.hostname,
+                                        step=self.recorder.step, grace_s=self.native_grace_s)
         native.arm(first.deadline + self.native_grace_s, message=message,
-                         failure_path=self.run_dir / FAILURE_FILE, report=report)
+                   failure_path=self.run_dir / FAILURE_FILE, report=report)
 
     def _leave(self) -> None:
         if self._link is None or self._link.closed:
@@ -456,19 +301,7 @@ class Monitor:
             self._link.close()
 
     def _state(self) -> dict[str, Any]:
-        """This rank's position, as a beat carries it (see ``hpcnet.heartbeat.FIELDS``)."""
-        rec = self.recorder
-        latest, control, oldest = rec.latest(), rec.latest_control(), rec.oldest_open()
-        now = time.monotonic()
-        guard, quiet = self.deadlines.innermost(), self.deadlines.quiet()
-        return {"guard": guard.name if guard else "none", "guard_s": guard.elapsed_s(now) if guard else 0.0,
-                "guard_left_s": max(0.0, quiet.deadline - now) if quiet else 0.0,
-                "step": rec.step, "seq": latest.seq if latest else 0, "op": latest.op if latest else "none",
-                "bucket": latest.bucket if latest else -1, "cseq": control.seq if control else 0,
-                "cop": control.op if control else "none", "digest": control.digest if control else 0,
-                "open_seq": oldest.seq if oldest else 0,
-                "open_op": oldest.op if oldest else "none", "open_bucket": oldest.bucket if oldest else -1,
-                "open_s": now - oldest.start if oldest else 0.0}
+        return position(self.recorder, self.deadlines, time.monotonic())
 
     def _vector(self, state: int = RUNNING, kind: str = "") -> np.ndarray:
         return encode(session=self._link.session, rank=self.world.rank, state=state, wall=time.time(),
@@ -582,23 +415,12 @@ class Monitor:
             return
         self._dumped = True
         w = self.world
-        path = self.run_dir / f"stall.rank{w.rank}.txt"
+        path = self.run_dir / stall_dump(w.rank)
+        header = (f"hpcnet {kind} dump: rank {w.rank} of {w.size} on {w.hostname}, pid {os.getpid()}, "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n{detail}\n"
+                  f"step {self.recorder.step}; stall timeout {self._timeout_s:.1f} s")
         try:
-            with open(path, "w") as f:
-                f.write(f"hpcnet {kind} dump: rank {w.rank} of {w.size} on {w.hostname}, pid {os.getpid()}, "
-                        f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n{detail}\n"
-                        f"step {self.recorder.step}; stall timeout {self._timeout_s:.1f} s\n\n"
-                        f"== flight recorder (oldest first; started = seconds before this dump) ==\n")
-                now = time.monotonic()
-                f.write(format_entries(self.recorder.entries()[-64:], now) + "\n\n")
-                f.write("== guarded waits (hpcnet.watchdog), oldest first ==\n" + "".join(
-                    f"{g.what}: {g.elapsed_s(now):.1f} s of {g.deadline - g.started:.0f} s ({g.option})\n"
-                    for g in sorted(self.deadlines.guards(), key=lambda g: g.started)) + "\n")
-                names = {t.ident: t.name for t in threading.enumerate()}
-                f.write("== threads ==\n" + "".join(f"0x{i:x} {n}\n" for i, n in names.items()) + "\n")
-                f.write("== Python stacks (faulthandler) ==\n")
-                f.flush()
-                faulthandler.dump_traceback(f, all_threads=True)
+            write_dump(path, header, self.recorder, self.deadlines)
         except OSError as exc:
             log.error("cannot write %s: %s", path, exc)
 
@@ -626,14 +448,3 @@ class Monitor:
         for handler in logging.getLogger("hpcnet").handlers:
             handler.flush()
         self.comm.Abort(ExitCode.RESTARTABLE)
-
-    @staticmethod
-    def _register_dump_signal() -> None:
-        stream = sys.__stderr__
-        try:
-            if stream is None:
-                return
-            stream.fileno()
-        except (OSError, ValueError):
-            return
-        faulthandler.register(DUMP_SIGNAL, file=stream, all_threads=True, chain=False)

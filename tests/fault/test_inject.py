@@ -1,7 +1,7 @@
 """Fault injection in the training loop: corrupt checkpoint, full disk, slow rank; the injector's choices.
 
 In-process under MPI (any number of ranks); the faults that kill or stop a
-process are tested through the supervisor in test_launch.py.
+process are tested through the supervisor in tests/launch/test_supervisor.py.
 """
 
 import errno
@@ -14,7 +14,8 @@ from hpcnet.ckpt.manager import CheckpointManager, load_checkpoint
 from hpcnet.config import FaultConfig, load_config
 from tests.helpers import StopAfter, tiny_images
 from hpcnet.errors import ConfigError, ExitCode, UsageError
-from hpcnet.fault.inject import ATTEMPT_ENV, FaultInjector, corrupt_newest, current_attempt
+from hpcnet.fault.inject import FaultInjector, corrupt_newest, current_attempt
+from hpcnet.layout import ATTEMPT_ENV
 from hpcnet.train import run
 from hpcnet.comm.world import World
 from hpcnet.errors import exit_code_of

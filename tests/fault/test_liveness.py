@@ -4,35 +4,20 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
 
 from hpcnet.fault.liveness import LocalLiveness, ThreadState, process_threads, start_time, starved
+from tests.helpers import PROGRAMS, ROOT
 
 MONITOR = "hpcnet-monitor"
-
-# A process whose "monitor" thread waits on a lock (a futex, like the GIL) while the main thread spins or sleeps.
-PROGRAM = textwrap.dedent("""
-    import sys, threading, time
-    from hpcnet.fault.liveness import name_this_thread
-    lock = threading.Lock(); lock.acquire()
-    def monitor():
-        name_this_thread()
-        lock.acquire()
-    threading.Thread(target=monitor, daemon=True).start()
-    print("ready", flush=True)
-    end = time.monotonic() + 60
-    while time.monotonic() < end:
-        if sys.argv[1] == "sleep":
-            time.sleep(1)
-""")
 
 
 @pytest.fixture
 def process(request):
-    proc = subprocess.Popen([sys.executable, "-c", PROGRAM, request.param], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(PROGRAMS / "blocked_monitor.py"), request.param],
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
     time.sleep(0.3)
     yield proc

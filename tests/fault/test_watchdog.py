@@ -1,4 +1,4 @@
-"""Deadlines on checkpoint I/O and start-up, the native last resort, and saves that must not be failures.
+"""Deadlines on checkpoint I/O and start-up, and saves that must not be failures.
 
 Pure logic on one process; the monitor's deadlines under MPI at any size;
 and launches (serial pass): a checkpoint writer stuck with the GIL released
@@ -19,13 +19,14 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from hpcnet.comm.world import discover
 from hpcnet.config import CheckpointConfig, FaultConfig, MonitorConfig
 from hpcnet.errors import ConfigError, ExitCode
-from hpcnet.fault.heartbeat import PeerTracker, decode, encode
-from hpcnet.fault.monitor import DUMP_SIGNAL, Monitor, heartbeat_report, stall_report
-from hpcnet.fault.watchdog import IO_TIMEOUT_FLOOR_S, Deadlines, analyze_io, io_timeout_s
-from hpcnet.comm.world import discover
-from tests.helpers import ROOT, clean_env
+from hpcnet.fault.heartbeat import decode
+from hpcnet.fault.monitor import Monitor
+from hpcnet.fault.report import DUMP_SIGNAL
+from hpcnet.fault.watchdog import IO_TIMEOUT_FLOOR_S, Deadlines, io_timeout_s
+from tests.helpers import PROGRAMS, ROOT, clean_env, wait_for
 
 # --- pure logic ------------------------------------------------------------------
 
@@ -63,47 +64,6 @@ def test_deadlines_expire_the_first_and_start_up_does_not_count_loads():
         deadlines.open("checkpoint.load", float("nan"))
 
 
-def test_watchers_allow_the_silence_of_an_announced_create():
-    tracker = PeerTracker([1, 2], interval_s=2.0, misses=3, now=0.0, guard_slack_s=8.0)
-    tracker.heard(1, decode(encode(step=5, guard="checkpoint.create", guard_s=0.1, guard_left_s=100.0)), 0.0)
-    tracker.heard(2, decode(encode(step=5, guard="checkpoint.write", guard_s=0.1)), 0.0)  # not quiet
-    for t in np.arange(0.05, 30.0, 0.05):
-        tracker.tick(t)
-    assert tracker.overdue(30.0) == [2]  # a rank that may not be silent is found as fast as ever
-    for t in np.arange(30.0, 113.9, 0.05):
-        tracker.tick(t)
-    assert tracker.overdue(113.9) == [2]  # 100 s announced + 3 x 2 s + 8 s for its peers' own report
-    tracker.tick(114.1)
-    assert tracker.overdue(114.1) == [1, 2]
-    silent_past_deadline = heartbeat_report({1: (114.1, tracker.last_beat[1])}, ("h",) * 3, detector=0,
-                                            interval_s=2.0, misses=3)
-    assert silent_past_deadline["kind"] == "checkpoint"  # its checkpoint I/O, not a heartbeat, is what hung
-    assert "in checkpoint.create for 0.1 s" in silent_past_deadline["message"]
-    plain = heartbeat_report({2: (6.1, tracker.last_beat[2])}, ("h",) * 3, detector=0, interval_s=2.0, misses=3)
-    assert plain["kind"] == "heartbeat" and plain["failed"][0]["guard"] == "checkpoint.write"
-
-
-def _answer(step, guard, guard_s=3.0):
-    return {"step": step, "seq": 10, "op": "step_boundary", "bucket": -1, "cseq": 10, "cop": "step_boundary",
-            "digest": 1, "open_seq": 0, "open_op": "none", "open_bucket": -1, "open_s": 0.0, "guard": guard,
-            "guard_s": guard_s}
-
-
-def test_a_checkpoint_report_names_the_rank_the_others_wait_for():
-    states = {0: _answer(20, "checkpoint.meet"), 1: _answer(20, "checkpoint.create"), 2: _answer(20, "checkpoint.meet")}
-    analysis = analyze_io(states)
-    assert analysis["behind"] == [1] and "ranks [1] did not reach the collective file create" in analysis["lines"][-1]
-    report = stall_report("checkpoint", "checkpoint.write (step 20) has not finished after 10.0 s", states,
-                          ("a", "b", "c"), detector=0)
-    assert report["kind"] == "checkpoint" and report["failed"] == [
-        {"rank": 1, "host": "b", "last_step": 20, "why": "behind"}]
-    assert "checkpoint I/O past its deadline detected by rank 0 on a" in report["message"]
-    assert "rank 1: step 20, in checkpoint.create for 3.0 s <- the others wait for it" in report["message"]
-    stuck = analyze_io({0: _answer(20, "checkpoint.write"), 1: None})
-    assert stuck["silent"] == [1] and "did not answer" in stuck["lines"][-1] and "holding the GIL" in stuck["lines"][1]
-    assert "file system (or MPI-IO) is stuck" in analyze_io({0: _answer(20, "checkpoint.write")})["lines"][-1]
-
-
 def test_new_options_are_validated():
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ConfigError, match="checkpoint.timeout_s"):
@@ -118,63 +78,11 @@ def test_new_options_are_validated():
             FaultConfig(**{name: -1})
 
 
-NATIVE = '''
-import sys, threading, time
-from pathlib import Path
-from hpcnet.fault.inject import block_holding_the_gil
-from hpcnet.fault.watchdog import NativeWatchdog
-
-run_dir, disarm = Path(sys.argv[1]), sys.argv[2] == "disarm"
-watchdog = NativeWatchdog(75)
-watchdog.arm(time.monotonic() + 1.0, message="it's the native watchdog", failure_path=run_dir / "failure.json",
-             report={"kind": "checkpoint", "why": "a 'quoted' $(reason) `here`"})
-if disarm:
-    watchdog.disarm()
-    time.sleep(2.0)
-    print("still alive", flush=True)
-    sys.exit(0)
-threading.Thread(target=block_holding_the_gil, name="stuck-writer", daemon=True).start()
-block_holding_the_gil()  # the main thread too: no Python code runs any more in this process
-'''
-
-
-@pytest.mark.timeout(60)
-def test_native_watchdog_ends_a_process_whose_python_cannot_run(tmp_path):
-    if MPI.COMM_WORLD.Get_size() > 1:
-        pytest.skip("starts its own processes; runs in the serial pass")
-    script = tmp_path / "native.py"
-    script.write_text(NATIVE)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    started = time.monotonic()
-    out = subprocess.run([sys.executable, str(script), str(tmp_path), "hold"], env=env, capture_output=True,
-                         text=True, timeout=30)
-    elapsed = time.monotonic() - started
-    assert out.returncode == ExitCode.RESTARTABLE, out.stderr
-    assert elapsed < 10
-    assert "it's the native watchdog" in out.stderr
-    assert "in block_holding_the_gil" in out.stderr and "most recent call first" in out.stderr  # every thread
-    report = json.loads((tmp_path / "failure.json").read_text())
-    assert report == {"kind": "checkpoint", "why": "a 'quoted' $(reason) `here`"}  # the shell quoting holds
-    (tmp_path / "failure.json").unlink()
-    calm = subprocess.run([sys.executable, str(script), str(tmp_path), "disarm"], env=env, capture_output=True,
-                          text=True, timeout=30)
-    assert calm.returncode == 0 and "still alive" in calm.stdout and not (tmp_path / "failure.json").exists()
-
-
 # --- the monitor's deadlines under MPI ---------------------------------------------------
 
 def _monitor(comm, run_dir, found, **options):
     cfg = MonitorConfig(heartbeat_interval_s=0.5, memory_every_steps=0, **options)
     return Monitor(cfg, comm, discover(comm), run_dir, on_failure=found.append)
-
-
-def _wait_for(condition, timeout_s):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 @pytest.mark.mpi
@@ -192,8 +100,8 @@ def test_an_expired_checkpoint_deadline_is_reported_like_a_stall(comm, mpi_tmp_p
     write = monitor.deadlines.open("checkpoint.write", 0.6, what="checkpoint.write (step 1)")
     waiting = monitor.deadlines.open("checkpoint.create" if rank == size - 1 else "checkpoint.meet", 30.0)
     if rank == 0:
-        _wait_for(lambda: found, 20)
-    dumped = _wait_for(lambda: (run_dir / f"stall.rank{rank}.txt").exists(), 20)
+        wait_for(lambda: found, 20)
+    dumped = wait_for(lambda: (run_dir / f"stall.rank{rank}.txt").exists(), 20)
     # Done at once: a test that lingered past the deadline plus the grace would meet the native watchdog.
     monitor.deadlines.close(waiting)
     monitor.deadlines.close(write)
@@ -223,8 +131,8 @@ def test_start_up_has_a_deadline(comm, mpi_tmp_path):
     found = []
     monitor = _monitor(comm, run_dir, found, startup_timeout_s=0.5).start()
     if rank == 0:
-        _wait_for(lambda: found, 20)  # no first step: start-up never ends
-    _wait_for(lambda: (run_dir / f"stall.rank{rank}.txt").exists(), 20)
+        wait_for(lambda: found, 20)  # no first step: start-up never ends
+    wait_for(lambda: (run_dir / f"stall.rank{rank}.txt").exists(), 20)
     monitor.step(1)  # ends start-up at once (see the test above)
     comm.Barrier()
     monitor.stop()
@@ -325,29 +233,13 @@ def test_a_peer_whose_saves_are_20_s_slow_is_not_a_failure(launch, tmp_path):
     print(f"20 s slow saves on rank 0: finished with 0 in {elapsed:.1f} s, no failure.json")
 
 
-TINY_SLOW = '''
-import time
-import torch
-from mpi4py import MPI
-
-
-def make_dataset(split, n=64):
-    if split == "train" and MPI.COMM_WORLD.Get_rank() == 1:
-        time.sleep(600)  # start-up never ends on this rank, while its monitor beats
-    g = torch.Generator().manual_seed(0)
-    y = torch.randint(0, 4, (n,), generator=g)
-    return torch.utils.data.TensorDataset(torch.randn(n, 1, 8, 8, generator=g), y)
-'''
-
-
 @pytest.mark.launch
 @pytest.mark.timeout(200)
 def test_a_hang_at_start_up_ends_within_the_start_up_deadline(launch, tmp_path):
-    (tmp_path / "tiny.py").write_text(TINY_SLOW)
     started = time.time()
-    out = launch(2, "data.dataset=tiny:make_dataset", f"run.dir={tmp_path / 'run'}", "run.dir_exact=true",
+    out = launch(2, "data.dataset=slow_dataset:make_dataset", f"run.dir={tmp_path / 'run'}", "run.dir_exact=true",
                  "model.name=mlp", "dist.probe=false", "monitor.startup_timeout_s=10",
-                 env={"PYTHONPATH": f"{tmp_path}:{ROOT}"}, timeout=180)
+                 env={"PYTHONPATH": f"{PROGRAMS}:{ROOT}"}, timeout=180)
     elapsed = time.time() - started
     assert out.returncode == ExitCode.RESTARTABLE, out.stderr
     report = json.loads((tmp_path / "run" / "failure.json").read_text())
@@ -357,33 +249,13 @@ def test_a_hang_at_start_up_ends_within_the_start_up_deadline(launch, tmp_path):
     assert elapsed < 120
 
 
-HOLDER = '''
-import sys, threading, time
-from mpi4py import MPI
-from hpcnet.fault.inject import block_holding_the_gil
-from hpcnet.fault.monitor import Monitor
-from hpcnet.config import MonitorConfig
-from hpcnet.comm.world import discover
-
-comm = MPI.COMM_WORLD.Dup()
-monitor = Monitor(MonitorConfig(), comm, discover(comm), sys.argv[1]).start()
-if comm.Get_rank() == 0:
-    # Takes the GIL for good a second after the main thread entered the barrier.
-    threading.Thread(target=lambda: (time.sleep(1.0), block_holding_the_gil()), name="stuck", daemon=True).start()
-    print("holding", flush=True)
-    comm.Barrier()  # never completes: rank 1 never comes; the main thread waits inside MPI
-else:
-    time.sleep(600)
-'''
-
-
 @pytest.mark.launch
 @pytest.mark.timeout(120)
 def test_stacks_signal_works_while_a_thread_holds_the_gil_and_another_waits_in_mpi(tmp_path):
     if MPI.COMM_WORLD.Get_size() > 1:
         pytest.skip("launches its own mpirun; runs in the serial pass")
-    (tmp_path / "holder.py").write_text(HOLDER)
-    proc = subprocess.Popen(["mpirun", "-np", "2", sys.executable, "-m", "mpi4py", str(tmp_path / "holder.py"),
+    holder = PROGRAMS / "gil_holder.py"
+    proc = subprocess.Popen(["mpirun", "-np", "2", sys.executable, "-m", "mpi4py", str(holder),
                              str(tmp_path)], env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=tmp_path)
     try:
@@ -397,7 +269,8 @@ def test_stacks_signal_works_while_a_thread_holds_the_gil_and_another_waits_in_m
     finally:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
-    barrier_line = HOLDER.splitlines().index(next(line for line in HOLDER.splitlines() if "comm.Barrier()" in line))
+    lines = holder.read_text().splitlines()
+    barrier_line = lines.index(next(line for line in lines if "comm.Barrier()" in line))
     assert "in block_holding_the_gil" in err  # the thread that holds the GIL
     assert f'holder.py", line {barrier_line + 1} in <module>' in err  # the main thread, inside MPI_Barrier
     assert "in _run" in err  # the monitor threads, blocked behind the GIL on rank 0

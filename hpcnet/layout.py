@@ -1,0 +1,78 @@
+"""Where a run's files go and what they are called, and the environment variables hpcnet reads.
+
+The one home of the names that the trainer, the checkpoint store, the monitor
+and the restart supervisor must agree on (the README's "Run directory" and
+"Checkpoints" sections describe what the files hold).  Torch-free and
+dependency-free: ``hpcnet.launch`` imports it.
+"""
+
+import re
+import time
+from pathlib import Path
+
+ATTEMPT_ENV = "HPCNET_ATTEMPT"
+"""Set by ``hpcnet.launch`` for every attempt: 1, 2, ... (absent: 1)."""
+RANKS_PER_NODE_ENV = "HPCNET_RANKS_PER_NODE"
+"""Splits one machine into virtual nodes of this many ranks each, so multi-node code paths run on one host."""
+
+CONFIG_FILE = "config.toml"
+"""The resolved config, in the run directory."""
+SUMMARY_FILE = "summary.json"
+FAILURE_FILE = "failure.json"
+"""The monitor's report of a failure it detected; the supervisor reads it after an attempt."""
+LAUNCH_FILE = "launch.json"
+"""The supervisor's record of every attempt, in the launch directory."""
+
+
+def rank_log(rank: int) -> str:
+    return f"rank{rank}.log"
+
+
+def metrics_file(rank: int) -> str:
+    return f"metrics.rank{rank}.jsonl"
+
+
+def stall_dump(rank: int) -> str:
+    """A rank's stacks and flight recorder, written when a stall, desync or deadline is reported."""
+    return f"stall.rank{rank}.txt"
+
+
+def run_dir_path(parent: str | Path, name: str, *, exact: bool) -> Path:
+    """The run directory ``run.dir``/``run.name`` give: ``<run.dir>/<run.name>-<UTC time>``, or ``run.dir`` itself.
+
+    A timestamped directory that exists already (two runs started in the same
+    second) gets a suffix.  Nothing is created.
+    """
+    if exact:
+        return Path(parent)
+    path = Path(parent) / f"{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    if path.exists():
+        path = path.with_name(path.name + f"-{time.monotonic_ns() % 10**6:06d}")
+    return path
+
+
+def attempt_dir(launch_dir: Path, attempt: int) -> Path:
+    """The run directory of attempt ``attempt`` (1, 2, ...) under ``hpcnet.launch``."""
+    return launch_dir / f"attempt-{attempt}"
+
+
+def checkpoint_dir(run_dir: str, run_name: str, checkpoint_dir: str) -> Path:
+    """``checkpoint.dir``, or ``<run.dir>/<run.name>.ckpt`` (shared by every run of that name)."""
+    return Path(checkpoint_dir) if checkpoint_dir else Path(run_dir) / f"{run_name}.ckpt"
+
+
+CKPT_NAME_RE = re.compile(r"^ckpt-(\d{10,19})\.h5$")
+"""A committed checkpoint file; group 1 is its step."""
+TMP_SUFFIX = ".tmp"
+"""Appended to a checkpoint (or ``latest``) while it is written; committing is the rename that drops it."""
+LATEST_NAME = "latest"
+"""A text file naming the newest committed checkpoint."""
+ASIDE_PREFIX = "aside-"
+"""Checkpoints that a run set aside (never deleted) go to ``<dir>/aside-<UTC time>-<why>/``."""
+
+
+def checkpoint_name(step: int) -> str:
+    """The committed file name of the checkpoint of ``step``."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"ckpt-{step:010d}.h5"
