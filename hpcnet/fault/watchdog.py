@@ -124,6 +124,8 @@ class Deadlines:
             self._open.append(guard)
         if self.on_change is not None:
             self.on_change()
+        else:
+            guard.announced.set()  # no monitor to announce it: nobody to wait for
         return guard
 
     def close(self, guard: Guard | None) -> None:
