@@ -29,8 +29,8 @@ from torch import nn
 from hpcnet import __version__
 from hpcnet.comm.bootstrap import DataPlane, init_data_plane
 from hpcnet.ckpt.manager import CheckpointManager
-from hpcnet.config import (Config, OptimConfig, check_same_config, describe_options, load_config, parse_command_line,
-                           to_toml)
+from hpcnet.config import Config, OptimConfig
+from hpcnet.config_manager import check_same_config, describe_options, load_config, parse_command_line, to_toml
 from hpcnet.data.loader import BatchLoader, open_dataset
 from hpcnet.data.sampler import GlobalBatchSampler, eval_indices
 from hpcnet.comm.dataparallel import DataParallel

@@ -3,8 +3,9 @@
 import pytest
 from mpi4py import MPI
 
-from hpcnet.config import (Config, check_same_config, config_hash, describe_options, field_docs, load_config,
-                           parse_command_line, parse_overrides, to_toml)
+from hpcnet.config import Config
+from hpcnet.config_manager import (check_same_config, config_hash, describe_options, field_docs, load_config,
+                                   parse_command_line, parse_overrides, to_toml)
 from hpcnet.errors import ConfigError
 
 

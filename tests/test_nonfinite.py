@@ -10,7 +10,7 @@ from mpi4py import MPI
 from torch import nn
 
 from hpcnet.ckpt.manager import load_checkpoint
-from hpcnet.config import load_config
+from hpcnet.config_manager import load_config
 from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.train import run
 from tests.helpers import tiny_images

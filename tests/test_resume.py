@@ -12,7 +12,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from hpcnet.config import load_config
+from hpcnet.config_manager import load_config
 from tests.helpers import StopAfter, tiny_images
 from hpcnet.errors import ExitCode
 from hpcnet.train import run

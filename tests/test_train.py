@@ -12,7 +12,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from hpcnet.config import load_config
+from hpcnet.config_manager import load_config
 from hpcnet.data.loader import open_dataset
 from hpcnet.data.sampler import GlobalBatchSampler
 from hpcnet.errors import ExitCode

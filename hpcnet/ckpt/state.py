@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from hpcnet.ckpt.manager import CheckpointManager, Loaded, flatten_state, restore_state, rng_state, set_rng_state
-from hpcnet.config import Config, to_dict
+from hpcnet.config import Config
+from hpcnet.config_manager import to_dict
 from hpcnet.agree import shared_errors
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ in ``HPCNET_ATTEMPT`` (the README's "Automatic restart" says why).
 import subprocess
 from pathlib import Path
 
-from hpcnet.config import parse_command_line
+from hpcnet.config_manager import parse_command_line
 from hpcnet.layout import ATTEMPT_ENV
 
 MPIRUN_NAMES = ("mpirun", "mpiexec", "orterun", "prterun")

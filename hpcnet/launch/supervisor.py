@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from hpcnet.config import load_config, parse_command_line
+from hpcnet.config_manager import load_config, parse_command_line
 from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.launch.command import attempt_command, is_openmpi, launcher_env, launcher_kind, train_args_start
 from hpcnet.launch.hosts import exclude_hosts, slurm_allocation

@@ -7,7 +7,8 @@ from torch import nn
 from hpcnet.comm.dataparallel import DataParallel
 from hpcnet.comm.plan import Plan
 from hpcnet.comm.world import discover
-from hpcnet.config import DistConfig, load_config
+from hpcnet.config import DistConfig
+from hpcnet.config_manager import load_config
 from hpcnet.errors import RestartableError, UsageError
 from tests.helpers import Net, reference_grads
 

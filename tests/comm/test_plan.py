@@ -3,7 +3,8 @@
 import pytest
 
 from hpcnet.comm.plan import Plan, decide_plan, hierarchical_layout, plan_transport
-from hpcnet.config import DistConfig, load_config
+from hpcnet.config import DistConfig
+from hpcnet.config_manager import load_config
 from hpcnet.errors import UsageError
 from hpcnet.comm.world import discover
 

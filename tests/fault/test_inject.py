@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from hpcnet.ckpt.manager import CheckpointManager, load_checkpoint
-from hpcnet.config import FaultConfig, load_config
+from hpcnet.config import FaultConfig
+from hpcnet.config_manager import load_config
 from tests.helpers import StopAfter, tiny_images
 from hpcnet.errors import ConfigError, ExitCode, UsageError
 from hpcnet.fault.inject import FaultInjector, corrupt_newest, current_attempt

@@ -16,7 +16,8 @@ import pytest
 from mpi4py import MPI
 
 from hpcnet.comm.world import discover
-from hpcnet.config import MonitorConfig, load_config
+from hpcnet.config import MonitorConfig
+from hpcnet.config_manager import load_config
 from hpcnet.errors import ExitCode
 from hpcnet.fault.heartbeat import ring_peers
 from hpcnet.fault.monitor import Monitor
