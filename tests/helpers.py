@@ -14,6 +14,17 @@ PROGRAMS = Path(__file__).resolve().parent / "programs"
 """Programs that tests launch under mpirun."""
 
 
+def train_config(tmp: Path, dataset: Path, name: str, *extra: str):
+    """A small test run's Config: its own run and checkpoint directories under ``tmp``, batch 4, no
+    evaluation, no probe; ``extra`` overrides (``train.steps=20``) decide the rest."""
+    from hpcnet.config_manager import load_config
+
+    return load_config(overrides=[
+        f"data.dataset={dataset}", f"run.dir={tmp / 'runs' / name}", "run.dir_exact=true",
+        f"checkpoint.dir={tmp / 'ckpt' / name}", "train.batch_size=4", "train.eval_every=0", "dist.probe=false",
+        *extra])
+
+
 class StopAfter:
     """Stands in for the signal handler: asks to stop (SIGUSR2) after ``steps`` steps."""
 

@@ -2,7 +2,6 @@
 
 import json
 import re
-import signal
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from hpcnet.ckpt.manager import load_checkpoint
 from hpcnet.config_manager import load_config
 from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.train import run
-from tests.helpers import tiny_images
+from tests.helpers import StopAfter, tiny_images, train_config
 
 
 class GoesBadAt(nn.Module):
@@ -50,12 +49,9 @@ def make_model(info, at=0, kind="loss"):
 
 
 def _cfg(tmp, name, *extra):
-    dataset = tmp / "nonfinite-images.h5"
-    return load_config(overrides=[
-        f"data.dataset={dataset}", f"run.dir={tmp / 'runs' / name}", "run.dir_exact=true",
-        f"checkpoint.dir={tmp / 'ckpt' / name}", "train.steps=6", "train.batch_size=4", "train.eval_every=0",
-        "checkpoint.every_steps=1", "checkpoint.full_every=1", "checkpoint.keep=10", "dist.probe=false",
-        "model.factory=tests.test_nonfinite:make_model", "optim.warmup_steps=100", "run.log_every=1", *extra])
+    return train_config(tmp, tmp / "nonfinite-images.h5", name, "train.steps=6", "checkpoint.every_steps=1",
+                        "checkpoint.full_every=1", "checkpoint.keep=10", "model.factory=tests.test_nonfinite:make_model",
+                        "optim.warmup_steps=100", "run.log_every=1", *extra)
 
 
 def _dataset(comm, tmp):
@@ -102,22 +98,11 @@ def test_nan_loss_on_one_rank_stops_every_rank_after_that_step(comm, data_plane,
     comm.Barrier()
 
 
-class StopAt:
-    """Stands in for the signal handler: SIGUSR2 from the boundary of step ``step`` on."""
-
-    def __init__(self, step):
-        self.calls, self.step = 0, step
-
-    @property
-    def signum(self):
-        self.calls += 1
-        return signal.SIGUSR2 if self.calls >= self.step else 0
-
 
 SAVES = {  # which save falls on step 3, and the newest checkpoint before it
     "periodic": (["checkpoint.every_steps=1"], None, 2),
     "time-based": (["checkpoint.every_steps=0", "checkpoint.every_s=1e-9"], None, 2),
-    "preemption": (["checkpoint.every_steps=0"], lambda: StopAt(3), None),
+    "preemption": (["checkpoint.every_steps=0"], lambda: StopAfter(3), None),
     "at-end": (["checkpoint.every_steps=0", "train.steps=3"], None, None),
 }
 

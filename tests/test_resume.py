@@ -12,8 +12,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from hpcnet.config_manager import load_config
-from tests.helpers import StopAfter, tiny_images
+from tests.helpers import StopAfter, tiny_images, train_config
 from hpcnet.errors import ExitCode
 from hpcnet.train import run
 
@@ -25,10 +24,7 @@ def _dataset(comm, tmp):
 
 
 def _cfg(tmp, dataset, name, *extra):
-    return load_config(overrides=[
-        f"data.dataset={dataset}", f"run.dir={tmp / 'runs' / name}", "run.dir_exact=true", "run.name=resume",
-        f"checkpoint.dir={tmp / 'ckpt' / name}", "train.steps=20", "train.batch_size=4", "train.eval_every=0",
-        "checkpoint.every_steps=10", "dist.probe=false", *extra])
+    return train_config(tmp, dataset, name, "run.name=resume", "train.steps=20", "checkpoint.every_steps=10", *extra)
 
 
 def _state(result):

@@ -12,8 +12,7 @@ import torch
 
 from hpcnet.ckpt.manager import CheckpointManager, load_checkpoint
 from hpcnet.config import FaultConfig
-from hpcnet.config_manager import load_config
-from tests.helpers import StopAfter, tiny_images
+from tests.helpers import StopAfter, tiny_images, train_config
 from hpcnet.errors import ConfigError, ExitCode, UsageError
 from hpcnet.fault.inject import FaultInjector, corrupt_newest, current_attempt
 from hpcnet.layout import ATTEMPT_ENV
@@ -110,11 +109,8 @@ def _dataset(comm, tmp):
 
 
 def _cfg(tmp, dataset, name, *extra):
-    return load_config(overrides=[
-        f"data.dataset={dataset}", f"run.dir={tmp / 'runs' / name}", "run.dir_exact=true", "run.name=faults",
-        f"checkpoint.dir={tmp / 'ckpt' / name}", "train.steps=12", "train.batch_size=4", "train.eval_every=0",
-        "checkpoint.every_steps=4", "dist.probe=false", "model.name=mlp", "model.options.hidden=[32]",
-        "optim.name=sgd", *extra])
+    return train_config(tmp, dataset, name, "run.name=faults", "train.steps=12", "checkpoint.every_steps=4",
+                        "model.name=mlp", "model.options.hidden=[32]", "optim.name=sgd", *extra)
 
 
 def _params(result):
