@@ -88,3 +88,14 @@ def shared_errors(comm: Any) -> Iterator[None]:
         agree_on_error(comm, exc)
         raise
     agree_on_error(comm, None)
+
+
+def ranks_differing(comm: Any, value: Any) -> list[int]:
+    """Collective: the ranks whose ``value`` differs from rank 0's, the same list on every rank.
+
+    For checks that every rank sees the same thing (the same files, the same
+    arguments): each passes a small picklable value, such as a digest; an empty
+    list means all agree, otherwise every rank can raise the same ``agreed`` error.
+    """
+    values = comm.allgather(value)
+    return [rank for rank, seen in enumerate(values) if seen != values[0]]

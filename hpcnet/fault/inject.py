@@ -58,7 +58,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hpcnet.ckpt import store as ckpt_io
+from hpcnet.ckpt.listing import scan
+from hpcnet.ckpt.validate import open_read
+from hpcnet.ckpt.write import IoFault
 from hpcnet.config import FaultConfig
 from hpcnet.errors import ConfigError
 from hpcnet.comm.world import World
@@ -174,7 +176,7 @@ class FaultInjector:
                     log.warning("fault injection: no committed checkpoint in %s to corrupt", checkpoint_dir)
 
     @property
-    def io_fault(self) -> "ckpt_io.IoFault | None":
+    def io_fault(self) -> IoFault | None:
         """The hook for the checkpoint manager, or None when no I/O fault is armed."""
         c = self.cfg
         armed = (c.fill_disk_at_step or c.write_error or c.slow_save_s or c.stuck_save_at_step or c.stuck_fs_at_step)
@@ -224,7 +226,7 @@ def corrupt_newest(directory: Path) -> str:
     """
     import h5py
 
-    infos = [i for i in ckpt_io.scan(directory)[0] if i.kind != "unreadable"]
+    infos = [i for i in scan(directory)[0] if i.kind != "unreadable"]
     if not infos:
         return ""
     path = Path(infos[-1].path)  # the last committed
@@ -234,7 +236,7 @@ def corrupt_newest(directory: Path) -> str:
         if isinstance(obj, h5py.Dataset) and obj.id.get_offset() is not None and obj.id.get_storage_size():
             found.append((obj.id.get_storage_size(), name, obj.id.get_offset()))
 
-    with ckpt_io.open_read(path) as f:
+    with open_read(path) as f:
         f.visititems(visit)
     tensors = [d for d in found if d[1].startswith("tensors/")]
     if not (tensors or found):
