@@ -1,16 +1,21 @@
 """The checkpoint manager: save, list and load one directory's checkpoints, collectively (README: Checkpoints).
 
 It decides full or incremental saves, snapshots this rank's share of the
-tensors, writes it (``hpcnet.ckpt.write``) synchronously or in one background
-thread on a duplicated communicator, and settles the directory on a fresh
+tensors, writes it (``hpcnet.ckpt.write``), and settles the directory on a fresh
 start or a resume (another run's or abandoned checkpoints are moved aside,
 never deleted).  Saves, writes, waits and loads each run in a guard of
 ``deadlines`` (``hpcnet.fault.watchdog``).
 
-Threads: h5py serialises its calls with one process-wide lock, so a data
-loader reading HDF5 meanwhile waits at most for one write call; the one rule
-is no other *parallel* (``driver="mpio"``) HDF5 in the same process while a
-save is in flight: every method of the manager first finishes the save in flight.
+Threads: with ``async_save`` the write runs in one background thread on a
+duplicated communicator.  h5py serialises its calls with one process-wide
+lock, held for a whole call (the GIL is released during the I/O), so a data
+loader reading HDF5 meanwhile waits at most for one write call (a piece of at
+most ``WRITE_PIECE_BYTES`` per rank).  A deadlock would need a thread that
+holds that lock while waiting for another rank; only the writer does (inside
+collective calls), and the peer writer it waits for needs only its own
+process's lock, which serial readers always give back.  So the one rule is:
+no other *parallel* (``driver="mpio"``) HDF5 in the same process while a save
+is in flight; every method of the manager first finishes the save in flight.
 """
 
 import contextlib
