@@ -43,7 +43,8 @@ def test_ckpt_tool_and_h5ls(single_process, tmp_path, capsys):
     assert out.returncode == 0, out.stderr
     state = torch.load(tmp_path / "model.pt", weights_only=True)
     newest = load_checkpoint(MPI.COMM_SELF, str(directory)).tensors
-    assert_same_tensors({f"model/{k}": v for k, v in state.items()}, {k: v for k, v in newest.items() if k.startswith("model/")})
+    assert_same_tensors({f"model/{k}": v for k, v in state.items()},
+                        {k: v for k, v in newest.items() if k.startswith("model/")})
     if shutil.which("h5ls"):
         listing = subprocess.run(["h5ls", "-r", directory / "ckpt-0000000010.h5"], capture_output=True, text=True)
         assert listing.returncode == 0 and "/tensors/model/0.weight" in listing.stdout
