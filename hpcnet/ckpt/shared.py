@@ -8,7 +8,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from hpcnet.agree import agree_on_error, agreed, ranks_differing, shared_errors
+from hpcnet.agree import agree_on_error, agreed, shared_errors
 from hpcnet.ckpt.listing import listing
 from hpcnet.errors import UsageError
 
@@ -31,10 +31,11 @@ def check_shared_directory(comm: Any, directory: Path) -> None:
     agree_on_error(comm, error)
     probe = Path(comm.bcast(str(probe), root=0))
     try:
-        blind = ranks_differing(comm, probe.exists())  # rank 0 sees the probe it wrote
+        seen = comm.allgather(probe.exists())
     finally:
         if comm.Get_rank() == 0:
             probe.unlink(missing_ok=True)
+    blind = [r for r, ok in enumerate(seen) if not ok]
     if blind:
         raise agreed(UsageError(f"checkpoint.dir: {str(directory)!r} on ranks {blind} is not the directory rank 0 "
                                 "writes to; use a file system shared by every node"))
