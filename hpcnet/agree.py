@@ -121,3 +121,14 @@ def agree_on_one_error(comm: Any, error: BaseException | None) -> None:
             type(error) is _SHARED_KINDS[kind] if kind in _SHARED_KINDS else type(error).__name__ == kind):
         raise agreed(error)
     raise agreed(_echo(failed[0], kind, message, code, errno_)) from error
+
+
+def ranks_differing(comm: Any, value: Any) -> list[int]:
+    """Collective: the ranks whose ``value`` differs from rank 0's, the same list on every rank.
+
+    For checks that every rank sees the same thing (the same files, the same
+    arguments): each passes a small picklable value, such as a digest; an empty
+    list means all agree, otherwise every rank can raise the same ``agreed`` error.
+    """
+    values = comm.allgather(value)
+    return [rank for rank, seen in enumerate(values) if seen != values[0]]

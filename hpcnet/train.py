@@ -42,7 +42,8 @@ from hpcnet.fault.monitor import Monitor
 from hpcnet.runlog import MetricsWriter, close_logging, format_duration, make_run_dir, setup_logging
 from hpcnet.comm.plan import decide_plan
 from hpcnet.comm.topology import probe, recommend
-from hpcnet.ckpt.state import NONFINITE_GRAD, NONFINITE_LOSS, StepBoundary, TrainState, should_save
+from hpcnet.ckpt.policy import NONFINITE_GRAD, NONFINITE_LOSS, SavePolicy
+from hpcnet.ckpt.state import TrainState
 from hpcnet.comm.world import World, choose_device, cpu_threads, discover
 from hpcnet.agree import is_agreed, shared_errors
 from hpcnet.layout import CONFIG_FILE, SUMMARY_FILE, checkpoint_dir, metrics_file
@@ -322,7 +323,7 @@ def _loop(cfg: Config, comm: Any, world: World, dp: DataParallel, optimizer: tor
     loss_value = float("nan")
     t_loop = t_last = time.perf_counter()
     step = last_step = start_step
-    boundary = StepBoundary(cfg.checkpoint.every_s)
+    policy = SavePolicy.from_config(cfg)
     stopped_by = 0
     on_nonfinite = cfg.train.nonfinite  # stop | skip | ignore
     skipped_steps, diverged = 0, ""
@@ -374,11 +375,10 @@ def _loop(cfg: Config, comm: Any, world: World, dp: DataParallel, optimizer: tor
 
         # Step boundary: every rank agrees on stopping and saving after this step.
         with monitor.collective("step_boundary"):
-            stopped_by, time_due, nonfinite = boundary.agree(comm, stop.signum if stop else 0, nonfinite=nonfinite)
+            stopped_by, save, nonfinite = policy.agree(comm, step, stop.signum if stop else 0, nonfinite=nonfinite)
         if nonfinite:
             diverged = _nonfinite_message(step, nonfinite)
-        elif (should_save(step, every_steps=cfg.checkpoint.every_steps, time_due=time_due, stopping=bool(stopped_by))
-              or (step == total and cfg.checkpoint.at_end)):
+        elif save:
             dp.sync_buffers()
             finite = True
             if on_nonfinite != "ignore":
@@ -386,7 +386,7 @@ def _loop(cfg: Config, comm: Any, world: World, dp: DataParallel, optimizer: tor
                     finite = state.is_finite()
             if finite:
                 state.save(step, loader.state_dict())
-                boundary.saved()
+                policy.saved()
             else:
                 diverged = (f"non-finite model or optimizer state after step {step} (an update overflowed, "
                             "or a forward pass left non-finite statistics)")

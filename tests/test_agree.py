@@ -1,10 +1,11 @@
-"""Tests of hpcnet.agree's ``agree_on_one_error``: every size in one process (a rank per thread), then under MPI."""
+"""Tests of hpcnet.agree: ``agree_on_one_error`` at every size in one process (a rank per thread), then under
+MPI; ``ranks_differing`` under MPI."""
 
 import threading
 
 import pytest
 
-from hpcnet.agree import PeerError, agree_on_error, agree_on_one_error, is_agreed
+from hpcnet.agree import PeerError, agree_on_error, agree_on_one_error, is_agreed, ranks_differing
 from hpcnet.errors import ConfigError, DatasetError, ExitCode, exit_code_of
 
 
@@ -101,3 +102,14 @@ def test_one_error_under_mpi(comm):
     assert message.startswith("only the last rank fails")
     assert message.endswith(f" (on ranks [{size - 1}] of {size} only)") == (size > 1)
     agree_on_one_error(comm, None)  # nothing pending: returns on every rank
+
+
+
+@pytest.mark.mpi
+def test_ranks_differing_names_the_same_ranks_on_every_rank(comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    assert ranks_differing(comm, ("same", 1)) == []
+    odd = ranks_differing(comm, "x" if rank % 2 == 0 else "y")
+    assert odd == list(range(1, size, 2))
+    assert comm.allgather(odd) == [odd] * size
+    assert ranks_differing(comm, rank) == list(range(1, size))  # measured against rank 0's value

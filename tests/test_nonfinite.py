@@ -8,7 +8,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from hpcnet.ckpt.manager import load_checkpoint
+from hpcnet.ckpt.load import load_checkpoint
 from hpcnet.config_manager import load_config
 from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.train import run

@@ -107,7 +107,7 @@ class Job:
 
     def final_state(self) -> dict[str, torch.Tensor]:
         """Every tensor of the newest checkpoint: model parameters and optimizer state."""
-        from hpcnet.ckpt.manager import load_checkpoint
+        from hpcnet.ckpt.load import load_checkpoint
 
         loaded = load_checkpoint(MPI.COMM_SELF, str(self.checkpoints))
         assert loaded is not None and loaded.step == STEPS, f"job {self.id}: no checkpoint at step {STEPS}"

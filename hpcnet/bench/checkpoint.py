@@ -11,7 +11,7 @@ tensors, is saved and loaded by:
   fsyncs (N writers), and rank 0 alone writes all of them (1 writer); the
   faster is the limit;
 - hpcnet: a full checkpoint, synchronous (collective MPI-IO writes, the
-  default, and independent ones, ``hpcnet.ckpt_io.COLLECTIVE_WRITES``); asynchronous (the time ``save``
+  default, and independent ones, ``CheckpointManager(collective_writes=False)``); asynchronous (the time ``save``
   blocks, and the time until ``wait`` returns); load on every rank;
 - torch.save of the state on rank 0 (replicated: nothing to gather), fsynced;
   load: ``torch.load(weights_only=True)`` on every rank;
@@ -93,130 +93,154 @@ def timed(comm: Any, fn: Callable[[], Any], before: Callable[[], Any] | None = N
     return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
 
 
-def run(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """Collective: every measurement, in rotating rounds; returns the results (equal on all ranks)."""
-    import numpy as np
-    import torch.distributed.checkpoint as dcp
-    from mpi4py import MPI
+class _Methods:
+    """The measured methods and what they share: directories, managers, counters (collective to build and close)."""
 
-    from hpcnet.ckpt.manager import CheckpointManager
+    def __init__(self, comm: Any, args: argparse.Namespace, state: dict[str, torch.Tensor]) -> None:
+        import numpy as np
 
-    rank, size = comm.Get_rank(), comm.Get_size()
-    base = Path(args.dir)
-    state = make_state(int(args.size_mb * 1e6))
-    nbytes = state_bytes(state)
-    results: dict[str, Any] = {"world_size": size, "state_bytes": nbytes, "tensors": len(state), "rounds": args.repeat}
+        from hpcnet.ckpt.manager import CheckpointManager
 
-    def fresh(name: str) -> Path:
-        path = base / name
-        if rank == 0:
+        self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
+        self.base, self.state = Path(args.dir), state
+        nbytes = state_bytes(state)
+        self.disk, self.torch_dir, self.dcp_dir = self.fresh("disk"), self.fresh("torch-save"), self.fresh("dcp")
+        self.share = np.random.default_rng(self.rank).integers(0, 255, size=nbytes // self.size, dtype=np.uint8)
+        self.whole = (np.random.default_rng(9).integers(0, 255, size=nbytes, dtype=np.uint8)
+                      if self.rank == 0 else None)
+        # keep=2: the save deletes nothing (the bench's own clean-up does, untimed, like for the others).
+        self.sync = CheckpointManager(comm, self.fresh("hpcnet-sync"), keep=2, full_every=1, async_save=False)
+        self.independent = CheckpointManager(comm, self.fresh("hpcnet-independent"), keep=2, full_every=1,
+                                             async_save=False, collective_writes=False)
+        self.background = CheckpointManager(comm, self.fresh("hpcnet-async"), keep=2, full_every=1, async_save=True)
+        self.steps = iter(range(1, 1_000_000))
+        self.dcp_saves = iter(range(1_000_000))
+        self.blocking: list[float] = []
+        self.phases: dict[str, float] = {}
+        self.dcp_target = {k: torch.empty_like(v) for k, v in state.items()}
+        self.plane = None
+        if self.size > 1:
+            from hpcnet.comm.bootstrap import init_data_plane
+            from hpcnet.comm.world import discover
+
+            self.plane = init_data_plane(comm, discover(comm), backend="gloo", device=torch.device("cpu"),
+                                         timeout_s=600)
+
+    def fresh(self, name: str) -> Path:
+        path = self.base / name
+        if self.rank == 0:
             shutil.rmtree(path, ignore_errors=True)
             path.mkdir(parents=True)
-        comm.Barrier()
+        self.comm.Barrier()
         return path
 
-    disk, torch_dir, dcp_dir = fresh("disk"), fresh("torch-save"), fresh("dcp")
-    share = np.random.default_rng(rank).integers(0, 255, size=nbytes // size, dtype=np.uint8)
-    whole = np.random.default_rng(9).integers(0, 255, size=nbytes, dtype=np.uint8) if rank == 0 else None
-    # keep=2: the save deletes nothing (the bench's own clean-up does, untimed, like for the others).
-    sync = CheckpointManager(comm, fresh("hpcnet-sync"), keep=2, full_every=1, async_save=False)
-    background = CheckpointManager(comm, fresh("hpcnet-async"), keep=2, full_every=1, async_save=True)
-    results["hpcnet_async_mode"] = "background thread" if background.async_save else "synchronous (no THREAD_MULTIPLE)"
-    steps = iter(range(1, 1_000_000))
-    dcp_saves = iter(range(1_000_000))
-    blocking: list[float] = []
-    phases: dict[str, float] = {}
-    dcp_target = {k: torch.empty_like(v) for k, v in state.items()}
-    plane = None
-    if size > 1:
-        from hpcnet.comm.bootstrap import init_data_plane
-        from hpcnet.comm.world import discover
+    def hpcnet_sync(self) -> None:
+        self.sync.save(next(self.steps), self.state, {}, {})
+        self.phases.update(self.sync.last_timings)
 
-        plane = init_data_plane(comm, discover(comm), backend="gloo", device=torch.device("cpu"), timeout_s=600)
+    def hpcnet_independent(self) -> None:
+        self.independent.save(next(self.steps), self.state, {}, {})
 
-    def hpcnet_sync() -> None:
-        sync.save(next(steps), state, {}, {})
-        phases.update(sync.last_timings)
+    def hpcnet_async(self) -> None:
+        from mpi4py import MPI
 
-    def hpcnet_independent() -> None:
-        from hpcnet.ckpt import store as ckpt_io
+        self.background.save(next(self.steps), self.state, {}, {})
+        self.blocking.append(self.comm.allreduce(self.background.last_timings["blocking_s"], op=MPI.MAX))
+        self.background.wait()
 
-        ckpt_io.COLLECTIVE_WRITES = False
-        try:
-            sync.save(next(steps), state, {}, {})
-        finally:
-            ckpt_io.COLLECTIVE_WRITES = True
-
-    def hpcnet_async() -> None:
-        background.save(next(steps), state, {}, {})
-        blocking.append(comm.allreduce(background.last_timings["blocking_s"], op=MPI.MAX))
-        background.wait()
-
-    def torch_save() -> None:
-        if rank == 0:
-            with open(torch_dir / "state.pt", "wb") as handle:
-                torch.save(state, handle)
+    def torch_save(self) -> None:
+        if self.rank == 0:
+            with open(self.torch_dir / "state.pt", "wb") as handle:
+                torch.save(self.state, handle)
                 handle.flush()
                 os.fsync(handle.fileno())
 
-    def dcp_save() -> None:
-        target = dcp_dir / f"save{next(dcp_saves)}"
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(target, sync_files=True), no_dist=size == 1)
+    def dcp_save(self) -> None:
+        import torch.distributed.checkpoint as dcp
 
-    def newest(directory: Path, pattern: str) -> Path:
-        return max(directory.glob(pattern), key=lambda p: p.stat().st_mtime)
+        target = self.dcp_dir / f"save{next(self.dcp_saves)}"
+        dcp.save(self.state, storage_writer=dcp.FileSystemWriter(target, sync_files=True), no_dist=self.size == 1)
 
-    def clean_slate(directory: Path, pattern: str, keep_newest: bool = True) -> Callable[[], None]:
+    def dcp_load(self) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(self.dcp_target, storage_reader=dcp.FileSystemReader(newest(self.dcp_dir, "save*")),
+                 no_dist=self.size == 1)
+
+    def clean_slate(self, directory: Path, pattern: str, keep_newest: bool = True) -> Callable[[], None]:
         """Before a save, untimed: delete the method's older output and let the file system settle.
 
         The disk here is mounted with ``discard``: without this, deleting and
         truncating files hands the next method, whichever it is, the cost.
         """
         def before() -> None:
-            if rank == 0:
+            if self.rank == 0:
                 old = sorted(directory.glob(pattern), key=lambda p: p.stat().st_mtime)
                 for path in old[:-1] if keep_newest else old:
                     shutil.rmtree(path) if path.is_dir() else path.unlink()
                 os.sync()
-            comm.Barrier()
+            self.comm.Barrier()
         return before
 
-    methods: list[tuple[str, Callable[[], Any], Callable[[], Any] | None]] = [
-        ("disk_n_writers", lambda: write_fsync(disk / f"part{rank}", memoryview(share)),
-         clean_slate(disk, "part*", keep_newest=False)),
-        ("disk_1_writer", lambda: rank == 0 and write_fsync(disk / "whole", memoryview(whole)),
-         clean_slate(disk, "whole", keep_newest=False)),
-        ("hpcnet_save", hpcnet_sync, clean_slate(sync.directory, "ckpt-*.h5")),
-        ("hpcnet_save_independent", hpcnet_independent, clean_slate(sync.directory, "ckpt-*.h5")),
-        ("hpcnet_async_total", hpcnet_async, clean_slate(background.directory, "ckpt-*.h5")),
-        ("torch_save", torch_save, clean_slate(torch_dir, "state.pt", keep_newest=False)),
-        ("dcp_save", dcp_save, clean_slate(dcp_dir, "save*")),
-        ("hpcnet_load", lambda: sync.load(str(newest(sync.directory, "ckpt-*.h5"))),
-         lambda: drop_cache([newest(sync.directory, "ckpt-*.h5")])),
-        ("torch_load", lambda: torch.load(torch_dir / "state.pt", weights_only=True), lambda: drop_cache([torch_dir])),
-        ("dcp_load", lambda: dcp.load(dcp_target, storage_reader=dcp.FileSystemReader(newest(dcp_dir, "save*")),
-                                      no_dist=size == 1), lambda: drop_cache([newest(dcp_dir, "save*")])),
-    ]
+    def table(self) -> list[tuple[str, Callable[[], Any], Callable[[], Any] | None]]:
+        """(name, what is timed, what runs untimed before it), in the order of the first round."""
+        rank, clean = self.rank, self.clean_slate
+        sync_dir, ckpts = self.sync.directory, "ckpt-*.h5"
+        return [
+            ("disk_n_writers", lambda: write_fsync(self.disk / f"part{rank}", memoryview(self.share)),
+             clean(self.disk, "part*", keep_newest=False)),
+            ("disk_1_writer", lambda: rank == 0 and write_fsync(self.disk / "whole", memoryview(self.whole)),
+             clean(self.disk, "whole", keep_newest=False)),
+            ("hpcnet_save", self.hpcnet_sync, clean(sync_dir, ckpts)),
+            ("hpcnet_save_independent", self.hpcnet_independent, clean(self.independent.directory, ckpts)),
+            ("hpcnet_async_total", self.hpcnet_async, clean(self.background.directory, ckpts)),
+            ("torch_save", self.torch_save, clean(self.torch_dir, "state.pt", keep_newest=False)),
+            ("dcp_save", self.dcp_save, clean(self.dcp_dir, "save*")),
+            ("hpcnet_load", lambda: self.sync.load(str(newest(sync_dir, ckpts))),
+             lambda: drop_cache([newest(sync_dir, ckpts)])),
+            ("torch_load", lambda: torch.load(self.torch_dir / "state.pt", weights_only=True),
+             lambda: drop_cache([self.torch_dir])),
+            ("dcp_load", self.dcp_load, lambda: drop_cache([newest(self.dcp_dir, "save*")])),
+        ]
+
+    def close(self) -> None:
+        self.sync.close()
+        self.independent.close()
+        self.background.close()
+        if self.plane is not None:
+            self.plane.close()
+
+
+def newest(directory: Path, pattern: str) -> Path:
+    return max(directory.glob(pattern), key=lambda p: p.stat().st_mtime)
+
+
+def run(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Collective: every measurement, in rotating rounds; returns the results (equal on all ranks)."""
+    state = make_state(int(args.size_mb * 1e6))
+    results: dict[str, Any] = {"world_size": comm.Get_size(), "state_bytes": state_bytes(state),
+                               "tensors": len(state), "rounds": args.repeat}
+    bench = _Methods(comm, args, state)
+    results["hpcnet_async_mode"] = ("background thread" if bench.background.async_save
+                                    else "synchronous (no THREAD_MULTIPLE)")
+    methods = bench.table()
     times: dict[str, list[float]] = {name: [] for name, _, _ in methods}
     try:
         for round_ in range(args.repeat):  # the first round saves before it loads
             shift = round_ % len(methods)
             for name, fn, before in methods[shift:] + methods[:shift]:
                 times[name].append(timed(comm, fn, before))
-        assert all(torch.equal(dcp_target[k], state[k]) for k in state)
+        assert all(torch.equal(bench.dcp_target[k], state[k]) for k in state)
     finally:
-        sync.close()
-        background.close()
-        if plane is not None:
-            plane.close()
+        bench.close()
         comm.Barrier()
-        if rank == 0 and not args.keep:
-            shutil.rmtree(base, ignore_errors=True)
+        if comm.Get_rank() == 0 and not args.keep:
+            shutil.rmtree(bench.base, ignore_errors=True)
     for name, values in times.items():
         results[f"{name}_s"] = min(values)
         results[f"{name}_all_s"] = values
-    results["hpcnet_async_blocking_s"] = min(blocking)
-    results["hpcnet_save_phases"] = {k: v for k, v in phases.items() if k.endswith("_s")}
+    results["hpcnet_async_blocking_s"] = min(bench.blocking)
+    results["hpcnet_save_phases"] = {k: v for k, v in bench.phases.items() if k.endswith("_s")}
     return results
 
 

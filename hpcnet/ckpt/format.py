@@ -1,6 +1,6 @@
 """The checkpoint file format as pure logic: names, dtypes, blocks, ownership, chains.
 
-Nothing here communicates or touches HDF5; ``hpcnet.checkpoint`` does.  The
+Nothing here communicates or touches HDF5; ``write``, ``read`` and ``listing`` do.  The
 layout of one checkpoint file (``ckpt-<step>.h5``)::
 
     /                      attrs: format, format_version, kind ('full' | 'incremental'),
@@ -28,9 +28,12 @@ import hashlib
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "hpcnet.checkpoint"
 FORMAT_VERSION = 1
@@ -65,6 +68,37 @@ DTYPES: dict[str, tuple[str, bool]] = {
     "bool": ("|u1", True),
     "float8_e4m3fn": ("|u1", True), "float8_e5m2": ("|u1", True),
 }
+
+_RAW_AS_INT = {"<u2": "int16", "|u1": "uint8"}
+"""A raw dtype's storage -> the torch integer dtype of that width, through which its bits reach numpy.
+
+The views between tensors and storage arrays live next to ``DTYPES`` because they are its other half:
+what the table says is stored, they produce and read back (torch is imported where used: listing and
+inspecting checkpoints need no torch)."""
+
+
+def dtype_name(tensor: "torch.Tensor") -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def to_storage(host: "torch.Tensor") -> np.ndarray:
+    """A numpy view, in the storage dtype, of a contiguous CPU tensor."""
+    import torch
+
+    storage, raw = DTYPES[dtype_name(host)]
+    if raw:
+        return host.view(getattr(torch, _RAW_AS_INT[storage])).numpy().view(storage)
+    return host.numpy().view(storage)
+
+
+def from_storage(array: np.ndarray, dtype: str) -> "torch.Tensor":
+    """The torch tensor (sharing memory) that ``array`` stores for ``dtype``."""
+    import torch
+
+    storage, raw = DTYPES[dtype]
+    if raw:
+        return torch.from_numpy(array.view(np.dtype(_RAW_AS_INT[storage]))).view(getattr(torch, dtype))
+    return torch.from_numpy(array.view(array.dtype.newbyteorder("=")))
 
 
 def check_tensor_name(name: str) -> None:
@@ -151,8 +185,8 @@ class Piece:
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
-    """Who owns what: per tensor, its pieces in rank order."""
+class Ownership:
+    """Who writes (and reads) which blocks of which tensor: per tensor, its pieces in rank order."""
 
     world_size: int
     pieces: tuple[tuple[Piece, ...], ...]
@@ -165,13 +199,13 @@ class Plan:
         return [(i, p) for i, pieces in enumerate(self.pieces) for p in pieces if p.rank == rank]
 
 
-def plan_ownership(specs: list[TensorSpec], world_size: int, *, split_min_bytes: int = SPLIT_MIN_BYTES) -> Plan:
+def plan_ownership(specs: list[TensorSpec], world_size: int, *, split_min_bytes: int = SPLIT_MIN_BYTES) -> Ownership:
     """Assign every block of every tensor to exactly one rank, about 1/N of the bytes each (pure).
 
     Tensors of at least ``split_min_bytes`` with at least ``world_size`` blocks
     are cut into ``world_size`` contiguous block ranges, one per rank in rank
     order.  The others go whole to the least-loaded rank, largest first.
-    Deterministic: equal inputs give equal plans on every rank.
+    Deterministic: equal inputs give equal ownerships on every rank.
     """
     if world_size < 1:
         raise ValueError("world_size must be at least 1")
@@ -196,7 +230,7 @@ def plan_ownership(specs: list[TensorSpec], world_size: int, *, split_min_bytes:
         rank = min(range(world_size), key=lambda r: (loads[r], r))
         pieces[i] = (Piece(rank, 0, specs[i].n_blocks),)
         loads[rank] += specs[i].nbytes
-    return Plan(world_size, tuple(pieces), tuple(split), tuple(loads))
+    return Ownership(world_size, tuple(pieces), tuple(split), tuple(loads))
 
 
 def write_pieces(rows_per_rank: list[int], piece_rows_max: int) -> int:

@@ -1,16 +1,14 @@
-"""What a training run saves and restores, and when it saves.
+"""What a training run saves and restores: model and optimizer state as named tensors, RNG, data position.
 
-``StepBoundary.agree`` is the one control-plane collective of every step: the
-ranks share a stop request (a signal on any rank), a non-finite loss or
-gradient norm (``train.nonfinite``) and rank 0's clock for time-based saves in
-one small all-reduce, so every rank decides to save, and to stop, after the
-same step.
+``flatten_state`` / ``restore_state`` and ``rng_state`` / ``set_rng_state``
+turn the live objects into what a ``CheckpointManager`` stores and back;
+``TrainState`` ties them to one run.  When to save is ``hpcnet.ckpt.policy``'s.
 """
 
+import json
 import logging
-import time
+import random
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,52 +16,135 @@ import numpy as np
 import torch
 from torch import nn
 
-from hpcnet.ckpt.manager import CheckpointManager, Loaded, flatten_state, restore_state, rng_state, set_rng_state
+from hpcnet.agree import shared_errors
+from hpcnet.ckpt.load import Loaded
+from hpcnet.ckpt.manager import CheckpointManager
 from hpcnet.config import Config
 from hpcnet.config_manager import to_dict
-from hpcnet.agree import shared_errors
+from hpcnet.errors import UsageError
 
 log = logging.getLogger(__name__)
 
 
-def should_save(step: int, *, every_steps: int, time_due: bool, stopping: bool) -> bool:
-    """The save decision at a step boundary (pure)."""
-    return stopping or time_due or (every_steps > 0 and step % every_steps == 0)
+# --- state <-> tensors + JSON ----------------------------------------------------
+
+def flatten_state(model: nn.Module, optimizer: torch.optim.Optimizer
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Model and optimizer state as named tensors (not copied) and JSON-able meta.
+
+    Tensors are ``model/<state_dict key>`` and ``optim/<param index>/<state
+    key>`` (Adam's ``step`` tensors included); the meta holds the optimizer's
+    class, its param groups' hyper-parameters and member params, and any
+    non-tensor per-param state.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"model state {key!r} is a {type(value).__name__}, not a tensor; it cannot be saved")
+        tensors[f"model/{key}"] = value
+    state = optimizer.state_dict()
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, per_param in state["state"].items():
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim/{index}/{key}"] = value
+            else:
+                scalars.setdefault(str(index), {})[key] = value
+    meta = {"optimizer": type(optimizer).__name__, "param_groups": state["param_groups"], "state_scalars": scalars}
+    try:
+        json.dumps(meta)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"optimizer {type(optimizer).__name__}: param groups or state are not JSON-able: "
+                         f"{exc}") from None
+    return tensors, json.loads(json.dumps(meta))
 
 
-NONFINITE_LOSS = 1
-"""``StepBoundary.agree``'s ``nonfinite`` bit: this rank's loss is NaN or infinite."""
-NONFINITE_GRAD = 2
-"""``StepBoundary.agree``'s ``nonfinite`` bit: the (global) gradient norm is NaN or infinite."""
+def restore_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, tensors: dict[str, torch.Tensor],
+                  meta: dict[str, Any]) -> None:
+    """Load what ``flatten_state`` produced back into ``model`` and ``optimizer`` (exact, strict).
+
+    Raises UsageError when the checkpoint does not fit the model or optimizer.
+    """
+    model_state = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+    missing, unexpected = set(model.state_dict()) - set(model_state), set(model_state) - set(model.state_dict())
+    if missing or unexpected:
+        raise UsageError(f"checkpoint does not match the model: missing {sorted(missing)[:5]}, "
+                         f"unexpected {sorted(unexpected)[:5]}")
+    model.load_state_dict(model_state)
+    if optimizer is None:
+        return
+    if meta.get("optimizer") != type(optimizer).__name__:
+        raise UsageError(f"checkpoint holds {meta.get('optimizer')!r} state, the optimizer is "
+                         f"{type(optimizer).__name__}")
+    per_param: dict[int, dict[str, Any]] = {}
+    for name, value in tensors.items():
+        if name.startswith("optim/"):
+            _, index, key = name.split("/", 2)
+            per_param.setdefault(int(index), {})[key] = value
+    for index, values in meta.get("state_scalars", {}).items():
+        per_param.setdefault(int(index), {}).update(values)
+    groups = meta["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise UsageError(f"checkpoint has {len(groups)} optimizer param groups, the optimizer "
+                         f"{len(optimizer.param_groups)}")
+    for saved, live in zip(groups, optimizer.param_groups):
+        for key, value in saved.items():  # JSON made tuples lists; give them back their type
+            if isinstance(live.get(key), tuple) and isinstance(value, list):
+                saved[key] = tuple(value)
+    try:
+        optimizer.load_state_dict({"state": per_param, "param_groups": groups})
+    except (ValueError, KeyError) as exc:
+        raise UsageError(f"checkpoint does not match the optimizer: {exc}") from None
 
 
-@dataclass
-class StepBoundary:
-    """Agree, once per step, on stopping, on non-finite values and on time-based saves (collective)."""
+def rng_state() -> dict[str, Any]:
+    """This rank's torch (CPU and CUDA), numpy and ``random`` generator states, as JSON-able values."""
+    name, key, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state().numpy().tobytes().hex(),
+        "numpy": {"name": name, "key": key.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(cached)},
+        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [s.numpy().tobytes().hex() for s in torch.cuda.get_rng_state_all()]
+    return state
 
-    every_s: float
-    last_save: float = 0.0
 
-    def __post_init__(self) -> None:
-        self.last_save = time.monotonic()
+def _hex_bytes(value: Any, length: int, what: str) -> torch.Tensor:
+    if not isinstance(value, str) or len(value) != 2 * length:
+        raise ValueError(f"RNG state {what}: expected {length} bytes of hex")
+    return torch.frombuffer(bytearray(bytes.fromhex(value)), dtype=torch.uint8)
 
-    def agree(self, comm: Any, signum: int, *, nonfinite: int = 0) -> tuple[int, bool, int]:
-        """Share this rank's flags; return what any rank set (collective).
 
-        Returns:
-            (the signal number any rank received or 0, whether a time-based save
-            is due, the ``NONFINITE_*`` bits of all ranks together).
-        """
-        from mpi4py import MPI
-
-        # Only rank 0's clock counts: ranks' clocks drift, their decisions must not.
-        due = comm.Get_rank() == 0 and self.every_s > 0 and time.monotonic() - self.last_save >= self.every_s
-        flags = np.array([signum, int(due), nonfinite & NONFINITE_LOSS, nonfinite & NONFINITE_GRAD], dtype=np.int64)
-        comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
-        return int(flags[0]), bool(flags[1]), int(flags[2] | flags[3])
-
-    def saved(self) -> None:
-        self.last_save = time.monotonic()
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what ``rng_state`` returned; ValueError if the values are not of the expected form."""
+    try:
+        torch_state = _hex_bytes(state["torch"], torch.get_rng_state().numel(), "torch")
+        np_state = state["numpy"]
+        key = np.array(np_state["key"], dtype=np.uint32)
+        if np_state["name"] != "MT19937" or key.shape != (624,):
+            raise ValueError("RNG state numpy: not an MT19937 state")
+        py_state = state["python"]
+        internal = tuple(int(v) for v in py_state["internal"])
+        if py_state["version"] != 3 or len(internal) != 625:
+            raise ValueError("RNG state python: not a version-3 state")
+        gauss = py_state["gauss_next"]
+        if gauss is not None and not isinstance(gauss, float):
+            raise ValueError("RNG state python: bad gauss_next")
+        np_tuple = ("MT19937", key, int(np_state["pos"]), int(np_state["has_gauss"]),
+                    float(np_state["cached_gaussian"]))
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"RNG state is malformed: {exc!r}") from None
+    torch.set_rng_state(torch_state)
+    np.random.set_state(np_tuple)
+    random.setstate((3, internal, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = state["cuda"]
+        length = torch.cuda.get_rng_state().numel()
+        if isinstance(cuda, list) and len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all([_hex_bytes(s, length, "cuda") for s in cuda])
 
 
 class TrainState:

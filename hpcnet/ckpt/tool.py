@@ -23,7 +23,7 @@ from hpcnet.errors import CheckpointCorrupt, ExitCode, UsageError
 
 
 def _targets(path: Path) -> list[Path]:
-    from hpcnet.ckpt.store import scan
+    from hpcnet.ckpt.listing import scan
 
     if path.is_dir():
         return [Path(i.path) for i in scan(path)[0]]
@@ -33,7 +33,7 @@ def _targets(path: Path) -> list[Path]:
 
 
 def cmd_list(path: Path, out: Any) -> int:
-    from hpcnet.ckpt.store import read_info, scan
+    from hpcnet.ckpt.listing import read_info, scan
 
     infos, stale = scan(path) if path.is_dir() else ([read_info(path)], []) if path.exists() else (None, None)
     if infos is None:
@@ -54,7 +54,8 @@ def cmd_list(path: Path, out: Any) -> int:
 
 def cmd_inspect(path: Path, out: Any) -> int:
     from hpcnet.ckpt.format import resolve_chain
-    from hpcnet.ckpt.store import open_read, read_header, read_json, scan
+    from hpcnet.ckpt.listing import scan
+    from hpcnet.ckpt.validate import open_read, read_header, read_json
 
     targets = _targets(path)
     if not targets:
@@ -93,7 +94,7 @@ def cmd_inspect(path: Path, out: Any) -> int:
 def cmd_verify(path: Path, out: Any) -> int:
     from mpi4py import MPI
 
-    from hpcnet.ckpt.manager import load_checkpoint
+    from hpcnet.ckpt.load import load_checkpoint
 
     targets = _targets(path)
     if not targets:
@@ -117,7 +118,7 @@ def cmd_export(path: Path, output: str | None, out: Any) -> int:
     import torch
     from mpi4py import MPI
 
-    from hpcnet.ckpt.manager import load_checkpoint
+    from hpcnet.ckpt.load import load_checkpoint
 
     loaded = load_checkpoint(MPI.COMM_SELF, str(path))
     assert loaded is not None

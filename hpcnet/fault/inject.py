@@ -23,7 +23,7 @@ The training loop calls three hooks, each one line:
   opens; only the block checksums can tell), so ``--resume auto`` must skip
   it and take the previous one.
 - ``io_fault(phase, step)``, handed to the checkpoint manager
-  (``hpcnet.ckpt.store.IoFault``): with ``fill_disk_at_step`` every save of that
+  (``hpcnet.ckpt.write.IoFault``): with ``fill_disk_at_step`` every save of that
   step or later fails with ``OSError(ENOSPC)`` where hpcnet checks the free
   space before writing (the file system is shared, so this hits every rank
   alike and ``fault.rank`` does not apply); with ``write_error`` the chosen
@@ -58,7 +58,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hpcnet.ckpt import store as ckpt_io
+from hpcnet.ckpt.listing import scan
+from hpcnet.ckpt.validate import open_read
+from hpcnet.ckpt.write import IoFault
 from hpcnet.config import FaultConfig
 from hpcnet.errors import ConfigError
 from hpcnet.comm.world import World
@@ -172,7 +174,7 @@ class FaultInjector:
                     log.warning("fault injection: no committed checkpoint in %s to corrupt", checkpoint_dir)
 
     @property
-    def io_fault(self) -> "ckpt_io.IoFault | None":
+    def io_fault(self) -> IoFault | None:
         """The hook for the checkpoint manager, or None when no I/O fault is armed."""
         c = self.cfg
         armed = (c.fill_disk_at_step or c.write_error or c.slow_save_s or c.stuck_save_at_step or c.stuck_fs_at_step)
@@ -222,7 +224,7 @@ def corrupt_newest(directory: Path) -> str:
     """
     import h5py
 
-    infos = [i for i in ckpt_io.scan(directory)[0] if i.kind != "unreadable"]
+    infos = [i for i in scan(directory)[0] if i.kind != "unreadable"]
     if not infos:
         return ""
     path = Path(infos[-1].path)  # the last committed
@@ -232,7 +234,7 @@ def corrupt_newest(directory: Path) -> str:
         if isinstance(obj, h5py.Dataset) and obj.id.get_offset() is not None and obj.id.get_storage_size():
             found.append((obj.id.get_storage_size(), name, obj.id.get_offset()))
 
-    with ckpt_io.open_read(path) as f:
+    with open_read(path) as f:
         f.visititems(visit)
     tensors = [d for d in found if d[1].startswith("tensors/")]
     if not (tensors or found):

@@ -10,7 +10,8 @@ import signal
 import pytest
 import torch
 
-from hpcnet.ckpt.manager import CheckpointManager, load_checkpoint
+from hpcnet.ckpt.load import load_checkpoint
+from hpcnet.ckpt.manager import CheckpointManager
 from hpcnet.config import FaultConfig
 from tests.helpers import StopAfter, tiny_images, train_config
 from hpcnet.errors import ConfigError, ExitCode, UsageError

@@ -156,7 +156,7 @@ def _train_command(tmp_path, name, *extra):
 
 
 def _final_tensors(tmp_path, name):
-    from hpcnet.ckpt.manager import load_checkpoint
+    from hpcnet.ckpt.load import load_checkpoint
 
     loaded = load_checkpoint(MPI.COMM_SELF, "auto", tmp_path / "runs" / f"{name}.ckpt")
     assert loaded.step == 10

@@ -1,0 +1,215 @@
+"""One save on disk: the free-space check, the collective write (``hpcnet.ckpt.collective``), commit, prune.
+
+A checkpoint is written as ``ckpt-<step>.h5.tmp`` and committed by a rename
+on rank 0 once every rank's write succeeded; every error is shared
+(``hpcnet.agree``), so a save fails on every rank alike and leaves no
+half-written file under a committed name (README: Checkpoints).
+"""
+
+import errno
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hpcnet.agree import agree_on_error
+from hpcnet.ckpt.collective import changed_blocks, local_counts, write_file
+from hpcnet.ckpt.format import (FORMAT, FORMAT_VERSION, HASH_NAME, CheckpointInfo, Ownership, TensorSpec,
+                                plan_retention, sha256_hex)
+from hpcnet.layout import TMP_SUFFIX, checkpoint_name
+from hpcnet.ckpt.listing import fsync_path, scan, write_latest
+from hpcnet.errors import errno_of, error_text, os_error
+from hpcnet.fault.watchdog import NULL_DEADLINES
+
+log = logging.getLogger("hpcnet.checkpoint")
+
+IoFault = Callable[[str, int], None]
+"""Fault injection (``hpcnet.fault.inject``): ``fault(phase, step)`` is called where an I/O error can strike
+(``"precheck"`` on rank 0 before a save's free-space check, ``"write"`` on every rank while it writes
+its data, ``"read"`` on every rank before it opens each file of a load); an OSError it raises fails
+the operation as the file system would.  Every rank's writer also calls it at the collective file
+create, with ``"arrive"`` before the ranks meet there and ``"create"`` once they met and the create is
+announced, just before h5py's create: where a slow or stuck writer is injected."""
+
+
+@dataclass(slots=True)
+class SaveJob:
+    """One rank's part of one save, snapshotted to host memory: all the background writer needs."""
+
+    directory: Path
+    step: int
+    kind: str
+    uid: str
+    created_unix: float
+    specs: list[TensorSpec]
+    ownership: Ownership
+    arrays: dict[int, np.ndarray]
+    """Tensor index -> this rank's rows of it (storage dtype), for every piece this rank owns."""
+    meta_bytes: bytes
+    rank_state_bytes: bytes
+    keep: int
+    seq: int = 0
+    """Its place in the directory's commit order."""
+    fault: IoFault | None = None
+    collective_writes: bool = True
+    """Write tensors split across ranks with collective MPI-IO (else independently, each rank its rows)."""
+    parent: CheckpointInfo | None = None
+    base: CheckpointInfo | None = None
+    prev_hashes: dict[int, np.ndarray] | None = None
+
+    @property
+    def path(self) -> Path:
+        return self.directory / checkpoint_name(self.step)
+
+
+
+@dataclass(slots=True)
+class SaveResult:
+    info: CheckpointInfo
+    hashes: dict[int, np.ndarray]
+    timings: dict[str, float] = field(default_factory=dict)
+    bytes_written: int = 0
+
+
+def check_free_space(directory: Path, needed: int) -> None:
+    """Raise OSError(ENOSPC) unless the file system of ``directory`` has ``needed`` bytes free.
+
+    Checked before writing, because running out of space inside the file is
+    worse than an error: HDF5 1.10.8 over MPI-IO then fails to close the file
+    and the process crashes (SIGSEGV) when the file object is released
+    (checked on a full tmpfs).  Quotas (EDQUOT) are invisible to statvfs and
+    still fail inside the write.
+    """
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({needed / 2**20:.1f} MiB needed, "
+                                    f"{free / 2**20:.1f} MiB free)")
+
+
+def _write_error(tmp: Path, errors: list[BaseException]) -> OSError | None:
+    """One error for a failed write, keeping the errno (ENOSPC, EDQUOT, EIO) that decides the exit status.
+
+    The first error with an errno wins: a full disk often shows first as an
+    HDF5 error without one, and the errno tells a full disk (fix it) from an
+    I/O error (restart).
+    """
+    if not errors:
+        return None
+    first = next((e for e in errors if errno_of(e)), errors[0])
+    return os_error(errno_of(first), f"writing checkpoint {str(tmp)!r} failed: {error_text(first)}")
+
+
+def write_checkpoint(comm: Any, job: SaveJob, *, deadlines: Any = NULL_DEADLINES, timeout_s: float = 0.0
+                     ) -> SaveResult:
+    """Collective over ``comm``: hash, write, fsync, commit and prune one checkpoint.
+
+    Any failure raises on every rank (agreed), and the temporary file is removed.
+
+    Args:
+        deadlines: where the collective create is guarded (``hpcnet.watchdog``), with ``timeout_s``.
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    t0 = time.perf_counter()
+    hashes: dict[int, np.ndarray] = {}
+    changed: dict[int, np.ndarray] = {}
+    if job.kind == "incremental":  # what to write depends on the hashes; a full checkpoint hashes while writing
+        hashes, changed = changed_blocks(comm, job)
+    counts = np.empty((size, len(job.specs), 2), dtype=np.int64)
+    comm.Allgather(local_counts(job, rank, changed), counts)
+    index_bytes = _index_bytes(job.specs, counts)
+    attrs = _root_attrs(job, size, index_bytes)
+    tmp = job.path.with_name(job.path.name + TMP_SUFFIX)
+    data_bytes = sum(int(counts[:, i, 1].sum()) * s.row_bytes for i, s in enumerate(job.specs))
+    _create_plain(comm, job, tmp, data_bytes + len(job.meta_bytes) + len(index_bytes) + (1 << 20))
+    t1 = time.perf_counter()
+    written, errors, hashes, file_timings = write_file(comm, job, tmp, counts, index_bytes, attrs, hashes, changed,
+                                                       deadlines, timeout_s)
+    try:
+        agree_on_error(comm, _write_error(tmp, errors))
+    except BaseException:
+        if rank == 0:
+            tmp.unlink(missing_ok=True)
+        raise
+    t2 = time.perf_counter()
+    _commit(comm, job, tmp)
+    info = CheckpointInfo(step=job.step, path=str(job.path), kind=job.kind, uid=job.uid,
+                          base=attrs["base"] or None, parent=attrs["parent"] or None, base_uid=attrs["base_uid"],
+                          parent_uid=attrs["parent_uid"], world_size=size, seq=job.seq,
+                          created_unix=job.created_unix)
+    timings = {"prepare_s": t1 - t0, "write_s": t2 - t1, "commit_s": time.perf_counter() - t2, **file_timings}
+    return SaveResult(info, hashes, timings, comm.allreduce(written))
+
+
+def _index_bytes(specs: list[TensorSpec], counts: np.ndarray) -> bytes:
+    """The /index table: every tensor's spec and where its hashes lie in /hashes."""
+    n_hashes = counts[:, :, 0].sum(axis=0)
+    offsets = np.concatenate([[0], np.cumsum(n_hashes)[:-1]]).astype(np.int64)
+    index = [dict(spec.to_json(), hash_offset=int(offsets[i]), n_hashes=int(n_hashes[i]))
+             for i, spec in enumerate(specs)]
+    return json.dumps(index, separators=(",", ":")).encode()
+
+
+def _root_attrs(job: SaveJob, size: int, index_bytes: bytes) -> dict[str, Any]:
+    incremental = job.kind == "incremental"
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "kind": job.kind, "step": job.step, "uid": job.uid,
+        "parent": job.parent.name if incremental else "", "parent_uid": job.parent.uid if incremental else "",
+        "base": job.base.name if incremental else "", "base_uid": job.base.uid if incremental else "",
+        "world_size": size, "hash": HASH_NAME, "created_unix": job.created_unix,
+        "index_sha256": sha256_hex(index_bytes), "meta_sha256": sha256_hex(job.meta_bytes), "seq": job.seq,
+    }
+
+
+def _create_plain(comm: Any, job: SaveJob, tmp: Path, needed: int) -> None:
+    """Collective: rank 0 checks the free space and creates ``tmp`` plainly, before the collective create.
+
+    One clear error rather than MPI-IO errors on some ranks.
+    """
+    error: BaseException | None = None
+    if comm.Get_rank() == 0:
+        try:
+            if job.fault is not None:
+                job.fault("precheck", job.step)
+            check_free_space(job.directory, needed)
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+        except OSError as exc:
+            error = os_error(errno_of(exc), f"cannot create checkpoint file {str(tmp)!r}: {error_text(exc)}")
+    agree_on_error(comm, error)
+
+
+def _commit(comm: Any, job: SaveJob, tmp: Path) -> None:
+    """Collective: rank 0 renames ``tmp`` to its committed name, points ``latest`` at it and prunes."""
+    error: BaseException | None = None
+    if comm.Get_rank() == 0:
+        try:
+            os.replace(tmp, job.path)
+            fsync_path(job.directory)
+            write_latest(job.directory, job.path.name)
+        except OSError as exc:
+            error = os_error(errno_of(exc), f"committing checkpoint {str(job.path)!r} failed: {error_text(exc)}")
+        else:
+            prune(job.directory, job.keep)
+    agree_on_error(comm, error)
+
+
+def prune(directory: Path, keep: int) -> list[str]:
+    """Delete what ``plan_retention`` says and stale temporary files (rank 0 only; never raises)."""
+    removed = []
+    infos, stale = scan(directory)
+    for item in [*plan_retention(infos, keep), *stale]:
+        path = Path(item.path) if isinstance(item, CheckpointInfo) else item
+        try:
+            path.unlink()
+            removed.append(path.name)
+        except OSError as exc:
+            log.warning("could not delete old checkpoint %s: %s", path, exc.strerror or exc)
+    if removed:
+        log.info("deleted %s", ", ".join(removed))
+    return removed
