@@ -62,7 +62,7 @@ def build_methods(comm: Any, world: Any, *, device: torch.device, reducer: bool,
 
     Args:
         comm: the job's communicator.
-        world: its layout (``hpcnet.world.discover``).
+        world: its layout (``hpcnet.comm.world.discover``).
         device: this rank's device; NCCL methods are added on GPUs.
         reducer: add the Reducer over one flat parameter (hpcnet's full bucket path).
         cleanup: receives what must be closed after the benchmark.

@@ -23,7 +23,7 @@ lines; the supervisor's launch.json):
     recompute    the steps since the checkpoint, until the step of the kill.
 
 Hang: the same with ``fault.hang_at_step``: the rank SIGSTOPs itself, MPI
-notices nothing, and the heartbeat monitor (``hpcnet.monitor``) must declare
+notices nothing, and the heartbeat monitor (``hpcnet.fault.monitor``) must declare
 it failed (failure.json, status 75); detection is the SIGSTOP -> the time in
 failure.json.
 

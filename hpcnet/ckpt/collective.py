@@ -176,7 +176,7 @@ def write_file(comm: Any, job: "SaveJob", tmp: Path, counts: np.ndarray, index_b
     writes with two ranks on two cores), while during the fsync the CPU idles.
 
     The create and the structure calls after it hold the GIL (h5py): they run
-    in a quiet ``checkpoint.create`` guard of ``deadlines`` (``hpcnet.watchdog``),
+    in a quiet ``checkpoint.create`` guard of ``deadlines`` (``hpcnet.fault.watchdog``),
     which the heartbeats announce; the data writes and the close release it.
     """
     rank = comm.Get_rank()

@@ -113,7 +113,7 @@ def write_checkpoint(comm: Any, job: SaveJob, *, deadlines: Any = NULL_DEADLINES
     Any failure raises on every rank (agreed), and the temporary file is removed.
 
     Args:
-        deadlines: where the collective create is guarded (``hpcnet.watchdog``), with ``timeout_s``.
+        deadlines: where the collective create is guarded (``hpcnet.fault.watchdog``), with ``timeout_s``.
     """
     rank, size = comm.Get_rank(), comm.Get_size()
     t0 = time.perf_counter()

@@ -59,7 +59,7 @@ class DataParallel:
         cfg: the ``dist`` options.
         plan: the transport plan (``hpcnet.comm.plan.decide_plan``), decided
             before the torch.distributed group was set up.
-        recorder: the flight recorder (``hpcnet.flightrec``) the step's collectives are logged to.
+        recorder: the flight recorder (``hpcnet.fault.flightrec``) the step's collectives are logged to.
     """
 
     def __init__(self, model: nn.Module, comm: Any, world: World, cfg: DistConfig, *,

@@ -95,7 +95,7 @@ class Reducer:
         find_unused: treat parameters that get no gradient in a step as zero
             gradients instead of raising.
         timeout_s: how long ``finish`` waits for the collectives.
-        recorder: the flight recorder (``hpcnet.flightrec``) the collectives are logged to.
+        recorder: the flight recorder (``hpcnet.fault.flightrec``) the collectives are logged to.
     """
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], transport: Transport, control: Any, *,

@@ -22,7 +22,7 @@ gradient buckets, the reducer's agreement, buffer broadcasts, the step
 boundary, the logged loss and the evaluation sum).  Checkpoint I/O is not:
 its duration grows with the model and the file system, so a timeout derived
 from the step time would abort good runs there; it has deadlines of its own
-(``hpcnet.watchdog``).
+(``hpcnet.fault.watchdog``).
 
 The hot path is ``start``/``end``: a lock, a counter and a slot in a list,
 about a microsecond each, a dozen times a step.
@@ -110,7 +110,7 @@ class FlightRecorder:
     def start(self, op: str, bucket: int = -1, nbytes: int = 0) -> int:
         """Record the start of a collective; return the token for ``end``."""
         if op not in OP_CODES:
-            raise ValueError(f"unknown collective {op!r}; add it to hpcnet.flightrec.OPS")
+            raise ValueError(f"unknown collective {op!r}; add it to hpcnet.fault.flightrec.OPS")
         with self._lock:
             self.seq += 1
             if op not in DATA_PLANE_OPS:

@@ -27,9 +27,9 @@ earlier monitor on a reused communicator are ignored), the sender, its state
 watchers do not mistake the end of the run for a failure), its step, its
 latest collective (progress), the sequence number, operation and history
 digest of its latest control-plane collective (for desync checks, see
-``hpcnet.flightrec``), the collective it is waiting in and for how long, its
+``hpcnet.fault.flightrec``), the collective it is waiting in and for how long, its
 wall-clock time and process id, and the guarded wait it is in
-(``hpcnet.watchdog``: checkpoint I/O or start-up) with how long it has run and,
+(``hpcnet.fault.watchdog``: checkpoint I/O or start-up) with how long it has run and,
 for a guard whose thread may hold the GIL, how long until its deadline.  Stall
 notices and their answers use the same vector.
 
@@ -58,7 +58,7 @@ FIELDS: tuple[str, ...] = ("session", "rank", "state", "step", "seq", "op", "buc
                            "guard_left_s")
 """The slots of a beat: ``seq``/``op``/``bucket`` the latest collective (progress), ``cseq``/``cop``/``digest``
 the latest control-plane one (compared across ranks), ``open_*`` the oldest still running; operations are
-indices into ``hpcnet.flightrec.OPS``; ``guard`` (an index into ``hpcnet.watchdog.GUARDS``) the guarded wait
+indices into ``hpcnet.fault.flightrec.OPS``; ``guard`` (an index into ``hpcnet.fault.watchdog.GUARDS``) the guarded wait
 with the earliest deadline, ``guard_s`` how long it has run, ``guard_left_s`` the time left to the latest
 deadline of a guard that may hold the GIL (0: none)."""
 _INDEX = {name: i for i, name in enumerate(FIELDS)}

@@ -101,7 +101,7 @@ class Monitor:
         self._doomed_at: float | None = None
         self._coordinating = ""  # the kind of failure this rank is collecting answers for
         self.deadlines: Deadlines | Any = NULL_DEADLINES
-        """This rank's guarded waits (``hpcnet.watchdog``); real once the monitor thread runs."""
+        """This rank's guarded waits (``hpcnet.fault.watchdog``); real once the monitor thread runs."""
         self._startup: Guard | None = None
         self._native: NativeWatchdog | None = None
         self._beat_now = False

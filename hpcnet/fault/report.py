@@ -158,7 +158,7 @@ def write_dump(path: Path, header: str, recorder: FlightRecorder, deadlines: Dea
         f.write(f"{header}\n\n== flight recorder (oldest first; started = seconds before this dump) ==\n")
         now = time.monotonic()
         f.write(format_entries(recorder.entries()[-64:], now) + "\n\n")
-        f.write("== guarded waits (hpcnet.watchdog), oldest first ==\n" + "".join(
+        f.write("== guarded waits (hpcnet.fault.watchdog), oldest first ==\n" + "".join(
             f"{g.what}: {g.elapsed_s(now):.1f} s of {g.deadline - g.started:.0f} s ({g.option})\n"
             for g in sorted(deadlines.guards(), key=lambda g: g.started)) + "\n")
         names = {t.ident: t.name for t in threading.enumerate()}

@@ -116,7 +116,7 @@ class Deadlines:
     def open(self, name: str, timeout_s: float, *, what: str = "", kind: str = "checkpoint",
              option: str = "checkpoint.timeout_s", quiet: bool = False) -> Guard:
         if name not in GUARD_CODES:
-            raise ValueError(f"unknown guard {name!r}; add it to hpcnet.watchdog.GUARDS")
+            raise ValueError(f"unknown guard {name!r}; add it to hpcnet.fault.watchdog.GUARDS")
         if not (timeout_s > 0 and math.isfinite(timeout_s)):
             raise ValueError(f"guard {name}: the timeout must be a positive number of seconds, got {timeout_s}")
         guard = Guard(name, what or name, kind, timeout_s, option, time.monotonic(), quiet)
