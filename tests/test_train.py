@@ -17,7 +17,9 @@ from hpcnet.data.loader import open_dataset
 from hpcnet.data.sampler import GlobalBatchSampler
 from hpcnet.errors import ExitCode
 from hpcnet.models import build_model
-from hpcnet.train import build_optimizer, loss_and_correct, lr_factor, run
+from hpcnet.train import run
+from hpcnet.optim import build_optimizer, lr_factor
+from hpcnet.loop import loss_and_correct
 from tests.helpers import tiny_images
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -94,7 +94,8 @@ def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.dev
     from hpcnet.comm.plan import decide_plan
     from hpcnet.data.info import DatasetInfo
     from hpcnet.models import build_model
-    from hpcnet.train import build_optimizer, compute_loss
+    from hpcnet.optim import build_optimizer
+    from hpcnet.loop import compute_loss
 
     torch.manual_seed(seed)
     base = build_model(spec.model, DatasetInfo("image", spec.input_shape, spec.num_classes), spec.options).to(device)

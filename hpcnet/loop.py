@@ -1,0 +1,262 @@
+"""The training loop: one optimizer step per iteration, progress logs, evaluation, and the step boundary at
+which every rank agrees on stopping, saving and non-finite values (README: Non-finite loss, Checkpoints)."""
+
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpcnet.ckpt.policy import NONFINITE_GRAD, NONFINITE_LOSS, SavePolicy
+from hpcnet.ckpt.state import TrainState
+from hpcnet.comm.dataparallel import DataParallel
+from hpcnet.comm.world import World
+from hpcnet.config import Config
+from hpcnet.data.loader import BatchLoader
+from hpcnet.data.sampler import eval_indices
+from hpcnet.errors import ExitCode
+from hpcnet.fault.flightrec import NULL_RECORDER
+from hpcnet.fault.inject import FaultInjector
+from hpcnet.fault.monitor import Monitor
+from hpcnet.optim import lr_factor
+from hpcnet.runlog import MetricsWriter, format_duration
+
+log = logging.getLogger("hpcnet.train")
+
+
+def finite_flags(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> tuple[bool, bool]:
+    """Whether this rank's loss and the gradient norm (None: not computed) are finite.
+
+    One device-to-host copy for both: the only per-step synchronisation with
+    the GPU that ``train.nonfinite`` adds ('ignore' adds none).
+    """
+    norm = torch.zeros_like(loss) if grad_norm is None else grad_norm
+    loss_ok, grad_ok = torch.isfinite(torch.stack([loss.detach().float(), norm.detach().float()])).tolist()
+    return loss_ok, grad_ok
+
+
+def compute_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The training loss of one micro-batch."""
+    return loss_and_correct(model(inputs), targets)[0]
+
+
+def loss_and_correct(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy and the number of correct predictions (tokens or images)."""
+    logits = logits.reshape(-1, logits.shape[-1])
+    targets = targets.reshape(-1)
+    loss = F.cross_entropy(logits, targets)
+    correct = (logits.argmax(dim=-1) == targets).sum()
+    return loss, correct
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, split: Any, comm: Any, *, batch_size: int, max_batches: int,
+             device: torch.device, recorder: Any = NULL_RECORDER) -> dict[str, float]:
+    """Loss and accuracy on the held-out split, each rank on its own shard (collective)."""
+    from mpi4py import MPI
+
+    was_training = model.training
+    model.eval()
+    indices = eval_indices(len(split), comm.Get_rank(), comm.Get_size())
+    totals = np.zeros(3)  # loss sum, correct, count
+    for n, start in enumerate(range(0, len(indices), batch_size)):
+        if max_batches and n >= max_batches:
+            break
+        inputs, targets = split.read(indices[start:start + batch_size])
+        inputs, targets = inputs.to(device), targets.to(device)
+        loss, correct = loss_and_correct(model(inputs), targets)
+        count = targets.numel()
+        totals += (loss.item() * count, correct.item(), count)
+    with recorder.op("eval.allreduce"):
+        comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
+    model.train(was_training)
+    count = max(totals[2], 1)
+    return {"eval_loss": totals[0] / count, "eval_accuracy": totals[1] / count}
+
+
+def _update(optimizer: torch.optim.Optimizer, loss: torch.Tensor, grad_norm: torch.Tensor | None,
+            on_nonfinite: str) -> tuple[bool, int]:
+    """Run the optimizer step unless ``train.nonfinite=skip`` drops it.
+
+    Returns whether the update was applied, and the ``NONFINITE_*`` bits this
+    rank brings to the step boundary.
+    """
+    if on_nonfinite == "ignore":
+        optimizer.step()
+        return True, 0
+    if on_nonfinite == "skip":
+        loss_ok, grad_ok = finite_flags(loss, grad_norm)  # before the update it may drop
+        if not grad_ok:
+            return False, 0  # on every rank alike: the averaged gradients are the same everywhere
+        optimizer.step()
+        # A non-finite loss with a finite gradient stops the run: dropping updates cannot help it.
+        return True, 0 if loss_ok else NONFINITE_LOSS
+    optimizer.step()
+    loss_ok, grad_ok = finite_flags(loss, grad_norm)  # after the update is queued: the GPU need not wait for it
+    return True, (0 if loss_ok else NONFINITE_LOSS) | (0 if grad_ok else NONFINITE_GRAD)
+
+
+def _nonfinite_message(step: int, nonfinite: int) -> str:
+    """What the ranks agreed was non-finite at ``step`` (``NONFINITE_*`` bits)."""
+    what = [name for bit, name in ((NONFINITE_LOSS, "loss (on at least one rank)"), (NONFINITE_GRAD, "gradient norm"))
+            if nonfinite & bit]
+    return f"non-finite {' and '.join(what)} at step {step}"
+
+
+@dataclass
+class Progress:
+    """Where the loop is: the step, the last logged step and loss, evaluation, and why it stopped."""
+
+    step: int
+    start_step: int
+    t_loop: float = field(default_factory=time.perf_counter)
+    t_last: float = 0.0
+    last_step: int = 0
+    loss_value: float = float("nan")
+    evaluation: dict[str, float] = field(default_factory=dict)
+    skipped_steps: int = 0
+    stopped_by: int = 0
+    diverged: str = ""
+
+    def __post_init__(self) -> None:
+        self.t_last, self.last_step = self.t_loop, self.step
+
+
+class Loop:
+    """One pass of the training loop over ``dp``'s model, from a start step to ``train.steps`` (collective)."""
+
+    def __init__(self, cfg: Config, comm: Any, world: World, dp: DataParallel, optimizer: torch.optim.Optimizer,
+                 loader: BatchLoader, eval_split: Any, device: torch.device, metrics: MetricsWriter,
+                 state: TrainState, faults: FaultInjector, monitor: Monitor, stop: Any = None) -> None:
+        self.cfg, self.comm, self.world, self.dp, self.optimizer = cfg, comm, world, dp, optimizer
+        self.loader, self.eval_split, self.device, self.metrics = loader, eval_split, device, metrics
+        self.state, self.faults, self.monitor, self.stop = state, faults, monitor, stop
+        self.total = cfg.train.steps
+        self.global_batch = cfg.train.batch_size * cfg.train.grad_accumulation * world.size
+        self.on_nonfinite = cfg.train.nonfinite  # stop | skip | ignore
+        self.policy = SavePolicy.from_config(cfg)
+
+    def run(self, start_step: int) -> dict[str, Any]:
+        """Train from ``start_step``; the run's summary."""
+        p = Progress(step=start_step, start_step=start_step)
+        loss = None
+        self.dp.model.train()
+        while p.step < self.total:
+            loss, nonfinite = self._step(p)
+            self._log_if_due(p, loss)
+            self._evaluate_if_due(p)
+            if self._boundary(p, nonfinite):
+                break
+        if loss is not None and p.step % self.cfg.run.log_every and p.step != self.total:  # stopped between logs
+            p.loss_value = self._global_loss(loss.item())
+        self.dp.sync_buffers()
+        elapsed = time.perf_counter() - p.t_loop
+        return {"steps": p.step, "start_step": p.start_step, "final_loss": p.loss_value, "eval": p.evaluation,
+                "samples_per_s": (p.step - p.start_step) * self.global_batch / max(elapsed, 1e-9),
+                "stopped_by_signal": p.stopped_by, "diverged": p.diverged, "skipped_steps": p.skipped_steps}
+
+    def _step(self, p: Progress) -> tuple[torch.Tensor, int]:
+        """Forward, backward, averaged gradients, the update; the ``NONFINITE_*`` bits this rank brings."""
+        cfg, model = self.cfg, self.dp.model
+        for group in self.optimizer.param_groups:
+            group["lr"] = cfg.optim.lr * lr_factor(p.step, self.total, cfg.optim)
+        batches = [tuple(t.to(self.device, non_blocking=True) for t in self.loader.next())
+                   for _ in range(cfg.train.grad_accumulation)]
+        loss = self.dp.step(batches, compute_loss, step=p.step + 1)
+        # The averaged gradients are the same on every rank, so a verdict from their norm needs
+        # no collective; computing it costs a pass over them, paid only for clipping or skip.
+        grad_norm = None
+        if cfg.optim.grad_clip > 0:
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        elif self.on_nonfinite == "skip":
+            grad_norm = nn.utils.get_total_norm([q.grad for q in model.parameters() if q.grad is not None])
+        applied, nonfinite = _update(self.optimizer, loss, grad_norm, self.on_nonfinite)
+        p.step += 1
+        self.monitor.step(p.step)  # heartbeats carry it; step times set the stall timeout; memory samples
+        self.faults.at_step(p.step)  # fault.* injection; a no-op unless configured
+        if not applied:
+            p.skipped_steps += 1
+            if self.world.is_main:
+                log.warning("step %d: non-finite gradient norm, update skipped (train.nonfinite=skip; %d so far)",
+                            p.step, p.skipped_steps)
+        return loss, nonfinite
+
+    def _global_loss(self, local_loss: float) -> float:
+        from mpi4py import MPI
+
+        with self.monitor.collective("loss.allreduce"):
+            return self.comm.allreduce(local_loss, op=MPI.SUM) / self.world.size
+
+    def _log_if_due(self, p: Progress, loss: torch.Tensor) -> None:
+        if p.step % self.cfg.run.log_every and p.step != self.total:
+            return
+        local_loss = loss.item()
+        p.loss_value = self._global_loss(local_loss)
+        now = time.perf_counter()
+        rate = (p.step - p.last_step) * self.global_batch / max(now - p.t_last, 1e-9)
+        eta = (now - p.t_loop) / (p.step - p.start_step) * (self.total - p.step)
+        lr = self.optimizer.param_groups[0]["lr"]
+        if self.world.is_main:
+            log.info("step %*d/%d | loss %.4f | lr %.2e | %.0f samples/s | eta %s", len(str(self.total)), p.step,
+                     self.total, p.loss_value, lr, rate, format_duration(eta))
+        self.metrics.write(step=p.step, loss=local_loss, global_loss=p.loss_value, lr=lr, samples_per_s=rate,
+                           epoch=self.loader.epoch)
+        p.t_last, p.last_step = now, p.step
+
+    def _evaluate_if_due(self, p: Progress) -> None:
+        every = self.cfg.train.eval_every
+        if not every or (p.step % every and p.step != self.total):
+            return
+        self.dp.sync_buffers()
+        p.evaluation = evaluate(self.dp.model, self.eval_split, self.comm, batch_size=self.cfg.train.batch_size,
+                                max_batches=self.cfg.train.eval_batches, device=self.device,
+                                recorder=self.monitor.recorder)
+        if self.world.is_main:
+            log.info("eval at step %d: loss %.4f, accuracy %.2f%%", p.step, p.evaluation["eval_loss"],
+                     100 * p.evaluation["eval_accuracy"])
+        self.metrics.write(step=p.step, **p.evaluation)
+
+    def _boundary(self, p: Progress, nonfinite: int) -> bool:
+        """Every rank agrees on stopping and saving after this step; True: the loop ends here."""
+        with self.monitor.collective("step_boundary"):
+            p.stopped_by, save, nonfinite = self.policy.agree(self.comm, p.step, self.stop.signum if self.stop else 0,
+                                                              nonfinite=nonfinite)
+        if nonfinite:
+            p.diverged = _nonfinite_message(p.step, nonfinite)
+        elif save:
+            self._save(p)
+        if p.diverged:
+            self._report_divergence(p)
+            return True
+        if p.stopped_by:
+            log.warning("stopping after step %d/%d on %s (checkpoint saved)", p.step, self.total,
+                        signal.Signals(p.stopped_by).name)
+            return True
+        return False
+
+    def _save(self, p: Progress) -> None:
+        self.dp.sync_buffers()
+        finite = True
+        if self.on_nonfinite != "ignore":
+            with self.monitor.collective("state.is_finite"):
+                finite = self.state.is_finite()
+        if finite:
+            self.state.save(p.step, self.loader.state_dict())
+            self.policy.saved()
+        else:
+            p.diverged = (f"non-finite model or optimizer state after step {p.step} (an update overflowed, "
+                          "or a forward pass left non-finite statistics)")
+
+    def _report_divergence(self, p: Progress) -> None:
+        if not self.world.is_main:
+            return
+        last = self.state.last_saved_step
+        kept = f"the newest checkpoint, step {last}, is kept" if last >= 0 else "no checkpoint was saved"
+        log.error("%s: every rank stops after step %d/%d and saves nothing of it (train.nonfinite=%s); "
+                  "%s. A restart would diverge again: lower optim.lr or check the data (status %d)",
+                  p.diverged, p.step, self.total, self.on_nonfinite, kept, ExitCode.DIVERGED)
