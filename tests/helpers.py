@@ -269,6 +269,14 @@ def assert_same_tensors(a, b):
                            b[k].view(-1).view(torch.uint8) if b[k].numel() else b[k]), k
 
 
+def made_dir(comm, path):
+    """``path``, made by rank 0 (collective): where every rank of a test writes."""
+    if comm.Get_rank() == 0:
+        path.mkdir(parents=True)
+    comm.Barrier()
+    return path
+
+
 def fresh_dir(comm, path):
     """``path``, removed by rank 0 if it exists (collective)."""
     import shutil

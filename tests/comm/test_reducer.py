@@ -76,33 +76,6 @@ def test_unused_parameters(comm):
     reducer.close()
 
 
-@pytest.mark.mpi
-def test_unused_parameters(comm):
-    world = discover(comm, environ={})
-
-    class Partial(Net):
-        def forward(self, x):
-            return self.c(torch.relu(self.a(x)) @ torch.eye(64))  # self.b unused
-
-    torch.manual_seed(0)
-    model = Partial()
-    x, y = torch.randn(4, 16), torch.randint(0, 4, (4,))
-    reducer = Reducer(list(model.named_parameters()), build_transport("mpi", False, comm, world), comm,
-                      bucket_bytes=2**20)
-    reducer.zero_grad()
-    nn.functional.cross_entropy(model(x), y).backward()
-    with pytest.raises(RuntimeError, match=r"no gradient this step \(b\.bias, b\.weight\).*dist.find_unused"):
-        reducer.finish()
-    reducer.close()
-    reducer = Reducer(list(model.named_parameters()), build_transport("mpi", False, comm, world), comm,
-                      bucket_bytes=2**20, find_unused=True)
-    reducer.zero_grad()
-    nn.functional.cross_entropy(model(x), y).backward()
-    reducer.finish()
-    assert torch.all(model.b.weight.grad == 0)
-    reducer.close()
-
-
 # --- buffers: one flat tensor -----------------------------------------------------------------
 
 class _BufferNet(nn.Module):

@@ -22,7 +22,7 @@ from hpcnet.errors import ExitCode
 from hpcnet.fault.heartbeat import ring_peers
 from hpcnet.fault.monitor import Monitor
 from hpcnet.fault.report import DUMP_SIGNAL
-from tests.helpers import PROGRAMS, ROOT, clean_env, wait_for
+from tests.helpers import PROGRAMS, ROOT, clean_env, made_dir, wait_for
 
 
 def test_monitor_options_are_validated():
@@ -90,10 +90,7 @@ def test_silent_rank_is_named_by_its_watchers(comm, mpi_tmp_path):
 @pytest.mark.timeout(60)
 def test_stall_dumps_every_rank_and_names_who_is_behind(comm, mpi_tmp_path):
     rank, size = comm.Get_rank(), comm.Get_size()
-    run_dir = mpi_tmp_path / "stall"
-    if rank == 0:
-        run_dir.mkdir()
-    comm.Barrier()
+    run_dir = made_dir(comm, mpi_tmp_path / "stall")
     found = []
     monitor = _monitor(comm, run_dir, found, stall_timeout_s=0.5).start()
     monitor.step(2)
@@ -121,10 +118,7 @@ def test_stall_dumps_every_rank_and_names_who_is_behind(comm, mpi_tmp_path):
 @pytest.mark.timeout(60)
 def test_desync_is_seen_by_a_neighbour(comm, mpi_tmp_path):
     rank = comm.Get_rank()
-    run_dir = mpi_tmp_path / "desync"
-    if rank == 0:
-        run_dir.mkdir()
-    comm.Barrier()
+    run_dir = made_dir(comm, mpi_tmp_path / "desync")
     found = []
     monitor = _monitor(comm, run_dir, found).start()
     monitor.step(1)

@@ -26,7 +26,7 @@ from hpcnet.fault.heartbeat import decode
 from hpcnet.fault.monitor import Monitor
 from hpcnet.fault.report import DUMP_SIGNAL
 from hpcnet.fault.watchdog import IO_TIMEOUT_FLOOR_S, Deadlines, io_timeout_s
-from tests.helpers import PROGRAMS, ROOT, clean_env, wait_for
+from tests.helpers import PROGRAMS, ROOT, clean_env, made_dir, wait_for
 
 # --- pure logic ------------------------------------------------------------------
 
@@ -89,10 +89,7 @@ def _monitor(comm, run_dir, found, **options):
 @pytest.mark.timeout(60)
 def test_an_expired_checkpoint_deadline_is_reported_like_a_stall(comm, mpi_tmp_path):
     rank, size = comm.Get_rank(), comm.Get_size()
-    run_dir = mpi_tmp_path / "ckpt-deadline"
-    if rank == 0:
-        run_dir.mkdir()
-    comm.Barrier()
+    run_dir = made_dir(comm, mpi_tmp_path / "ckpt-deadline")
     found = []
     monitor = _monitor(comm, run_dir, found).start()
     monitor.step(1)
@@ -124,10 +121,7 @@ def test_an_expired_checkpoint_deadline_is_reported_like_a_stall(comm, mpi_tmp_p
 @pytest.mark.timeout(60)
 def test_start_up_has_a_deadline(comm, mpi_tmp_path):
     rank = comm.Get_rank()
-    run_dir = mpi_tmp_path / "startup"
-    if rank == 0:
-        run_dir.mkdir()
-    comm.Barrier()
+    run_dir = made_dir(comm, mpi_tmp_path / "startup")
     found = []
     monitor = _monitor(comm, run_dir, found, startup_timeout_s=0.5).start()
     if rank == 0:
