@@ -287,6 +287,18 @@ def fresh_dir(comm, path):
     return path
 
 
+def saved_run(comm, path, steps, *, shape, keep, full_every):
+    """A fresh checkpoint directory at ``path`` with a one-tensor save at each of ``steps`` (synchronous,
+    collective); the directory and the tensors, whose row 0 holds the step of the last save."""
+    from hpcnet.ckpt.manager import CheckpointManager
+
+    directory = fresh_dir(comm, path)
+    tensors = {"model/w": torch.zeros(*shape)}
+    with CheckpointManager(comm, directory, keep=keep, full_every=full_every, async_save=False) as manager:
+        save_steps(manager, steps, tensors)
+    return directory, tensors
+
+
 def save_steps(manager, steps, tensors):
     """Save ``tensors`` at each of ``steps``, marking ``model/w[0]`` with the step."""
     for step in steps:

@@ -16,8 +16,8 @@ from hpcnet.ckpt.manager import CheckpointManager
 from hpcnet.ckpt.state import rng_state, set_rng_state
 from hpcnet.errors import UsageError
 
-from tests.helpers import (assert_same_tensors, checkpoint_names, fresh_dir, flip_bytes_in, model_and_optimizers,
-                           restore_split_state, save_steps, split_state, train_steps)
+from tests.helpers import (assert_same_tensors, checkpoint_names, flip_bytes_in, fresh_dir, model_and_optimizers,
+                           restore_split_state, save_steps, saved_run, split_state, train_steps)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -214,10 +214,8 @@ def test_a_fresh_run_into_a_used_directory_is_refused_or_moves_the_old_run_aside
 
 @pytest.mark.mpi
 def test_a_rollback_is_not_undone_by_a_later_resume_auto(comm, mpi_tmp_path):
-    directory = fresh_dir(comm, mpi_tmp_path / "rollback")
-    tensors = {"model/w": torch.zeros(64, 256)}
-    with CheckpointManager(comm, directory, keep=10, full_every=2, async_save=False) as manager:
-        save_steps(manager, [10, 20, 30, 40, 50, 60], tensors)
+    directory, tensors = saved_run(comm, mpi_tmp_path / "rollback", [10, 20, 30, 40, 50, 60],
+                                   shape=(64, 256), keep=10, full_every=2)
     with CheckpointManager(comm, directory, keep=10, full_every=2, async_save=False) as manager:
         loaded = manager.resume(str(directory / "ckpt-0000000030.h5"))  # an increment: its chain stays
         assert loaded.step == 30 and loaded.tensors["model/w"][0, 0] == 30
@@ -237,10 +235,7 @@ def test_a_rollback_is_not_undone_by_a_later_resume_auto(comm, mpi_tmp_path):
 
 @pytest.mark.mpi
 def test_damaged_checkpoints_passed_over_are_set_aside_and_never_outlive_good_ones(comm, mpi_tmp_path):
-    directory = fresh_dir(comm, mpi_tmp_path / "passed-over")
-    tensors = {"model/w": torch.zeros(512, 300)}
-    with CheckpointManager(comm, directory, keep=2, full_every=1, async_save=False) as manager:
-        save_steps(manager, [10, 20], tensors)
+    directory, tensors = saved_run(comm, mpi_tmp_path / "passed-over", [10, 20], shape=(512, 300), keep=2, full_every=1)
     if comm.Get_rank() == 0:
         flip_bytes_in(directory / "ckpt-0000000020.h5", "tensors/model/w")
     comm.Barrier()

@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 from hpcnet.ckpt.manager import CheckpointManager
 
-from tests.helpers import fresh_dir, save_steps
+from tests.helpers import save_steps, saved_run
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -17,10 +17,7 @@ pytestmark = pytest.mark.timeout(120)
 def test_a_checkpoint_replaced_between_listing_and_reading_is_an_error(comm, mpi_tmp_path):
     from hpcnet.errors import RestartableError
 
-    directory = fresh_dir(comm, mpi_tmp_path / "replaced")
-    tensors = {"model/w": torch.zeros(64, 256)}
-    with CheckpointManager(comm, directory, keep=5, full_every=1, async_save=False) as manager:
-        save_steps(manager, [1, 2], tensors)
+    directory, tensors = saved_run(comm, mpi_tmp_path / "replaced", [1, 2], shape=(64, 256), keep=5, full_every=1)
     other = directory / "other"
     if comm.Get_rank() == 0:
         other.mkdir()
