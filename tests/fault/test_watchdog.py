@@ -93,16 +93,18 @@ def test_an_expired_checkpoint_deadline_is_reported_like_a_stall(comm, mpi_tmp_p
     found = []
     monitor = _monitor(comm, run_dir, found).start()
     monitor.step(1)
-    # Every rank saves; the last one never gets to the create, the others wait for it there.
-    write = monitor.deadlines.open("checkpoint.write", 0.6, what="checkpoint.write (step 1)")
+    # Every rank saves; the last one never gets to the create, the others wait for it there. Rank 0's
+    # deadline comes first: one reporter, whose question every other rank answers from inside its guards.
+    write = monitor.deadlines.open("checkpoint.write", 0.6 if rank == 0 else 30.0, what="checkpoint.write (step 1)")
     waiting = monitor.deadlines.open("checkpoint.create" if rank == size - 1 else "checkpoint.meet", 30.0)
     if rank == 0:
         wait_for(lambda: found, 20)
     dumped = wait_for(lambda: (run_dir / f"stall.rank{rank}.txt").exists(), 20)
-    # Done at once: a test that lingered past the deadline plus the grace would meet the native watchdog.
+    # Every rank keeps its guards open until rank 0 has its report (its answer says where it is), then
+    # closes them at once: a test that lingered past the deadline plus the grace would meet the native watchdog.
+    comm.Barrier()
     monitor.deadlines.close(waiting)
     monitor.deadlines.close(write)
-    comm.Barrier()
     monitor.stop()
     assert dumped
     dump = (run_dir / f"stall.rank{rank}.txt").read_text()
