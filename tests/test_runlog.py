@@ -32,26 +32,25 @@ def test_an_uncreatable_run_directory_fails_on_every_rank(comm, mpi_tmp_path):
         make_run_dir(comm, parent, "exp", exact=True)
 
 
-def test_rank_0_talks_to_the_console_every_rank_to_its_file(tmp_path):
+def _log_as(rank, run_dir):
+    """What rank ``rank``'s console shows of one record of each level; its file is in ``run_dir``."""
+    console = io.StringIO()
     try:
-        console = io.StringIO()
-        setup_logging(tmp_path, 0, console=console)
-        logging.getLogger("hpcnet.test").info("hello")
-        logging.getLogger("hpcnet.test").debug("detail")
-        close_logging()
-        assert console.getvalue() == "hello\n"
-        text = (tmp_path / "rank0.log").read_text()
-        assert "rank 0 INFO hpcnet.test: hello" in text and "rank 0 DEBUG hpcnet.test: detail" in text
-
-        console = io.StringIO()
-        setup_logging(tmp_path, 3, console=console)
-        logging.getLogger("hpcnet.test").info("quiet")
-        logging.getLogger("hpcnet.test").error("loud")
-        close_logging()
-        assert console.getvalue() == "[rank 3] loud\n"
-        assert "rank 3 INFO hpcnet.test: quiet" in (tmp_path / "rank3.log").read_text()
+        setup_logging(run_dir, rank, console=console)
+        for level in (logging.DEBUG, logging.INFO, logging.ERROR):
+            logging.getLogger("hpcnet.test").log(level, "said at %s", logging.getLevelName(level))
     finally:
         close_logging()
+    return console.getvalue()
+
+
+def test_rank_0_talks_to_the_console_every_rank_to_its_file(tmp_path):
+    assert _log_as(0, tmp_path) == "said at INFO\nsaid at ERROR\n"
+    assert _log_as(3, tmp_path) == "[rank 3] said at ERROR\n"
+    for rank in (0, 3):
+        text = (tmp_path / f"rank{rank}.log").read_text()
+        for level in ("DEBUG", "INFO", "ERROR"):
+            assert f"rank {rank} {level} hpcnet.test: said at {level}" in text
 
 
 def test_metrics_are_json_lines_and_a_writer_without_a_path_writes_nothing(tmp_path):
