@@ -19,6 +19,7 @@ import numpy as np
 from hpcnet.agree import agree_on_error
 from hpcnet.ckpt.format import DTYPES, WRITE_PIECE_BYTES, TensorSpec, block_hashes, write_pieces
 from hpcnet.ckpt.listing import fsync_path
+from hpcnet.comm.world import wait_sleeping
 from hpcnet.fault.watchdog import NULL_DEADLINES
 
 if TYPE_CHECKING:
@@ -141,9 +142,7 @@ def wait_for_peers(comm: Any) -> None:
     with short sleeps, not ``Barrier``: a blocked MPI call busy-polls a core,
     which a slow peer on an oversubscribed node needs.
     """
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(PEER_POLL_S)
+    wait_sleeping(comm.Ibarrier(), PEER_POLL_S)
 
 
 def _create_collectively(comm: Any, job: "SaveJob", tmp: Path, create: Any, deadlines: Any, timeout_s: float) -> Any:

@@ -26,7 +26,10 @@ def _targets(path: Path) -> list[Path]:
     from hpcnet.ckpt.listing import scan
 
     if path.is_dir():
-        return [Path(i.path) for i in scan(path)[0]]
+        targets = [Path(i.path) for i in scan(path)[0]]
+        if not targets:
+            raise UsageError(f"no checkpoints in {str(path)!r}")
+        return targets
     if path.exists():
         return [path]
     raise UsageError(f"{str(path)!r} does not exist")
@@ -58,8 +61,6 @@ def cmd_inspect(path: Path, out: Any) -> int:
     from hpcnet.ckpt.validate import open_read, read_header, read_json
 
     targets = _targets(path)
-    if not targets:
-        raise UsageError(f"no checkpoints in {str(path)!r}")
     target = targets[-1]
     try:
         with open_read(target) as f:
@@ -97,8 +98,6 @@ def cmd_verify(path: Path, out: Any) -> int:
     from hpcnet.ckpt.load import load_checkpoint
 
     targets = _targets(path)
-    if not targets:
-        raise UsageError(f"no checkpoints in {str(path)!r}")
     failed = 0
     for target in targets:
         try:

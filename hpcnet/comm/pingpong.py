@@ -8,6 +8,8 @@ import statistics
 import time
 from typing import Any
 
+from hpcnet.comm.world import wait_sleeping
+
 # Ping-pong tags.  The responder echoes every message until STOP, so the
 # initiator alone decides (by the clock) how many repetitions to time.
 _HELLO, _PING, _PONG, _STOP = 11, 12, 13, 14
@@ -17,7 +19,6 @@ _LATENCY_WARMUP, _LATENCY_REPS = 20, 1000
 _BANDWIDTH_WARMUP, _BANDWIDTH_REPS = 1, 50
 INTRA_SAMPLES = 3
 """Local ranks each node leader is timed against: the first, middle and last."""
-_POLL_S = 0.0005
 
 
 def pair_key(i: int, j: int) -> str:
@@ -86,12 +87,6 @@ def plan_rounds(nodes: list[list[int]], samples: int = INTRA_SAMPLES) -> list[li
     return rounds
 
 
-def wait_sleeping(request: Any) -> None:
-    """Complete ``request`` while sleeping, so a waiting rank leaves the core to the ranks measuring."""
-    while not request.Test():
-        time.sleep(_POLL_S)
-
-
 def time_pair(comm: Any, peer: int, small: Any, large: Any, end: float) -> tuple[float, float]:
     """Initiator side of one pair: (latency_us, bandwidth_gbps), done by ``end`` (MPI.Wtime).
 
@@ -135,9 +130,7 @@ def echo_pair(comm: Any, peer: int, buf: Any) -> None:
     comm.Send(bytearray(1), peer, _HELLO)
     status = MPI.Status()
     # Sleep until the first message: the initiator may still be busy elsewhere.
-    request = comm.Irecv(buf, peer, MPI.ANY_TAG)
-    while not request.Test(status):
-        time.sleep(_POLL_S)
+    wait_sleeping(comm.Irecv(buf, peer, MPI.ANY_TAG), status=status)
     while status.Get_tag() != _STOP:
         comm.Send([buf, status.Get_count(MPI.BYTE), MPI.BYTE], peer, _PONG)
         comm.Recv(buf, peer, MPI.ANY_TAG, status)

@@ -9,6 +9,7 @@ are alone.
 
 import os
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -174,3 +175,10 @@ def choose_device(world: World, requested: str = "auto") -> Any:
     device = torch.device("cuda", world.local_rank % count)
     torch.cuda.set_device(device)
     return device
+
+
+def wait_sleeping(request: Any, poll_s: float = 0.0005, status: Any = None) -> None:
+    """Complete an MPI request (filling ``status``) polling it with sleeps: a blocked MPI call busy-polls a
+    core (Open MPI), which the ranks still working need on an oversubscribed node."""
+    while not request.Test(status):
+        time.sleep(poll_s)

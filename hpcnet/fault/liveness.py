@@ -19,7 +19,6 @@ Ranks on other hosts are judged by heartbeats alone.
 """
 
 import ctypes
-import ctypes.util
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -36,8 +35,7 @@ _PR_SET_NAME = 15
 def name_this_thread(name: bytes = MONITOR_THREAD_NAME) -> None:
     """Give the calling thread its OS name (Linux ``prctl``; elsewhere nothing happens)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
     except (OSError, AttributeError):
         pass
 

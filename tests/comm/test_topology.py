@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from hpcnet.comm.netif import IbPort, Interface, interfaces, kind_of
-from hpcnet.comm.pingpong import pair_key, plan_rounds, wait_sleeping
+from hpcnet.comm.pingpong import pair_key, plan_rounds
+from hpcnet.comm.world import wait_sleeping
 from hpcnet.comm.topology import Gpu, Node, RankInfo, Topology, common_interface, local_gpus, main, probe, recommend
 from hpcnet.comm.world import discover, node_layout
 from tests.helpers import nodes_of
