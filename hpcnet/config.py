@@ -241,7 +241,7 @@ class MonitorConfig:
     stall_timeout_s: float = 0.0
     """A collective running longer than this is a stall; 0 derives it from the observed step time (see stall_floor_s)."""
     stall_floor_s: float = 30.0
-    """The smallest stall timeout when it is derived from the step time."""
+    """The smallest stall timeout when it is derived from the step time, times the host's ranks per core where it has more ranks than cores."""
     startup_timeout_s: float = 600.0
     """Start-up (from the monitor's start to the first step, checkpoint loads not counted) must end within this; past it: stacks, failure.json (kind 'startup'), status 75."""
     memory_every_steps: int = 50

@@ -146,15 +146,19 @@ def discover(comm: Any, environ: Mapping[str, str] | None = None) -> World:
     )
 
 
+def usable_cores() -> frozenset[int]:
+    """The CPUs this process may run on (its affinity: a SLURM cpuset, a binding), or all of them."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return frozenset(range(os.cpu_count() or 1))
+
+
 def cpu_threads(world: World, requested: int = 0) -> int:
     """Torch threads for this rank: ``requested``, or the node's cores divided among its ranks."""
     if requested > 0:
         return requested
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // world.local_size)
+    return max(1, len(usable_cores()) // world.local_size)
 
 
 def choose_device(world: World, requested: str = "auto") -> Any:

@@ -43,7 +43,8 @@ import numpy as np
 
 from hpcnet.config import MonitorConfig
 from hpcnet.errors import ExitCode
-from hpcnet.fault.flightrec import NULL_RECORDER, WARMUP_FACTOR, FlightRecorder, describe_op, desync, stall_timeout
+from hpcnet.fault.flightrec import (NULL_RECORDER, WARMUP_FACTOR, FlightRecorder, describe_op, desync, oversubscription,
+                                   stall_timeout)
 from hpcnet.fault.heartbeat import (LEAVING, RUNNING, TAG_ACK, TAG_BEAT, TAG_NOTICE, HeartbeatLink, PeerTracker,
                                     encode, position, ring_peers)
 from hpcnet.fault.liveness import LocalLiveness, name_this_thread, start_time
@@ -53,7 +54,7 @@ from hpcnet.fault.report import (DUMP_SIGNAL, heartbeat_report, native_report, r
                                  write_dump, write_failure)
 from hpcnet.fault.watchdog import NULL_DEADLINES, Deadlines, Guard
 from hpcnet.layout import FAILURE_FILE, stall_dump
-from hpcnet.comm.world import World
+from hpcnet.comm.world import World, usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,9 @@ class Monitor:
         self._tick_s = min(0.05, max(0.01, cfg.heartbeat_interval_s / 10))
         self._step_times: deque[float] = deque(maxlen=100)
         self._last_step_at: float | None = None
-        self._timeout_s = stall_timeout(cfg.stall_timeout_s, cfg.stall_floor_s, [])
+        self.floor_s = cfg.stall_floor_s
+        """``monitor.stall_floor_s`` times this host's ranks per core (``oversubscription``), set at start."""
+        self._timeout_s = stall_timeout(cfg.stall_timeout_s, self.floor_s, [])
         self._timeout_at = 0.0
         self._link: HeartbeatLink | None = None
         self._tracker: PeerTracker | None = None
@@ -128,10 +131,17 @@ class Monitor:
             return self
         hb_comm = self.comm.Dup()
         session = hb_comm.bcast(random.getrandbits(48) if self.world.rank == 0 else None, root=0)
-        ids = hb_comm.allgather((os.getpid(), start_time(os.getpid())))
-        self._pids = tuple(pid for pid, _ in ids)  # whom to ask for stacks on this host
-        self._local = LocalLiveness({r: ids[r] for r in self.watch
-                                     if self.world.hostnames[r] == self.world.hostname and r != self.world.rank})
+        ids = hb_comm.allgather((os.getpid(), start_time(os.getpid()), usable_cores()))
+        self._pids = tuple(pid for pid, _, _ in ids)  # whom to ask for stacks on this host
+        here = [r for r in range(self.world.size) if self.world.hostnames[r] == self.world.hostname]
+        self._local = LocalLiveness({r: ids[r][:2] for r in self.watch if r in here and r != self.world.rank})
+        cores = set().union(*(ids[r][2] for r in here))
+        factor = oversubscription(len(here), len(cores))
+        self.floor_s = self.cfg.stall_floor_s * factor
+        self._timeout_s = stall_timeout(self.cfg.stall_timeout_s, self.floor_s, [])
+        if factor > 1 and self.world.rank == 0 and self.cfg.stall_timeout_s <= 0:
+            log.info("%d ranks share %d core(s) on %s: the stall floor is %.0f s (%.0f x monitor.stall_floor_s)",
+                     len(here), len(cores), self.world.hostname, self.floor_s, factor)
         self._link = HeartbeatLink(hb_comm, session)
         self._tracker = PeerTracker(self.watch, self.cfg.heartbeat_interval_s, self.cfg.heartbeat_misses,
                                     time.monotonic(), startup_deadline_s=WARMUP_FACTOR * self.cfg.stall_floor_s,
@@ -200,7 +210,7 @@ class Monitor:
             watchers_per_rank=len(self.watch), beats_sent=sum(e["sent"] for e in every),
             beats_received=sum(e["received"] for e in every), collectives_recorded=self.recorder.seq,
             median_step_s=round(statistics.median(times), 6) if times else None,
-            stall_timeout_s=round(stall_timeout(self.cfg.stall_timeout_s, self.cfg.stall_floor_s, times), 3))
+            stall_timeout_s=round(stall_timeout(self.cfg.stall_timeout_s, self.floor_s, times), 3))
         if self.memory is not None:
             result["memory"] = merge_summaries([e["memory"] for e in every], self.cfg.memory_every_steps)
         return result
@@ -321,8 +331,7 @@ class Monitor:
 
     def _check_stall(self, now: float) -> None:
         if now >= self._timeout_at:  # the median is not worth recomputing every tick
-            self._timeout_s = stall_timeout(self.cfg.stall_timeout_s, self.cfg.stall_floor_s,
-                                            list(self._step_times))
+            self._timeout_s = stall_timeout(self.cfg.stall_timeout_s, self.floor_s, list(self._step_times))
             self._timeout_at = now + 1.0
         oldest = self.recorder.oldest_open()
         if oldest is not None and now - max(oldest.start, self._stall_clock_from) > self._timeout_s:

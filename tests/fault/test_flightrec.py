@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from hpcnet.fault.flightrec import FlightRecorder, analyze_stall, desync, format_entries, stall_timeout
+from hpcnet.fault.flightrec import FlightRecorder, analyze_stall, desync, format_entries, oversubscription, stall_timeout
 from tests.helpers import rank_state
 
 
@@ -35,6 +35,13 @@ def test_stall_timeout_rules():
     assert stall_timeout(0.0, 30.0, []) == 120.0  # no step time yet: 4 x floor
     assert stall_timeout(0.0, 30.0, [0.1, 0.2, 0.1]) == 30.0  # the floor
     assert stall_timeout(0.0, 30.0, [5.0, 6.0, 100.0]) == 60.0  # 10 x median, one slow step ignored
+
+
+def test_oversubscription_is_ranks_per_core_and_never_below_one():
+    assert oversubscription(32, 2) == 16.0
+    assert oversubscription(3, 2) == 1.5
+    assert oversubscription(1, 64) == oversubscription(8, 8) == 1.0
+    assert oversubscription(4, 0) == 4.0  # no affinity known: one core
 
 
 def test_desync_compares_the_same_position():

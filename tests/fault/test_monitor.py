@@ -61,6 +61,23 @@ def test_beats_flow_without_false_alarms(comm, mpi_tmp_path):
         assert summary["beats_received"] > 0 and summary["collectives_recorded"] == 28
 
 
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_the_stall_floor_grows_with_the_ranks_per_core_of_the_host(comm, mpi_tmp_path):
+    """The floor is scaled by this host's ranks per core: the union of the local ranks' affinities."""
+    cores = set().union(*comm.allgather(sorted(os.sched_getaffinity(0))))
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
+    monitor = _monitor(comm, mpi_tmp_path, [], stall_floor_s=10.0).start()
+    floor, warmup_timeout = monitor.floor_s, monitor._timeout_s
+    monitor.stop()
+    assert floor == pytest.approx(10.0 * max(1.0, local / len(cores)))
+    assert warmup_timeout == pytest.approx(4 * floor)
+    fixed = _monitor(comm, mpi_tmp_path, [], stall_floor_s=10.0, stall_timeout_s=7.0).start()
+    timeout = fixed._timeout_s
+    fixed.stop()
+    assert timeout == 7.0  # a configured timeout is used as is
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 def test_silent_rank_is_named_by_its_watchers(comm, mpi_tmp_path):
