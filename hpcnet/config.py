@@ -165,6 +165,8 @@ class DistConfig:
     """Wire format of gradients: 'none', 'fp16' or 'bf16' (nccl and gloo only: on CPU set dist.backend=gloo)."""
     fallback: str = "auto"
     """Backend to continue on when the primary fails: 'auto' (gloo for nccl/mpi, mpi for gloo), 'gloo', 'mpi', 'none'."""
+    progress: str = "auto"
+    """Where the MPI transport's all-reduces run: 'thread' (a worker thread, overlapping backward), 'inline' (in the gradient hook, no hand-off), 'auto' (inline when a rank has fewer than 2 cores of its own)."""
     find_unused: bool = False
     """Allow parameters that get no gradient in a step (treated as zero); off makes that an error."""
     probe: bool = True
@@ -189,6 +191,8 @@ class DistConfig:
             raise ConfigError(f"dist.hierarchical: {self.hierarchical!r} is not one of 'auto', 'on', 'off'")
         if self.compression not in ("none", "fp16", "bf16"):
             raise ConfigError(f"dist.compression: {self.compression!r} is not one of 'none', 'fp16', 'bf16'")
+        if self.progress not in ("auto", "thread", "inline"):
+            raise ConfigError(f"dist.progress: {self.progress!r} is not one of 'auto', 'thread', 'inline'")
         if self.fallback not in ("auto", "gloo", "mpi", "none"):
             raise ConfigError(f"dist.fallback: {self.fallback!r} is not one of 'auto', 'gloo', 'mpi', 'none'")
         if self.fail_at_step < 0:

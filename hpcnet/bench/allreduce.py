@@ -36,8 +36,22 @@ class Runner:
 
     run: Callable[[], Any]
     tensor: torch.Tensor
-    """What the method reduces: set before and read after ``run`` (the correctness check)."""
+    """Where the method leaves its result (read after ``run`` by the correctness check)."""
     close: Callable[[], Any] = lambda: None
+    feed: Callable[[float], Any] | None = None
+    """Set the value every element of the next input has; None: ``tensor`` is the input (filled)."""
+
+    output: Callable[[], torch.Tensor] | None = None
+    """Where the result of the last ``run`` is, when not always in ``tensor`` (a fresh gradient each run)."""
+
+    def result(self) -> torch.Tensor:
+        return self.output() if self.output is not None else self.tensor
+
+    def set_input(self, value: float) -> None:
+        if self.feed is not None:
+            self.feed(value)
+        else:
+            self.tensor.fill_(value)
 
 
 @dataclass
@@ -57,7 +71,7 @@ TIMEOUT_S = 120.0
 
 
 def build_methods(comm: Any, world: Any, *, device: torch.device, reducer: bool,
-                  cleanup: list[Callable[[], Any]]) -> list[Method]:
+                  cleanup: list[Callable[[], Any]], args_progress: str = "auto") -> list[Method]:
     """The methods this job can run: hpcnet's transports and their raw peers (collective).
 
     Args:
@@ -65,12 +79,15 @@ def build_methods(comm: Any, world: Any, *, device: torch.device, reducer: bool,
         world: its layout (``hpcnet.comm.world.discover``).
         device: this rank's device; NCCL methods are added on GPUs.
         reducer: add the Reducer over one flat parameter (hpcnet's full bucket path).
+        args_progress: ``dist.progress`` for hpcnet's MPI transports ('auto', 'thread', 'inline').
         cleanup: receives what must be closed after the benchmark.
     """
     import torch.distributed as dist
     from mpi4py import MPI
 
+    from hpcnet.comm.plan import mpi_progress
     from hpcnet.comm.transport import TorchTransport, build_transport
+    from hpcnet.comm.world import cores_per_rank
 
     methods: list[Method] = []
     peer_comm = comm.Dup()  # the raw peer gets a private communicator too, as MpiTransport does
@@ -88,7 +105,9 @@ def build_methods(comm: Any, world: Any, *, device: torch.device, reducer: bool,
         return lambda buf: Runner(lambda: transport.start(buf).wait(TIMEOUT_S), buf)
 
     methods.append(Method("mpi4py", "", "cpu", raw_mpi))
-    methods.append(Method("hpcnet-mpi", "mpi4py", "cpu", hpcnet_transport(build_transport("mpi", False, comm, world))))
+    progress = mpi_progress(args_progress, cores_per_rank(world))
+    methods.append(Method("hpcnet-mpi", "mpi4py", "cpu",
+                          hpcnet_transport(build_transport("mpi", False, comm, world, progress=progress))))
     gloo_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
     methods.append(Method("torch-gloo", "", "cpu", raw_torch(gloo_group)))
     methods.append(Method("hpcnet-gloo", "torch-gloo", "cpu",
@@ -101,42 +120,84 @@ def build_methods(comm: Any, world: Any, *, device: torch.device, reducer: bool,
                               hpcnet_transport(TorchTransport(nccl_group, "nccl", world.size))))
     if world.num_nodes > 1:  # real nodes, or virtual ones from HPCNET_RANKS_PER_NODE
         methods.append(Method(f"hpcnet-hierarchical-{primary}", primary_peer, device.type,
-                              hpcnet_transport(build_transport(primary, True, comm, world))))
+                              hpcnet_transport(build_transport(primary, True, comm, world, progress=progress))))
     if reducer:
-        methods.append(_reducer_method(primary, primary_peer, comm, world, device))
+        methods += _reducer_methods(primary, comm, peer_comm, world, device, progress)
     return methods
 
 
-def _reducer_method(primary: str, peer: str, comm: Any, world: Any, device: torch.device) -> Method:
-    """hpcnet's whole bucket path for one flat parameter: autograd accumulates a (zero) gradient into the
-    bucket view, the hook launches the bucket, finish() agrees over the control plane, waits and averages.
+class _Backward:
+    """A backward pass that produces a fresh gradient of one flat parameter, every element ``value``: what
+    autograd hands the reducer in training (``(param * value).sum()``: one write of the gradient)."""
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.param = torch.nn.Parameter(torch.zeros_like(like))
+        self.value = torch.zeros((), dtype=like.dtype, device=like.device)
+
+    def __call__(self) -> None:
+        (self.param * self.value).sum().backward()
+
+    def feed(self, value: float) -> None:
+        self.value.fill_(value)
+
+
+def _reducer_methods(primary: str, comm: Any, peer_comm: Any, world: Any, device: torch.device,
+                     progress: str) -> list[Method]:
+    """hpcnet's whole bucket path for one flat parameter, and its hand-written peer.
+
+    ``hpcnet-reducer-<backend>``: zero_grad, a backward pass that hands the reducer a fresh gradient, the
+    hook folds it (times 1/n) into the bucket and launches it, finish() agrees over the control plane.
+    ``backward+mpi4py``: the same backward, then ``Allreduce`` of the gradient and a divide: the least a
+    training step can do.  Both are also compared with the bare ``mpi4py`` Allreduce.
     """
+    from mpi4py import MPI
+
     from hpcnet.comm.reducer import Reducer
     from hpcnet.comm.transport import build_transport
 
     def reducer_path(buf: torch.Tensor) -> Runner:
-        param = torch.nn.Parameter(torch.zeros_like(buf))
-        zeros = torch.zeros_like(buf)
-        red = Reducer([("flat", param)], build_transport(primary, False, comm, world), comm,
-                      bucket_bytes=buf.numel() * buf.element_size(), first_bucket_bytes=0, timeout_s=TIMEOUT_S)
+        backward = _Backward(buf)
+        red = Reducer([("flat", backward.param)], build_transport(primary, False, comm, world, progress=progress),
+                      comm, bucket_bytes=buf.numel() * buf.element_size(), first_bucket_bytes=0,
+                      timeout_s=TIMEOUT_S)
 
         def run() -> None:
-            param.backward(zeros)
+            red.zero_grad()  # as every training step starts
+            backward()
             red.finish()
 
-        return Runner(run, param.grad, close=red.close)
+        return Runner(run, red.buckets[0].buffer, close=red.close, feed=backward.feed)
 
-    return Method(f"hpcnet-reducer-{primary}", peer, device.type, reducer_path, result_scale=1 / world.size)
+    def by_hand(buf: torch.Tensor) -> Runner:
+        backward = _Backward(buf)
+        n = comm.Get_size()
+
+        def run() -> None:
+            backward.param.grad = None
+            backward()
+            grad = backward.param.grad
+            peer_comm.Allreduce(MPI.IN_PLACE, grad.numpy(), op=MPI.SUM)
+            grad.div_(n)
+
+        backward()  # a gradient from the start
+        return Runner(run, backward.param.grad, feed=backward.feed, output=lambda: backward.param.grad)
+
+    if device.type != "cpu":
+        return [Method(f"hpcnet-reducer-{primary}", f"torch-{primary}", device.type, reducer_path,
+                       result_scale=1 / world.size)]
+    return [Method("backward+mpi4py", "mpi4py", "cpu", by_hand, result_scale=1 / world.size),
+            Method(f"hpcnet-reducer-{primary}", "backward+mpi4py", "cpu", reducer_path, result_scale=1 / world.size)]
 
 
 def _check(method: Method, runner: Runner, comm: Any) -> str | None:
     """Run once on (rank + 1) everywhere and compare with n(n+1)/2 (scaled): None or an error message."""
     n, rank = comm.Get_size(), comm.Get_rank()
-    runner.tensor.fill_(rank + 1)
+    runner.set_input(rank + 1)
     runner.run()
     _sync(runner.tensor)
     expected = n * (n + 1) / 2 * method.result_scale
-    got = [runner.tensor[0].item(), runner.tensor[-1].item()]
+    out = runner.result()
+    got = [out[0].item(), out[-1].item()]
     if any(abs(g - expected) > 1e-6 * expected for g in got):
         return f"{method.name}: wrong sum on rank {rank}: {got} instead of {expected}"
     return None
@@ -188,7 +249,8 @@ def _prepare(method: Method, buf: torch.Tensor, runners: list[Runner], comm: Any
     errors = [e for e in comm.allgather(_check(method, runner, comm)) if e]
     if errors:
         raise agreed(RuntimeError("; ".join(errors)))
-    runner.tensor.zero_()  # zeros stay zeros: no growth towards inf, no denormals
+    runner.set_input(0.0)  # zeros stay zeros: no growth towards inf, no denormals
+    runner.tensor.zero_()
     return _time_block(runner, args.warmup, comm)
 
 
@@ -276,6 +338,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-size-s", type=float, default=20.0,
                         help=f"stop a size's rounds after this many seconds (at least {MIN_ROUNDS} rounds run; "
                              "default 20)")
+    parser.add_argument("--progress", choices=("auto", "thread", "inline"), default="auto",
+                        help="dist.progress of hpcnet's MPI transports (default auto, as training uses)")
     parser.add_argument("--no-reducer", action="store_true", help="leave out the Reducer (full bucket path)")
     parser.add_argument("--methods", default="", help="comma-separated subset of the methods to run")
     parser.add_argument("--json", default="", help="also write the results to this JSON file (rank 0)")
@@ -320,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     plane = init_data_plane(comm, world, backend=backend, device=device, timeout_s=TIMEOUT_S)
     cleanup: list[Callable[[], Any]] = []
     try:
-        methods = _select(build_methods(comm, world, device=device, reducer=not args.no_reducer, cleanup=cleanup),
+        methods = _select(build_methods(comm, world, device=device, reducer=not args.no_reducer, cleanup=cleanup,
+                                         args_progress=args.progress),
                           args.methods, rank0)
         if methods is None:
             return 2

@@ -84,7 +84,7 @@ class Contender:
 
 
 def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.device, local: bool,
-                    seed: int = 0) -> list[Contender]:
+                    seed: int = 0, dist_cfg: Any = None) -> list[Contender]:
     """hpcnet, DDP and (optionally) the no-communication baseline on copies of one model (collective)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -112,7 +112,7 @@ def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.dev
         return optimizer, update
 
     model_h = copy.deepcopy(base)
-    dist_cfg = DistConfig()  # hpcnet's defaults
+    dist_cfg = dist_cfg or DistConfig()  # hpcnet's defaults unless --dist says otherwise
     dp = DataParallel(model_h, comm, world, dist_cfg, device=device,
                       plan=decide_plan(comm, world, dist_cfg, device_type=device.type))
     contenders = [Contender("hpcnet", model_h, lambda x, y: dp.step([(x, y)], compute_loss), updater(model_h)[1], dp)]
@@ -171,7 +171,7 @@ def bench_model(name: str, spec: ModelSpec, comm: Any, world: Any, args: argpars
     from mpi4py import MPI
 
     batch_size = args.batch_size or spec.batch_size
-    contenders = make_contenders(spec, comm, world, device=device, local=not args.no_local)
+    contenders = make_contenders(spec, comm, world, device=device, local=not args.no_local, dist_cfg=args.dist_cfg)
     batches = synthetic_batches(spec, batch_size, args.distinct_batches, world.rank, device)
     try:
         position = {c.name: 0 for c in contenders}  # every contender walks the same batch sequence
@@ -295,6 +295,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--distinct-batches", type=int, default=4, help="synthetic batches cycled (default 4)")
     parser.add_argument("--profile-steps", type=int, default=5,
                         help="steps of the instrumented block that splits the step time (default 5; 0 = none)")
+    parser.add_argument("--dist", action="append", default=[], metavar="OPTION=VALUE",
+                        help="a dist option of hpcnet's contender (e.g. progress=thread; repeatable; default: "
+                             "hpcnet's defaults, as training uses)")
     parser.add_argument("--no-local", action="store_true", help="leave out the no-communication baseline")
     parser.add_argument("--json", default="", help="also write the results to this JSON file (rank 0)")
     args = parser.parse_args(argv)
@@ -303,6 +306,13 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0 or args.profile_steps < 0 or args.batch_size < 0:
         parser.error("--warmup, --profile-steps and --batch-size must be >= 0")
+    from hpcnet.config_manager import load_config
+    from hpcnet.errors import UsageError
+
+    try:
+        args.dist_cfg = load_config(overrides=[f"dist.{o}" for o in args.dist]).dist
+    except UsageError as exc:
+        parser.error(f"--dist: {exc}")
     args.model_list = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in args.model_list if m not in SPECS]
     if unknown or not args.model_list:

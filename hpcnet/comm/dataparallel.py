@@ -18,9 +18,9 @@ from hpcnet.comm.reducer import Reducer, broadcast_buffers, broadcast_module
 from hpcnet.config import DistConfig
 from hpcnet.errors import RestartableError, UsageError
 from hpcnet.fault.flightrec import NULL_RECORDER
-from hpcnet.comm.plan import Plan
+from hpcnet.comm.plan import Plan, mpi_progress
 from hpcnet.comm.transport import CommFailure, FaultyTransport, build_transport
-from hpcnet.comm.world import World
+from hpcnet.comm.world import World, cores_per_rank
 from hpcnet.agree import agreed
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,9 @@ class DataParallel:
         self.device = device
         self.plan = plan
         check_same_model(model, comm)
-        transport = build_transport(plan.primary, plan.hierarchical, comm, world, timeout_s=cfg.timeout_s)
+        self.progress = mpi_progress(cfg.progress, cores_per_rank(world))
+        transport = build_transport(plan.primary, plan.hierarchical, comm, world, timeout_s=cfg.timeout_s,
+                                    progress=self.progress)
         if cfg.fail_at_step:
             transport = FaultyTransport(transport, fail=not cfg.fail_ranks or world.rank in cfg.fail_ranks)
         broadcast_module(model, comm)  # replicas start equal even if initialisation differed
@@ -95,7 +97,9 @@ class DataParallel:
 
     def describe(self) -> str:
         sizes = [b.buffer.numel() * b.buffer.element_size() / 2**20 for b in self.reducer.buckets]
-        return (f"gradients: {self.backend} all-reduce{' (hierarchical)' if self.plan.hierarchical else ''}, "
+        progress = f" ({self.progress})" if "mpi" in self.backend else ""
+        return (f"gradients: {self.backend} all-reduce{' (hierarchical)' if self.plan.hierarchical else ''}"
+                f"{progress}, "
                 f"{len(sizes)} bucket(s) of {', '.join(f'{s:.1f}' for s in sizes[:6])}"
                 f"{' ...' if len(sizes) > 6 else ''} MiB, compression {self.cfg.compression}, "
                 f"fallback {self.plan.fallback or 'none'}")
@@ -126,7 +130,7 @@ class DataParallel:
                     raise agreed(RestartableError(f"step {self.step_count}: {exc}; no fallback left")) from exc
                 self.reducer.arm_fault(False)
                 fallback = build_transport(self.plan.fallback, False, self.comm, self.world,
-                                           timeout_s=self.cfg.timeout_s)
+                                           timeout_s=self.cfg.timeout_s, progress=self.progress)
                 self.reducer.switch(fallback, str(exc), self.step_count)
                 self.plan = Plan(self.plan.fallback, False, None)
                 self._buffer_group = None  # the NCCL group may be the part that failed

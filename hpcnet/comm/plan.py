@@ -90,6 +90,23 @@ def plan_transport(cfg: DistConfig, *, device_type: str, num_nodes: int, min_loc
     return Plan(primary, hierarchical, fallback)
 
 
+SPARE_CORES_FOR_THREAD = 2
+"""A rank needs this many cores of its own for a worker thread to overlap MPI with backward (``mpi_progress``)."""
+
+
+def mpi_progress(option: str, cores_per_rank: float) -> str:
+    """Where MPI collectives of the data plane run, 'thread' or 'inline' (pure; ``dist.progress``).
+
+    A worker thread overlaps the all-reduce with backward only if it has a
+    core to run on: on a rank with one core (or less) it busy-polls the core
+    that computes, and each hand-off waits for the scheduler, so 'auto' is
+    inline there (measured in the README, Communication).
+    """
+    if option != "auto":
+        return option
+    return "thread" if cores_per_rank >= SPARE_CORES_FOR_THREAD else "inline"
+
+
 def decide_plan(comm: Any, world: World, cfg: DistConfig, *, device_type: str,
                 hierarchical_hint: bool | None = None) -> Plan:
     """Collective: ``plan_transport`` for this job, the same on every rank, or the same error on every rank.

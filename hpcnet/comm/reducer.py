@@ -1,19 +1,28 @@
 """Bucketed gradient all-reduce, overlapped with the backward pass.
 
 Parameters are packed, in reverse registration order (the last layers'
-gradients are ready first), into flat buckets of about ``bucket_bytes`` (a
-smaller first bucket starts communication early, as in DDP).  Each
-parameter's ``.grad`` is a view into its bucket, so autograd accumulates
-straight into the buffer that goes on the wire: no copies on the hot path.
-A post-accumulate-grad hook counts the gradients each bucket still waits
-for; when a bucket is complete it is handed to the transport at once, in
-bucket order on every rank, while autograd goes on with earlier layers.
+gradients are ready first), into flat buckets: a bucket is closed as soon as
+it holds at least ``bucket_bytes`` (a smaller first bucket starts
+communication early), so a large tensor goes out with the tensors before it
+and never waits for the next layer's, as in DDP.
+
+Gradients are handed over, not accumulated: ``zero_grad`` sets every
+``.grad`` to None, autograd then gives each parameter the tensor it computed
+(no zeroing pass, no read-modify-write), and the post-accumulate-grad hook
+writes it, times 1/world size, into the parameter's place in its bucket in
+one pass (DDP divides before the sum as well; for a world size that is a
+power of two the result is the same bits as dividing after).  The bucket
+view becomes the parameter's ``.grad``.  When a bucket is complete it is
+handed to the transport at once, in bucket order on every rank, while
+autograd goes on with earlier layers.
 
 ``finish()`` (before the optimizer step) agrees over the MPI control plane
-that every rank launched the same buckets, waits for them, divides by the
-world size, and agrees on the outcome: a failure on any rank raises
-``CommFailure`` on every rank, so the trainer can switch transport and redo
-the step.
+that every rank launched the same buckets and, with a transport that has
+already finished its collectives when ``start`` returns (inline MPI), on the
+outcome, in the same exchange: one small all-reduce per step.  Otherwise it
+waits for the buckets and agrees on the outcome in a second one.  A failure
+on any rank raises ``CommFailure`` on every rank, so the trainer can switch
+transport and redo the step.
 """
 
 import contextlib
@@ -36,9 +45,10 @@ log = logging.getLogger(__name__)
 def plan_buckets(sizes_bytes: list[int], bucket_bytes: int, first_bucket_bytes: int = 0) -> list[list[int]]:
     """Group tensor indices into buckets (pure logic).
 
-    Tensors are taken in reverse order.  The first bucket holds at most
-    ``first_bucket_bytes`` (when > 0), the others at most ``bucket_bytes``; a
-    tensor larger than the cap gets a bucket of its own.
+    Tensors are taken in reverse order.  A bucket is closed once it holds at
+    least its cap: ``first_bucket_bytes`` for the first (when > 0),
+    ``bucket_bytes`` for the others.  A tensor is never split, so a bucket
+    exceeds its cap by less than its last tensor.
     """
     if bucket_bytes <= 0:
         raise ValueError("bucket_bytes must be greater than 0")
@@ -46,13 +56,12 @@ def plan_buckets(sizes_bytes: list[int], bucket_bytes: int, first_bucket_bytes: 
     current: list[int] = []
     filled = 0
     for index in reversed(range(len(sizes_bytes))):
-        size = sizes_bytes[index]
+        current.append(index)
+        filled += sizes_bytes[index]
         cap = first_bucket_bytes if (not buckets and first_bucket_bytes > 0) else bucket_bytes
-        if current and filled + size > cap:
+        if filled >= cap:
             buckets.append(current)
             current, filled = [], 0
-        current.append(index)
-        filled += size
     if current:
         buckets.append(current)
     return buckets
@@ -134,7 +143,8 @@ class Reducer:
             for j, p in enumerate(bucket.params):
                 self._bucket_of[p] = (bucket, j)
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        self._attach_views()
+        self._scale = 1.0 / self.world_size
+        self.zero_grad()
         self._reset()
 
     # -- gradient views ------------------------------------------------------
@@ -142,19 +152,28 @@ class Reducer:
         p = bucket.params[j]
         return bucket.buffer[bucket.offsets[j]:bucket.offsets[j + 1]].view_as(p)
 
-    def _attach_views(self) -> None:
-        for bucket in self.buckets:
-            for j, p in enumerate(bucket.params):
-                view = self._view(bucket, j)
-                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad)
-                p.grad = view
+    def _fold(self, bucket: _Bucket, j: int) -> None:
+        """Write parameter j's gradient, times 1/world size, into its bucket view (one pass); ``.grad`` becomes
+        the view.  No gradient: zeros (an unused parameter)."""
+        p, view = bucket.params[j], self._view(bucket, j)
+        grad = p.grad
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() == view.data_ptr():  # gradients accumulated into the last step's (no zero_grad)
+            if self._scale != 1.0:
+                view.mul_(self._scale)
+        elif self._scale != 1.0:
+            torch.mul(grad, self._scale, out=view)
+        else:
+            view.copy_(grad)
+        p.grad = view
 
     def zero_grad(self) -> None:
-        """Zero every gradient, keeping them views into the buckets (use instead of optimizer.zero_grad)."""
+        """Drop every gradient (``.grad = None``): the next backward hands its gradients over to the hooks, which
+        fold them into the buckets (use instead of optimizer.zero_grad)."""
         for bucket in self.buckets:
-            bucket.buffer.zero_()
-        self._attach_views()
+            for p in bucket.params:
+                p.grad = None
 
     def _reset(self) -> None:
         for bucket in self.buckets:
@@ -178,15 +197,11 @@ class Reducer:
     # -- launching -----------------------------------------------------------
     def _on_grad(self, p: nn.Parameter) -> None:
         if not self._sync:
-            return
+            return  # micro-batches: autograd accumulates in .grad; the last one folds the sum
         bucket, j = self._bucket_of[p]
-        view = self._view(bucket, j)
-        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-            # Someone replaced .grad (set_to_none, a custom hook): fold it back in.
-            view.copy_(p.grad)
-            p.grad = view
         if bucket.ready[j]:
             return  # the parameter is used twice in the graph: its hook fires once per use
+        self._fold(bucket, j)
         bucket.ready[j] = True
         bucket.pending -= 1
         if bucket.pending == 0:
@@ -204,15 +219,27 @@ class Reducer:
         bucket.token = self.recorder.start("allreduce.bucket", bucket.index,
                                            bucket.buffer.numel() * bucket.buffer.element_size())
         if self.compression is not None:
-            # Pre-divide in full precision so the half-precision sum cannot overflow.
-            bucket.wire = (bucket.buffer / self.world_size).to(self.compression)
+            # Divided already (in full precision, by _fold), so the half-precision sum cannot overflow.
+            bucket.wire = bucket.buffer.to(self.compression)
             bucket.handle = self.transport.start(bucket.wire)
         else:
             bucket.handle = self.transport.start(bucket.buffer)
+        if self.transport.synchronous:
+            self.recorder.end(bucket.token)  # it ran in start: the flight recorder shows its real duration
 
     # -- finishing -------------------------------------------------------------
+    def _wait(self, buckets: list[_Bucket]) -> BaseException | None:
+        return wait_all([b.handle for b in buckets], self.timeout_s,
+                        on_done=lambda i: self.recorder.end(buckets[i].token))
+
     def finish(self) -> None:
         """Complete the reduction of this step (collective over the control plane).
+
+        One exchange (``reducer.launched``: per bucket, whether a rank has not
+        launched it, and, for a synchronous transport, whether a collective
+        failed here) when every rank launched every bucket and the transport
+        is synchronous; otherwise a second one (``reducer.outcome``) after the
+        wait.
 
         Raises:
             CommFailure: on every rank, when the transport failed on any rank.
@@ -221,21 +248,33 @@ class Reducer:
         """
         from mpi4py import MPI
 
-        local_missing = np.array([not b.launched for b in self.buckets], dtype=np.int8)
-        missing = np.empty_like(local_missing)
+        n = len(self.buckets)
+        launched = [b for b in self.buckets if b.launched]
+        synchronous = self.transport.synchronous
+        error = self._wait(launched) if synchronous else None  # done already: this only collects the outcome
+        local = np.zeros(n + 1, dtype=np.int8)
+        local[:n] = [not b.launched for b in self.buckets]
+        local[n] = error is not None
+        flags = np.empty_like(local)
         with self.recorder.op("reducer.launched"):
-            self.control.Allreduce(local_missing, missing, op=MPI.MAX)
-        if missing.any():
+            self.control.Allreduce(local, flags, op=MPI.MAX)
+        missing, failed = flags[:n], bool(flags[n])
+        late = [b for b in self.buckets if missing[b.index]]
+        if late:
             if not self.find_unused:
                 self._raise_unused(missing)
-            for bucket in self.buckets:
-                if missing[bucket.index]:
-                    bucket.pending = 0  # gradients not produced stay zero in the buffer
+            for bucket in late:
+                for j in range(len(bucket.params)):
+                    if not bucket.ready[j]:
+                        self._fold(bucket, j)  # a gradient from earlier micro-batches, or zeros
+                bucket.pending = 0
             self._launch_ready()
-        error = wait_all([b.handle for b in self.buckets], self.timeout_s,
-                         on_done=lambda i: self.recorder.end(self.buckets[i].token))
-        with self.recorder.op("reducer.outcome"):
-            failed = self.control.allreduce(error is not None, op=MPI.LOR)
+        if late or not synchronous:
+            error = self._wait(late if synchronous else self.buckets) or error
+            outcome = np.array([error is not None], dtype=np.int8)
+            with self.recorder.op("reducer.outcome"):
+                self.control.Allreduce(MPI.IN_PLACE, outcome, op=MPI.MAX)
+            failed = failed or bool(outcome[0])
         self.stats.steps += 1
         if failed:
             self._reset()
@@ -245,8 +284,6 @@ class Reducer:
             if bucket.wire is not None:
                 bucket.buffer.copy_(bucket.wire)
                 bucket.wire = None
-            else:
-                bucket.buffer.div_(self.world_size)
             self.stats.bytes_reduced += bucket.buffer.numel() * bucket.buffer.element_size()
         self._reset()
 

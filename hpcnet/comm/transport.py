@@ -5,12 +5,16 @@ handle whose ``wait`` finishes it.  Three kinds:
 
 - ``TorchTransport``: ``torch.distributed.all_reduce(async_op=True)`` on a
   NCCL or gloo group; NCCL and gloo progress on their own threads.
-- ``MpiTransport``: ``MPI_Allreduce`` on the tensor's memory (no copy),
-  issued from one worker thread per transport on a private communicator so it
-  runs while autograd computes the next gradients (mpi4py releases the GIL in
-  MPI calls; MPI is initialised with ``MPI_THREAD_MULTIPLE``).  Open MPI
-  progresses non-blocking collectives only inside MPI calls, which is why a
-  thread and not ``Iallreduce``.
+- ``MpiTransport``: ``MPI_Allreduce`` on the tensor's memory (no copy), on a
+  private communicator, progressed one of two ways (``dist.progress``):
+  ``thread``: from one worker thread per transport, so it runs while autograd
+  computes the next gradients (mpi4py releases the GIL in MPI calls; MPI is
+  initialised with ``MPI_THREAD_MULTIPLE``; Open MPI progresses non-blocking
+  collectives only inside MPI calls, which is why a thread and not
+  ``Iallreduce``); ``inline``: in the caller (the gradient hook), for a rank
+  with no core to spare for a worker: the hand-off to a thread and back, and
+  a busy-polling thread on the core that computes, cost more than the overlap
+  gains there (measured in the README, Communication).
 - ``HierarchicalTransport``: reduce-scatter inside the node, all-reduce of
   each shard among the ranks with the same local rank on other nodes, then
   all-gather inside the node, so each byte crosses the inter-node network
@@ -39,6 +43,8 @@ class Handle(Protocol):
 
 class Transport(Protocol):
     name: str
+    synchronous: bool
+    """``start`` returns after the collective finished (its handle only reports the outcome)."""
 
     def start(self, flat: torch.Tensor) -> Handle: ...
 
@@ -106,6 +112,7 @@ class TorchTransport:
         self.group = group
         self.name = backend
         self.size = size
+        self.synchronous = size == 1
 
     def start(self, flat: torch.Tensor) -> Handle:
         import torch.distributed as dist
@@ -128,15 +135,62 @@ def _mpi_buffer(flat: torch.Tensor) -> Any:
     return flat.numpy() if flat.device.type == "cpu" else flat
 
 
+class _Failed:
+    """The handle of a synchronous operation that raised: ``wait`` raises it as a CommFailure."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def wait(self, timeout_s: float) -> None:
+        if isinstance(self.exc, CommFailure):
+            raise self.exc
+        raise CommFailure(f"all-reduce failed: {type(self.exc).__name__}: {self.exc}") from self.exc
+
+
+class _Progress:
+    """Where a transport's MPI collectives run: a worker thread (``thread``) or the caller (``inline``)."""
+
+    def __init__(self, mode: str, prefix: str) -> None:
+        if mode not in ("thread", "inline"):
+            raise ValueError(f"progress must be 'thread' or 'inline', not {mode!r}")
+        self.mode = mode
+        self._pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=prefix)
+                      if mode == "thread" else None)
+
+    @property
+    def synchronous(self) -> bool:
+        return self._pool is None
+
+    def run(self, fn: Callable[[torch.Tensor], None], flat: torch.Tensor) -> Handle:
+        if self._pool is not None:
+            return _FutureHandle(self._pool.submit(fn, flat))
+        try:
+            fn(flat)
+        except Exception as exc:  # noqa: BLE001 - reported at wait, after the ranks agree (see wait_all)
+            return _Failed(exc)
+        return _Done()
+
+    def close(self) -> None:
+        # A worker stuck in a collective that will never finish cannot be
+        # joined; leave it (daemon-like) rather than hang the caller.
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 class MpiTransport:
-    """All-reduce with MPI from a worker thread, in submission order."""
+    """All-reduce with MPI, in submission order, from a worker thread or inline (``progress``)."""
 
     name = "mpi"
 
-    def __init__(self, comm: Any) -> None:
+    def __init__(self, comm: Any, progress: str = "thread") -> None:
         self.comm = comm.Dup()  # its own message space: never matched against other traffic
         self.size = self.comm.Get_size()
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcnet-mpi-allreduce")
+        self._progress = _Progress(progress, "hpcnet-mpi-allreduce")
+
+    @property
+    def synchronous(self) -> bool:
+        """True when ``start`` returns after the collective finished (inline progress, or one rank)."""
+        return self.size == 1 or self._progress.synchronous
 
     def _allreduce(self, flat: torch.Tensor) -> None:
         from mpi4py import MPI
@@ -148,12 +202,10 @@ class MpiTransport:
             return _Done()
         if flat.dtype not in (torch.float32, torch.float64):
             raise ValueError(f"the mpi transport sums float32/float64 buckets, not {flat.dtype}")
-        return _FutureHandle(self._pool.submit(self._allreduce, flat))
+        return self._progress.run(self._allreduce, flat)
 
     def close(self) -> None:
-        # A worker stuck in a collective that will never finish cannot be
-        # joined; leave it (daemon-like) rather than hang the caller.
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._progress.close()
 
 
 class HierarchicalTransport:
@@ -169,14 +221,16 @@ class HierarchicalTransport:
     """
 
     def __init__(self, comm: Any, *, node_index: int, local_rank: int, kind: str,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, progress: str = "thread") -> None:
         self.kind = kind
         self.name = f"hierarchical-{kind}"
         self.size = comm.Get_size()
         self.local = comm.Split(color=node_index, key=local_rank)
         self.cross = comm.Split(color=local_rank, key=node_index)
         self.local_size = self.local.Get_size()
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcnet-hier-allreduce")
+        # gloo's phases are sequenced by a worker thread too (see start); NCCL's are enqueued in order.
+        self._progress = _Progress(progress if kind == "mpi" else "thread", "hpcnet-hier-allreduce")
+        self.synchronous = self.size == 1 or (kind == "mpi" and self._progress.synchronous)
         self._local_group = self._cross_group = None
         if kind != "mpi":
             import torch.distributed as dist
@@ -245,29 +299,30 @@ class HierarchicalTransport:
             work, out, last = self._phases(flat, enqueue=True)
             return _PaddedHandle(_TorchHandle(last, stream_ordered=True, keep=(work, out)), flat, work)
         # gloo runs each group's operations on its own threads, so the phases
-        # are sequenced by one worker thread.
-        return _FutureHandle(self._pool.submit(self._run, flat))
+        # are sequenced by one worker thread (MPI: that thread, or inline).
+        return self._progress.run(self._run, flat)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._progress.close()
         for comm in (self.local, self.cross):
             comm.Free()
 
 
 def build_transport(kind: str, hierarchical: bool, comm: Any, world: World, *,
-                    timeout_s: float | None = None) -> Transport:
+                    timeout_s: float | None = None, progress: str = "thread") -> Transport:
     """Create a transport over the ranks of ``comm`` (collective).
 
     ``timeout_s`` (``dist.timeout_s``; None: torch's default) is given to
     every torch.distributed group created here: NCCL enforces it in its own
     watchdog, so nothing waits on a NCCL work with a CPU timeout (see
-    the ``_TorchHandle`` docstring).
+    the ``_TorchHandle`` docstring).  ``progress`` ('thread' or 'inline',
+    ``hpcnet.comm.plan.mpi_progress``) says where MPI collectives run.
     """
     if hierarchical and world.size > 1:
         return HierarchicalTransport(comm, node_index=world.node_index, local_rank=world.local_rank, kind=kind,
-                                     timeout_s=timeout_s)
+                                     timeout_s=timeout_s, progress=progress)
     if kind == "mpi":
-        return MpiTransport(comm)
+        return MpiTransport(comm, progress)
     import torch.distributed as dist
 
     if world.size == 1:
@@ -325,6 +380,7 @@ class FaultyTransport:
     def __init__(self, inner: Transport, *, fail: bool) -> None:
         self.inner = inner
         self.name = inner.name
+        self.synchronous = inner.synchronous
         self.fail = fail
         self.armed = False
 

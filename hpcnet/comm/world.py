@@ -154,11 +154,16 @@ def usable_cores() -> frozenset[int]:
         return frozenset(range(os.cpu_count() or 1))
 
 
+def cores_per_rank(world: World) -> float:
+    """This rank's share of the cores it may run on (its affinity divided among the node's ranks)."""
+    return len(usable_cores()) / world.local_size
+
+
 def cpu_threads(world: World, requested: int = 0) -> int:
     """Torch threads for this rank: ``requested``, or the node's cores divided among its ranks."""
     if requested > 0:
         return requested
-    return max(1, len(usable_cores()) // world.local_size)
+    return max(1, int(cores_per_rank(world)))
 
 
 def choose_device(world: World, requested: str = "auto") -> Any:

@@ -5,7 +5,7 @@ import pytest
 from hpcnet.comm.plan import Plan, decide_plan, hierarchical_layout, plan_transport
 from hpcnet.config import DistConfig
 from hpcnet.config_manager import load_config
-from hpcnet.errors import UsageError
+from hpcnet.errors import ConfigError, UsageError
 from hpcnet.comm.world import discover
 
 
@@ -123,3 +123,13 @@ def test_an_impossible_transport_stops_before_the_probe_on_every_rank(comm, mpi_
     with pytest.raises(UsageError, match=r"dist.backend: 'nccl' needs a GPU device"):
         train.run(cfg, comm)
     comm.Barrier()
+
+
+def test_mpi_progress_is_inline_without_a_spare_core_and_the_option_wins():
+    from hpcnet.comm.plan import mpi_progress
+
+    assert mpi_progress("auto", 1.0) == mpi_progress("auto", 0.125) == "inline"  # 2 ranks on 2 cores; 16 a core
+    assert mpi_progress("auto", 2.0) == mpi_progress("auto", 8.0) == "thread"
+    assert mpi_progress("thread", 0.5) == "thread" and mpi_progress("inline", 8.0) == "inline"
+    with pytest.raises(ConfigError, match="dist.progress: 'fast' is not one of"):
+        DistConfig(progress="fast")

@@ -13,7 +13,10 @@ from tests.helpers import FakeComm, FakeWork, Net, reference_grads
 def test_plan_buckets_reverse_order_and_caps():
     assert plan_buckets([4, 4, 4, 4], 8) == [[3, 2], [1, 0]]
     assert plan_buckets([4, 4, 4, 4], 8, first_bucket_bytes=4) == [[3], [2, 1], [0]]
-    assert plan_buckets([100, 1, 1], 8) == [[2, 1], [0]]  # an oversized tensor gets its own bucket
+    assert plan_buckets([100, 1, 1], 8) == [[2, 1, 0]]  # a bucket closes once full: a big tensor goes at once
+    # An MLP (weight, bias per layer; last layer first): a big weight closes its bucket, never waits for the
+    # next layer's bias.
+    assert plan_buckets([16, 1, 16, 1, 2, 1], 8, first_bucket_bytes=1) == [[5], [4, 3, 2], [1, 0]]
     every = sorted(i for b in plan_buckets(list(range(1, 50)), 64, 16) for i in b)
     assert every == list(range(49))
     with pytest.raises(ValueError):
@@ -34,7 +37,7 @@ def test_bucketed_overlapped_equals_plain(comm, data_plane, kind, hierarchical, 
     expected = reference_grads(model, x, y, comm)
     # tiny buckets: many of them, launched from hooks during backward
     reducer = Reducer(list(model.named_parameters()), build_transport(kind, hierarchical, comm, world), comm,
-                      bucket_bytes=4096, first_bucket_bytes=512, compression=compression)
+                      bucket_bytes=1024, first_bucket_bytes=16, compression=compression)
     assert len(reducer.buckets) >= 4
     launched_during_backward = []
     reducer.buckets[0].params[0].register_post_accumulate_grad_hook(
@@ -46,6 +49,74 @@ def test_bucketed_overlapped_equals_plain(comm, data_plane, kind, hierarchical, 
     for p, g in zip(model.parameters(), expected):
         torch.testing.assert_close(p.grad, g, **tol)
     assert launched_during_backward == [True]  # the last layer's bucket went out before backward ended
+    reducer.close()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_inline_and_threaded_mpi_give_the_same_bits_and_inline_agrees_once_a_step(comm, hierarchical):
+    """Gradients are handed over (``.grad`` None after zero_grad), folded times 1/n into the buckets, and end
+    as views of them; inline progress agrees on launch and outcome in one exchange per step."""
+    from hpcnet.fault.flightrec import FlightRecorder
+
+    world = discover(comm, environ={"HPCNET_RANKS_PER_NODE": "2"} if hierarchical else {})
+    torch.manual_seed(100 + comm.Get_rank())
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    grads, exchanges = {}, {}
+    for progress in ("thread", "inline"):
+        torch.manual_seed(0)
+        model = Net()
+        recorder = FlightRecorder()
+        reducer = Reducer(list(model.named_parameters()),
+                          build_transport("mpi", hierarchical, comm, world, progress=progress), comm,
+                          bucket_bytes=4096, first_bucket_bytes=512, recorder=recorder)
+        assert reducer.transport.synchronous == (progress == "inline" or comm.Get_size() == 1)
+        for _ in range(2):  # a second step: nothing of the first one's buckets leaks into it
+            reducer.zero_grad()
+            assert all(p.grad is None for p in model.parameters())
+            nn.functional.cross_entropy(model(x), y).backward()
+            reducer.finish()
+        for bucket in reducer.buckets:
+            base = bucket.buffer.data_ptr()
+            end = base + bucket.buffer.numel() * bucket.buffer.element_size()
+            assert all(base <= p.grad.data_ptr() < end for p in bucket.params)
+        grads[progress] = [p.grad.clone() for p in model.parameters()]
+        ops = [e.op for e in recorder.entries()]
+        exchanges[progress] = (ops.count("reducer.launched"), ops.count("reducer.outcome"))
+        reducer.close()
+    expected = reference_grads(_seeded_net(), x, y, comm)
+    for a, b, g in zip(grads["thread"], grads["inline"], expected):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, g, rtol=1e-5, atol=1e-6)
+    assert exchanges["inline"] == (2, 0)  # one exchange a step
+    assert exchanges["thread"] == ((2, 2) if comm.Get_size() > 1 else (2, 0))
+
+
+def _seeded_net():
+    torch.manual_seed(0)
+    return Net()
+
+
+@pytest.mark.mpi
+def test_an_inline_failure_on_one_rank_fails_the_step_on_every_rank(comm):
+    from hpcnet.comm.transport import CommFailure, FaultyTransport
+
+    world = discover(comm, environ={})
+    last = comm.Get_rank() == comm.Get_size() - 1
+    model = Net()
+    reducer = Reducer(list(model.named_parameters()),
+                      FaultyTransport(build_transport("mpi", False, comm, world, progress="inline"), fail=last),
+                      comm, bucket_bytes=4096)
+    reducer.arm_fault(True)
+    reducer.zero_grad()
+    x, y = torch.randn(4, 16), torch.randint(0, 4, (4,))
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(CommFailure, match="mpi all-reduce failed" + (" here: injected" if last else "")):
+        reducer.finish()
+    reducer.arm_fault(False)
+    reducer.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    reducer.finish()  # the next step works
     reducer.close()
 
 
