@@ -130,6 +130,8 @@ class TrainConfig:
     """Torch CPU threads per rank; 0 divides the node's cores among its ranks."""
     nonfinite: str = "stop"
     """At a non-finite loss, gradient norm or state: 'stop' (status 65, never saved), 'skip' the update, or 'ignore'."""
+    precision: str = "fp32"
+    """'fp32', or 'bf16': forward and loss under torch.autocast in bfloat16 (CPU and CUDA); parameters, gradients, optimizer state and checkpoints stay float32."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -143,6 +145,12 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if self.nonfinite not in ("stop", "skip", "ignore"):
             raise ConfigError(f"train.nonfinite: {self.nonfinite!r} is not one of 'stop', 'skip', 'ignore'")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"train.precision: {self.precision!r} is not one of {', '.join(map(repr, PRECISIONS))}")
+
+
+PRECISIONS = ("fp32", "bf16")
+"""``train.precision`` values (``hpcnet.loop.autocast``)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,10 +1,12 @@
 """The training loop: one optimizer step per iteration, progress logs, evaluation, and the step boundary at
 which every rank agrees on stopping, saving and non-finite values (README: Non-finite loss, Checkpoints)."""
 
+import contextlib
 import logging
 import signal
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -45,6 +47,27 @@ def compute_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) 
     return loss_and_correct(model(inputs), targets)[0]
 
 
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """The forward's precision context (``train.precision``): nothing for fp32 (bit for bit the plain forward),
+    ``torch.autocast`` in bfloat16 for bf16 (matmuls and convolutions in bf16; losses, norms and softmax stay
+    float32, as torch's autocast policy has it; parameters and gradients stay float32)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def loss_in(device: torch.device, precision: str) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``compute_loss`` under ``autocast(device, precision)``."""
+    if precision == "fp32":
+        return compute_loss
+
+    def loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with autocast(device, precision):
+            return compute_loss(model, inputs, targets)
+
+    return loss
+
+
 def loss_and_correct(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy and the number of correct predictions (tokens or images)."""
     logits = logits.reshape(-1, logits.shape[-1])
@@ -56,7 +79,7 @@ def loss_and_correct(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch
 
 @torch.no_grad()
 def evaluate(model: nn.Module, split: Any, comm: Any, *, batch_size: int, max_batches: int,
-             device: torch.device, recorder: Any = NULL_RECORDER) -> dict[str, float]:
+             device: torch.device, recorder: Any = NULL_RECORDER, precision: str = "fp32") -> dict[str, float]:
     """Loss and accuracy on the held-out split, each rank on its own shard (collective)."""
     from mpi4py import MPI
 
@@ -69,7 +92,8 @@ def evaluate(model: nn.Module, split: Any, comm: Any, *, batch_size: int, max_ba
             break
         inputs, targets = split.read(indices[start:start + batch_size])
         inputs, targets = inputs.to(device), targets.to(device)
-        loss, correct = loss_and_correct(model(inputs), targets)
+        with autocast(device, precision):
+            loss, correct = loss_and_correct(model(inputs), targets)
         count = targets.numel()
         totals += (loss.item() * count, correct.item(), count)
     with recorder.op("eval.allreduce"):
@@ -140,6 +164,7 @@ class Loop:
         self.global_batch = cfg.train.batch_size * cfg.train.grad_accumulation * world.size
         self.on_nonfinite = cfg.train.nonfinite  # stop | skip | ignore
         self.policy = SavePolicy.from_config(cfg)
+        self._loss = loss_in(device, cfg.train.precision)
 
     def run(self, start_step: int) -> dict[str, Any]:
         """Train from ``start_step``; the run's summary."""
@@ -167,7 +192,7 @@ class Loop:
             group["lr"] = cfg.optim.lr * lr_factor(p.step, self.total, cfg.optim)
         batches = [tuple(t.to(self.device, non_blocking=True) for t in self.loader.next())
                    for _ in range(cfg.train.grad_accumulation)]
-        loss = self.dp.step(batches, compute_loss, step=p.step + 1)
+        loss = self.dp.step(batches, self._loss, step=p.step + 1)
         # The averaged gradients are the same on every rank, so a verdict from their norm needs
         # no collective; computing it costs a pass over them, paid only for clipping or skip.
         grad_norm = None
@@ -215,7 +240,7 @@ class Loop:
         self.dp.sync_buffers()
         p.evaluation = evaluate(self.dp.model, self.eval_split, self.comm, batch_size=self.cfg.train.batch_size,
                                 max_batches=self.cfg.train.eval_batches, device=self.device,
-                                recorder=self.monitor.recorder)
+                                recorder=self.monitor.recorder, precision=self.cfg.train.precision)
         if self.world.is_main:
             log.info("eval at step %d: loss %.4f, accuracy %.2f%%", p.step, p.evaluation["eval_loss"],
                      100 * p.evaluation["eval_accuracy"])

@@ -30,6 +30,7 @@ from torch import nn
 from hpcnet.bench.common import (describe_environment, environment, load_average, max_over_ranks, summarize, table,
                                  write_json)
 from hpcnet.bench.stepsplit import profile_block, sync_device
+from hpcnet.config import PRECISIONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +85,7 @@ class Contender:
 
 
 def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.device, local: bool,
-                    seed: int = 0, dist_cfg: Any = None) -> list[Contender]:
+                    seed: int = 0, dist_cfg: Any = None, precision: str = "fp32") -> list[Contender]:
     """hpcnet, DDP and (optionally) the no-communication baseline on copies of one model (collective)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -95,7 +96,9 @@ def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.dev
     from hpcnet.data.info import DatasetInfo
     from hpcnet.models import build_model
     from hpcnet.optim import build_optimizer
-    from hpcnet.loop import compute_loss
+    from hpcnet.loop import loss_in
+
+    compute_loss = loss_in(device, precision)  # every contender's forward in the same precision
 
     torch.manual_seed(seed)
     base = build_model(spec.model, DatasetInfo("image", spec.input_shape, spec.num_classes), spec.options).to(device)
@@ -171,7 +174,8 @@ def bench_model(name: str, spec: ModelSpec, comm: Any, world: Any, args: argpars
     from mpi4py import MPI
 
     batch_size = args.batch_size or spec.batch_size
-    contenders = make_contenders(spec, comm, world, device=device, local=not args.no_local, dist_cfg=args.dist_cfg)
+    contenders = make_contenders(spec, comm, world, device=device, local=not args.no_local, dist_cfg=args.dist_cfg,
+                                 precision=args.precision)
     batches = synthetic_batches(spec, batch_size, args.distinct_batches, world.rank, device)
     try:
         position = {c.name: 0 for c in contenders}  # every contender walks the same batch sequence
@@ -227,7 +231,7 @@ def _model_result(name: str, spec: ModelSpec, contenders: list[Contender], secon
         "parameters": count_parameters(contenders[0].model),
         "gradient_mib": sum(p.numel() * p.element_size() for p in contenders[0].model.parameters()) / 2**20,
         "batch_per_rank": batch_size, "global_batch": global_batch, "steps_per_block": args.steps,
-        "rounds": args.rounds, "hpcnet_backend": contenders[0].dp.describe(),
+        "rounds": args.rounds, "hpcnet_backend": contenders[0].dp.describe(), "precision": args.precision,
         "max_param_diff_hpcnet_vs_ddp": diff, "contenders": {},
     }
     for c in contenders:
@@ -248,7 +252,8 @@ def _model_result(name: str, spec: ModelSpec, contenders: list[Contender], secon
 def format_model(res: dict[str, Any]) -> str:
     lines = [f"{res['model']} {res['options'] or ''} ({res['kind']}): {res['parameters'] / 1e6:.1f} M parameters, "
              f"{res['gradient_mib']:.0f} MiB of gradients, batch {res['batch_per_rank']}/rank "
-             f"({res['global_batch']} global), {res['rounds']} rounds x {res['steps_per_block']} steps",
+             f"({res['global_batch']} global), {res['rounds']} rounds x {res['steps_per_block']} steps, "
+             f"{res.get('precision', 'fp32')}",
              f"hpcnet: {res['hpcnet_backend']}"]
     header = ["contender", "samples/s", "spread", "best", "step ms", "comm cost ms", "fwd+bwd ms", "exposed comm ms",
               "optimizer ms", "comm busy ms", "comm hidden"]
@@ -298,6 +303,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dist", action="append", default=[], metavar="OPTION=VALUE",
                         help="a dist option of hpcnet's contender (e.g. progress=thread; repeatable; default: "
                              "hpcnet's defaults, as training uses)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="train.precision of every contender's forward (default fp32)")
     parser.add_argument("--no-local", action="store_true", help="leave out the no-communication baseline")
     parser.add_argument("--json", default="", help="also write the results to this JSON file (rank 0)")
     args = parser.parse_args(argv)
