@@ -108,6 +108,15 @@ def build_methods(comm: Any, world: Any, *, device: torch.device, reducer: bool,
     progress = mpi_progress(args_progress, cores_per_rank(world))
     methods.append(Method("hpcnet-mpi", "mpi4py", "cpu",
                           hpcnet_transport(build_transport("mpi", False, comm, world, progress=progress))))
+    if device.type == "cpu":
+        shm = build_transport("shm", False, comm, world)
+        cleanup.append(shm.close)
+
+        def shm_path(buf: torch.Tensor) -> Runner:
+            bucket = shm.allocate(buf.numel(), buf.dtype)  # the bucket lives in the shared window
+            return Runner(lambda: shm.start(bucket).wait(TIMEOUT_S), bucket, close=lambda: shm.release(bucket))
+
+        methods.append(Method("hpcnet-shm", "mpi4py", "cpu", shm_path))
     gloo_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
     methods.append(Method("torch-gloo", "", "cpu", raw_torch(gloo_group)))
     methods.append(Method("hpcnet-gloo", "torch-gloo", "cpu",
@@ -155,18 +164,21 @@ def _reducer_methods(primary: str, comm: Any, peer_comm: Any, world: Any, device
     from hpcnet.comm.reducer import Reducer
     from hpcnet.comm.transport import build_transport
 
-    def reducer_path(buf: torch.Tensor) -> Runner:
-        backward = _Backward(buf)
-        red = Reducer([("flat", backward.param)], build_transport(primary, False, comm, world, progress=progress),
-                      comm, bucket_bytes=buf.numel() * buf.element_size(), first_bucket_bytes=0,
-                      timeout_s=TIMEOUT_S)
+    def reducer_path(kind: str) -> Callable[[torch.Tensor], Runner]:
+        def prepare(buf: torch.Tensor) -> Runner:
+            backward = _Backward(buf)
+            red = Reducer([("flat", backward.param)], build_transport(kind, False, comm, world, progress=progress),
+                          comm, bucket_bytes=buf.numel() * buf.element_size(), first_bucket_bytes=0,
+                          timeout_s=TIMEOUT_S)
 
-        def run() -> None:
-            red.zero_grad()  # as every training step starts
-            backward()
-            red.finish()
+            def run() -> None:
+                red.zero_grad()  # as every training step starts
+                backward()
+                red.finish()
 
-        return Runner(run, red.buckets[0].buffer, close=red.close, feed=backward.feed)
+            return Runner(run, red.buckets[0].buffer, close=red.close, feed=backward.feed)
+
+        return prepare
 
     def by_hand(buf: torch.Tensor) -> Runner:
         backward = _Backward(buf)
@@ -182,11 +194,13 @@ def _reducer_methods(primary: str, comm: Any, peer_comm: Any, world: Any, device
         backward()  # a gradient from the start
         return Runner(run, backward.param.grad, feed=backward.feed, output=lambda: backward.param.grad)
 
+    scale = 1 / world.size
     if device.type != "cpu":
-        return [Method(f"hpcnet-reducer-{primary}", f"torch-{primary}", device.type, reducer_path,
-                       result_scale=1 / world.size)]
-    return [Method("backward+mpi4py", "mpi4py", "cpu", by_hand, result_scale=1 / world.size),
-            Method(f"hpcnet-reducer-{primary}", "backward+mpi4py", "cpu", reducer_path, result_scale=1 / world.size)]
+        return [Method(f"hpcnet-reducer-{primary}", f"torch-{primary}", device.type, reducer_path(primary),
+                       result_scale=scale)]
+    return [Method("backward+mpi4py", "mpi4py", "cpu", by_hand, result_scale=scale),
+            Method(f"hpcnet-reducer-{primary}", "backward+mpi4py", "cpu", reducer_path(primary), result_scale=scale),
+            Method("hpcnet-reducer-shm", "backward+mpi4py", "cpu", reducer_path("shm"), result_scale=scale)]
 
 
 def _check(method: Method, runner: Runner, comm: Any) -> str | None:

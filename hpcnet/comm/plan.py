@@ -30,7 +30,7 @@ class Plan:
         The gloo fallback of a NCCL run is a subgroup created on demand from
         the NCCL default group, so NCCL wins.
         """
-        kinds = {self.primary, self.fallback} - {None, "mpi"}
+        kinds = {self.primary, self.fallback} - {None, "mpi", "shm"}
         return "nccl" if "nccl" in kinds else ("gloo" if kinds else None)
 
 
@@ -63,19 +63,23 @@ def plan_transport(cfg: DistConfig, *, device_type: str, num_nodes: int, min_loc
         raise UsageError("dist.backend: 'nccl' needs a GPU device (dist.device is cpu or no GPU is visible)")
     if primary == "mpi" and gpu and not cuda_aware:
         raise UsageError("dist.backend: 'mpi' on GPU tensors needs a CUDA-aware MPI; use 'nccl'")
+    if primary == "shm" and gpu:
+        raise UsageError("dist.backend: 'shm' sums CPU tensors in shared memory; on GPU use 'nccl'")
     compressed = cfg.compression != "none"
-    if compressed and primary == "mpi":
-        which = "'auto' is mpi on CPU" if cfg.backend == "auto" else "is 'mpi'"
+    if compressed and primary in ("mpi", "shm"):
+        which = "'auto' is mpi on CPU" if cfg.backend == "auto" else f"is {primary!r}"
         raise UsageError(f"dist.compression: {cfg.compression} needs the nccl or gloo backend, and dist.backend "
                          f"{which} (MPI has no half-precision sum); set dist.backend=gloo")
-    if cfg.hierarchical == "auto":
+    if primary == "shm":
+        hierarchical = False  # a node's ranks share memory, nodes use MPI: hierarchical by construction
+    elif cfg.hierarchical == "auto":
         hierarchical = hierarchical_layout(num_nodes, min_local_size) if hierarchical_hint is None else hierarchical_hint
     else:
         hierarchical = cfg.hierarchical == "on"
     if cfg.fallback == "none":
         fallback = None
     elif cfg.fallback == "auto":
-        fallback = "mpi" if primary == "gloo" and (not gpu or cuda_aware) else "gloo"
+        fallback = "mpi" if primary in ("gloo", "shm") and (not gpu or cuda_aware) else "gloo"
         if fallback == "mpi" and compressed:
             fallback = None  # the wire format cannot change mid-run, and MPI cannot sum it
     else:

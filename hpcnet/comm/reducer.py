@@ -136,7 +136,7 @@ class Reducer:
                 params = [named[members[j]][1] for j in plan]
                 names = [named[members[j]][0] for j in plan]
                 offsets = np.cumsum([0] + [p.numel() for p in params]).tolist()
-                buffer = torch.zeros(offsets[-1], dtype=params[0].dtype, device=params[0].device)
+                buffer = self._new_buffer(offsets[-1], params[0])
                 self.buckets.append(_Bucket(len(self.buckets), params, names, buffer, offsets))
         self._bucket_of: dict[nn.Parameter, tuple[_Bucket, int]] = {}
         for bucket in self.buckets:
@@ -146,6 +146,25 @@ class Reducer:
         self._scale = 1.0 / self.world_size
         self.zero_grad()
         self._reset()
+
+    def _new_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A zeroed bucket: in the transport's memory when it keeps buckets (shm's shared window), else plain."""
+        allocate = getattr(self.transport, "allocate", None)
+        if allocate is not None and like.device.type == "cpu":
+            return allocate(numel, like.dtype)
+        return torch.zeros(numel, dtype=like.dtype, device=like.device)
+
+    def _rehome(self) -> None:
+        """Move the buckets (and the gradients viewing them) out of the transport's memory, before it is freed."""
+        if getattr(self.transport, "allocate", None) is None:
+            return
+        for bucket in self.buckets:
+            old = bucket.buffer
+            start, end = old.data_ptr(), old.data_ptr() + old.numel() * old.element_size()
+            bucket.buffer = old.clone()
+            for j, p in enumerate(bucket.params):
+                if p.grad is not None and start <= p.grad.data_ptr() < end:
+                    p.grad = self._view(bucket, j)
 
     # -- gradient views ------------------------------------------------------
     def _view(self, bucket: _Bucket, j: int) -> torch.Tensor:
@@ -299,6 +318,7 @@ class Reducer:
     def switch(self, transport: Transport, cause: str, step: int) -> None:
         """Continue on another transport after an agreed failure (collective)."""
         old = self.transport
+        self._rehome()
         self.transport = transport
         old.close()
         self.stats.fallbacks.append({"step": step, "from": old.name, "to": transport.name, "cause": cause})
@@ -313,6 +333,7 @@ class Reducer:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        self._rehome()  # the gradients stay readable after the shared window is freed
         self.transport.close()
 
 

@@ -1,7 +1,7 @@
 """Transports: how one flat gradient bucket is summed across ranks.
 
 Each transport starts a sum-all-reduce of a 1-d tensor in place and returns a
-handle whose ``wait`` finishes it.  Three kinds:
+handle whose ``wait`` finishes it.  Four kinds:
 
 - ``TorchTransport``: ``torch.distributed.all_reduce(async_op=True)`` on a
   NCCL or gloo group; NCCL and gloo progress on their own threads.
@@ -15,6 +15,8 @@ handle whose ``wait`` finishes it.  Three kinds:
   with no core to spare for a worker: the hand-off to a thread and back, and
   a busy-polling thread on the core that computes, cost more than the overlap
   gains there (measured in the README, Communication).
+- ``ShmTransport`` (``hpcnet.comm.shm``): buckets in a node-shared MPI
+  window, each rank summing its slice of them; MPI across nodes.
 - ``HierarchicalTransport``: reduce-scatter inside the node, all-reduce of
   each shard among the ranks with the same local rank on other nodes, then
   all-gather inside the node, so each byte crosses the inter-node network
@@ -51,7 +53,7 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
-class _Done:
+class Done:
     """The handle of an operation that already finished (one rank, or synchronous)."""
 
     def wait(self, timeout_s: float) -> None:
@@ -118,7 +120,7 @@ class TorchTransport:
         import torch.distributed as dist
 
         if self.size == 1:
-            return _Done()
+            return Done()
         return _TorchHandle(dist.all_reduce(flat, group=self.group, async_op=True),
                             stream_ordered=self.name == "nccl")
 
@@ -135,7 +137,7 @@ def _mpi_buffer(flat: torch.Tensor) -> Any:
     return flat.numpy() if flat.device.type == "cpu" else flat
 
 
-class _Failed:
+class Failed:
     """The handle of a synchronous operation that raised: ``wait`` raises it as a CommFailure."""
 
     def __init__(self, exc: BaseException) -> None:
@@ -167,8 +169,8 @@ class _Progress:
         try:
             fn(flat)
         except Exception as exc:  # noqa: BLE001 - reported at wait, after the ranks agree (see wait_all)
-            return _Failed(exc)
-        return _Done()
+            return Failed(exc)
+        return Done()
 
     def close(self) -> None:
         # A worker stuck in a collective that will never finish cannot be
@@ -199,7 +201,7 @@ class MpiTransport:
 
     def start(self, flat: torch.Tensor) -> Handle:
         if self.size == 1:
-            return _Done()
+            return Done()
         if flat.dtype not in (torch.float32, torch.float64):
             raise ValueError(f"the mpi transport sums float32/float64 buckets, not {flat.dtype}")
         return self._progress.run(self._allreduce, flat)
@@ -292,7 +294,7 @@ class HierarchicalTransport:
 
     def start(self, flat: torch.Tensor) -> Handle:
         if self.size == 1:
-            return _Done()
+            return Done()
         if self.kind == "nccl":
             # Enqueued from this thread, where the bucket's device and stream
             # are current; ordered on the device by enqueue_in_order.
@@ -318,6 +320,10 @@ def build_transport(kind: str, hierarchical: bool, comm: Any, world: World, *,
     the ``_TorchHandle`` docstring).  ``progress`` ('thread' or 'inline',
     ``hpcnet.comm.plan.mpi_progress``) says where MPI collectives run.
     """
+    if kind == "shm":
+        from hpcnet.comm.shm import ShmTransport
+
+        return ShmTransport(comm, world)  # hierarchical by construction: shared memory in a node, MPI across
     if hierarchical and world.size > 1:
         return HierarchicalTransport(comm, node_index=world.node_index, local_rank=world.local_rank, kind=kind,
                                      timeout_s=timeout_s, progress=progress)
@@ -381,6 +387,7 @@ class FaultyTransport:
         self.inner = inner
         self.name = inner.name
         self.synchronous = inner.synchronous
+        self.allocate = getattr(inner, "allocate", None)  # buckets in the inner transport's memory (shm)
         self.fail = fail
         self.armed = False
 
