@@ -13,16 +13,16 @@ writes it, times 1/world size, into the parameter's place in its bucket in
 one pass (DDP divides before the sum as well; for a world size that is a
 power of two the result is the same bits as dividing after).  The bucket
 view becomes the parameter's ``.grad``.  When a bucket is complete it is
-handed to the transport at once, in bucket order on every rank, while
-autograd goes on with earlier layers.
+handed to an asynchronous transport (a worker thread, NCCL, gloo) at once,
+in bucket order on every rank, while autograd goes on with earlier layers.
+
+With a synchronous transport (inline MPI, shm: the collective runs in the
+caller) the buckets are summed in ``finish``, one after the other.
 
 ``finish()`` (before the optimizer step) agrees over the MPI control plane
-that every rank launched the same buckets and, with a transport that has
-already finished its collectives when ``start`` returns (inline MPI), on the
-outcome, in the same exchange: one small all-reduce per step.  Otherwise it
-waits for the buckets and agrees on the outcome in a second one.  A failure
-on any rank raises ``CommFailure`` on every rank, so the trainer can switch
-transport and redo the step.
+that every rank completed the same buckets, waits for them (or runs them),
+and agrees on the outcome: a failure on any rank raises ``CommFailure`` on
+every rank, so the trainer can switch transport and redo the step.
 """
 
 import contextlib
@@ -226,9 +226,11 @@ class Reducer:
         if bucket.pending == 0:
             self._launch_ready()
 
-    def _launch_ready(self) -> None:
-        # Launch strictly in bucket order, so every rank issues the same
-        # collectives in the same sequence.
+    def _launch_ready(self, force: bool = False) -> None:
+        """Launch the complete buckets, strictly in bucket order, so every rank issues the same collectives in
+        the same sequence; a synchronous transport's only from ``finish`` (``force``, see there)."""
+        if self.transport.synchronous and not force and self.world_size > 1:
+            return
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
@@ -254,11 +256,13 @@ class Reducer:
     def finish(self) -> None:
         """Complete the reduction of this step (collective over the control plane).
 
-        One exchange (``reducer.launched``: per bucket, whether a rank has not
-        launched it, and, for a synchronous transport, whether a collective
-        failed here) when every rank launched every bucket and the transport
-        is synchronous; otherwise a second one (``reducer.outcome``) after the
-        wait.
+        Two small exchanges: ``reducer.launched`` (per bucket, whether a rank
+        has not completed it: a parameter without a gradient there), then,
+        after the collectives, ``reducer.outcome`` (whether one failed).  A
+        synchronous transport (inline MPI, shm) runs every collective here,
+        after the first exchange: run from the hooks, a rank whose bucket is
+        complete would block in its collective while a rank missing a gradient
+        waits in the exchange, forever.
 
         Raises:
             CommFailure: on every rank, when the transport failed on any rank.
@@ -268,34 +272,26 @@ class Reducer:
         from mpi4py import MPI
 
         n = len(self.buckets)
-        launched = [b for b in self.buckets if b.launched]
-        synchronous = self.transport.synchronous
-        error = self._wait(launched) if synchronous else None  # done already: this only collects the outcome
-        local = np.zeros(n + 1, dtype=np.int8)
-        local[:n] = [not b.launched for b in self.buckets]
-        local[n] = error is not None
-        flags = np.empty_like(local)
+        local = np.array([b.pending > 0 for b in self.buckets], dtype=np.int8)
+        missing = np.empty_like(local)
         with self.recorder.op("reducer.launched"):
-            self.control.Allreduce(local, flags, op=MPI.MAX)
-        missing, failed = flags[:n], bool(flags[n])
-        late = [b for b in self.buckets if missing[b.index]]
-        if late:
+            self.control.Allreduce(local, missing, op=MPI.MAX)
+        if missing.any():
             if not self.find_unused:
                 self._raise_unused(missing)
-            for bucket in late:
-                for j in range(len(bucket.params)):
-                    if not bucket.ready[j]:
-                        self._fold(bucket, j)  # a gradient from earlier micro-batches, or zeros
-                bucket.pending = 0
-            self._launch_ready()
-        if late or not synchronous:
-            error = self._wait(late if synchronous else self.buckets) or error
-            outcome = np.array([error is not None], dtype=np.int8)
-            with self.recorder.op("reducer.outcome"):
-                self.control.Allreduce(MPI.IN_PLACE, outcome, op=MPI.MAX)
-            failed = failed or bool(outcome[0])
+            for bucket in self.buckets:
+                if missing[bucket.index]:
+                    for j in range(len(bucket.params)):
+                        if not bucket.ready[j]:
+                            self._fold(bucket, j)  # a gradient from earlier micro-batches, or zeros
+                    bucket.pending = 0
+        self._launch_ready(force=True)
+        error = self._wait(self.buckets)
+        outcome = np.array([error is not None], dtype=np.int8)
+        with self.recorder.op("reducer.outcome"):
+            self.control.Allreduce(MPI.IN_PLACE, outcome, op=MPI.MAX)
         self.stats.steps += 1
-        if failed:
+        if outcome[0]:
             self._reset()
             raise agreed(CommFailure(f"{self.transport.name} all-reduce failed"
                                      + (f" here: {error}" if error else " on another rank")))
