@@ -134,7 +134,8 @@ class Monitor:
         ids = hb_comm.allgather((os.getpid(), start_time(os.getpid()), usable_cores()))
         self._pids = tuple(pid for pid, _, _ in ids)  # whom to ask for stacks on this host
         here = [r for r in range(self.world.size) if self.world.hostnames[r] == self.world.hostname]
-        self._local = LocalLiveness({r: ids[r][:2] for r in self.watch if r in here and r != self.world.rank})
+        self._local = LocalLiveness({r: ids[r][:2] for r in self.watch if r in here and r != self.world.rank},
+                                    idle_s=self.cfg.heartbeat_misses * self.cfg.heartbeat_interval_s)
         cores = set().union(*(ids[r][2] for r in here))
         factor = oversubscription(len(here), len(cores))
         self.floor_s = self.cfg.stall_floor_s * factor

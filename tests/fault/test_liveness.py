@@ -43,9 +43,13 @@ def test_failed_keeps_a_starved_rank_until_the_limit():
     states = {1: [ThreadState("python", "R", "0"), ThreadState(MONITOR, "S", "futex_wait_queue")],
               2: [ThreadState("python", "S", "futex_wait_queue"), ThreadState(MONITOR, "S", "futex_wait_queue")],
               3: None}
-    live = LocalLiveness({1: (11, None), 2: (12, None), 3: (13, None)}, read=lambda pid, _: states[pid - 10])
+    now = [0.0]
+    live = LocalLiveness({1: (11, None), 2: (12, None), 3: (13, None)}, idle_s=6.0,
+                         read=lambda pid, _: states[pid - 10], ticks=lambda pid: 100, clock=lambda: now[0])
     silent = {1: 7.0, 2: 7.0, 3: 7.0, 4: 7.0}
-    assert live.failed([1, 2, 3, 4], silent.get, limit_s=30.0) == [2, 3, 4]  # 4 is on another host
+    assert live.failed([1, 2, 3, 4], silent.get, limit_s=30.0) == [3, 4]  # 4 is on another host; 3 is gone
+    now[0] = 6.5  # 2: every thread blocked and no CPU time for idle_s: a deadlock
+    assert live.failed([1, 2, 3, 4], silent.get, limit_s=30.0) == [2, 3, 4]
     silent[1] = 31.0
     assert live.failed([1], silent.get, limit_s=30.0) == [1]
 
@@ -82,3 +86,32 @@ def test_a_gone_or_reused_pid_is_failed(process):
     process.kill()
     process.wait()
     assert process_threads(process.pid, started) is None
+
+
+def test_a_blocked_looking_process_that_uses_cpu_is_kept_until_it_stops_using_it():
+    """Every thread blocked at the instant of the look, but CPU time moving: starved; no CPU for idle_s: failed."""
+    blocked = [ThreadState("python", "S", "futex_wait_queue"), ThreadState(MONITOR, "S", "futex_wait_queue")]
+    now, ticks = [100.0], [500]
+    live = LocalLiveness({1: (11, None)}, idle_s=6.0, read=lambda pid, _: blocked, ticks=lambda pid: ticks[0],
+                         clock=lambda: now[0])
+    silent = {1: 7.0}.get
+    assert live.failed([1], silent, limit_s=30.0) == []       # first look: the count starts
+    now[0], ticks[0] = 104.0, 520
+    assert live.failed([1], silent, limit_s=30.0) == []       # it ran: 20 ticks in 4 s
+    now[0], ticks[0] = 109.0, 521
+    assert live.failed([1], silent, limit_s=30.0) == []       # 1 tick is noise, but 5 s < idle_s since it ran
+    now[0] = 110.5
+    assert live.failed([1], silent, limit_s=30.0) == [1]      # no CPU for 6.5 s: failed
+    live.heard(1)                                              # heard again: the count starts over
+    assert live.failed([1], silent, limit_s=30.0) == []
+    gone = LocalLiveness({1: (11, None)}, read=lambda pid, _: blocked, ticks=lambda pid: None)
+    assert gone.failed([1], silent, limit_s=30.0) == [1]      # no /proc/<pid>/stat: gone
+
+
+def test_cpu_ticks_of_a_spinning_process_grow():
+    from hpcnet.fault.liveness import cpu_ticks
+
+    before, cpu_before = cpu_ticks(os.getpid()), time.process_time()
+    while time.process_time() - cpu_before < 0.2:  # 0.2 s of CPU, however loaded the machine
+        pass
+    assert cpu_ticks(os.getpid()) - before >= 15  # 20 ticks of 10 ms, less the rounding
