@@ -137,10 +137,14 @@ def _start(cfg: Config, comm: Any) -> tuple[World, Path, torch.device, Monitor]:
         device = choose_device(world, cfg.dist.device)
     # Heartbeats, stall/desync watchdog, memory watch (monitor.*): a thread from here to the end.
     monitor = Monitor(cfg.monitor, comm, world, run_dir, device=device).start()
-    with shared_errors(comm):  # rank 0 writes; an unwritable directory or option stops every rank
-        if world.is_main:
-            resolved = to_toml(cfg)
-            (run_dir / CONFIG_FILE).write_text(resolved)
+    try:
+        with shared_errors(comm):  # rank 0 writes; an unwritable directory or option stops every rank
+            if world.is_main:
+                resolved = to_toml(cfg)
+                (run_dir / CONFIG_FILE).write_text(resolved)
+    except BaseException:
+        monitor.stop()  # run() never gets it to stop: a thread left beating would judge, and abort, later
+        raise
     if world.is_main:
         log.info("hpcnet %s, torch %s: %d rank(s) on %d node(s) (%s), device %s, %d threads/rank",
                  __version__, torch.__version__, world.size, world.num_nodes, world.launcher,

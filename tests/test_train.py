@@ -129,6 +129,10 @@ def test_rank_0_failing_to_write_config_toml_stops_every_rank(comm, data_plane, 
     with pytest.raises(UsageError, match="model.options.make: cannot write object to TOML"):  # status 2 everywhere
         run(_config(dataset, mpi_tmp_path / "no-toml", 4), comm, plane=data_plane)
     comm.Barrier()
+    import threading
+
+    # The monitor started before the write is stopped: left beating, it declared rank 0 dead 120 s later.
+    assert [t.name for t in threading.enumerate() if t.name == "hpcnet-monitor"] == []
 
 
 # --- launches: the real entry point under mpirun -----------------------------

@@ -454,7 +454,7 @@ class Monitor:
         if silent and self._signal_local_peers(silent):
             # A moment for a silent peer to print its stacks, and for its other
             # watcher to add what it saw to failure.json, before the abort.
-            time.sleep(min(0.5, self.cfg.heartbeat_interval_s))
+            time.sleep(0.5)
         for handler in logging.getLogger("hpcnet").handlers:
             handler.flush()
         self.comm.Abort(ExitCode.RESTARTABLE)
