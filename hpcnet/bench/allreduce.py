@@ -109,14 +109,7 @@ def build_methods(comm: Any, world: Any, *, device: torch.device, reducer: bool,
     methods.append(Method("hpcnet-mpi", "mpi4py", "cpu",
                           hpcnet_transport(build_transport("mpi", False, comm, world, progress=progress))))
     if device.type == "cpu":
-        shm = build_transport("shm", False, comm, world)
-        cleanup.append(shm.close)
-
-        def shm_path(buf: torch.Tensor) -> Runner:
-            bucket = shm.allocate(buf.numel(), buf.dtype)  # the bucket lives in the shared window
-            return Runner(lambda: shm.start(bucket).wait(TIMEOUT_S), bucket, close=lambda: shm.release(bucket))
-
-        methods.append(Method("hpcnet-shm", "mpi4py", "cpu", shm_path))
+        methods.append(_shm_method(comm, world, cleanup))
     gloo_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
     methods.append(Method("torch-gloo", "", "cpu", raw_torch(gloo_group)))
     methods.append(Method("hpcnet-gloo", "torch-gloo", "cpu",
@@ -133,6 +126,20 @@ def build_methods(comm: Any, world: Any, *, device: torch.device, reducer: bool,
     if reducer:
         methods += _reducer_methods(primary, comm, peer_comm, world, device, progress)
     return methods
+
+
+def _shm_method(comm: Any, world: Any, cleanup: list[Callable[[], Any]]) -> Method:
+    """The bare shm transport: each size's bucket in a window of its own, freed after the size."""
+    from hpcnet.comm.transport import build_transport
+
+    shm = build_transport("shm", False, comm, world)
+    cleanup.append(shm.close)
+
+    def shm_path(buf: torch.Tensor) -> Runner:
+        bucket = shm.allocate(buf.numel(), buf.dtype)  # the bucket lives in the shared window
+        return Runner(lambda: shm.start(bucket).wait(TIMEOUT_S), bucket, close=lambda: shm.release(bucket))
+
+    return Method("hpcnet-shm", "mpi4py", "cpu", shm_path)
 
 
 class _Backward:
