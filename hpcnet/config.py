@@ -174,7 +174,7 @@ class DistConfig:
     fallback: str = "auto"
     """Backend to continue on when the primary fails: 'auto' (gloo for nccl/mpi, mpi for gloo), 'gloo', 'mpi', 'none'."""
     progress: str = "auto"
-    """Where the MPI transport's all-reduces run: 'thread' (a worker thread, overlapping backward), 'inline' (in the gradient hook, no hand-off), 'auto' (inline when a rank has fewer than 2 cores of its own)."""
+    """Where the MPI transport's all-reduces run: 'thread' (a worker thread, overlapping backward), 'inline' (in the training thread, after backward: no hand-off), 'auto' (inline when a rank has fewer than 2 cores of its own)."""
     find_unused: bool = False
     """Allow parameters that get no gradient in a step (treated as zero); off makes that an error."""
     probe: bool = True

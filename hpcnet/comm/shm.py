@@ -21,8 +21,8 @@ Open MPI's shared-memory all-reduce, which copies through its own buffers.
 What limits it is the memory bandwidth (memcpy runs at about 12 GB/s here),
 shared by the node's ranks.
 
-The collective runs in the caller (the gradient hook), like inline MPI:
-``synchronous`` is True.  Tensors not allocated here (a compression wire,
+The collective runs in the caller (the reducer's ``finish``), like inline
+MPI: ``synchronous`` is True.  Tensors not allocated here (a compression wire,
 a foreign tensor) are refused: ``hpcnet.comm.plan`` rejects compression
 with this backend.
 """

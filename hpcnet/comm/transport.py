@@ -11,7 +11,7 @@ handle whose ``wait`` finishes it.  Four kinds:
   computes the next gradients (mpi4py releases the GIL in MPI calls; MPI is
   initialised with ``MPI_THREAD_MULTIPLE``; Open MPI progresses non-blocking
   collectives only inside MPI calls, which is why a thread and not
-  ``Iallreduce``); ``inline``: in the caller (the gradient hook), for a rank
+  ``Iallreduce``); ``inline``: in the caller (the reducer's ``finish``), for a rank
   with no core to spare for a worker: the hand-off to a thread and back, and
   a busy-polling thread on the core that computes, cost more than the overlap
   gains there (measured in the README, Communication).
