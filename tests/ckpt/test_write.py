@@ -33,11 +33,16 @@ def test_an_error_inside_the_write_keeps_its_errno_on_every_rank(comm, mpi_tmp_p
             with pytest.raises(OSError) as info:
                 manager.save(2, tensors, {}, {})
                 manager.wait()
+            # Every rank takes part in the load before any assert: a rank whose assert failed would leave the
+            # others in its collective (seen once at 4 ranks: the listing read before the .tmp was removed).
+            comm.Barrier()
+            names = sorted(p.name for p in (directory / str(async_save)).iterdir())
+            loaded_step = manager.load("auto").step
             assert info.value.errno == getattr(errno, code)
             assert exit_code_of(info.value) == (75 if code == "EIO" else 2)
             assert "ckpt-0000000002.h5.tmp" in str(info.value)
-            assert sorted(p.name for p in (directory / str(async_save)).iterdir()) == ["ckpt-0000000001.h5", "latest"]
-            assert manager.load("auto").step == 1
+            assert names == ["ckpt-0000000001.h5", "latest"]
+            assert loaded_step == 1
     comm.Barrier()
 
 
