@@ -13,14 +13,14 @@ rank's threads first:
   (the GIL) while another thread of the process is runnable or in I/O: starved,
   not failed; it is allowed the silence up to ``limit_s`` (the stall timeout)
   and declared failed after that, as any rank that cannot be heard;
-- otherwise (every thread blocked, or its monitor asleep): failed, as
-  heartbeats say, unless the process used CPU time in the last ``idle_s``
-  (one heartbeat deadline). A thread state is one instant: at 16 ranks a
-  core healthy ranks were seen, at the moment of the look, with every thread
-  waiting on a lock (1 false death in 15 runs of the default job at 32 ranks
-  on 2 cores) and with the monitor asleep between ticks while its beats did
-  not arrive for 21 s (1 in 12 more). A deadlocked or hung process uses no
-  CPU; one that spins is a stall, which the stall timeout catches.
+- its monitor thread waits on a futex and no other thread runs (every thread
+  blocked): failed, as heartbeats say, unless the process used CPU time in
+  the last ``idle_s`` (one heartbeat deadline):
+  a thread state is one instant, and at 16 ranks a core a healthy rank was
+  seen with every thread asleep or waiting on a lock at the moment of the
+  look (1 false death in 15 runs of the default job at 32 ranks on 2 cores);
+  a deadlocked process uses none;
+- otherwise (its monitor thread asleep, or none): failed.
 
 Ranks on other hosts are judged by heartbeats alone.
 """
@@ -114,6 +114,12 @@ def starved(threads: Iterable[ThreadState]) -> bool | None:
     return "futex" in monitor[0].wchan and others_busy
 
 
+def _waits_for_gil(threads: Iterable[ThreadState]) -> bool:
+    """Its monitor thread waits on a futex (the GIL): the one 'blocked' verdict that CPU time can overturn."""
+    monitor = [t for t in threads if t.name.encode() == MONITOR_THREAD_NAME[:15]]
+    return bool(monitor) and "futex" in monitor[0].wchan
+
+
 class LocalLiveness:
     """Which of the silent ranks on this host to declare failed (the rest are starved, see the module docstring).
 
@@ -162,14 +168,10 @@ class LocalLiveness:
                 continue
             threads = self._read(*self.local[rank])
             verdict = None if threads is None else starved(threads)
-            if verdict is False and self._busy_lately(rank):
-                verdict = True  # its threads looked blocked at this instant, but it has been running
+            if verdict is False and _waits_for_gil(threads) and self._busy_lately(rank):
+                verdict = True  # every thread blocked at this instant, but it has been running
             if not verdict:
                 out.append(rank)
-                log.error("rank %d on this host: silent for %.1f s, %s; its threads: %s", rank, silent_s(rank),
-                          "gone" if threads is None else "stopped" if verdict is None else
-                          "no CPU time for %.0f s" % self.idle_s,
-                          ", ".join(f"{t.name}:{t.state}:{t.wchan}" for t in threads or []) or "none")
             elif rank not in self._told:
                 self._told.add(rank)
                 log.warning("rank %d on this host is silent for %.1f s but its process is runnable or using CPU "

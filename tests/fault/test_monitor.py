@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcnet.comm.world import discover, wait_sleeping
+from hpcnet.comm.world import discover
 from hpcnet.config import MonitorConfig
 from hpcnet.config_manager import load_config
 from hpcnet.errors import ExitCode
@@ -90,9 +90,7 @@ def test_silent_rank_is_named_by_its_watchers(comm, mpi_tmp_path):
         monitor._muted = True  # stops beating, as a SIGSTOPped rank would
     watchers = [w for w in range(size) if 1 in ring_peers(w, size)[1]]
     detected = wait_for(lambda: found, 15) if rank in watchers else True
-    # Before any assert: a rank that raised here would leave the others in the barrier.  Polled with sleeps:
-    # the silent rank must not spin, or its watchers on this host see it running (hpcnet.fault.liveness).
-    wait_sleeping(comm.Ibarrier(), 0.05)
+    comm.Barrier()  # before any assert: a rank that raised here would leave the others in the barrier
     monitor.stop()
     assert detected, "the silent rank was not detected"
     if rank not in watchers:
