@@ -271,7 +271,6 @@ class Reducer:
         """
         from mpi4py import MPI
 
-        n = len(self.buckets)
         local = np.array([b.pending > 0 for b in self.buckets], dtype=np.int8)
         missing = np.empty_like(local)
         with self.recorder.op("reducer.launched"):

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from hpcnet.comm.transport import Progress
 from hpcnet.comm.world import World
 
 ALIGN_ELEMENTS = 16
@@ -81,6 +82,7 @@ class ShmTransport:
         self.local_rank, self.local_size = self.node.Get_rank(), self.node.Get_size()
         self.cross = comm.Split(color=self.local_rank, key=world.node_index)
         self._regions: dict[int, _Region] = {}
+        self._inline = Progress("inline", "")  # errors become a handle that raises at wait, as inline MPI's do
         sizes = comm.allgather(self.local_size)
         if len(set(sizes)) > 1:
             self.close()
@@ -117,16 +119,10 @@ class ShmTransport:
         region.window.Free()
 
     def start(self, flat: torch.Tensor) -> Any:
-        from hpcnet.comm.transport import Done, Failed
-
         region = self._regions.get(flat.data_ptr())
         if region is None or region.segments[self.local_rank].numel() != flat.numel():
             raise ValueError("the shm transport sums only buckets it allocated (ShmTransport.allocate)")
-        try:
-            self._sum(region, flat.numel())
-        except Exception as exc:  # noqa: BLE001 - reported at wait, after the ranks agree (see wait_all)
-            return Failed(exc)
-        return Done()
+        return self._inline.run(lambda _: self._sum(region, flat.numel()), flat)
 
     def _sum(self, region: _Region, numel: int) -> None:
         from mpi4py import MPI

@@ -92,6 +92,13 @@ class _TorchHandle:
             raise CommFailure(f"all-reduce did not finish within {timeout_s:.0f} s")
 
 
+def _as_comm_failure(exc: BaseException) -> CommFailure:
+    """An error of a collective as the CommFailure the reducer agrees on (itself when it is one)."""
+    if isinstance(exc, CommFailure):
+        return exc
+    return CommFailure(f"all-reduce failed: {type(exc).__name__}: {exc}")
+
+
 class _FutureHandle:
     def __init__(self, future: concurrent.futures.Future) -> None:
         self.future = future
@@ -101,10 +108,8 @@ class _FutureHandle:
             self.future.result(timeout=timeout_s)
         except concurrent.futures.TimeoutError:
             raise CommFailure(f"all-reduce did not finish within {timeout_s:.0f} s") from None
-        except CommFailure:
-            raise
         except Exception as exc:  # MPI errors raised in the worker
-            raise CommFailure(f"all-reduce failed: {type(exc).__name__}: {exc}") from exc
+            raise _as_comm_failure(exc) from exc
 
 
 class TorchTransport:
@@ -144,18 +149,15 @@ class Failed:
         self.exc = exc
 
     def wait(self, timeout_s: float) -> None:
-        if isinstance(self.exc, CommFailure):
-            raise self.exc
-        raise CommFailure(f"all-reduce failed: {type(self.exc).__name__}: {self.exc}") from self.exc
+        raise _as_comm_failure(self.exc) from self.exc
 
 
-class _Progress:
+class Progress:
     """Where a transport's MPI collectives run: a worker thread (``thread``) or the caller (``inline``)."""
 
     def __init__(self, mode: str, prefix: str) -> None:
         if mode not in ("thread", "inline"):
             raise ValueError(f"progress must be 'thread' or 'inline', not {mode!r}")
-        self.mode = mode
         self._pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=prefix)
                       if mode == "thread" else None)
 
@@ -187,7 +189,7 @@ class MpiTransport:
     def __init__(self, comm: Any, progress: str = "thread") -> None:
         self.comm = comm.Dup()  # its own message space: never matched against other traffic
         self.size = self.comm.Get_size()
-        self._progress = _Progress(progress, "hpcnet-mpi-allreduce")
+        self._progress = Progress(progress, "hpcnet-mpi-allreduce")
 
     @property
     def synchronous(self) -> bool:
@@ -231,7 +233,7 @@ class HierarchicalTransport:
         self.cross = comm.Split(color=local_rank, key=node_index)
         self.local_size = self.local.Get_size()
         # gloo's phases are sequenced by a worker thread too (see start); NCCL's are enqueued in order.
-        self._progress = _Progress(progress if kind == "mpi" else "thread", "hpcnet-hier-allreduce")
+        self._progress = Progress(progress if kind == "mpi" else "thread", "hpcnet-hier-allreduce")
         self.synchronous = self.size == 1 or (kind == "mpi" and self._progress.synchronous)
         self._local_group = self._cross_group = None
         if kind != "mpi":
