@@ -25,6 +25,8 @@ handle whose ``wait`` finishes it.  Four kinds:
 
 import concurrent.futures
 import datetime
+import queue
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -152,22 +154,62 @@ class Failed:
         raise _as_comm_failure(self.exc) from self.exc
 
 
+class _DaemonWorker:
+    """One daemon thread running submitted calls in order, each resolving a Future.
+
+    Not a ThreadPoolExecutor: the interpreter joins those workers at exit, so a
+    worker left in a collective that will never finish (its peers failed or
+    gave up) would hang the process after training ended.  A daemon thread is
+    abandoned at exit instead, and ``MPI_Finalize`` or ``MPI_Abort`` ends it.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, arg = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(arg))
+            except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
+                future.set_exception(exc)
+
+    def submit(self, fn: Callable[[Any], Any], arg: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((future, fn, arg))
+        return future
+
+    def close(self) -> None:
+        """Stop after the call in progress; calls not yet started are cancelled."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        self._jobs.put(None)
+
+
 class Progress:
     """Where a transport's MPI collectives run: a worker thread (``thread``) or the caller (``inline``)."""
 
     def __init__(self, mode: str, prefix: str) -> None:
         if mode not in ("thread", "inline"):
             raise ValueError(f"progress must be 'thread' or 'inline', not {mode!r}")
-        self._pool = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=prefix)
-                      if mode == "thread" else None)
+        self._worker = _DaemonWorker(prefix) if mode == "thread" else None
 
     @property
     def synchronous(self) -> bool:
-        return self._pool is None
+        return self._worker is None
 
     def run(self, fn: Callable[[torch.Tensor], None], flat: torch.Tensor) -> Handle:
-        if self._pool is not None:
-            return _FutureHandle(self._pool.submit(fn, flat))
+        if self._worker is not None:
+            return _FutureHandle(self._worker.submit(fn, flat))
         try:
             fn(flat)
         except Exception as exc:  # noqa: BLE001 - reported at wait, after the ranks agree (see wait_all)
@@ -176,9 +218,9 @@ class Progress:
 
     def close(self) -> None:
         # A worker stuck in a collective that will never finish cannot be
-        # joined; leave it (daemon-like) rather than hang the caller.
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        # joined; it is a daemon, left behind rather than hanging the caller.
+        if self._worker is not None:
+            self._worker.close()
 
 
 class MpiTransport:

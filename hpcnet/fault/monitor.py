@@ -69,7 +69,9 @@ class Monitor:
         run_dir: where reports and dumps go.
         device: the training device (GPU memory is watched on CUDA).
         on_failure: called with the report once a failure is declared; the
-            default aborts the job with status 75.  Tests pass a recorder.
+            default aborts the job with status 75, and the native watchdog
+            ends a rank whose Python cannot run.  A caller that passes one
+            (tests pass a recorder) ends the job itself: neither happens.
     """
 
     def __init__(self, cfg: MonitorConfig, comm: Any, world: World, run_dir: Path, *, device: Any = None,
@@ -295,7 +297,7 @@ class Monitor:
             for guard in self.deadlines.guards():
                 guard.announced.set()  # nobody beats any more: nothing to wait for
         first = self.deadlines.earliest()
-        if first is None:
+        if first is None or self.on_failure is not None:
             native.disarm()
             return
         message, report = native_report(first, rank=self.world.rank, host=self.world.hostname,

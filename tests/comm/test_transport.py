@@ -1,5 +1,8 @@
 """Transports: MPI, torch.distributed and hierarchical sums at any size; NCCL ordering with a stand-in."""
 
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -7,6 +10,8 @@ from hpcnet.comm.transport import (CommFailure, FaultyTransport, MpiTransport, T
                                    enqueue_in_order, wait_all)
 from hpcnet.comm.world import discover
 from tests.helpers import FakeComm, FakeWork
+
+PROGRAMS = Path(__file__).parent.parent / "programs"
 
 
 @pytest.fixture
@@ -157,3 +162,16 @@ def test_one_rank_needs_no_communication():
     flat = torch.ones(3)
     TorchTransport(None, "gloo", 1).start(flat).wait(1.0)
     assert torch.equal(flat, torch.ones(3))
+
+
+@pytest.mark.launch
+def test_a_worker_left_in_an_abandoned_all_reduce_does_not_keep_the_process_alive(launch):
+    """The MPI test pass at 4 ranks once ended every test and then never exited: the interpreter joined a
+    ThreadPoolExecutor worker still inside an all-reduce its peers had given up on."""
+    try:
+        out = launch(2, str(PROGRAMS / "abandoned_allreduce.py"), module=None, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the job did not exit within 60 s of its ranks finishing")
+    assert out.returncode == 0, out.stderr
+    assert "rank 1 gave up: all-reduce did not finish within 1 s" in out.stdout
+    assert "rank 0 exiting" in out.stdout and "rank 1 exiting" in out.stdout
