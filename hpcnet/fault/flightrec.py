@@ -51,6 +51,10 @@ OPS: tuple[str, ...] = (
 OP_CODES: dict[str, int] = {name: code for code, name in enumerate(OPS)}
 DATA_PLANE_OPS = frozenset({"allreduce.bucket"})
 """Collectives on the transport's communicator, left out of cross-rank comparisons (see above)."""
+EVERY_RANK_OPS = frozenset(OPS) - DATA_PLANE_OPS - {"none", "broadcast.buffers"}
+"""Control-plane collectives that end on a rank only once every rank has entered them (sums and agreements
+over the whole job), issued one at a time by the training thread: each one that ends is proof of life
+(``FlightRecorder.all_alive_at``)."""
 DIGEST_MODULUS = 1 << 52
 """Digests stay below this, so a float64 beat carries them exactly."""
 
@@ -106,6 +110,12 @@ class FlightRecorder:
         self._ring: list[Collective | None] = [None] * capacity
         self._open: dict[int, Collective] = {}
         self._lock = threading.Lock()
+        self.all_alive_at: float | None = None
+        """time.monotonic() at which every rank was last known to be alive: the start here of the
+        ``EVERY_RANK_OPS`` collective before the latest one that ended.  That one ended, so every rank had
+        entered it, having finished the one before; which no rank could finish before this one entered it.
+        Heartbeats may be late on a starved host (16 ranks a core) while the job demonstrably progresses."""
+        self._done_start: float | None = None
 
     def start(self, op: str, bucket: int = -1, nbytes: int = 0) -> int:
         """Record the start of a collective; return the token for ``end``."""
@@ -122,12 +132,17 @@ class FlightRecorder:
             self._open[self.seq] = entry
             return self.seq
 
-    def end(self, token: int) -> None:
-        """Record the end of a collective (a token already ended is ignored)."""
+    def end(self, token: int, completed: bool = True) -> None:
+        """Record the end of a collective (a token already ended is ignored); ``completed=False``: it raised."""
         with self._lock:
             entry = self._open.pop(token, None)
-        if entry is not None:
+            if entry is None:
+                return
             entry.end = time.monotonic()
+            if completed and entry.op in EVERY_RANK_OPS:
+                if self._done_start is not None:
+                    self.all_alive_at = self._done_start
+                self._done_start = entry.start
 
     def op(self, name: str, bucket: int = -1, nbytes: int = 0) -> "_Op":
         """Record the collective run inside the ``with`` block (ended also when it raises)."""
@@ -168,8 +183,8 @@ class _Op:
     def __enter__(self) -> None:
         self.token = self.recorder.start(*self.args)
 
-    def __exit__(self, *exc: Any) -> None:
-        self.recorder.end(self.token)
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.recorder.end(self.token, completed=exc_type is None)
 
 
 class NullRecorder:

@@ -186,6 +186,12 @@ class PeerTracker:
         if beat["state"] == LEAVING:
             self.left.add(rank)
 
+    def alive_at(self, when: float) -> None:
+        """Every watched rank was alive at ``when`` (a collective over the whole job ended): as if heard then."""
+        for rank, heard in self.last_heard.items():
+            if when > heard:
+                self.last_heard[rank] = when
+
     def deadline_of(self, rank: int, own_step: int = 0) -> float:
         """How long ``rank`` may be silent after its last beat."""
         beat = self.last_beat[rank]

@@ -172,6 +172,9 @@ class LocalLiveness:
                 verdict = True  # every thread blocked at this instant, but it has been running
             if not verdict:
                 out.append(rank)
+                log.error("rank %d on this host: silent for %.1f s, %s; its threads: %s", rank, silent_s(rank),
+                          "gone" if threads is None else "stopped" if verdict is None else "blocked",
+                          ", ".join(f"{t.name}:{t.state}:{t.wchan}" for t in threads or []) or "none")
             elif rank not in self._told:
                 self._told.add(rank)
                 log.warning("rank %d on this host is silent for %.1f s but its process is runnable or using CPU "

@@ -239,6 +239,8 @@ class Monitor:
         self._last_once = now
         self._tracker.tick(now)
         self._receive(now)
+        if self.recorder.all_alive_at is not None:
+            self._tracker.alive_at(self.recorder.all_alive_at)  # proof of life without beats (flightrec)
         self._beat_if_due(now)
         if self.failure is not None:
             return  # declared (tests go on running): keep answering, judge no more

@@ -1,7 +1,6 @@
 """Transports: MPI, torch.distributed and hierarchical sums at any size; NCCL ordering with a stand-in."""
 
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -9,9 +8,7 @@ import torch
 from hpcnet.comm.transport import (CommFailure, FaultyTransport, MpiTransport, TorchTransport, build_transport,
                                    enqueue_in_order, wait_all)
 from hpcnet.comm.world import discover
-from tests.helpers import FakeComm, FakeWork
-
-PROGRAMS = Path(__file__).parent.parent / "programs"
+from tests.helpers import PROGRAMS, FakeComm, FakeWork
 
 
 @pytest.fixture

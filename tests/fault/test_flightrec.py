@@ -8,6 +8,28 @@ from hpcnet.fault.flightrec import FlightRecorder, analyze_stall, desync, format
 from tests.helpers import rank_state
 
 
+def test_collectives_over_every_rank_are_proof_that_every_rank_was_alive():
+    rec = FlightRecorder()
+    with rec.op("loss.allreduce"):
+        first = rec.entry(rec.seq).start
+    assert rec.all_alive_at is None  # one ended: every rank entered it, maybe long before this one did
+    with rec.op("broadcast.buffers"):  # only rank 0 must have entered a broadcast
+        pass
+    token = rec.start("allreduce.bucket")  # gradient buckets overlap (progress threads): no order to lean on
+    rec.end(token)
+    assert rec.all_alive_at is None
+    with pytest.raises(RuntimeError):
+        with rec.op("step_boundary"):  # one that raised proves nothing
+            raise RuntimeError("transport failed")
+    assert rec.all_alive_at is None
+    with rec.op("reducer.launched"):
+        second = rec.entry(rec.seq).start
+    assert rec.all_alive_at == first
+    with rec.op("eval.allreduce"):
+        pass
+    assert rec.all_alive_at == second
+
+
 def test_flight_recorder_ring():
     rec = FlightRecorder(capacity=4)
     tokens = [rec.start("allreduce.bucket", bucket=b, nbytes=100 * b) for b in range(3)]

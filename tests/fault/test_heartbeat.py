@@ -86,3 +86,13 @@ def test_watchers_allow_the_silence_of_an_announced_create():
     assert "in checkpoint.create for 0.1 s" in silent_past_deadline["message"]
     plain = heartbeat_report({2: (6.1, tracker.last_beat[2])}, ("h",) * 3, detector=0, interval_s=2.0, misses=3)
     assert plain["kind"] == "heartbeat" and plain["failed"][0]["guard"] == "checkpoint.write"
+
+
+def test_proof_of_life_resets_the_silence_and_never_moves_it_back():
+    tracker = PeerTracker([1, 2], interval_s=2.0, misses=3, now=0.0)
+    tracker.heard(2, decode(encode(state=RUNNING, step=1)), 5.0)
+    assert tracker.overdue(7.0, own_step=1) == [1]
+    tracker.alive_at(4.0)  # rank 1 was in a collective that ended here: alive at 4 s
+    assert tracker.overdue(7.0, own_step=1) == [] and tracker.silent_s(1, 7.0) == 3.0
+    assert tracker.silent_s(2, 7.0) == 2.0  # heard later than the proof: unchanged
+    assert tracker.overdue(10.5, own_step=1) == [1] and tracker.overdue(11.5, own_step=1) == [1, 2]

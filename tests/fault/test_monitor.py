@@ -103,6 +103,28 @@ def test_silent_rank_is_named_by_its_watchers(comm, mpi_tmp_path):
         assert json.loads((mpi_tmp_path / "failure.json").read_text())["failed"][0]["rank"] == 1
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_silent_rank_whose_collectives_keep_ending_is_alive(comm, mpi_tmp_path):
+    """At 16 ranks a core a healthy rank's beats once did not arrive for 21 s while it took part in every
+    collective; one that ends proves every rank was alive (FlightRecorder.all_alive_at)."""
+    found = []
+    monitor = _monitor(comm, mpi_tmp_path, found, heartbeat_interval_s=0.5).start()
+    monitor.step(3)
+    time.sleep(0.5)
+    if comm.Get_rank() == 1:
+        monitor._muted = True  # its beats stop: 3 s of silence is two heartbeat deadlines
+    until = time.monotonic() + 3.0
+    more = True
+    while more:
+        with monitor.collective("loss.allreduce"):
+            more = comm.allreduce(int(time.monotonic() < until), op=MPI.MIN) == 1
+        time.sleep(0.05)
+    comm.Barrier()
+    monitor.stop()
+    assert found == []
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(60)
 def test_stall_dumps_every_rank_and_names_who_is_behind(comm, mpi_tmp_path):
