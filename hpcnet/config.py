@@ -207,6 +207,33 @@ class DistConfig:
             raise ConfigError(f"dist.fail_at_step must be >= 0, got {self.fail_at_step}")
 
 
+SWITCHES = ("auto", "on", "off")
+"""Values of the ``cuda.*`` switches: 'auto' is on for a CUDA device and off elsewhere."""
+MATMUL_PRECISIONS = ("auto", "highest", "high", "medium")
+
+
+@dataclass(kw_only=True, slots=True)
+class CudaConfig:
+    cudnn_benchmark: str = "auto"
+    """torch.backends.cudnn.benchmark (autotuned convolutions for fixed input shapes): 'auto' (on CUDA), 'on', 'off'."""
+    matmul_precision: str = "auto"
+    """torch.set_float32_matmul_precision: 'auto' ('high', TF32 matmuls, on CUDA; 'highest' elsewhere), 'highest', 'high', 'medium'."""
+    channels_last: str = "auto"
+    """Models with 2-d convolutions and their 4-d inputs in channels-last memory format: 'auto' (on CUDA), 'on' (any device), 'off'."""
+    pin_memory: str = "auto"
+    """Batches copied from pinned host memory on a side CUDA stream: 'auto' (on CUDA), 'on', 'off'; CUDA only."""
+    fused_optimizer: str = "auto"
+    """The fused implementation of SGD/AdamW (one kernel for all parameters): 'auto' (on CUDA), 'on' (any device), 'off'."""
+
+    def __post_init__(self) -> None:
+        for name in ("cudnn_benchmark", "channels_last", "pin_memory", "fused_optimizer"):
+            if getattr(self, name) not in SWITCHES:
+                raise ConfigError(f"cuda.{name}: {getattr(self, name)!r} is not one of 'auto', 'on', 'off'")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ConfigError(f"cuda.matmul_precision: {self.matmul_precision!r} is not one of "
+                              f"{', '.join(map(repr, MATMUL_PRECISIONS))}")
+
+
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
     dir: str = ""
@@ -338,6 +365,8 @@ class Config:
     """Steps, batch size, evaluation."""
     dist: DistConfig = field(default_factory=DistConfig)
     """Distributed data plane."""
+    cuda: CudaConfig = field(default_factory=CudaConfig)
+    """GPU settings (cuDNN autotuning, TF32, channels-last, pinned batches, fused optimizers): on by default on CUDA."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Parallel-HDF5 checkpoints: when to save, what to keep, resume."""
     monitor: MonitorConfig = field(default_factory=MonitorConfig)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpcnet.accel import BatchMover, DeviceSettings
 from hpcnet.ckpt.policy import NONFINITE_GRAD, NONFINITE_LOSS, SavePolicy
 from hpcnet.ckpt.state import TrainState
 from hpcnet.comm.dataparallel import DataParallel
@@ -79,8 +80,10 @@ def loss_and_correct(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch
 
 @torch.no_grad()
 def evaluate(model: nn.Module, split: Any, comm: Any, *, batch_size: int, max_batches: int,
-             device: torch.device, recorder: Any = NULL_RECORDER, precision: str = "fp32") -> dict[str, float]:
-    """Loss and accuracy on the held-out split, each rank on its own shard (collective)."""
+             device: torch.device, recorder: Any = NULL_RECORDER, precision: str = "fp32",
+             move: Callable[[Any], tuple[torch.Tensor, ...]] | None = None) -> dict[str, float]:
+    """Loss and accuracy on the held-out split, each rank on its own shard (collective); ``move`` puts a batch
+    on the device (``hpcnet.accel.BatchMover``; default ``.to(device)``)."""
     from mpi4py import MPI
 
     was_training = model.training
@@ -90,8 +93,8 @@ def evaluate(model: nn.Module, split: Any, comm: Any, *, batch_size: int, max_ba
     for n, start in enumerate(range(0, len(indices), batch_size)):
         if max_batches and n >= max_batches:
             break
-        inputs, targets = split.read(indices[start:start + batch_size])
-        inputs, targets = inputs.to(device), targets.to(device)
+        batch = split.read(indices[start:start + batch_size])
+        inputs, targets = move(batch) if move is not None else (t.to(device) for t in batch)
         with autocast(device, precision):
             loss, correct = loss_and_correct(model(inputs), targets)
         count = targets.numel()
@@ -156,7 +159,8 @@ class Loop:
 
     def __init__(self, cfg: Config, comm: Any, world: World, dp: DataParallel, optimizer: torch.optim.Optimizer,
                  loader: BatchLoader, eval_split: Any, device: torch.device, metrics: MetricsWriter,
-                 state: TrainState, faults: FaultInjector, monitor: Monitor, stop: Any = None) -> None:
+                 state: TrainState, faults: FaultInjector, monitor: Monitor, stop: Any = None,
+                 mover: BatchMover | None = None) -> None:
         self.cfg, self.comm, self.world, self.dp, self.optimizer = cfg, comm, world, dp, optimizer
         self.loader, self.eval_split, self.device, self.metrics = loader, eval_split, device, metrics
         self.state, self.faults, self.monitor, self.stop = state, faults, monitor, stop
@@ -165,6 +169,7 @@ class Loop:
         self.on_nonfinite = cfg.train.nonfinite  # stop | skip | ignore
         self.policy = SavePolicy.from_config(cfg)
         self._loss = loss_in(device, cfg.train.precision)
+        self.mover = mover or BatchMover(device, DeviceSettings())
 
     def run(self, start_step: int) -> dict[str, Any]:
         """Train from ``start_step``; the run's summary."""
@@ -190,8 +195,7 @@ class Loop:
         cfg, model = self.cfg, self.dp.model
         for group in self.optimizer.param_groups:
             group["lr"] = cfg.optim.lr * lr_factor(p.step, self.total, cfg.optim)
-        batches = [tuple(t.to(self.device, non_blocking=True) for t in self.loader.next())
-                   for _ in range(cfg.train.grad_accumulation)]
+        batches = [self.mover(self.loader.next()) for _ in range(cfg.train.grad_accumulation)]
         loss = self.dp.step(batches, self._loss, step=p.step + 1)
         # The averaged gradients are the same on every rank, so a verdict from their norm needs
         # no collective; computing it costs a pass over them, paid only for clipping or skip.
@@ -240,7 +244,8 @@ class Loop:
         self.dp.sync_buffers()
         p.evaluation = evaluate(self.dp.model, self.eval_split, self.comm, batch_size=self.cfg.train.batch_size,
                                 max_batches=self.cfg.train.eval_batches, device=self.device,
-                                recorder=self.monitor.recorder, precision=self.cfg.train.precision)
+                                recorder=self.monitor.recorder, precision=self.cfg.train.precision,
+                                move=self.mover)
         if self.world.is_main:
             log.info("eval at step %d: loss %.4f, accuracy %.2f%%", p.step, p.evaluation["eval_loss"],
                      100 * p.evaluation["eval_accuracy"])

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from hpcnet import __version__
+from hpcnet.accel import BatchMover, DeviceSettings, apply_settings, device_settings
 from hpcnet.agree import is_agreed, shared_errors
 from hpcnet.ckpt.manager import CheckpointManager
 from hpcnet.ckpt.state import TrainState
@@ -185,24 +186,26 @@ def _data(cfg: Config, comm: Any, world: World) -> tuple[Any, Any, GlobalBatchSa
 
 
 def _model(cfg: Config, comm: Any, world: World, device: torch.device, info: Any, plan: Any,
-           monitor: Monitor) -> tuple[DataParallel, torch.optim.Optimizer]:
+           monitor: Monitor) -> tuple[DataParallel, torch.optim.Optimizer, DeviceSettings]:
     """The same seed on every rank, then rank 0's weights broadcast (inside DataParallel), so a
-    rank-dependent factory cannot make the replicas diverge."""
+    rank-dependent factory cannot make the replicas diverge; the ``cuda.*`` settings applied."""
     torch.manual_seed(cfg.run.seed)
     with shared_errors(comm):
         model = build_model(cfg.model.name, info, cfg.model.options, factory=cfg.model.factory).to(device)
+    settings = device_settings(cfg.cuda, device, model)
+    model = apply_settings(settings, model)
     dp = DataParallel(model, comm, world, cfg.dist, device=device, plan=plan, recorder=monitor.recorder)
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, fused=settings.fused_optimizer)
     torch.manual_seed(cfg.run.seed + 1 + world.rank)  # dropout etc. differ per rank
     random.seed(cfg.run.seed + world.rank)
-    return dp, optimizer
+    return dp, optimizer, settings
 
 
 def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any, run_dir: Path,
            monitor: Monitor, stop: StopRequest | None) -> TrainResult:
     """Data, model, checkpoints, then the loop from where the checkpoints say; closed whatever happens."""
     train_split, eval_split, sampler = _data(cfg, comm, world)
-    dp, optimizer = _model(cfg, comm, world, device, train_split.info, plan, monitor)
+    dp, optimizer, settings = _model(cfg, comm, world, device, train_split.info, plan, monitor)
     metrics = MetricsWriter(run_dir / metrics_file(world.rank)
                             if cfg.run.metrics == "all" or (cfg.run.metrics == "rank0" and world.is_main) else None)
     if world.is_main:
@@ -210,6 +213,7 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any
                  cfg.model.factory or cfg.model.name, f"{count_parameters(dp.model):,}", cfg.data.dataset,
                  len(train_split), len(eval_split), cfg.train.batch_size * cfg.train.grad_accumulation * world.size)
         log.info("%s", dp.describe())
+        log.info("device settings (cuda.*): %s", settings.describe())
     faults = FaultInjector(cfg.fault, world)  # fault.*: off unless testing recovery
     manager = CheckpointManager(comm, checkpoint_dir(cfg.run.dir, cfg.run.name, cfg.checkpoint.dir),
                                 keep=cfg.checkpoint.keep, full_every=cfg.checkpoint.full_every,
@@ -228,7 +232,7 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any
                         cfg.train.steps)
         loader = BatchLoader(train_split, sampler)  # after resume: it reads ahead from the sampler's position
         result.summary = Loop(cfg, comm, world, dp, optimizer, loader, eval_split, device, metrics, state, faults,
-                              monitor, stop).run(start_step)
+                              monitor, stop, mover=BatchMover(device, settings)).run(start_step)
     finally:
         if _may_communicate():
             manager.close()  # a checkpoint still being written is committed before we leave

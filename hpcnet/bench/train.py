@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hpcnet.accel import BatchMover, DeviceSettings, apply_settings, device_settings
 from hpcnet.bench.common import (describe_environment, environment, load_average, max_over_ranks, summarize, table,
                                  write_json)
 from hpcnet.bench.stepsplit import profile_block, sync_device
@@ -59,6 +60,9 @@ SPECS: dict[str, ModelSpec] = {
     "resnet18": ModelSpec("resnet18", {"width": 32}, (3, 32, 32), 10, 8, "compute-heavy", 1.0),
     # 0.31 M parameters (1.2 MiB): communication is latency only.
     "resnet_tiny": ModelSpec("resnet_tiny", {}, (3, 32, 32), 10, 32, "compute-heavy", 1.0),
+    # ResNet-50 on 224x224 ImageNet-sized inputs, 64 a GPU: 25.6 M parameters (98 MiB), ~4 GFLOP per sample
+    # forward (scripts/gpu-check.sh; far too slow on a CPU).
+    "resnet50": ModelSpec("resnet50", {}, (3, 224, 224), 1000, 64, "GPU", 1.0),
     # A smoke test (seconds), not a benchmark.
     "mlp-small": ModelSpec("mlp", {"hidden": [256, 256]}, (3, 32, 32), 10, 16, "smoke test", 1.0),
 }
@@ -85,8 +89,10 @@ class Contender:
 
 
 def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.device, local: bool,
-                    seed: int = 0, dist_cfg: Any = None, precision: str = "fp32") -> list[Contender]:
-    """hpcnet, DDP and (optionally) the no-communication baseline on copies of one model (collective)."""
+                    seed: int = 0, dist_cfg: Any = None, precision: str = "fp32",
+                    settings: Any = None) -> list[Contender]:
+    """hpcnet, DDP and (optionally) the no-communication baseline on copies of one model (collective); every
+    contender gets the same device ``settings`` (``hpcnet.accel``: channels-last, fused optimizer, ...)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -102,10 +108,12 @@ def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.dev
 
     torch.manual_seed(seed)
     base = build_model(spec.model, DatasetInfo("image", spec.input_shape, spec.num_classes), spec.options).to(device)
+    settings = settings or DeviceSettings()
+    base = apply_settings(settings, base)
     optim_cfg = OptimConfig()  # hpcnet's defaults for every contender (SGD, momentum, weight decay, clip 1.0)
 
     def updater(model: nn.Module) -> tuple[torch.optim.Optimizer, Callable[[], None]]:
-        optimizer = build_optimizer(model, optim_cfg)
+        optimizer = build_optimizer(model, optim_cfg, fused=settings.fused_optimizer)
 
         def update() -> None:
             if optim_cfg.grad_clip > 0:
@@ -173,10 +181,17 @@ def bench_model(name: str, spec: ModelSpec, comm: Any, world: Any, args: argpars
     """Warm-up, alternating timed rounds and an instrumented block for the model ``SPECS[name]`` (collective)."""
     from mpi4py import MPI
 
+    from hpcnet.data.info import DatasetInfo
+    from hpcnet.models import build_model
+
     batch_size = args.batch_size or spec.batch_size
+    base = build_model(spec.model, DatasetInfo("image", spec.input_shape, spec.num_classes), spec.options)
+    settings = device_settings(args.cuda_cfg, device, base)  # what training would use on this device
     contenders = make_contenders(spec, comm, world, device=device, local=not args.no_local, dist_cfg=args.dist_cfg,
-                                 precision=args.precision)
-    batches = synthetic_batches(spec, batch_size, args.distinct_batches, world.rank, device)
+                                 precision=args.precision, settings=settings)
+    mover = BatchMover(device, settings)
+    batches = [mover(batch) for batch in synthetic_batches(spec, batch_size, args.distinct_batches, world.rank,
+                                                           device)]
     try:
         position = {c.name: 0 for c in contenders}  # every contender walks the same batch sequence
 
@@ -202,7 +217,9 @@ def bench_model(name: str, spec: ModelSpec, comm: Any, world: Any, args: argpars
         for c in contenders:
             if c.dp is not None:
                 c.dp.close()
-    return _model_result(name, spec, contenders, seconds, profiles, diff, batch_size, world.size, args)
+    result = _model_result(name, spec, contenders, seconds, profiles, diff, batch_size, world.size, args)
+    result["device_settings"] = settings.describe()
+    return result
 
 
 def _alternate(contenders: list[Contender], block: Callable[[Contender, int], float], rounds: int,
@@ -303,6 +320,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dist", action="append", default=[], metavar="OPTION=VALUE",
                         help="a dist option of hpcnet's contender (e.g. progress=thread; repeatable; default: "
                              "hpcnet's defaults, as training uses)")
+    parser.add_argument("--cuda", action="append", default=[], metavar="OPTION=VALUE",
+                        help="a cuda option for every contender (e.g. channels_last=off; repeatable; default: "
+                             "hpcnet's defaults, on for a CUDA device)")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="train.precision of every contender's forward (default fp32)")
     parser.add_argument("--no-local", action="store_true", help="leave out the no-communication baseline")
@@ -320,6 +340,10 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         args.dist_cfg = load_config(overrides=[f"dist.{o}" for o in args.dist]).dist
     except UsageError as exc:
         parser.error(f"--dist: {exc}")
+    try:
+        args.cuda_cfg = load_config(overrides=[f"cuda.{o}" for o in args.cuda]).cuda
+    except UsageError as exc:
+        parser.error(f"--cuda: {exc}")
     args.model_list = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in args.model_list if m not in SPECS]
     if unknown or not args.model_list:

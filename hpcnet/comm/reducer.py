@@ -168,8 +168,13 @@ class Reducer:
 
     # -- gradient views ------------------------------------------------------
     def _view(self, bucket: _Bucket, j: int) -> torch.Tensor:
+        """Parameter j's gradient in its bucket, laid out as the parameter is (channels-last stays so: fused
+        optimizers read a gradient and its parameter in memory order, and gave wrong updates otherwise)."""
         p = bucket.params[j]
-        return bucket.buffer[bucket.offsets[j]:bucket.offsets[j + 1]].view_as(p)
+        flat = bucket.buffer[bucket.offsets[j]:bucket.offsets[j + 1]]
+        if p.is_contiguous() or not _dense(p):
+            return flat.view_as(p)
+        return flat.as_strided(p.shape, p.stride())
 
     def _fold(self, bucket: _Bucket, j: int) -> None:
         """Write parameter j's gradient, times 1/world size, into its bucket view (one pass); ``.grad`` becomes
@@ -330,6 +335,16 @@ class Reducer:
         self._hooks.clear()
         self._rehome()  # the gradients stay readable after the shared window is freed
         self.transport.close()
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its extent without gaps or overlaps, in some order of its dimensions."""
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def broadcast_module(module: nn.Module, comm: Any) -> None:
