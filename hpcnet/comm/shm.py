@@ -27,12 +27,14 @@ a foreign tensor) are refused: ``hpcnet.comm.plan`` rejects compression
 with this backend.
 """
 
+import statistics
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hpcnet.comm.transport import Progress
+from hpcnet.comm.transport import MpiTransport, Progress
 from hpcnet.comm.world import World
 
 ALIGN_ELEMENTS = 16
@@ -150,3 +152,34 @@ class ShmTransport:
         self._regions.clear()
         for comm in (self.node, self.cross):
             comm.Free()
+
+
+RACE_BYTES = 4 << 20
+"""The bucket size ``dist.backend=auto`` times both ways on CPU (``race_shm_against_mpi``)."""
+RACE_ITERS = 3
+
+
+def race_shm_against_mpi(comm: Any, world: World, nbytes: int, iters: int = RACE_ITERS) -> tuple[float, float]:
+    """Collective: seconds per all-reduce of ``nbytes`` of float32 with MPI (inline) and with shm, alternating,
+    one warm-up each; the slowest rank's median of ``iters``.  (MPI's, shm's) on every rank, so every rank
+    decides alike.  Every node must have the same number of ranks (``ShmTransport``)."""
+    from mpi4py import MPI
+
+    numel = max(1, nbytes // 4)
+    contenders = [MpiTransport(comm, progress="inline"), ShmTransport(comm, world)]
+    try:
+        buffers = [torch.ones(numel), contenders[1].allocate(numel, torch.float32)]
+        buffers[1].fill_(1.0)
+        seconds: list[list[float]] = [[], []]
+        for i in range(iters + 1):
+            for k, (transport, flat) in enumerate(zip(contenders, buffers)):
+                comm.Barrier()
+                t0 = time.perf_counter()
+                transport.start(flat).wait(600.0)
+                if i:
+                    seconds[k].append(time.perf_counter() - t0)
+                flat.fill_(1.0)  # no growth to inf at any size
+        return tuple(comm.allreduce(statistics.median(s), op=MPI.MAX) for s in seconds)  # type: ignore[return-value]
+    finally:
+        for transport in contenders:
+            transport.close()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hpcnet.comm.dataparallel import DataParallel
-from hpcnet.comm.plan import Plan, plan_transport
+from hpcnet.comm.plan import Plan, decide_plan, plan_transport
 from hpcnet.comm.shm import ALIGN_ELEMENTS, ShmTransport, slice_bounds
 from hpcnet.comm.world import discover
 from hpcnet.config import DistConfig
@@ -80,6 +80,11 @@ def test_training_on_shm_equals_mpi_and_falls_back_out_of_the_window(comm):
 
 def test_the_plan_for_shm():
     cpu = dict(device_type="cpu", num_nodes=2, min_local_size=4)
+    assert plan_transport(DistConfig(), **cpu, shm_wins=True) == Plan("shm", False, "mpi")  # auto, measured
+    assert plan_transport(DistConfig(), **cpu, shm_wins=False).primary == "mpi"
+    assert plan_transport(DistConfig(backend="mpi"), **cpu, shm_wins=True).primary == "mpi"  # the option wins
+    assert plan_transport(DistConfig(), device_type="cuda", num_nodes=1, min_local_size=2,
+                          shm_wins=True).primary == "nccl"
     assert plan_transport(DistConfig(backend="shm"), **cpu) == Plan("shm", False, "mpi")
     assert plan_transport(DistConfig(backend="shm", fallback="gloo"), **cpu) == Plan("shm", False, "gloo")
     assert Plan("shm", False, "mpi").torch_backend is None  # no torch.distributed at all
@@ -87,3 +92,17 @@ def test_the_plan_for_shm():
         plan_transport(DistConfig(backend="shm"), device_type="cuda", num_nodes=1, min_local_size=1)
     with pytest.raises(UsageError, match="dist.compression: bf16 needs the nccl or gloo backend"):
         plan_transport(DistConfig(backend="shm", compression="bf16"), **cpu)
+
+
+@pytest.mark.mpi
+def test_auto_picks_the_faster_sum_measured_the_same_on_every_rank(comm, monkeypatch):
+    import hpcnet.comm.shm as shm
+
+    world = discover(comm, environ={})
+    mpi_s, shm_s = shm.race_shm_against_mpi(comm, world, 1 << 16)
+    assert comm.allgather((mpi_s, shm_s)) == [(mpi_s, shm_s)] * comm.Get_size() and mpi_s > 0 and shm_s > 0
+    for measured, expected in (((2.0, 1.0), "shm"), ((1.0, 2.0), "mpi")):
+        monkeypatch.setattr(shm, "race_shm_against_mpi", lambda *args, m=measured: m)
+        plan = decide_plan(comm, world, DistConfig(), device_type="cpu")
+        assert plan.primary == (expected if comm.Get_size() > 1 else "mpi")  # one rank: nothing to race
+    assert decide_plan(comm, world, DistConfig(backend="mpi"), device_type="cpu").primary == "mpi"

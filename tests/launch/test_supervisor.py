@@ -225,18 +225,22 @@ def test_sigterm_to_the_supervisor_saves_and_stops_the_job(tmp_path):
     """mpirun would kill the ranks a second after SIGTERM; the supervisor sends SIGUSR2, so they save and exit 76."""
     _serial_only()
     command = _train_command(tmp_path, "term", "train.steps=100000", "checkpoint.every_steps=0")
-    proc = subprocess.Popen([sys.executable, "-m", "hpcnet.launch", "--", *command], cwd=tmp_path, env=clean_env(),
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 150
-        metrics = tmp_path / "runs"
-        while time.monotonic() < deadline and not list(metrics.glob("term-*/attempt-1/metrics.rank0.jsonl")):
-            time.sleep(0.5)
-        time.sleep(1.0)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
+    # stderr goes to a file, as a terminal or a batch log would take it: a pipe nobody reads fills up at 64 KiB
+    # (a line a step here) and blocks the job's logging until the signal finds it frozen.
+    with open(tmp_path / "stderr.txt", "w+") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "hpcnet.launch", "--", *command], cwd=tmp_path,
+                                env=clean_env(), stderr=stderr, text=True)
+        try:
+            deadline = time.monotonic() + 150
+            metrics = tmp_path / "runs"
+            while time.monotonic() < deadline and not list(metrics.glob("term-*/attempt-1/metrics.rank0.jsonl")):
+                time.sleep(0.5)
+            time.sleep(1.0)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+        finally:
+            proc.kill()
+        err = (tmp_path / "stderr.txt").read_text()
     assert proc.returncode == ExitCode.PREEMPTED, err
     assert "got SIGTERM, sent SIGUSR2 to the job" in err and "stopped by SIGTERM: not restarting" in err
     saved = list((tmp_path / "runs" / "term.ckpt").glob("ckpt-*.h5"))
