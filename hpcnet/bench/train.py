@@ -130,28 +130,26 @@ def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.dev
 
     model_d = copy.deepcopy(base)
     ddp = DistributedDataParallel(model_d, device_ids=[device] if device.type == "cuda" else None)  # its defaults
-    opt_d, update_d = updater(model_d)
-
-    def ddp_forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        opt_d.zero_grad(set_to_none=True)
-        loss = compute_loss(ddp, x, y)
-        loss.backward()  # DDP all-reduces its buckets during backward and waits for them at its end
-        return loss.detach()
-
-    contenders.append(Contender(f"ddp-{dist.get_backend()}", model_d, ddp_forward_backward, update_d))
-
+    # DDP all-reduces its buckets during backward and waits for them at its end.
+    contenders.append(_plain(f"ddp-{dist.get_backend()}", model_d, ddp, updater, compute_loss))
     if local:
         model_l = copy.deepcopy(base)
-        opt_l, update_l = updater(model_l)
-
-        def local_forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            opt_l.zero_grad(set_to_none=True)
-            loss = compute_loss(model_l, x, y)
-            loss.backward()
-            return loss.detach()
-
-        contenders.append(Contender("local", model_l, local_forward_backward, update_l))
+        contenders.append(_plain("local", model_l, model_l, updater, compute_loss))
     return contenders
+
+
+def _plain(name: str, model: nn.Module, forward: nn.Module, updater: Callable[[nn.Module], Any],
+           compute_loss: Callable[..., torch.Tensor]) -> Contender:
+    """A contender whose step is zero_grad, ``forward``'s loss, backward (DDP, or no communication at all)."""
+    optimizer, update = updater(model)
+
+    def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = compute_loss(forward, x, y)
+        loss.backward()
+        return loss.detach()
+
+    return Contender(name, model, forward_backward, update)
 
 
 def synthetic_batches(spec: ModelSpec, batch_size: int, count: int, rank: int,
