@@ -239,7 +239,7 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any
         if loader is not None:
             loader.close()
         metrics.close()
-        dp.close()
+        dp.close(collective=_may_communicate())
     result.summary.update(world_size=world.size, run_dir=str(run_dir), comm=dp.summary(), monitor=monitor.summary())
     return result
 

@@ -181,5 +181,6 @@ class DataParallel:
         return {"backend": self.backend, "hierarchical": self.plan.hierarchical, "fallbacks": stats.fallbacks,
                 "bytes_reduced": stats.bytes_reduced}
 
-    def close(self) -> None:
-        self.reducer.close()
+    def close(self, collective: bool = True) -> None:
+        """``collective=False`` while an error raised on this rank alone propagates (``Reducer.close``)."""
+        self.reducer.close(collective)

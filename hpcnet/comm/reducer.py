@@ -329,12 +329,17 @@ class Reducer:
         if isinstance(self.transport, FaultyTransport):
             self.transport.armed = armed
 
-    def close(self) -> None:
+    def close(self, collective: bool = True) -> None:
+        """Remove the hooks and close the transport; ``collective=False`` (an error raised on this rank alone
+        is propagating) leaves out what would wait for the other ranks (shm's window frees)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
         self._rehome()  # the gradients stay readable after the shared window is freed
-        self.transport.close()
+        if collective:
+            self.transport.close()
+        else:
+            getattr(self.transport, "abandon", self.transport.close)()
 
 
 def _dense(t: torch.Tensor) -> bool:

@@ -145,6 +145,12 @@ class ShmTransport:
         self.node.Barrier()  # every slice summed: each rank's bucket holds the whole sum
         window.Sync()
 
+    def abandon(self) -> None:
+        """Forget the windows and communicators without freeing them (local): while an error raised on this rank
+        alone propagates, its peers may be inside a collective, and freeing a window is one (the job is
+        aborted next, which frees everything)."""
+        self._regions.clear()
+
     def close(self) -> None:
         for region in self._regions.values():
             region.window.Unlock_all()

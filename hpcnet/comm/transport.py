@@ -444,6 +444,9 @@ class FaultyTransport:
     def close(self) -> None:
         self.inner.close()
 
+    def abandon(self) -> None:
+        getattr(self.inner, "abandon", self.inner.close)()
+
 
 class _FailingHandle:
     def __init__(self, inner: Handle) -> None:
