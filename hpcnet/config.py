@@ -156,7 +156,7 @@ PRECISIONS = ("fp32", "bf16")
 @dataclass(kw_only=True, slots=True)
 class DistConfig:
     backend: str = "auto"
-    """Gradient all-reduce backend: 'auto' (nccl on GPU, mpi on CPU), 'nccl', 'gloo', 'mpi' or 'shm' (CPU: buckets in node-shared memory, MPI across nodes)."""
+    """Gradient all-reduce backend: 'auto' (nccl on GPU, mpi on CPU), 'fastest' (nccl on GPU; on CPU shm or mpi, whichever sums faster at start-up: the choice may differ between runs, and so may the last bits), 'nccl', 'gloo', 'mpi' or 'shm' (CPU: buckets in node-shared memory, MPI across nodes)."""
     device: str = "auto"
     """'auto' (cuda:<local rank> when GPUs exist, else cpu), 'cpu' or 'cuda'."""
     timeout_s: float = 600.0
@@ -185,8 +185,9 @@ class DistConfig:
     """Fault injection: the ranks on which the failure is seen; empty = every rank."""
 
     def __post_init__(self) -> None:
-        if self.backend not in ("auto", "nccl", "gloo", "mpi", "shm"):
-            raise ConfigError(f"dist.backend: {self.backend!r} is not one of 'auto', 'nccl', 'gloo', 'mpi', 'shm'")
+        if self.backend not in ("auto", "fastest", "nccl", "gloo", "mpi", "shm"):
+            raise ConfigError(f"dist.backend: {self.backend!r} is not one of 'auto', 'fastest', 'nccl', 'gloo', "
+                              "'mpi', 'shm'")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"dist.device: {self.device!r} is not one of 'auto', 'cpu', 'cuda'")
         if not self.timeout_s > 0:

@@ -61,10 +61,16 @@ def plan_transport(cfg: DistConfig, *, device_type: str, num_nodes: int, min_loc
             ``dist.hierarchical`` is 'auto' (None: ``hierarchical_layout``;
             ``topology.recommend`` advises the same rule today).
         shm_wins: the shared-memory sum was measured faster than MPI's on this
-            job (``race_shm_against_mpi``): 'auto' on CPU is then 'shm'.
+            job (``race_shm_against_mpi``): 'fastest' on CPU is then 'shm'.
+            'auto' does not race: a timing can come out either way from one run
+            to the next, and shm and MPI sum in different orders, so the same
+            config would not give the same bits (a restart included).
     """
     gpu = device_type == "cuda"
-    primary = cfg.backend if cfg.backend != "auto" else ("nccl" if gpu else "shm" if shm_wins else "mpi")
+    if cfg.backend in ("auto", "fastest"):
+        primary = "nccl" if gpu else "shm" if shm_wins and cfg.backend == "fastest" else "mpi"
+    else:
+        primary = cfg.backend
     if primary == "nccl" and not gpu:
         raise UsageError("dist.backend: 'nccl' needs a GPU device (dist.device is cpu or no GPU is visible)")
     if primary == "mpi" and gpu and not cuda_aware:
@@ -73,7 +79,7 @@ def plan_transport(cfg: DistConfig, *, device_type: str, num_nodes: int, min_loc
         raise UsageError("dist.backend: 'shm' sums CPU tensors in shared memory; on GPU use 'nccl'")
     compressed = cfg.compression != "none"
     if compressed and primary in ("mpi", "shm"):
-        which = "'auto' is mpi on CPU" if cfg.backend == "auto" else f"is {primary!r}"
+        which = f"{cfg.backend!r} is mpi on CPU" if cfg.backend in ("auto", "fastest") else f"is {primary!r}"
         raise UsageError(f"dist.compression: {cfg.compression} needs the nccl or gloo backend, and dist.backend "
                          f"{which} (MPI has no half-precision sum); set dist.backend=gloo")
     if primary == "shm":
@@ -129,14 +135,14 @@ def decide_plan(comm: Any, world: World, cfg: DistConfig, *, device_type: str,
 
     min_local = comm.allreduce(world.local_size, op=MPI.MIN)
     shm_wins = False
-    if cfg.backend == "auto" and device_type == "cpu" and cfg.compression == "none" and min_local > 1 \
+    if cfg.backend == "fastest" and device_type == "cpu" and cfg.compression == "none" and min_local > 1 \
             and comm.allreduce(world.local_size, op=MPI.MAX) == min_local:
         from hpcnet.comm.shm import RACE_BYTES, race_shm_against_mpi
 
         mpi_s, shm_s = race_shm_against_mpi(comm, world, RACE_BYTES)
         shm_wins = shm_s < mpi_s
         if world.is_main:
-            log.info("dist.backend=auto: %s; %d MiB sums measured: shm %.2f ms, mpi %.2f ms (slowest rank's "
+            log.info("dist.backend=fastest: %s; %d MiB sums measured: shm %.2f ms, mpi %.2f ms (slowest rank's "
                      "median)", "shm" if shm_wins else "mpi", RACE_BYTES >> 20, shm_s * 1e3, mpi_s * 1e3)
     with shared_errors(comm):
         plan = plan_transport(cfg, device_type=device_type, num_nodes=world.num_nodes, min_local_size=min_local,
