@@ -60,17 +60,14 @@ def plan_transport(cfg: DistConfig, *, device_type: str, num_nodes: int, min_loc
         hierarchical_hint: a measured topology's advice, used when
             ``dist.hierarchical`` is 'auto' (None: ``hierarchical_layout``;
             ``topology.recommend`` advises the same rule today).
-        shm_wins: the shared-memory sum was measured faster than MPI's on this
-            job (``race_shm_against_mpi``): 'fastest' on CPU is then 'shm'.
-            'auto' does not race: a timing can come out either way from one run
-            to the next, and shm and MPI sum in different orders, so the same
-            config would not give the same bits (a restart included).
+        shm_wins: shm's sum measured faster than MPI's (``race_shm_against_mpi``):
+            'fastest' on CPU is then 'shm'. 'auto' never races: a timing flips
+            between runs, and shm and MPI differ in the last bits.
     """
     gpu = device_type == "cuda"
-    if cfg.backend in ("auto", "fastest"):
+    primary = cfg.backend
+    if primary in ("auto", "fastest"):
         primary = "nccl" if gpu else "shm" if shm_wins and cfg.backend == "fastest" else "mpi"
-    else:
-        primary = cfg.backend
     if primary == "nccl" and not gpu:
         raise UsageError("dist.backend: 'nccl' needs a GPU device (dist.device is cpu or no GPU is visible)")
     if primary == "mpi" and gpu and not cuda_aware:
