@@ -90,7 +90,7 @@ class Contender:
 
 def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.device, local: bool,
                     seed: int = 0, dist_cfg: Any = None, precision: str = "fp32",
-                    settings: Any = None) -> list[Contender]:
+                    settings: Any = None, base: nn.Module | None = None) -> list[Contender]:
     """hpcnet, DDP and (optionally) the no-communication baseline on copies of one model (collective); every
     contender gets the same device ``settings`` (``hpcnet.accel``: channels-last, fused optimizer, ...)."""
     import torch.distributed as dist
@@ -106,8 +106,10 @@ def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.dev
 
     compute_loss = loss_in(device, precision)  # every contender's forward in the same precision
 
-    torch.manual_seed(seed)
-    base = build_model(spec.model, DatasetInfo("image", spec.input_shape, spec.num_classes), spec.options).to(device)
+    if base is None:  # the model every contender copies (``bench_model`` builds it to decide the settings)
+        torch.manual_seed(seed)
+        base = build_model(spec.model, DatasetInfo("image", spec.input_shape, spec.num_classes), spec.options)
+    base = base.to(device)
     settings = settings or DeviceSettings()
     base = apply_settings(settings, base)
     optim_cfg = OptimConfig()  # hpcnet's defaults for every contender (SGD, momentum, weight decay, clip 1.0)
@@ -183,10 +185,11 @@ def bench_model(name: str, spec: ModelSpec, comm: Any, world: Any, args: argpars
     from hpcnet.models import build_model
 
     batch_size = args.batch_size or spec.batch_size
+    torch.manual_seed(0)  # make_contenders' default seed
     base = build_model(spec.model, DatasetInfo("image", spec.input_shape, spec.num_classes), spec.options)
     settings = device_settings(args.cuda_cfg, device, base)  # what training would use on this device
     contenders = make_contenders(spec, comm, world, device=device, local=not args.no_local, dist_cfg=args.dist_cfg,
-                                 precision=args.precision, settings=settings)
+                                 precision=args.precision, settings=settings, base=base)
     mover = BatchMover(device, settings)
     batches = [mover(batch) for batch in synthetic_batches(spec, batch_size, args.distinct_batches, world.rank,
                                                            device)]

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from hpcnet.fault.flightrec import NULL_RECORDER
-from hpcnet.comm.transport import CommFailure, FaultyTransport, Transport, wait_all
+from hpcnet.comm.transport import CommFailure, FaultyTransport, Transport, abandon, wait_all
 from hpcnet.agree import agreed
 
 log = logging.getLogger(__name__)
@@ -339,7 +339,7 @@ class Reducer:
         if collective:
             self.transport.close()
         else:
-            getattr(self.transport, "abandon", self.transport.close)()
+            abandon(self.transport)
 
 
 def _dense(t: torch.Tensor) -> bool:

@@ -445,7 +445,13 @@ class FaultyTransport:
         self.inner.close()
 
     def abandon(self) -> None:
-        getattr(self.inner, "abandon", self.inner.close)()
+        abandon(self.inner)
+
+
+def abandon(transport: Any) -> None:
+    """Let go of ``transport`` without waiting for the other ranks: its ``abandon`` (shm: windows are freed
+    collectively) or, where closing is local, its ``close``."""
+    getattr(transport, "abandon", transport.close)()
 
 
 class _FailingHandle:
