@@ -261,13 +261,17 @@ class Reducer:
     def finish(self) -> None:
         """Complete the reduction of this step (collective over the control plane).
 
-        Two small exchanges: ``reducer.launched`` (per bucket, whether a rank
-        has not completed it: a parameter without a gradient there), then,
-        after the collectives, ``reducer.outcome`` (whether one failed).  A
-        synchronous transport (inline MPI, shm) runs every collective here,
-        after the first exchange: run from the hooks, a rank whose bucket is
-        complete would block in its collective while a rank missing a gradient
-        waits in the exchange, forever.
+        A parameter without a gradient here (unused in this step's graph, or
+        only in earlier micro-batches) is folded in now (zeros, or what the
+        micro-batches accumulated), and every bucket not yet launched goes out
+        in bucket order: every rank issues the same collectives in the same
+        order whatever it lacked, so none waits for a bucket another never
+        sends.  A synchronous transport (inline MPI, shm) runs them all here:
+        from the hooks, a rank whose bucket is complete would block in its sum
+        while a rank still computing others' gradients had not started it;
+        here the order is the same on every rank.  Then one small exchange,
+        ``reducer.outcome``, agrees on whether a collective failed anywhere and
+        whether any rank lacked a gradient.
 
         Raises:
             CommFailure: on every rank, when the transport failed on any rank.
@@ -276,22 +280,16 @@ class Reducer:
         """
         from mpi4py import MPI
 
-        local = np.array([b.pending > 0 for b in self.buckets], dtype=np.int8)
-        missing = np.empty_like(local)
-        with self.recorder.op("reducer.launched"):
-            self.control.Allreduce(local, missing, op=MPI.MAX)
-        if missing.any():
-            if not self.find_unused:
-                self._raise_unused(missing)
-            for bucket in self.buckets:
-                if missing[bucket.index]:
-                    for j in range(len(bucket.params)):
-                        if not bucket.ready[j]:
-                            self._fold(bucket, j)  # a gradient from earlier micro-batches, or zeros
-                    bucket.pending = 0
+        lacking = [b.index for b in self.buckets if b.pending > 0]
+        for index in lacking:
+            bucket = self.buckets[index]
+            for j in range(len(bucket.params)):
+                if not bucket.ready[j]:
+                    self._fold(bucket, j)  # a gradient from earlier micro-batches, or zeros
+            bucket.pending = 0
         self._launch_ready(force=True)
         error = self._wait(self.buckets)
-        outcome = np.array([error is not None], dtype=np.int8)
+        outcome = np.array([error is not None, bool(lacking)], dtype=np.int8)
         with self.recorder.op("reducer.outcome"):
             self.control.Allreduce(MPI.IN_PLACE, outcome, op=MPI.MAX)
         self.stats.steps += 1
@@ -299,6 +297,8 @@ class Reducer:
             self._reset()
             raise agreed(CommFailure(f"{self.transport.name} all-reduce failed"
                                      + (f" here: {error}" if error else " on another rank")))
+        if outcome[1] and not self.find_unused:
+            self._raise_unused(lacking)
         for bucket in self.buckets:
             if bucket.wire is not None:
                 bucket.buffer.copy_(bucket.wire)
@@ -306,8 +306,9 @@ class Reducer:
             self.stats.bytes_reduced += bucket.buffer.numel() * bucket.buffer.element_size()
         self._reset()
 
-    def _raise_unused(self, missing: np.ndarray) -> None:
-        names = [name for b in self.buckets if missing[b.index] for name, ok in zip(b.names, b.ready) if not ok]
+    def _raise_unused(self, lacking: list[int]) -> None:
+        """``lacking``: this rank's buckets that lacked a gradient (empty when only another rank's did)."""
+        names = [name for i in lacking for name, ok in zip(self.buckets[i].names, self.buckets[i].ready) if not ok]
         shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
         self._reset()
         raise agreed(RuntimeError(

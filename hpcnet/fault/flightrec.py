@@ -13,8 +13,8 @@ when the mismatched calls were matched by MPI (the same ``Allreduce`` for
 two purposes corrupts silently instead of hanging) and have long finished.
 Gradient buckets run on the transport's own communicator, in bucket order on
 every rank (the reducer guarantees it), but where they fall between control
-collectives may differ by rank (with ``dist.find_unused`` a bucket another
-rank lacks a gradient for is launched later, inside ``finish``): so only
+collectives may differ by rank (a bucket that a rank lacks a gradient for is
+launched later there, inside ``finish``): so only
 control collectives are compared across ranks, and beats carry the latest.
 
 Only collectives that every rank issues identically are recorded (the
@@ -39,8 +39,7 @@ from typing import Any
 OPS: tuple[str, ...] = (
     "none",
     "allreduce.bucket",     # a gradient bucket (Reducer._launch ... the wait in finish)
-    "reducer.launched",     # finish(): agree that every rank launched the same buckets
-    "reducer.outcome",      # finish(): agree on success or a transport failure
+    "reducer.outcome",      # finish(): agree on success, a transport failure or a missing gradient
     "broadcast.buffers",    # rank 0's BatchNorm statistics to every rank
     "step_boundary",        # stop/save agreement after every step
     "loss.allreduce",       # the logged global loss

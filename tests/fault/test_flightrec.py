@@ -22,7 +22,7 @@ def test_collectives_over_every_rank_are_proof_that_every_rank_was_alive():
         with rec.op("step_boundary"):  # one that raised proves nothing
             raise RuntimeError("transport failed")
     assert rec.all_alive_at is None
-    with rec.op("reducer.launched"):
+    with rec.op("reducer.outcome"):
         second = rec.entry(rec.seq).start
     assert rec.all_alive_at == first
     with rec.op("eval.allreduce"):
@@ -68,10 +68,10 @@ def test_oversubscription_is_ranks_per_core_and_never_below_one():
 
 def test_desync_compares_the_same_position():
     rec = FlightRecorder()
-    rec.start("reducer.launched")
-    assert desync(rec.entry(1), 1, "reducer.launched", -1) is None
+    rec.start("reducer.outcome")
+    assert desync(rec.entry(1), 1, "reducer.outcome", -1) is None
     assert desync(rec.entry(1), 1, "loss.allreduce", -1) == \
-        "loss.allreduce (#1) there, reducer.launched (#1) here"
+        "loss.allreduce (#1) there, reducer.outcome (#1) here"
     assert desync(rec.entry(2), 2, "loss.allreduce", -1) is None  # not there yet
     # Gradient buckets may fall elsewhere between control collectives (find_unused): never compared.
     rec.start("allreduce.bucket", bucket=0)
@@ -85,7 +85,7 @@ def test_desync_compares_the_same_position():
     assert desync(rec.entry(3), 3, "step_boundary", -1, other.entry(3).digest).startswith(
         "both are at step_boundary (#3), but the collectives before it differ")
     twin = FlightRecorder()  # the same control collectives, the bucket elsewhere: no desync
-    for op in ("allreduce.bucket", "reducer.launched", "step_boundary"):
+    for op in ("allreduce.bucket", "reducer.outcome", "step_boundary"):
         twin.start(op)
     assert desync(rec.entry(3), 3, "step_boundary", -1, twin.entry(3).digest) is None
 

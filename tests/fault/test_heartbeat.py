@@ -29,15 +29,15 @@ def test_two_adjacent_failures_are_both_watched_by_a_live_rank():
 
 def test_beat_round_trip():
     vector = encode(session=12345, rank=3, state=RUNNING, step=17, seq=99, op="allreduce.bucket", bucket=2,
-                    cseq=98, cop="reducer.launched", digest=2**52 - 1, open_seq=98, open_op="reducer.launched",
+                    cseq=98, cop="reducer.outcome", digest=2**52 - 1, open_seq=98, open_op="reducer.outcome",
                     open_bucket=-1, open_s=1.5, wall=1.7e9, pid=4242, kind="stall", guard="checkpoint.create",
                     guard_s=0.25, guard_left_s=119.5)
     assert vector.shape == (len(FIELDS),) and vector.nbytes == 160
     beat = decode(vector)
     assert beat["guard"] == "checkpoint.create" and beat["guard_s"] == 0.25 and beat["guard_left_s"] == 119.5
     assert beat["rank"] == 3 and beat["step"] == 17 and beat["op"] == "allreduce.bucket" and beat["bucket"] == 2
-    assert beat["cop"] == "reducer.launched" and beat["cseq"] == 98 and beat["digest"] == 2**52 - 1  # exact
-    assert beat["open_op"] == "reducer.launched" and beat["open_s"] == 1.5 and beat["kind"] == "stall"
+    assert beat["cop"] == "reducer.outcome" and beat["cseq"] == 98 and beat["digest"] == 2**52 - 1  # exact
+    assert beat["open_op"] == "reducer.outcome" and beat["open_s"] == 1.5 and beat["kind"] == "stall"
     assert decode(encode(op=200))["op"] == "op#200"
 
 
