@@ -80,6 +80,7 @@ class _Bucket:
     handle: Any = None
     wire: torch.Tensor | None = None
     token: int = 0  # its entry in the flight recorder while it runs
+    views: list[torch.Tensor] = field(default_factory=list)  # each parameter's gradient in ``buffer``
 
 
 @dataclass
@@ -119,6 +120,10 @@ class Reducer:
         self.find_unused = find_unused
         self.timeout_s = timeout_s
         self.stats = ReducerStats()
+        from mpi4py import MPI
+
+        self._max_op, self._in_place = MPI.MAX, MPI.IN_PLACE  # looked up once: finish runs every step
+        self._outcome = np.zeros(2, dtype=np.int8)  # finish's one control exchange, reused
         self._sync = True
         self._next_launch = 0
         self._hooks: list[Any] = []
@@ -138,14 +143,22 @@ class Reducer:
                 offsets = np.cumsum([0] + [p.numel() for p in params]).tolist()
                 buffer = self._new_buffer(offsets[-1], params[0])
                 self.buckets.append(_Bucket(len(self.buckets), params, names, buffer, offsets))
+                self._make_views(self.buckets[-1])
         self._bucket_of: dict[nn.Parameter, tuple[_Bucket, int]] = {}
         for bucket in self.buckets:
             for j, p in enumerate(bucket.params):
                 self._bucket_of[p] = (bucket, j)
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         self._scale = 1.0 / self.world_size
+        self._bucket_bytes = sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+        self._set_transport(transport)
         self.zero_grad()
         self._reset()
+
+    def _set_transport(self, transport: Transport) -> None:
+        self.transport = transport
+        # Fixed for a transport's life; read a few times a step, and a property chain costs microseconds here.
+        self._synchronous = transport.synchronous
 
     def _new_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         """A zeroed bucket: in the transport's memory when it keeps buckets (shm's shared window), else plain."""
@@ -162,24 +175,27 @@ class Reducer:
             old = bucket.buffer
             start, end = old.data_ptr(), old.data_ptr() + old.numel() * old.element_size()
             bucket.buffer = old.clone()
+            self._make_views(bucket)
             for j, p in enumerate(bucket.params):
                 if p.grad is not None and start <= p.grad.data_ptr() < end:
-                    p.grad = self._view(bucket, j)
+                    p.grad = bucket.views[j]
 
     # -- gradient views ------------------------------------------------------
-    def _view(self, bucket: _Bucket, j: int) -> torch.Tensor:
-        """Parameter j's gradient in its bucket, laid out as the parameter is (channels-last stays so: fused
-        optimizers read a gradient and its parameter in memory order, and gave wrong updates otherwise)."""
-        p = bucket.params[j]
-        flat = bucket.buffer[bucket.offsets[j]:bucket.offsets[j + 1]]
-        if p.is_contiguous() or not _dense(p):
-            return flat.view_as(p)
-        return flat.as_strided(p.shape, p.stride())
+    @staticmethod
+    def _make_views(bucket: _Bucket) -> None:
+        """Each parameter's gradient in its bucket, laid out as the parameter is (channels-last stays so: fused
+        optimizers read a gradient and its parameter in memory order, and gave wrong updates otherwise).  Made
+        once per buffer, not per step: two tensor ops a parameter cost about 10 us each step here."""
+        bucket.views = []
+        for j, p in enumerate(bucket.params):
+            flat = bucket.buffer[bucket.offsets[j]:bucket.offsets[j + 1]]
+            dense_other_order = not p.is_contiguous() and _dense(p)
+            bucket.views.append(flat.as_strided(p.shape, p.stride()) if dense_other_order else flat.view_as(p))
 
     def _fold(self, bucket: _Bucket, j: int) -> None:
         """Write parameter j's gradient, times 1/world size, into its bucket view (one pass); ``.grad`` becomes
         the view.  No gradient: zeros (an unused parameter)."""
-        p, view = bucket.params[j], self._view(bucket, j)
+        p, view = bucket.params[j], bucket.views[j]
         grad = p.grad
         if grad is None:
             view.zero_()
@@ -234,7 +250,7 @@ class Reducer:
     def _launch_ready(self, force: bool = False) -> None:
         """Launch the complete buckets, strictly in bucket order, so every rank issues the same collectives in
         the same sequence; a synchronous transport's only from ``finish`` (``force``, see there)."""
-        if self.transport.synchronous and not force and self.world_size > 1:
+        if self._synchronous and not force and self.world_size > 1:
             return
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
             self._launch(self.buckets[self._next_launch])
@@ -250,13 +266,14 @@ class Reducer:
             bucket.handle = self.transport.start(bucket.wire)
         else:
             bucket.handle = self.transport.start(bucket.buffer)
-        if self.transport.synchronous:
+        if self._synchronous:
             self.recorder.end(bucket.token)  # it ran in start: the flight recorder shows its real duration
 
     # -- finishing -------------------------------------------------------------
     def _wait(self, buckets: list[_Bucket]) -> BaseException | None:
-        return wait_all([b.handle for b in buckets], self.timeout_s,
-                        on_done=lambda i: self.recorder.end(buckets[i].token))
+        # A synchronous transport's buckets were ended in the recorder as they ran (_launch).
+        on_done = None if self._synchronous else (lambda i: self.recorder.end(buckets[i].token))
+        return wait_all([b.handle for b in buckets], self.timeout_s, on_done=on_done)
 
     def finish(self) -> None:
         """Complete the reduction of this step (collective over the control plane).
@@ -278,8 +295,6 @@ class Reducer:
             RuntimeError: on every rank, when parameters got no gradient and
                 ``find_unused`` is off.
         """
-        from mpi4py import MPI
-
         lacking = [b.index for b in self.buckets if b.pending > 0]
         for index in lacking:
             bucket = self.buckets[index]
@@ -289,9 +304,10 @@ class Reducer:
             bucket.pending = 0
         self._launch_ready(force=True)
         error = self._wait(self.buckets)
-        outcome = np.array([error is not None, bool(lacking)], dtype=np.int8)
+        outcome = self._outcome
+        outcome[0], outcome[1] = error is not None, bool(lacking)
         with self.recorder.op("reducer.outcome"):
-            self.control.Allreduce(MPI.IN_PLACE, outcome, op=MPI.MAX)
+            self.control.Allreduce(self._in_place, outcome, op=self._max_op)
         self.stats.steps += 1
         if outcome[0]:
             self._reset()
@@ -299,11 +315,11 @@ class Reducer:
                                      + (f" here: {error}" if error else " on another rank")))
         if outcome[1] and not self.find_unused:
             self._raise_unused(lacking)
-        for bucket in self.buckets:
-            if bucket.wire is not None:
+        if self.compression is not None:
+            for bucket in self.buckets:
                 bucket.buffer.copy_(bucket.wire)
                 bucket.wire = None
-            self.stats.bytes_reduced += bucket.buffer.numel() * bucket.buffer.element_size()
+        self.stats.bytes_reduced += self._bucket_bytes
         self._reset()
 
     def _raise_unused(self, lacking: list[int]) -> None:
@@ -320,7 +336,7 @@ class Reducer:
         """Continue on another transport after an agreed failure (collective)."""
         old = self.transport
         self._rehome()
-        self.transport = transport
+        self._set_transport(transport)
         old.close()
         self.stats.fallbacks.append({"step": step, "from": old.name, "to": transport.name, "cause": cause})
         log.warning("step %d: %s failed (%s); continuing on %s", step, old.name, cause, transport.name)
