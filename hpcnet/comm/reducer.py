@@ -112,7 +112,7 @@ class Reducer:
                  bucket_bytes: int = 25 * 2**20, first_bucket_bytes: int = 2**20,
                  compression: torch.dtype | None = None, find_unused: bool = False, timeout_s: float = 600.0,
                  recorder: Any = NULL_RECORDER):
-        self.transport = transport
+        self._set_transport(transport)
         self.recorder = recorder
         self.control = control
         self.world_size = control.Get_size()
@@ -151,7 +151,6 @@ class Reducer:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         self._scale = 1.0 / self.world_size
         self._bucket_bytes = sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
-        self._set_transport(transport)
         self.zero_grad()
         self._reset()
 
