@@ -42,6 +42,12 @@ BUSY_TICKS = 2
 """CPU clock ticks (10 ms each) that count as running: a deadlocked process's threads wake for microseconds
 (a GIL wait times out every 5 ms), a starved one at 16 ranks a core gets about 20 ticks in 6 s."""
 
+LOOKS = 5
+LOOK_GAP_S = 0.02
+"""A rank that looks blocked is looked at ``LOOKS`` times this far apart (0.08 s in all, only for a silent rank past
+its deadline) before it is declared failed: at 16 ranks a core a healthy rank's monitor thread was seen asleep with no
+known ``wchan`` ('S', '0') while its main thread waited in ``mmap`` ('D'), 124 s into a start-up that imports torch."""
+
 
 def name_this_thread(name: bytes = MONITOR_THREAD_NAME) -> None:
     """Give the calling thread its OS name (Linux ``prctl``; elsewhere nothing happens)."""
@@ -130,15 +136,17 @@ class LocalLiveness:
         read: how to read a process's threads (tests pass a fake).
         ticks: how to read a process's CPU time (tests pass a fake).
         clock: ``time.monotonic`` (tests pass a fake).
+        sleep: ``time.sleep``, between repeated looks (tests pass a fake).
     """
 
     def __init__(self, local: dict[int, tuple[int, int | None]], idle_s: float = 6.0,
                  read: Callable[[int, int | None], list[ThreadState] | None] = process_threads,
                  ticks: Callable[[int], int | None] = cpu_ticks,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.local = local
         self.idle_s = idle_s
-        self._read, self._ticks, self._clock = read, ticks, clock
+        self._read, self._ticks, self._clock, self._sleep = read, ticks, clock, sleep
         self._told: set[int] = set()
         self._cpu: dict[int, tuple[int, float]] = {}
         """rank -> (its CPU ticks, when they last changed), while it is silent."""
@@ -159,6 +167,21 @@ class LocalLiveness:
             return True
         return now - last[1] < self.idle_s
 
+    def _look(self, rank: int) -> tuple[list[ThreadState] | None, bool | None]:
+        """The rank's threads and ``starved`` verdict; a 'blocked' look is repeated ``LOOKS`` times ``LOOK_GAP_S``
+        apart and any 'starved' one wins: one look is one instant, and a healthy rank whose threads are between
+        states (its monitor thread just woken, the kernel's ``wchan`` not yet known) can look blocked."""
+        threads: list[ThreadState] | None = None
+        verdict: bool | None = None
+        for look in range(LOOKS):
+            if look:
+                self._sleep(LOOK_GAP_S)
+            threads = self._read(*self.local[rank])
+            verdict = None if threads is None else starved(threads)
+            if verdict is not False:
+                break
+        return threads, verdict
+
     def failed(self, ranks: Iterable[int], silent_s: Callable[[int], float], limit_s: float) -> list[int]:
         """Of ``ranks`` (past their heartbeat deadline), those to declare failed now."""
         out = []
@@ -166,8 +189,7 @@ class LocalLiveness:
             if rank not in self.local or silent_s(rank) > limit_s:
                 out.append(rank)
                 continue
-            threads = self._read(*self.local[rank])
-            verdict = None if threads is None else starved(threads)
+            threads, verdict = self._look(rank)
             if verdict is False and _waits_for_gil(threads) and self._busy_lately(rank):
                 verdict = True  # every thread blocked at this instant, but it has been running
             if not verdict:

@@ -147,7 +147,7 @@ class Monitor:
                      len(here), len(cores), self.world.hostname, self.floor_s, factor)
         self._link = HeartbeatLink(hb_comm, session)
         self._tracker = PeerTracker(self.watch, self.cfg.heartbeat_interval_s, self.cfg.heartbeat_misses,
-                                    time.monotonic(), startup_deadline_s=WARMUP_FACTOR * self.cfg.stall_floor_s,
+                                    time.monotonic(), startup_deadline_s=WARMUP_FACTOR * self.floor_s,
                                     guard_slack_s=2 * self._coordination_s)
         register_dump_signal()
         self._native = NativeWatchdog(int(ExitCode.RESTARTABLE))

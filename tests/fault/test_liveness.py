@@ -115,3 +115,25 @@ def test_cpu_ticks_of_a_spinning_process_grow():
     while time.process_time() - cpu_before < 0.2:  # 0.2 s of CPU, however loaded the machine
         pass
     assert cpu_ticks(os.getpid()) - before >= 15  # 20 ticks of 10 ms, less the rounding
+
+
+def test_a_blocked_look_is_repeated_and_a_starved_one_wins():
+    """One look is one instant: a healthy rank caught between thread states is looked at again before it fails."""
+    from hpcnet.fault.liveness import LOOKS
+
+    main_io, mon_unknown = ThreadState("python", "D", "vm_mmap_pgoff"), ThreadState(MONITOR, "S", "0")
+    mon_gil, mon_asleep = ThreadState(MONITOR, "S", "futex_do_wait"), ThreadState(MONITOR, "S", "hrtimer_nanosleep")
+    looks = {1: [[main_io, mon_unknown], [main_io, mon_unknown], [main_io, mon_gil]],
+             2: [[ThreadState("python", "S", "futex_do_wait"), mon_asleep]] * LOOKS}
+    seen = {1: 0, 2: 0}
+    slept = []
+
+    def read(pid, _):
+        rank = pid - 10
+        seen[rank] += 1
+        return looks[rank][min(seen[rank], len(looks[rank])) - 1]
+
+    live = LocalLiveness({1: (11, None), 2: (12, None)}, read=read, ticks=lambda pid: 100, sleep=slept.append)
+    assert live.failed([1, 2], {1: 130.0, 2: 130.0}.get, limit_s=1920.0) == [2]
+    assert seen == {1: 3, 2: LOOKS}  # 1 starved at the third look; 2 blocked at every one
+    assert len(slept) == 2 + LOOKS - 1 and all(0 < s <= 0.1 for s in slept)
