@@ -183,6 +183,10 @@ class DistConfig:
     """Fault injection: make the primary backend fail at this global step, counted like fault.* (0 = never)."""
     fail_ranks: list[int] = field(default_factory=list)
     """Fault injection: the ranks on which the failure is seen; empty = every rank."""
+    zero: int = 0
+    """Sharded data parallelism (ZeRO): 0 = every rank holds all optimizer state and gradients; 1 = each parameter's optimizer state on its owner rank only, parameters all-gathered after the update; 2 = also its averaged gradient (reduce-scattered to the owner)."""
+    plan: str = "auto"
+    """Who owns which parameter with dist.zero > 0: 'auto' (the cost model: bytes, the measured link and each rank's measured speed, so a slower rank owns less) or 'uniform' (bytes balanced, ranks taken as equal); written to plan.json."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "fastest", "nccl", "gloo", "mpi", "shm"):
@@ -206,6 +210,10 @@ class DistConfig:
             raise ConfigError(f"dist.fallback: {self.fallback!r} is not one of 'auto', 'gloo', 'mpi', 'none'")
         if self.fail_at_step < 0:
             raise ConfigError(f"dist.fail_at_step must be >= 0, got {self.fail_at_step}")
+        if self.zero not in (0, 1, 2) or isinstance(self.zero, bool):
+            raise ConfigError(f"dist.zero: {self.zero!r} is not one of 0, 1, 2")
+        if self.plan not in ("auto", "uniform"):
+            raise ConfigError(f"dist.plan: {self.plan!r} is not one of 'auto', 'uniform'")
 
 
 SWITCHES = ("auto", "on", "off")

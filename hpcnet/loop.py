@@ -192,7 +192,7 @@ class Loop:
 
     def _step(self, p: Progress) -> tuple[torch.Tensor, int]:
         """Forward, backward, averaged gradients, the update; the ``NONFINITE_*`` bits this rank brings."""
-        cfg, model = self.cfg, self.dp.model
+        cfg = self.cfg
         for group in self.optimizer.param_groups:
             group["lr"] = cfg.optim.lr * lr_factor(p.step, self.total, cfg.optim)
         batches = [self.mover(self.loader.next()) for _ in range(cfg.train.grad_accumulation)]
@@ -201,9 +201,9 @@ class Loop:
         # no collective; computing it costs a pass over them, paid only for clipping or skip.
         grad_norm = None
         if cfg.optim.grad_clip > 0:
-            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            grad_norm = self.dp.clip_grad_norm_(cfg.optim.grad_clip)  # dist.zero=2: gathered from the owners
         elif self.on_nonfinite == "skip":
-            grad_norm = nn.utils.get_total_norm([q.grad for q in model.parameters() if q.grad is not None])
+            grad_norm = self.dp.grad_norm()
         applied, nonfinite = _update(self.optimizer, loss, grad_norm, self.on_nonfinite)
         p.step += 1
         self.monitor.step(p.step)  # heartbeats carry it; step times set the stall timeout; memory samples

@@ -30,6 +30,7 @@ from hpcnet.agree import is_agreed, shared_errors
 from hpcnet.ckpt.manager import CheckpointManager
 from hpcnet.ckpt.state import TrainState
 from hpcnet.comm.bootstrap import DataPlane, init_data_plane
+from hpcnet.comm.costmodel import LinkCost
 from hpcnet.comm.dataparallel import DataParallel
 from hpcnet.comm.plan import decide_plan
 from hpcnet.comm.topology import probe, recommend
@@ -109,12 +110,12 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
         # impossible choice stops every rank before the probe, the rendezvous,
         # the data and the model; the torch.distributed group is the one it needs, if any.
         plan = decide_plan(comm, world, cfg.dist, device_type=device.type)
-        interface = _probe(cfg, comm, world, device, run_dir)
+        interface, link = _probe(cfg, comm, world, device, run_dir)
         if plane is None and world.size > 1 and plan.torch_backend:
             plane = init_data_plane(comm, world, backend=plan.torch_backend, device=device,
                                     timeout_s=cfg.dist.timeout_s, interface=interface)
             own_plane = True
-        result = _train(cfg, comm, world, device, plan, run_dir, monitor, stop)
+        result = _train(cfg, comm, world, device, plan, run_dir, monitor, stop, link)
         result.summary.update(wall_s=time.perf_counter() - t_start)
         _finish(result, world, run_dir)
         return result
@@ -154,11 +155,13 @@ def _start(cfg: Config, comm: Any) -> tuple[World, Path, torch.device, Monitor]:
     return world, run_dir, device, monitor
 
 
-def _probe(cfg: Config, comm: Any, world: World, device: torch.device, run_dir: Path) -> str:
-    """Measured latency/bandwidth pick the network interface (``dist.probe``); the interface to use."""
+def _probe(cfg: Config, comm: Any, world: World, device: torch.device, run_dir: Path
+           ) -> tuple[str, LinkCost | None]:
+    """Measured latency/bandwidth pick the network interface (``dist.probe``); the interface to use, and the
+    slowest measured link (inter-node where there are nodes) for the cost model (None: not measured)."""
     interface = cfg.dist.interface
     if not cfg.dist.probe or world.size == 1:
-        return interface
+        return interface, None
     topology = probe(comm, world, budget_s=2.0)
     advice = recommend(topology)
     if world.is_main:
@@ -168,7 +171,10 @@ def _probe(cfg: Config, comm: Any, world: World, device: torch.device, run_dir: 
         interface = advice["nccl_socket_ifname"]
     if advice["nccl_ib_disable"] and device.type == "cuda":
         os.environ.setdefault("NCCL_IB_DISABLE", "1")
-    return interface
+    where = "inter" if advice["inter_node_latency_us"] and advice["inter_node_bandwidth_gbps"] else "intra"
+    latency, bandwidth = advice[f"{where}_node_latency_us"], advice[f"{where}_node_bandwidth_gbps"]
+    link = LinkCost.from_probe(latency, bandwidth) if latency and bandwidth else None
+    return interface, link
 
 
 def _data(cfg: Config, comm: Any, world: World) -> tuple[Any, Any, GlobalBatchSampler]:
@@ -186,7 +192,8 @@ def _data(cfg: Config, comm: Any, world: World) -> tuple[Any, Any, GlobalBatchSa
 
 
 def _model(cfg: Config, comm: Any, world: World, device: torch.device, info: Any, plan: Any,
-           monitor: Monitor) -> tuple[DataParallel, torch.optim.Optimizer, DeviceSettings]:
+           monitor: Monitor, link: LinkCost | None = None, run_dir: Path | None = None
+           ) -> tuple[DataParallel, torch.optim.Optimizer, DeviceSettings]:
     """The same seed on every rank, then rank 0's weights broadcast (inside DataParallel), so a
     rank-dependent factory cannot make the replicas diverge; the ``cuda.*`` settings applied."""
     torch.manual_seed(cfg.run.seed)
@@ -194,18 +201,18 @@ def _model(cfg: Config, comm: Any, world: World, device: torch.device, info: Any
         model = build_model(cfg.model.name, info, cfg.model.options, factory=cfg.model.factory).to(device)
     settings = device_settings(cfg.cuda, device, model)
     model = apply_settings(settings, model)
-    dp = DataParallel(model, comm, world, cfg.dist, device=device, plan=plan, recorder=monitor.recorder)
-    optimizer = build_optimizer(model, cfg.optim, fused=settings.fused_optimizer)
+    dp = DataParallel(model, comm, world, cfg.dist, device=device, plan=plan, recorder=monitor.recorder, link=link)
+    optimizer = dp.shard_optimizer(build_optimizer(model, cfg.optim, fused=settings.fused_optimizer), run_dir)
     torch.manual_seed(cfg.run.seed + 1 + world.rank)  # dropout etc. differ per rank
     random.seed(cfg.run.seed + world.rank)
     return dp, optimizer, settings
 
 
 def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any, run_dir: Path,
-           monitor: Monitor, stop: StopRequest | None) -> TrainResult:
+           monitor: Monitor, stop: StopRequest | None, link: LinkCost | None = None) -> TrainResult:
     """Data, model, checkpoints, then the loop from where the checkpoints say; closed whatever happens."""
     train_split, eval_split, sampler = _data(cfg, comm, world)
-    dp, optimizer, settings = _model(cfg, comm, world, device, train_split.info, plan, monitor)
+    dp, optimizer, settings = _model(cfg, comm, world, device, train_split.info, plan, monitor, link, run_dir)
     metrics = MetricsWriter(run_dir / metrics_file(world.rank)
                             if cfg.run.metrics == "all" or (cfg.run.metrics == "rank0" and world.is_main) else None)
     if world.is_main:

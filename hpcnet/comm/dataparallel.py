@@ -8,13 +8,18 @@ a run without the failure.
 """
 
 import contextlib
+import json
 import logging
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from hpcnet.comm.costmodel import LinkCost, ShardPlan
 from hpcnet.comm.reducer import Reducer, broadcast_buffers, broadcast_module
+from hpcnet.comm.zero import ShardedOptimizer, plan_shards
+from hpcnet.layout import PLAN_FILE
 from hpcnet.config import DistConfig
 from hpcnet.errors import RestartableError, UsageError
 from hpcnet.fault.flightrec import NULL_RECORDER
@@ -63,7 +68,8 @@ class DataParallel:
     """
 
     def __init__(self, model: nn.Module, comm: Any, world: World, cfg: DistConfig, *,
-                 device: torch.device, plan: Plan, recorder: Any = NULL_RECORDER) -> None:
+                 device: torch.device, plan: Plan, recorder: Any = NULL_RECORDER,
+                 link: LinkCost | None = None) -> None:
         self.model = model
         self.comm = comm
         self.world = world
@@ -77,11 +83,18 @@ class DataParallel:
         if cfg.fail_at_step:
             transport = FaultyTransport(transport, fail=not cfg.fail_ranks or world.rank in cfg.fail_ranks)
         broadcast_module(model, comm)  # replicas start equal even if initialisation differed
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.link = link
+        self.shards: ShardPlan | None = None
+        self.speeds: list[float] = []
+        if cfg.zero:
+            self.shards, self.speeds = plan_shards(self.params, comm, mode=cfg.plan, link=link)
+        self.optimizer: ShardedOptimizer | None = None
         self.reducer = Reducer(
             list(model.named_parameters()), transport, comm,
             bucket_bytes=int(cfg.bucket_mb * 2**20), first_bucket_bytes=int(cfg.first_bucket_mb * 2**20),
             compression=_DTYPES[cfg.compression], find_unused=cfg.find_unused, timeout_s=cfg.timeout_s,
-            recorder=recorder)
+            recorder=recorder, owners=self.shards.owner if cfg.zero == 2 else None)
         self.step_count = 0
         self._has_buffers = any(True for _ in model.buffers())
         # On GPU the buffers go over NCCL, in stream order, without a host round trip.
@@ -90,6 +103,51 @@ class DataParallel:
             import torch.distributed as dist
 
             self._buffer_group = dist.group.WORLD
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer, run_dir: Path | None = None) -> Any:
+        """With ``dist.zero`` > 0: ``optimizer`` (over every parameter, no state yet) sharded by the plan, which
+        rank 0 logs and writes to ``plan.json`` in ``run_dir``; else ``optimizer`` itself."""
+        if not self.cfg.zero:
+            return optimizer
+        assert self.shards is not None
+        self.optimizer = ShardedOptimizer(optimizer, self.shards, self.params, self.comm, self.cfg.zero)
+        if self.world.is_main:
+            log.info("%s", self.describe_shards())
+            if run_dir is not None:
+                (run_dir / PLAN_FILE).write_text(json.dumps(self.plan_record(), indent=1) + "\n")
+        return self.optimizer
+
+    def plan_record(self) -> dict[str, Any]:
+        """What plan.json holds: the stage, the mode, the inputs the cost model used and its assignment."""
+        assert self.shards is not None
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        return {"zero": self.cfg.zero, "plan": self.cfg.plan, "world_size": self.world.size,
+                "speeds": self.speeds,
+                "link": ({"latency_us": self.link.latency_s * 1e6, "bandwidth_GBps": self.link.bandwidth_Bps / 1e9}
+                         if self.link else None),
+                "parameters": [{"name": n, "bytes": p.numel() * p.element_size(), "owner": o}
+                               for n, p, o in zip(names, self.params, self.shards.owner)],
+                **self.shards.to_json()}
+
+    def describe_shards(self) -> str:
+        assert self.shards is not None
+        mib = [b / 2**20 for b in self.shards.rank_bytes]
+        return (f"dist.zero={self.cfg.zero} (plan {self.cfg.plan}): parameters owned per rank "
+                f"{', '.join(f'{m:.2f}' for m in mib[:8])}{' ...' if len(mib) > 8 else ''} MiB, "
+                f"modelled imbalance {self.shards.imbalance:.3f}; speeds "
+                f"{', '.join(f'{s:.2f}' for s in self.speeds[:8])}{' ...' if len(self.speeds) > 8 else ''}")
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the model (collective with ``dist.zero=2``)."""
+        if self.optimizer is not None and self.cfg.zero == 2:
+            return self.optimizer.clip_grad_norm_(max_norm)
+        return nn.utils.clip_grad_norm_(self.params, max_norm)
+
+    def grad_norm(self) -> torch.Tensor:
+        """The total gradient 2-norm (collective with ``dist.zero=2``)."""
+        if self.optimizer is not None and self.cfg.zero == 2:
+            return self.optimizer.grad_norm()
+        return nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
 
     @property
     def backend(self) -> str:
@@ -178,9 +236,14 @@ class DataParallel:
 
     def summary(self) -> dict[str, Any]:
         stats = self.reducer.stats
-        return {"backend": self.backend, "hierarchical": self.plan.hierarchical, "fallbacks": stats.fallbacks,
-                "bytes_reduced": stats.bytes_reduced}
+        out = {"backend": self.backend, "hierarchical": self.plan.hierarchical, "fallbacks": stats.fallbacks,
+               "bytes_reduced": stats.bytes_reduced, "zero": self.cfg.zero}
+        if self.shards is not None:
+            out["owned_bytes"] = self.shards.rank_bytes
+        return out
 
     def close(self, collective: bool = True) -> None:
         """``collective=False`` while an error raised on this rank alone propagates (``Reducer.close``)."""
         self.reducer.close(collective)
+        if self.optimizer is not None and collective:
+            self.optimizer.close()

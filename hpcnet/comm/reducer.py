@@ -81,6 +81,11 @@ class _Bucket:
     wire: torch.Tensor | None = None
     token: int = 0  # its entry in the flight recorder while it runs
     views: list[torch.Tensor] = field(default_factory=list)  # each parameter's gradient in ``buffer``
+    counts: list[int] = field(default_factory=list)  # dist.zero=2: elements each rank owns, in rank order
+    grouped: bool = False  # dist.zero=2: laid out owner by owner (reduce-scatter), else in dist.zero=0's order
+    owned: torch.Tensor | None = None  # dist.zero=2: this rank's sums, kept between steps
+    owned_views: list[torch.Tensor | None] = field(default_factory=list)  # its parameters' gradients in ``owned``
+    scattered: bool = False  # dist.zero=2: the transport reduce-scattered into ``owned``
 
 
 @dataclass
@@ -106,12 +111,17 @@ class Reducer:
             gradients instead of raising.
         timeout_s: how long ``finish`` waits for the collectives.
         recorder: the flight recorder (``hpcnet.fault.flightrec``) the collectives are logged to.
+        owners: ``dist.zero=2``: the owner rank of each trainable parameter (``named_params`` order, trainable
+            ones). Each bucket is laid out owner by owner and reduce-scattered (or all-reduced, where the
+            transport has no reduce-scatter, and its owned part kept); after ``finish`` a parameter has a
+            ``.grad`` on its owner only, and the buckets are dropped until the next backward (unless they live
+            in the transport's memory, shm's window), so between steps a rank holds its own sums only.
     """
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], transport: Transport, control: Any, *,
                  bucket_bytes: int = 25 * 2**20, first_bucket_bytes: int = 2**20,
                  compression: torch.dtype | None = None, find_unused: bool = False, timeout_s: float = 600.0,
-                 recorder: Any = NULL_RECORDER):
+                 recorder: Any = NULL_RECORDER, owners: list[int] | None = None):
         self._set_transport(transport)
         self.recorder = recorder
         self.control = control
@@ -130,6 +140,10 @@ class Reducer:
         named = [(n, p) for n, p in named_params if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters")
+        if owners is not None and len(owners) != len(named):
+            raise ValueError(f"owners names {len(owners)} parameters, the model has {len(named)} trainable ones")
+        self.rank = control.Get_rank()
+        self.sharded = owners is not None
         # One dtype/device per bucket: plan per (device, dtype) group.
         groups: dict[tuple[Any, Any], list[int]] = {}
         for i, (_, p) in enumerate(named):
@@ -138,12 +152,24 @@ class Reducer:
         for members in groups.values():
             sizes = [named[i][1].numel() * named[i][1].element_size() for i in members]
             for plan in plan_buckets(sizes, bucket_bytes, first_bucket_bytes):
+                if owners is not None and self._reduce_scatter is not None:
+                    # Owner by owner, so each rank's sums are one contiguous piece to reduce-scatter. Without
+                    # a reduce-scatter the layout stays dist.zero=0's: an all-reduce sums each element in an
+                    # order that depends on its place in the bucket, and the same place gives the same bits.
+                    plan = sorted(plan, key=lambda j: owners[members[j]])
                 params = [named[members[j]][1] for j in plan]
                 names = [named[members[j]][0] for j in plan]
                 offsets = np.cumsum([0] + [p.numel() for p in params]).tolist()
                 buffer = self._new_buffer(offsets[-1], params[0])
-                self.buckets.append(_Bucket(len(self.buckets), params, names, buffer, offsets))
-                self._make_views(self.buckets[-1])
+                bucket = _Bucket(len(self.buckets), params, names, buffer, offsets)
+                if owners is not None:
+                    bucket.grouped = self._reduce_scatter is not None
+                    bucket.counts = [0] * self.world_size
+                    for j, p in zip(plan, params):
+                        bucket.counts[owners[members[j]]] += p.numel()
+                    self._make_owned(bucket, [owners[members[j]] for j in plan])
+                self.buckets.append(bucket)
+                self._make_views(bucket)
         self._bucket_of: dict[nn.Parameter, tuple[_Bucket, int]] = {}
         for bucket in self.buckets:
             for j, p in enumerate(bucket.params):
@@ -158,6 +184,29 @@ class Reducer:
         self.transport = transport
         # Fixed for a transport's life; read a few times a step, and a property chain costs microseconds here.
         self._synchronous = transport.synchronous
+        self._transient = getattr(transport, "allocate", None) is None  # dist.zero=2 drops such buckets
+        self._reduce_scatter = getattr(transport, "start_reduce_scatter", None)
+
+    def _make_owned(self, bucket: _Bucket, owner_of: list[int]) -> None:
+        """dist.zero=2: this rank's sums of the bucket, its parameters' in bucket order, and their gradient views."""
+        bucket.owned = torch.empty(bucket.counts[self.rank], dtype=bucket.buffer.dtype, device=bucket.buffer.device)
+        bucket.owned_views = []
+        at = 0
+        for j, p in enumerate(bucket.params):
+            if owner_of[j] != self.rank:
+                bucket.owned_views.append(None)
+                continue
+            flat = bucket.owned[at:at + p.numel()]
+            at += p.numel()
+            bucket.owned_views.append(flat.as_strided(p.shape, p.stride()) if not p.is_contiguous() and _dense(p)
+                                      else flat.view_as(p))
+
+    def _ensure_buffer(self, bucket: _Bucket) -> None:
+        """dist.zero=2: a dropped bucket is made again (every element is written by the folds)."""
+        if bucket.buffer.numel() == 0 and bucket.offsets[-1] > 0:
+            like = bucket.params[0]
+            bucket.buffer = torch.empty(bucket.offsets[-1], dtype=like.dtype, device=like.device)
+            self._make_views(bucket)
 
     def _new_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         """A zeroed bucket: in the transport's memory when it keeps buckets (shm's shared window), else plain."""
@@ -194,6 +243,8 @@ class Reducer:
     def _fold(self, bucket: _Bucket, j: int) -> None:
         """Write parameter j's gradient, times 1/world size, into its bucket view (one pass); ``.grad`` becomes
         the view.  No gradient: zeros (an unused parameter)."""
+        if self.sharded and self._transient:
+            self._ensure_buffer(bucket)
         p, view = bucket.params[j], bucket.views[j]
         grad = p.grad
         if grad is None:
@@ -259,10 +310,14 @@ class Reducer:
         bucket.launched = True
         bucket.token = self.recorder.start("allreduce.bucket", bucket.index,
                                            bucket.buffer.numel() * bucket.buffer.element_size())
+        bucket.scattered = False
         if self.compression is not None:
             # Divided already (in full precision, by _fold), so the half-precision sum cannot overflow.
             bucket.wire = bucket.buffer.to(self.compression)
             bucket.handle = self.transport.start(bucket.wire)
+        elif bucket.grouped and self._reduce_scatter is not None:
+            bucket.handle = self._reduce_scatter(bucket.buffer, bucket.counts, bucket.owned)
+            bucket.scattered = True
         else:
             bucket.handle = self.transport.start(bucket.buffer)
         if self._synchronous:
@@ -318,8 +373,24 @@ class Reducer:
             for bucket in self.buckets:
                 bucket.buffer.copy_(bucket.wire)
                 bucket.wire = None
+        if self.sharded:
+            self._keep_owned()
         self.stats.bytes_reduced += self._bucket_bytes
         self._reset()
+
+    def _keep_owned(self) -> None:
+        """dist.zero=2, after the sums: owned gradients in ``owned``, others None, transient buckets dropped."""
+        for bucket in self.buckets:
+            if bucket.grouped and not bucket.scattered:  # all-reduced (a compressed wire): one piece to keep
+                lo = sum(bucket.counts[:self.rank])
+                bucket.owned.copy_(bucket.buffer[lo:lo + bucket.counts[self.rank]])
+            for j, (p, view) in enumerate(zip(bucket.params, bucket.owned_views)):
+                if view is not None and not bucket.grouped:
+                    view.copy_(bucket.views[j])
+                p.grad = view
+            if self._transient:
+                bucket.buffer = bucket.buffer.new_empty(0)
+                bucket.views = []
 
     def _raise_unused(self, lacking: list[int]) -> None:
         """``lacking``: this rank's buckets that lacked a gradient (empty when only another rank's did)."""

@@ -250,6 +250,22 @@ class MpiTransport:
             raise ValueError(f"the mpi transport sums float32/float64 buckets, not {flat.dtype}")
         return self._progress.run(self._allreduce, flat)
 
+    def start_reduce_scatter(self, flat: torch.Tensor, counts: list[int], out: torch.Tensor) -> Handle:
+        """Sum ``flat`` across ranks; rank r receives elements ``[sum(counts[:r]), +counts[r])`` of the sum in
+        ``out`` (``MPI_Reduce_scatter``; ``dist.zero=2``). ``flat`` is left as scratch."""
+        if self.size == 1:
+            out.copy_(flat[:counts[0]])
+            return Done()
+        if flat.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"the mpi transport sums float32/float64 buckets, not {flat.dtype}")
+
+        def reduce_scatter(buffer: torch.Tensor) -> None:
+            from mpi4py import MPI
+
+            self.comm.Reduce_scatter(_mpi_buffer(buffer), _mpi_buffer(out), recvcounts=counts, op=MPI.SUM)
+
+        return self._progress.run(reduce_scatter, flat)
+
     def close(self) -> None:
         self._progress.close()
 
@@ -434,9 +450,16 @@ class FaultyTransport:
         self.allocate = getattr(inner, "allocate", None)  # buckets in the inner transport's memory (shm)
         self.fail = fail
         self.armed = False
+        if getattr(inner, "start_reduce_scatter", None) is not None:
+            self.start_reduce_scatter = self._start_reduce_scatter
 
     def start(self, flat: torch.Tensor) -> Handle:
-        handle = self.inner.start(flat)
+        return self._maybe_failing(self.inner.start(flat))
+
+    def _start_reduce_scatter(self, flat: torch.Tensor, counts: list[int], out: torch.Tensor) -> Handle:
+        return self._maybe_failing(self.inner.start_reduce_scatter(flat, counts, out))
+
+    def _maybe_failing(self, handle: Handle) -> Handle:
         if self.armed and self.fail:
             return _FailingHandle(handle)
         return handle

@@ -1,0 +1,298 @@
+"""ZeRO-style sharded data parallelism (``dist.zero``): each parameter's optimizer state, and at stage 2 its
+averaged gradient, lives on one owner rank only (README: Memory: sharded data parallelism).
+
+- **Who owns what** (``plan_shards``): every trainable parameter, whole, gets one owner rank from the cost
+  model (``hpcnet.comm.costmodel.assign_shards``): ``dist.plan=uniform`` balances bytes over ranks taken as
+  equally fast; ``auto`` also weighs each rank's measured speed (a timed matmul at start-up, the slowest
+  rank's median, so ranks of unequal speed own less) and the measured link. Every rank computes the same plan
+  from the same gathered inputs; rank 0 writes it to ``plan.json``.
+- **Stage 1**: gradients are all-reduced as at stage 0; each rank's optimizer holds and updates only the
+  parameters it owns (``ShardedOptimizer``), then every parameter is all-gathered from its owner
+  (``ParamGather``: one ``Allgatherv`` of a flat buffer laid out by owner).
+- **Stage 2**: the reducer reduce-scatters each bucket so each rank receives only the sums it owns
+  (``Reducer(owners=...)``); the buckets are dropped after the step, so between steps a rank holds 1/N of
+  the gradients. The global gradient norm for clipping is gathered as one float per parameter.
+
+A sharded optimizer's ``state_dict`` has the layout of the unsharded optimizer's (state keyed by the global
+parameter index, every param group with every index), holding the owned entries only; ``load_state_dict``
+takes a full one and keeps the owned entries, so checkpoints move between ``dist.zero`` settings and world
+sizes unchanged.
+"""
+
+import inspect
+import logging
+import statistics
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from hpcnet.comm.costmodel import LinkCost, ShardPlan, assign_shards
+
+log = logging.getLogger(__name__)
+
+UPDATE_S_PER_BYTE = 1.0 / 2e9
+"""Modelled optimizer update time per parameter byte on the fastest rank: an elementwise update reads and writes
+a few tensors of the parameter's size at a few GB/s; only the ratio to the link cost matters to the plan."""
+SPEED_PROBE_ROUNDS = 5
+
+
+def measure_speed(rounds: int = SPEED_PROBE_ROUNDS, size: int = 192) -> float:
+    """Seconds for one ``size``-square float32 matmul on this rank's CPU, median of ``rounds`` (about 10 ms)."""
+    a = torch.randn(size, size, generator=torch.Generator().manual_seed(0))
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        torch.mm(a, a)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def plan_shards(params: list[nn.Parameter], comm: Any, *, mode: str, link: LinkCost | None = None,
+                speeds: list[float] | None = None) -> tuple[ShardPlan, list[float]]:
+    """Owner ranks for ``params`` (collective when ``mode='auto'`` and ``speeds`` is None: gathers speeds).
+
+    Returns the plan and the relative rank speeds it used (1.0 = the fastest).
+    """
+    size = comm.Get_size()
+    if speeds is None:
+        if mode == "auto" and size > 1:
+            from hpcnet.comm.costmodel import measured_speeds
+
+            speeds = measured_speeds(comm.allgather(measure_speed()))
+        else:
+            speeds = [1.0] * size
+    if len(speeds) != size:
+        raise ValueError(f"speeds has {len(speeds)} entries for {size} ranks")
+    sizes = [p.numel() * p.element_size() for p in params]
+    plan = assign_shards(sizes, speeds, compute_s_per_byte=UPDATE_S_PER_BYTE,
+                         link=link or LinkCost(latency_s=10e-6, bandwidth_Bps=5e9))
+    return plan, speeds
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+class ParamGather:
+    """Give every rank every parameter after each owner updated its own (collective, MPI ``Allgatherv``).
+
+    The parameters are laid out in one flat byte buffer per device, owner by owner (rank 0's first), each
+    owner's in parameter order; after the gather each non-owned parameter is copied out of its place. CUDA
+    parameters make one host round trip (MPI on host memory): correct everywhere, not fast.
+    """
+
+    def __init__(self, params: list[nn.Parameter], owner: list[int], comm: Any) -> None:
+        self.comm = comm.Dup()  # its own message space
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.groups: list[tuple[list[int], list[int], list[int], torch.Tensor]] = []
+        by_device: dict[torch.device, list[int]] = {}
+        for i, p in enumerate(params):
+            by_device.setdefault(p.device, []).append(i)
+        self.params = params
+        for members in by_device.values():
+            order = sorted(members, key=lambda i: (owner[i], i))
+            counts = [0] * self.size
+            offsets = []
+            pos = 0
+            for i in order:
+                offsets.append(pos)
+                nbytes = params[i].numel() * params[i].element_size()
+                counts[owner[i]] += nbytes
+                pos += nbytes
+            displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
+            buffer = torch.empty(pos, dtype=torch.uint8)
+            self.groups.append((order, offsets, counts, buffer))
+            self.displs = displs
+        self._owner = owner
+
+    def run(self) -> None:
+        from mpi4py import MPI
+
+        if self.size == 1:
+            return
+        with torch.no_grad():
+            for order, offsets, counts, buffer in self.groups:
+                displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
+                mine = [(i, off) for i, off in zip(order, offsets) if self._owner[i] == self.rank]
+                for i, off in mine:
+                    src = _byte_view(self.params[i])
+                    buffer[off:off + src.numel()].copy_(src)
+                self.comm.Allgatherv(MPI.IN_PLACE, [buffer.numpy(), counts, displs, MPI.BYTE])
+                for i, off in zip(order, offsets):
+                    if self._owner[i] != self.rank:
+                        dst = _byte_view(self.params[i])
+                        dst.copy_(buffer[off:off + dst.numel()])
+
+    def close(self) -> None:
+        if self.comm is not None:
+            self.comm.Free()
+            self.comm = None
+
+
+class ShardedOptimizer:
+    """A torch optimizer over the parameters this rank owns, with the full optimizer's interface and state layout.
+
+    Args:
+        full: the optimizer over every parameter, as ``build_optimizer`` made it (holds no state yet); an
+            optimizer of its class over the owned parameters replaces it.
+        plan: the owners (by index in ``params``).
+        params: the model's trainable parameters, in model order (``plan``'s indices).
+        comm: the ranks' communicator.
+        stage: 1 or 2 (2: the gradients of parameters owned elsewhere are None here).
+    """
+
+    def __init__(self, full: torch.optim.Optimizer, plan: ShardPlan, params: list[nn.Parameter], comm: Any,
+                 stage: int) -> None:
+        if full.state:
+            raise ValueError("a sharded optimizer starts from an optimizer without state")
+        self.plan, self.stage, self.comm = plan, stage, comm
+        self.rank = comm.Get_rank()
+        self.params = params
+        index_of = {id(p): i for i, p in enumerate(params)}
+        # The full optimizer's order of parameters (its state_dict indices): group by group.
+        self.full_order: list[int] = []
+        self.group_sizes: list[int] = []
+        groups = []
+        for group in full.param_groups:
+            members = [index_of[id(p)] for p in group["params"]]
+            self.full_order.extend(members)
+            self.group_sizes.append(len(members))
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            groups.append({**hyper, "params": [params[i] for i in members if plan.owner[i] == self.rank]})
+        self.owned_full = [k for k, i in enumerate(self.full_order) if plan.owner[i] == self.rank]
+        """Full-optimizer indices of the owned parameters, in the inner optimizer's order."""
+        accepted = inspect.signature(type(full).__init__).parameters
+        self.inner = type(full)(groups, **{k: v for k, v in full.defaults.items() if k in accepted})
+        self.gather = ParamGather(params, plan.owner, comm)
+        self._norm_order = _norm_order(params)
+
+    # -- the optimizer interface the loop uses --------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.inner.defaults
+
+    @property
+    def state(self) -> Any:
+        return self.inner.state
+
+    def step(self) -> None:
+        """Update the owned parameters, then all-gather every parameter from its owner (collective)."""
+        self.inner.step()
+        self.gather.run()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    # -- state in the full optimizer's layout -------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The owned state under the full optimizer's indices; every group lists every index."""
+        inner = self.inner.state_dict()
+        state = {self.owned_full[local]: value for local, value in inner["state"].items()}
+        groups, start = [], 0
+        for group, n in zip(inner["param_groups"], self.group_sizes):
+            groups.append({**{k: v for k, v in group.items() if k != "params"},
+                           "params": list(range(start, start + n))})
+            start += n
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, full_state: dict[str, Any]) -> None:
+        """Keep the owned entries of a full optimizer state dict (any world size or ``dist.zero`` saved it)."""
+        groups = full_state["param_groups"]
+        if [len(g["params"]) for g in groups] != self.group_sizes:
+            raise ValueError(f"param groups of {[len(g['params']) for g in groups]} parameters, the optimizer "
+                             f"has {self.group_sizes}")
+        state = full_state["state"]
+        local_state = {local: state[k] for local, k in enumerate(self.owned_full) if k in state}
+        owned = set(self.owned_full)
+        local_groups, local = [], 0
+        for group in groups:
+            mine = [k for k in group["params"] if k in owned]
+            local_groups.append({**{k: v for k, v in group.items() if k != "params"},
+                                 "params": list(range(local, local + len(mine)))})
+            local += len(mine)
+        self.inner.load_state_dict({"state": local_state, "param_groups": local_groups})
+
+    def state_owners(self) -> dict[int, int]:
+        """Full-optimizer index -> owner rank."""
+        return {k: self.plan.owner[i] for k, i in enumerate(self.full_order)}
+
+    def gather_state_specs(self) -> dict[int, dict[str, Any]]:
+        """Every rank's owned state, described (collective): index -> key -> ('tensor', dtype, shape) or a value.
+
+        A checkpoint names every tensor on every rank; this is how a rank learns the shapes of state it does
+        not hold.
+        """
+        mine: dict[int, dict[str, Any]] = {}
+        for k, values in self.state_dict()["state"].items():
+            mine[k] = {key: (("tensor", str(v.dtype).removeprefix("torch."), tuple(v.shape))
+                             if isinstance(v, torch.Tensor) else ("value", v)) for key, v in values.items()}
+        every: dict[int, dict[str, Any]] = {}
+        for part in self.comm.allgather(mine):
+            every.update(part)
+        return dict(sorted(every.items()))
+
+    # -- gradient norm and clipping with sharded gradients -----------------------------
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """The 2-norm of every parameter's averaged gradient, as ``torch.nn.utils.get_total_norm`` computes it
+        over the full model (collective at stage 2: one float a parameter is gathered, then every rank
+        reduces the same vector in the same order, so the bits equal stage 0's)."""
+        if self.stage < 2:
+            return nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        from mpi4py import MPI
+
+        owned = [i for i in range(len(self.params)) if self.plan.owner[i] == self.rank]
+        norms = np.zeros(len(self.params), dtype=np.float64)
+        present = np.zeros(len(self.params), dtype=np.int8)
+        grads = [self.params[i].grad for i in owned if self.params[i].grad is not None]
+        if grads:
+            local = torch._foreach_norm(grads, 2.0)
+            k = 0
+            for i in owned:
+                if self.params[i].grad is not None:
+                    norms[i] = float(local[k])  # a float32 norm is exact in float64
+                    present[i] = 1
+                    k += 1
+        self.comm.Allreduce(MPI.IN_PLACE, norms, op=MPI.SUM)  # one owner a slot: sums with zeros, exact
+        self.comm.Allreduce(MPI.IN_PLACE, present, op=MPI.MAX)
+        device = self.params[0].device
+        picked = [i for i in self._norm_order if present[i]]
+        if not picked:
+            return torch.tensor(0.0)
+        dtypes = {i: self.params[i].dtype for i in picked}
+        vector = torch.stack([torch.tensor(norms[i], dtype=dtypes[i]) for i in picked]).to(device)
+        return torch.linalg.vector_norm(vector, 2.0)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over every parameter, with gradients sharded (collective at stage 2)."""
+        total = self.grad_norm()
+        grads = [p for p in self.params if p.grad is not None]
+        if grads:
+            nn.utils.clip_grads_with_norm_(grads, max_norm, total)
+        return total
+
+    def close(self) -> None:
+        self.gather.close()
+
+
+def _norm_order(params: list[nn.Parameter]) -> list[int]:
+    """The order in which ``get_total_norm`` stacks per-parameter norms: grouped by (device, dtype) in order of
+    first appearance, parameter order inside a group."""
+    keys: dict[tuple[Any, Any], int] = {}
+    for p in params:
+        keys.setdefault((p.device, p.dtype), len(keys))
+    return sorted(range(len(params)), key=lambda i: (keys[(params[i].device, params[i].dtype)], i))
+
+
+def owned_bytes(params: Iterable[nn.Parameter], owner: list[int], rank: int) -> int:
+    return sum(p.numel() * p.element_size() for i, p in enumerate(params) if owner[i] == rank)
