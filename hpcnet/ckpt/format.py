@@ -199,16 +199,24 @@ class Ownership:
         return [(i, p) for i, pieces in enumerate(self.pieces) for p in pieces if p.rank == rank]
 
 
-def plan_ownership(specs: list[TensorSpec], world_size: int, *, split_min_bytes: int = SPLIT_MIN_BYTES) -> Ownership:
+def plan_ownership(specs: list[TensorSpec], world_size: int, *, split_min_bytes: int = SPLIT_MIN_BYTES,
+                   fixed: dict[int, int] | None = None) -> Ownership:
     """Assign every block of every tensor to exactly one rank, about 1/N of the bytes each (pure).
 
-    Tensors of at least ``split_min_bytes`` with at least ``world_size`` blocks
-    are cut into ``world_size`` contiguous block ranges, one per rank in rank
-    order.  The others go whole to the least-loaded rank, largest first.
-    Deterministic: equal inputs give equal ownerships on every rank.
+    ``fixed`` (tensor index -> rank) tensors go whole to that rank: the only
+    rank that holds them (``dist.zero``'s sharded optimizer state).  Of the
+    others, tensors of at least ``split_min_bytes`` with at least
+    ``world_size`` blocks are cut into ``world_size`` contiguous block ranges,
+    one per rank in rank order, and the rest go whole to the least-loaded
+    rank, largest first.  Deterministic: equal inputs give equal ownerships on
+    every rank.
     """
     if world_size < 1:
         raise ValueError("world_size must be at least 1")
+    fixed = fixed or {}
+    for i, rank in fixed.items():
+        if not 0 <= rank < world_size:
+            raise ValueError(f"tensor {specs[i].name!r} is held by rank {rank}, not one of {world_size}")
     loads = [0] * world_size
     pieces: list[tuple[Piece, ...]] = [()] * len(specs)
     split = [False] * len(specs)
@@ -217,7 +225,10 @@ def plan_ownership(specs: list[TensorSpec], world_size: int, *, split_min_bytes:
         n = spec.n_blocks
         if n == 0:
             continue
-        if spec.nbytes >= split_min_bytes and n >= world_size:
+        if i in fixed:
+            pieces[i] = (Piece(fixed[i], 0, n),)
+            loads[fixed[i]] += spec.nbytes
+        elif spec.nbytes >= split_min_bytes and n >= world_size:
             cuts = [r * n // world_size for r in range(world_size + 1)]
             pieces[i] = tuple(Piece(r, cuts[r], cuts[r + 1]) for r in range(world_size))
             split[i] = True

@@ -127,7 +127,7 @@ class CheckpointManager:
     # -- saving --
 
     def save(self, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
-             rank_state: dict[str, Any]) -> Path:
+             rank_state: dict[str, Any], holders: dict[str, int] | None = None) -> Path:
         """Collective: checkpoint ``tensors`` at ``step``; return the path it will have once committed.
 
         Blocks until the previous save is done and this rank's share is copied
@@ -137,6 +137,10 @@ class CheckpointManager:
         all ranks) gets ``meta["checkpoint"]`` added: step, wall time, world
         size, kind and library versions.  ``rank_state`` (JSON-able) is
         per rank.  JSON turns tuples into lists and keys into strings.
+        ``holders`` (name -> rank, equal on every rank) names tensors that only
+        one rank holds (``dist.zero``'s optimizer state): the others pass a
+        tensor of the same shape and dtype on the ``meta`` device, and the
+        holder writes it whole.
         """
         self._check_open()
         t0 = time.perf_counter()
@@ -144,21 +148,23 @@ class CheckpointManager:
         timeout_s = self._deadline_s(sum(t.numel() * t.element_size() for t in tensors.values()
                                          if isinstance(t, torch.Tensor)))
         with self.deadlines.guard("checkpoint.save", timeout_s, what=f"checkpoint.save (step {step})"):
-            return self._save(step, tensors, meta, rank_state, t0, timeout_s)
+            return self._save(step, tensors, meta, rank_state, t0, timeout_s, holders or {})
 
     def _save(self, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any], rank_state: dict[str, Any],
-              t0: float, timeout_s: float) -> Path:
+              t0: float, timeout_s: float, holders: dict[str, int]) -> Path:
         comm, rank = self.comm, self.comm.Get_rank()
         created = comm.bcast(time.time(), root=0)
         seq = self._take_seq()
-        specs, spec_digest, kind, meta_bytes, rank_bytes = self._describe(step, tensors, meta, rank_state, created)
+        specs, spec_digest, kind, meta_bytes, rank_bytes = self._describe(step, tensors, meta, rank_state, created,
+                                                                          holders)
         odd = ranks_differing(comm, (step, spec_digest, sha256_hex(meta_bytes)))
         if odd:
             raise agreed(ValueError(f"checkpoint save: ranks {odd} pass a different step, tensor list or meta "
                                     "than rank 0"))
         previous = self._previous
         incremental = kind == "incremental"
-        ownership = previous.ownership if incremental else plan_ownership(specs, comm.Get_size())
+        fixed = {i: holders[s.name] for i, s in enumerate(specs) if s.name in holders}
+        ownership = previous.ownership if incremental else plan_ownership(specs, comm.Get_size(), fixed=fixed)
         t1 = time.perf_counter()
         with shared_errors(comm):
             # A synchronous save returns only when written: nothing can change the
@@ -178,7 +184,8 @@ class CheckpointManager:
         return job.path
 
     def _describe(self, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
-                  rank_state: dict[str, Any], created: float) -> tuple[list[TensorSpec], str, str, bytes, bytes]:
+                  rank_state: dict[str, Any], created: float, holders: dict[str, int]
+                  ) -> tuple[list[TensorSpec], str, str, bytes, bytes]:
         """Collective (for errors): the specs, their digest, the kind of this save, its meta and rank state as JSON."""
         specs: list[TensorSpec] = []
         with shared_errors(self.comm):
@@ -189,7 +196,11 @@ class CheckpointManager:
                     raise ValueError(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
                 specs.append(make_spec(name, dtype_name(tensor), tuple(tensor.shape)))
             check_names_nest([s.name for s in specs])
-            spec_digest = sha256_hex(_dumps([s.to_json() for s in specs], "tensors"))
+            unknown = sorted(set(holders) - {s.name for s in specs})
+            if unknown:
+                raise ValueError(f"holders names tensors that are not saved: {unknown[:5]}")
+            # Who holds what is part of the layout: an increment reuses its parent's ownership.
+            spec_digest = sha256_hex(_dumps([[s.to_json() for s in specs], sorted(holders.items())], "tensors"))
             previous = self._previous
             incremental = (previous is not None and previous.spec_digest == spec_digest
                            and step > previous.info.step and previous.saves_since_full + 1 < self.full_every)

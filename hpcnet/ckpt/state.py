@@ -35,7 +35,10 @@ def flatten_state(model: nn.Module, optimizer: torch.optim.Optimizer
     Tensors are ``model/<state_dict key>`` and ``optim/<param index>/<state
     key>`` (Adam's ``step`` tensors included); the meta holds the optimizer's
     class, its param groups' hyper-parameters and member params, and any
-    non-tensor per-param state.
+    non-tensor per-param state.  A sharded optimizer (``dist.zero``) gives the
+    same names and meta as the unsharded one would (collective): its own
+    entries, and the others' as ``meta``-device tensors (``state_holders``
+    says who holds them).
     """
     tensors: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
@@ -43,6 +46,8 @@ def flatten_state(model: nn.Module, optimizer: torch.optim.Optimizer
             raise ValueError(f"model state {key!r} is a {type(value).__name__}, not a tensor; it cannot be saved")
         tensors[f"model/{key}"] = value
     state = optimizer.state_dict()
+    if hasattr(optimizer, "gather_state_specs"):
+        state = {**state, "state": _sharded_state(optimizer, state["state"])}
     scalars: dict[str, dict[str, Any]] = {}
     for index, per_param in state["state"].items():
         for key, value in per_param.items():
@@ -50,13 +55,44 @@ def flatten_state(model: nn.Module, optimizer: torch.optim.Optimizer
                 tensors[f"optim/{index}/{key}"] = value
             else:
                 scalars.setdefault(str(index), {})[key] = value
-    meta = {"optimizer": type(optimizer).__name__, "param_groups": state["param_groups"], "state_scalars": scalars}
+    meta = {"optimizer": optimizer_name(optimizer), "param_groups": state["param_groups"], "state_scalars": scalars}
     try:
         json.dumps(meta)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"optimizer {type(optimizer).__name__}: param groups or state are not JSON-able: "
                          f"{exc}") from None
     return tensors, json.loads(json.dumps(meta))
+
+
+def optimizer_name(optimizer: Any) -> str:
+    """The optimizer's class name; a sharded optimizer's is its inner one's (checkpoints move between both)."""
+    return type(getattr(optimizer, "inner", optimizer)).__name__
+
+
+def _sharded_state(optimizer: Any, owned: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """A sharded optimizer's (``dist.zero``) state for every parameter (collective): the owned entries, and for the
+    others tensors of their shape and dtype on the ``meta`` device (no memory), and their scalars."""
+    every: dict[int, dict[str, Any]] = {}
+    for index, described in optimizer.gather_state_specs().items():
+        every[index] = {}
+        for key, (kind, *rest) in described.items():
+            if index in owned:
+                every[index][key] = owned[index][key]
+            elif kind == "tensor":
+                dtype, shape = rest
+                every[index][key] = torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+            else:
+                every[index][key] = rest[0]
+    return every
+
+
+def state_holders(optimizer: Any, names: list[str]) -> dict[str, int]:
+    """Of the tensor ``names`` from ``flatten_state``, those one rank alone holds (a sharded optimizer's state,
+    ``optim/<index>/<key>``) -> that rank; empty when every rank holds everything."""
+    if not hasattr(optimizer, "state_owners"):
+        return {}
+    owners = optimizer.state_owners()
+    return {name: owners[int(name.split("/")[1])] for name in names if name.startswith("optim/")}
 
 
 def restore_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, tensors: dict[str, torch.Tensor],
@@ -73,9 +109,9 @@ def restore_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, ten
     model.load_state_dict(model_state)
     if optimizer is None:
         return
-    if meta.get("optimizer") != type(optimizer).__name__:
+    if meta.get("optimizer") != optimizer_name(optimizer):
         raise UsageError(f"checkpoint holds {meta.get('optimizer')!r} state, the optimizer is "
-                         f"{type(optimizer).__name__}")
+                         f"{optimizer_name(optimizer)}")
     per_param: dict[int, dict[str, Any]] = {}
     for name, value in tensors.items():
         if name.startswith("optim/"):
@@ -159,7 +195,7 @@ class TrainState:
         """Collective: checkpoint the state after ``step`` (blocks only for the snapshot when async)."""
         tensors, state_meta = flatten_state(self.model, self.optimizer)
         meta = {"state": state_meta, "sampler": loader_state, "config": to_dict(self.cfg), "step": step}
-        path = self.manager.save(step, tensors, meta, rng_state())
+        path = self.manager.save(step, tensors, meta, rng_state(), holders=state_holders(self.optimizer, list(tensors)))
         self.last_saved_step = step
         timings = self.manager.last_timings
         log.info("checkpoint at step %d: %s (%s, blocked %.3f s)", step, path.name,
@@ -180,6 +216,8 @@ class TrainState:
         tensors, _ = flatten_state(self.model, self.optimizer)
         checks: dict[torch.device, list[torch.Tensor]] = {}
         for tensor in tensors.values():
+            if tensor.is_meta:
+                continue  # held by another rank (dist.zero), which checks it
             if tensor.is_floating_point() or tensor.is_complex():
                 checks.setdefault(tensor.device, []).append(torch.isfinite(tensor).all())
         # One device-to-host copy per device (Adam keeps its step counters on the CPU).

@@ -1,0 +1,186 @@
+"""dist.zero=1|2: sharded optimizer state and gradients give the updates of dist.zero=0; checkpoints move between
+stages and world sizes; the owners' plan."""
+
+import json
+
+import pytest
+import torch
+from mpi4py import MPI
+from torch import nn
+
+from hpcnet.comm.costmodel import LinkCost
+from hpcnet.comm.zero import ParamGather, plan_shards
+from hpcnet.errors import ExitCode
+from hpcnet.layout import PLAN_FILE
+from hpcnet.train import run
+from tests.helpers import StopAfter, tiny_images, train_config
+
+# Parameters of 11 sizes (2048 to 4 elements): owners get uneven shares, and at 4 ranks some a single bias.
+MODEL = ["model.name=mlp", "model.options.hidden=[32,24]"]
+
+
+def _dataset(comm, tmp):
+    return tiny_images(comm, tmp, "zero-images.h5", num_train=256, num_eval=32, seed=5)
+
+
+def _cfg(tmp, dataset, name, *extra):
+    return train_config(tmp, dataset, name, "train.steps=6", "optim.warmup_steps=2", "optim.grad_clip=0.5",
+                        "optim.lr=0.2", "checkpoint.at_end=false", *MODEL, *extra)
+
+
+def _params(result):
+    return torch.cat([p.detach().reshape(-1) for p in result.model.parameters()])
+
+
+def _exact_expected(comm, zero, backend):
+    """Where stage 2 gives dist.zero=0's bits: MPI_Reduce_scatter and MPI_Allreduce add the same numbers in orders
+    that agree up to 2 ranks only (sums of two commute); gloo and shm all-reduce a stage-2 bucket in stage 0's
+    layout, so every element is summed in the same order."""
+    return zero < 2 or comm.Get_size() <= 2 or backend != "mpi"
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("optim,backend,extra", [
+    ("sgd", "mpi", []),
+    ("adamw", "mpi", ["optim.lr=0.003"]),
+    ("sgd", "gloo", ["train.grad_accumulation=2"]),
+    ("adamw", "shm", ["optim.lr=0.003", "dist.progress=thread"]),
+])
+def test_zero_updates_equal_zero_0(comm, data_plane, mpi_tmp_path, zero, optim, backend, extra):
+    dataset = _dataset(comm, mpi_tmp_path)
+    args = [f"optim.name={optim}", f"dist.backend={backend}", *extra]
+    name = f"{optim}-{backend}-{len(extra)}"
+    replicated = run(_cfg(mpi_tmp_path, dataset, f"z0-{name}-{zero}", *args), comm, plane=data_plane)
+    sharded = run(_cfg(mpi_tmp_path, dataset, f"z{zero}-{name}", *args, f"dist.zero={zero}"), comm,
+                  plane=data_plane)
+    a, b = _params(replicated), _params(sharded)
+    if _exact_expected(comm, zero, backend):
+        assert torch.equal(a, b), (a - b).abs().max()
+    else:
+        # Different summation orders: 1e-8 after 6 SGD steps here, 1e-6 with AdamW (it divides by sqrt(v)).
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    assert sharded.summary["final_loss"] == pytest.approx(replicated.summary["final_loss"], rel=1e-4)
+
+    # What each rank holds: the optimizer state of its own parameters only, all of them together once.
+    owner = sharded.optimizer.plan.owner
+    params = list(sharded.model.parameters())
+    held = {i for i, p in enumerate(params) if p in sharded.optimizer.state}
+    assert held == {i for i, o in enumerate(owner) if o == comm.Get_rank()}
+    every = comm.allgather(sorted(held))
+    assert sorted(i for part in every for i in part) == list(range(len(params)))
+    grads_here = {i for i, p in enumerate(params) if p.grad is not None}
+    assert grads_here == (held if zero == 2 else set(range(len(params))))  # stage 2: gradients sharded too
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+def test_plan_json_and_summary(comm, data_plane, mpi_tmp_path):
+    dataset = _dataset(comm, mpi_tmp_path)
+    result = run(_cfg(mpi_tmp_path, dataset, "plan", "dist.zero=2", "dist.plan=uniform"), comm, plane=data_plane)
+    run_dir = mpi_tmp_path / "runs" / "plan"
+    if comm.Get_rank() == 0:
+        plan = json.loads((run_dir / PLAN_FILE).read_text())
+        assert plan["zero"] == 2 and plan["plan"] == "uniform" and plan["world_size"] == comm.Get_size()
+        names = [n for n, _ in result.model.named_parameters()]
+        assert [p["name"] for p in plan["parameters"]] == names
+        assert sum(plan["rank_bytes"]) == sum(p.numel() * 4 for p in result.model.parameters())
+        assert result.summary["comm"]["zero"] == 2
+    comm.Barrier()
+
+
+class _Comm:
+    """Enough of a communicator for plan_shards with given speeds (pure)."""
+
+    def __init__(self, size):
+        self.size = size
+
+    def Get_size(self):
+        return self.size
+
+
+def test_a_slower_rank_owns_less():
+    params = [nn.Parameter(torch.zeros(n)) for n in [4096, 2048, 2048, 1024, 1024, 512, 256, 64, 8, 8]]
+    even, _ = plan_shards(params, _Comm(2), mode="uniform")
+    slow, speeds = plan_shards(params, _Comm(2), mode="auto", speeds=[1.0, 0.25],
+                               link=LinkCost(latency_s=1e-5, bandwidth_Bps=1e12))
+    assert speeds == [1.0, 0.25]
+    assert abs(even.rank_bytes[0] - even.rank_bytes[1]) <= 2048
+    assert slow.rank_bytes[1] < slow.rank_bytes[0] / 2  # a quarter of the speed: about a fifth of the bytes
+    assert sorted(set(slow.owner)) == [0, 1] and len(slow.owner) == len(params)
+    with pytest.raises(ValueError, match="speeds has 3 entries for 2 ranks"):
+        plan_shards(params, _Comm(2), mode="auto", speeds=[1.0, 1.0, 1.0])
+
+
+@pytest.mark.mpi
+def test_param_gather_gives_every_rank_every_owner_s_values(comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    sizes = [7, 1, 300, 2, 5]  # a rank may own nothing at 4 ranks
+    owner = [(i * 3) % size for i in range(len(sizes))]
+    params = [torch.full((n,), -1.0) for n in sizes]
+    for i, p in enumerate(params):
+        if owner[i] == rank:
+            p.copy_(torch.arange(p.numel(), dtype=torch.float32) + 1000 * i)
+    gather = ParamGather(params, owner, comm)
+    gather.run()
+    gather.close()
+    for i, p in enumerate(params):
+        assert torch.equal(p, torch.arange(p.numel(), dtype=torch.float32) + 1000 * i)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("saved_zero,resumed_zero", [(2, 2), (2, 0), (0, 1)])
+def test_resume_across_stages_is_exact(comm, data_plane, mpi_tmp_path, saved_zero, resumed_zero):
+    """A checkpoint holds the optimizer state in the unsharded layout, whoever wrote it: a run stopped at
+    dist.zero=A and resumed at B ends as an uninterrupted run at A would, bit for bit where A and B sum alike."""
+    dataset = _dataset(comm, mpi_tmp_path)
+    common = ["optim.name=adamw", "optim.lr=0.003", "train.steps=8", "checkpoint.at_end=true"]
+    name = f"resume-{saved_zero}-{resumed_zero}"
+    straight = run(_cfg(mpi_tmp_path, dataset, f"{name}-straight", *common, f"dist.zero={saved_zero}"), comm,
+                   plane=data_plane)
+    first = run(_cfg(mpi_tmp_path, dataset, name, *common, f"dist.zero={saved_zero}"), comm, plane=data_plane,
+                stop=StopAfter(3))
+    assert first.exit_code == ExitCode.PREEMPTED and first.summary["steps"] == 3
+    second = run(_cfg(mpi_tmp_path, dataset, name, *common, f"dist.zero={resumed_zero}", "checkpoint.resume=auto"),
+                 comm, plane=data_plane)
+    assert second.summary["start_step"] == 3 and second.summary["steps"] == 8
+    a, b = _params(straight), _params(second)
+    if _exact_expected(comm, max(saved_zero, resumed_zero), "mpi") or saved_zero == resumed_zero:
+        assert torch.equal(a, b), (a - b).abs().max()
+    else:
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+def test_resume_at_another_world_size_reshards(comm, data_plane, mpi_tmp_path):
+    """Saved by every rank at dist.zero=2, resumed by one rank alone at dist.zero=1 and by every rank at 0: each
+    reads the same optimizer state, whoever owned it."""
+    dataset = _dataset(comm, mpi_tmp_path)
+    common = ["optim.name=adamw", "optim.lr=0.003", "train.steps=3"]
+    run(_cfg(mpi_tmp_path, dataset, "ws", *common, "dist.zero=2", "checkpoint.at_end=true"), comm, plane=data_plane)
+    states = []
+    for zero, sub, where in ((1, MPI.COMM_SELF, f"self-{comm.Get_rank()}"), (0, comm, "all")):
+        cfg = train_config(mpi_tmp_path / where, dataset, "ws", *MODEL, *common, f"dist.zero={zero}",
+                           f"checkpoint.dir={mpi_tmp_path / 'ckpt' / 'ws'}", "checkpoint.resume=auto",
+                           "checkpoint.at_end=false")
+        result = run(cfg, sub, plane=data_plane if sub is comm else None)
+        assert result.summary["start_step"] == 3  # nothing left to train: the state is what was read
+        states.append([result.optimizer.state[p] for p in result.model.parameters()])
+    one, every = states
+    assert len(one) == len(every) == 6
+    for a, b in zip(one, every):
+        assert a.keys() == b.keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for key in a:
+            assert torch.equal(a[key], b[key])
+    comm.Barrier()
+
+
+def test_bad_zero_options_are_named():
+    from hpcnet.config import ConfigError
+    from hpcnet.config_manager import load_config
+
+    with pytest.raises(ConfigError, match=r"dist.zero: 3 is not one of 0, 1, 2"):
+        load_config(overrides=["dist.zero=3"])
+    with pytest.raises(ConfigError, match=r"dist.plan: 'greedy' is not one of 'auto', 'uniform'"):
+        load_config(overrides=["dist.plan=greedy"])
