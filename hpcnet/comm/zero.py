@@ -73,41 +73,34 @@ def plan_shards(params: list[nn.Parameter], comm: Any, *, mode: str, link: LinkC
     return plan, speeds
 
 
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).view(torch.uint8)
-
-
 class ParamGather:
-    """Give every rank every parameter after each owner updated its own (collective, MPI ``Allgatherv``).
+    """Give every rank every parameter after each owner updated its own (collective).
 
-    The parameters are laid out in one flat byte buffer per device, owner by owner (rank 0's first), each
-    owner's in parameter order; after the gather each non-owned parameter is copied out of its place. CUDA
-    parameters make one host round trip (MPI on host memory): correct everywhere, not fast.
+    CPU parameters: one ``MPI_Bcast`` per owner rank of an MPI datatype that lists that rank's parameters at
+    their own addresses (``hindexed`` from ``MPI_BOTTOM``), so nothing is staged through a buffer of the
+    parameters' size: a full-size staging buffer would cost as much memory as the optimizer state stage 1 saves.
+    CUDA parameters: ``torch.distributed.broadcast`` of each from its owner (NCCL, in stream order).
     """
 
     def __init__(self, params: list[nn.Parameter], owner: list[int], comm: Any) -> None:
+        from mpi4py import MPI
+
         self.comm = comm.Dup()  # its own message space
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.groups: list[tuple[list[int], list[int], list[int], torch.Tensor]] = []
-        by_device: dict[torch.device, list[int]] = {}
-        for i, p in enumerate(params):
-            by_device.setdefault(p.device, []).append(i)
-        self.params = params
-        for members in by_device.values():
-            order = sorted(members, key=lambda i: (owner[i], i))
-            counts = [0] * self.size
-            offsets = []
-            pos = 0
-            for i in order:
-                offsets.append(pos)
-                nbytes = params[i].numel() * params[i].element_size()
-                counts[owner[i]] += nbytes
-                pos += nbytes
-            displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
-            buffer = torch.empty(pos, dtype=torch.uint8)
-            self.groups.append((order, offsets, counts, buffer))
-            self.displs = displs
-        self._owner = owner
+        self.params, self.owner = params, owner
+        self.types: list[Any] = []  # per owner rank: its CPU parameters as one datatype (None: it owns none)
+        for root in range(self.size):
+            mine = [p for i, p in enumerate(params) if owner[i] == root and p.device.type == "cpu"]
+            if not mine:
+                self.types.append(None)
+                continue
+            for p in mine:
+                if not p.is_contiguous() and not _dense_any_order(p):
+                    raise ValueError("a sharded parameter must be dense in memory")
+            dtype = MPI.BYTE.Create_hindexed([p.numel() * p.element_size() for p in mine],
+                                             [p.data_ptr() for p in mine]).Commit()
+            self.types.append(dtype)
+        self.devices = [i for i, p in enumerate(params) if p.device.type != "cpu"]
 
     def run(self) -> None:
         from mpi4py import MPI
@@ -115,22 +108,29 @@ class ParamGather:
         if self.size == 1:
             return
         with torch.no_grad():
-            for order, offsets, counts, buffer in self.groups:
-                displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
-                mine = [(i, off) for i, off in zip(order, offsets) if self._owner[i] == self.rank]
-                for i, off in mine:
-                    src = _byte_view(self.params[i])
-                    buffer[off:off + src.numel()].copy_(src)
-                self.comm.Allgatherv(MPI.IN_PLACE, [buffer.numpy(), counts, displs, MPI.BYTE])
-                for i, off in zip(order, offsets):
-                    if self._owner[i] != self.rank:
-                        dst = _byte_view(self.params[i])
-                        dst.copy_(buffer[off:off + dst.numel()])
+            for root, dtype in enumerate(self.types):
+                if dtype is not None:
+                    self.comm.Bcast([MPI.BOTTOM, 1, dtype], root=root)
+            if self.devices:
+                import torch.distributed as dist
+
+                for i in self.devices:
+                    dist.broadcast(self.params[i].data, src=self.owner[i])
 
     def close(self) -> None:
+        for dtype in self.types:
+            if dtype is not None:
+                dtype.Free()
+        self.types = []
         if self.comm is not None:
             self.comm.Free()
             self.comm = None
+
+
+def _dense_any_order(t: torch.Tensor) -> bool:
+    from hpcnet.comm.reducer import _dense
+
+    return _dense(t)
 
 
 class ShardedOptimizer:

@@ -184,3 +184,21 @@ def test_bad_zero_options_are_named():
         load_config(overrides=["dist.zero=3"])
     with pytest.raises(ConfigError, match=r"dist.plan: 'greedy' is not one of 'auto', 'uniform'"):
         load_config(overrides=["dist.plan=greedy"])
+
+
+@pytest.mark.mpi
+def test_stage_2_falls_back_and_redoes_the_step(comm, data_plane, mpi_tmp_path):
+    """MPI fails at step 3 (dist.fail_at_step): every rank switches to gloo and redoes the step; the run ends as one
+    without the failure would (bit for bit up to 2 ranks, where a sum of two adds alike in both)."""
+    dataset = _dataset(comm, mpi_tmp_path)
+    args = ["dist.zero=2", "dist.backend=mpi", "dist.fallback=gloo"]
+    clean = run(_cfg(mpi_tmp_path, dataset, "fb-clean", *args), comm, plane=data_plane)
+    failed = run(_cfg(mpi_tmp_path, dataset, "fb-failed", *args, "dist.fail_at_step=3"), comm, plane=data_plane)
+    assert [f["step"] for f in failed.summary["comm"]["fallbacks"]] == [3]
+    assert failed.summary["comm"]["backend"] == "gloo"
+    a, b = _params(clean), _params(failed)
+    if comm.Get_size() <= 2:
+        assert torch.equal(a, b), (a - b).abs().max()
+    else:
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+    comm.Barrier()
