@@ -196,6 +196,19 @@ def test_killed_rank_is_restarted_and_ends_identical(tmp_path, reference):
     _assert_same(_final_tensors(tmp_path, "kill"), reference)
 
 
+@pytest.mark.launch
+@pytest.mark.timeout(300)
+def test_killed_rank_at_zero_2_ends_as_the_unsharded_run(tmp_path, reference):
+    """dist.zero=2: each owner writes its optimizer state into the checkpoint and reads it back after the kill;
+    at 2 ranks the sharded run's final model and optimizer state are the unsharded reference's, bit for bit."""
+    out = _supervise(tmp_path, _train_command(tmp_path, "kill0", "dist.zero=2", "fault.kill_at_step=6",
+                                              "fault.only_attempt=1"),
+                     "--max-restarts", "2", "--backoff-s", "0.1", timeout=240)
+    assert out.returncode == 0, out.stderr
+    assert "attempt 1 ended with status 137" in out.stderr and "ckpt-0000000004.h5 at step 4" in out.stderr
+    _assert_same(_final_tensors(tmp_path, "kill0"), reference)
+
+
 def _monitor_missing() -> str:
     train = Path(__file__).resolve().parents[2] / "hpcnet" / "train.py"
     if importlib.util.find_spec("hpcnet.fault.monitor") is None or "monitor" not in train.read_text():
