@@ -163,8 +163,8 @@ class DistConfig:
     """Timeout of torch.distributed set-up and of each step's gradient all-reduce, in seconds."""
     interface: str = ""
     """Network interface for the data plane (e.g. ib0); empty chooses one reachable by every rank."""
-    bucket_mb: float = 25.0
-    """Gradient bucket size in MiB; buckets are reduced while backward still runs."""
+    bucket_mb: float | str = 25.0
+    """Gradient bucket size in MiB, or 'auto': from the probed latency and bandwidth, the smallest bucket whose latency is at most 5% of its all-reduce time (1-64 MiB, at most half the gradients; 25 without a probe)."""
     first_bucket_mb: float = 1.0
     """Size of the first bucket (the last layers), small so communication starts early; 0 = bucket_mb."""
     hierarchical: str = "auto"
@@ -196,7 +196,10 @@ class DistConfig:
             raise ConfigError(f"dist.device: {self.device!r} is not one of 'auto', 'cpu', 'cuda'")
         if not self.timeout_s > 0:
             raise ConfigError(f"dist.timeout_s must be positive, got {self.timeout_s}")
-        if not self.bucket_mb > 0:
+        if isinstance(self.bucket_mb, str):
+            if self.bucket_mb != "auto":
+                raise ConfigError(f"dist.bucket_mb: expected a number of MiB or 'auto', got {self.bucket_mb!r}")
+        elif not self.bucket_mb > 0:
             raise ConfigError(f"dist.bucket_mb must be positive, got {self.bucket_mb}")
         if self.first_bucket_mb < 0:
             raise ConfigError(f"dist.first_bucket_mb must be >= 0, got {self.first_bucket_mb}")

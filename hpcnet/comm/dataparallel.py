@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from hpcnet.comm.costmodel import LinkCost, ShardPlan
+from hpcnet.comm.costmodel import LinkCost, ShardPlan, auto_bucket_bytes
 from hpcnet.comm.reducer import Reducer, broadcast_buffers, broadcast_module
 from hpcnet.comm.zero import ShardedOptimizer, plan_shards
 from hpcnet.layout import PLAN_FILE
@@ -30,6 +30,8 @@ from hpcnet.agree import agreed
 
 log = logging.getLogger(__name__)
 
+AUTO_FALLBACK_MB = 25
+"""dist.bucket_mb=auto without a probed link: DDP's default."""
 _DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -92,7 +94,7 @@ class DataParallel:
         self.optimizer: ShardedOptimizer | None = None
         self.reducer = Reducer(
             list(model.named_parameters()), transport, comm,
-            bucket_bytes=int(cfg.bucket_mb * 2**20), first_bucket_bytes=int(cfg.first_bucket_mb * 2**20),
+            bucket_bytes=self.bucket_bytes(), first_bucket_bytes=int(cfg.first_bucket_mb * 2**20),
             compression=_DTYPES[cfg.compression], find_unused=cfg.find_unused, timeout_s=cfg.timeout_s,
             recorder=recorder, owners=self.shards.owner if cfg.zero == 2 else None)
         self.step_count = 0
@@ -103,6 +105,22 @@ class DataParallel:
             import torch.distributed as dist
 
             self._buffer_group = dist.group.WORLD
+
+    def bucket_bytes(self) -> int:
+        """``dist.bucket_mb`` in bytes; 'auto' from the probed link (``costmodel.auto_bucket_bytes``)."""
+        if self.cfg.bucket_mb != "auto":
+            return int(float(self.cfg.bucket_mb) * 2**20)
+        if self.link is None:
+            if self.world.is_main and self.world.size > 1:
+                log.info("dist.bucket_mb=auto: no probed link (dist.probe=false), buckets of %d MiB",
+                         AUTO_FALLBACK_MB)
+            return AUTO_FALLBACK_MB * 2**20
+        total = sum(p.numel() * p.element_size() for p in self.params)
+        chosen = auto_bucket_bytes(self.link, total, self.world.size)
+        if self.world.is_main:
+            log.info("dist.bucket_mb=auto: %.2f MiB buckets (link %.1f us, %.2f GB/s; %.1f MiB of gradients)",
+                     chosen / 2**20, self.link.latency_s * 1e6, self.link.bandwidth_Bps / 1e9, total / 2**20)
+        return chosen
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer, run_dir: Path | None = None) -> Any:
         """With ``dist.zero`` > 0: ``optimizer`` (over every parameter, no state yet) sharded by the plan, which

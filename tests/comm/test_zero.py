@@ -202,3 +202,31 @@ def test_stage_2_falls_back_and_redoes_the_step(comm, data_plane, mpi_tmp_path):
     else:
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
     comm.Barrier()
+
+
+@pytest.mark.mpi
+def test_bucket_size_auto_from_the_probe(comm, data_plane, mpi_tmp_path):
+    from hpcnet.comm.costmodel import auto_bucket_bytes
+
+    dataset = _dataset(comm, mpi_tmp_path)
+    result = run(_cfg(mpi_tmp_path, dataset, "auto-bucket", "dist.bucket_mb=auto", "dist.probe=true"), comm,
+                 plane=data_plane)
+    assert result.summary["steps"] == 6
+    log = (mpi_tmp_path / "runs" / "auto-bucket" / "rank0.log")
+    if comm.Get_rank() == 0 and comm.Get_size() > 1:  # one rank has no link to probe and nothing to sum
+        assert "dist.bucket_mb=auto: " in log.read_text() and "MiB buckets (link" in log.read_text()
+    # 2 ranks x 20 us x 3 GB/s x 19 (latency at most 5%) = 2.28 MB, rounded up to 64 KiB: 35 granules.
+    assert auto_bucket_bytes(LinkCost(latency_s=20e-6, bandwidth_Bps=3e9), 40 << 20, 2) == 35 * 65536
+    comm.Barrier()
+
+
+def test_bucket_size_must_be_a_number_or_auto():
+    from hpcnet.config import ConfigError
+    from hpcnet.config_manager import load_config
+
+    assert load_config(overrides=["dist.bucket_mb=auto"]).dist.bucket_mb == "auto"
+    assert load_config(overrides=["dist.bucket_mb=4"]).dist.bucket_mb == 4.0
+    with pytest.raises(ConfigError, match=r"dist.bucket_mb: expected a number of MiB or 'auto', got 'big'"):
+        load_config(overrides=["dist.bucket_mb=big"])
+    with pytest.raises(ConfigError, match=r"dist.bucket_mb must be positive"):
+        load_config(overrides=["dist.bucket_mb=0"])
