@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks, on a machine with one or more GPUs and a CUDA build of torch
-# in the environment (see README: Installing for GPUs).  Under 8 minutes:
+# in the environment (see README: Installing for GPUs).  Under 10 minutes:
 #   1. the default training job on CUDA (one rank per GPU), NCCL bootstrapped
 #      from MPI, and its device settings (cuda.*) as logged;
 #   2. bench allreduce on NCCL (hpcnet's transport and reducer against raw
 #      torch.distributed NCCL), 1-100 MiB;
 #   3. bench train: hpcnet against DDP-NCCL on resnet50, batch 64 a GPU, bf16;
+#   4. the default job with dist.zero=2 and AdamW (sharded state on CUDA, NCCL);
 # then prints a summary table.  Everything goes under ${GPU_CHECK_OUT:-gpu-check}/
 # (logs and JSON).  Usage: scripts/gpu-check.sh [number of ranks; default: GPUs]
 set -euo pipefail
@@ -39,6 +40,9 @@ run allreduce 150 mpirun -np "$np" python -m mpi4py -m hpcnet.bench allreduce --
     --rounds 5 --json "$out/allreduce.json"
 run bench-train 210 mpirun -np "$np" python -m mpi4py -m hpcnet.bench train --models resnet50 --batch-size 64 \
     --precision bf16 --rounds 4 --steps 5 --warmup 3 --json "$out/train.json"
+run train-zero2 90 mpirun -np "$np" python -m mpi4py -m hpcnet.train train.steps=60 train.eval_every=0 \
+    dist.zero=2 optim.name=adamw optim.lr=0.003 run.dir="$out/runs" checkpoint.dir="$out/ckpt-zero2" \
+    checkpoint.move_aside=true
 python - "$out" <<'EOF'
 import json, re, sys
 from pathlib import Path
@@ -53,6 +57,10 @@ log = out.joinpath("train.log").read_text(errors="replace") if out.joinpath("tra
 for pattern in (r"torch.distributed \w+: .*", r"gradients: .*", r"device settings \(cuda\.\*\): .*", r"done: .*"):
     found = re.search(pattern, log)
     print("  train:", found.group(0) if found else f"(no line matching {pattern!r})")
+zlog = out.joinpath("train-zero2.log").read_text(errors="replace") if out.joinpath("train-zero2.log").exists() else ""
+for pattern in (r"dist.zero=2 .*", r"done: .*"):
+    found = re.search(pattern, zlog)
+    print("  train-zero2:", found.group(0) if found else f"(no line matching {pattern!r})")
 if out.joinpath("allreduce.json").exists():
     for row in json.loads(out.joinpath("allreduce.json").read_text())["results"]:
         print(f"  allreduce {row['size_bytes'] / 2**20:g} MiB busbw GB/s: " + ", ".join(
