@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._dynamo  # noqa: F401 - see below
 from torch import nn
 
 from hpcnet import __version__
@@ -47,6 +48,11 @@ from hpcnet.loop import Loop
 from hpcnet.models import build_model, count_parameters
 from hpcnet.optim import build_optimizer
 from hpcnet.runlog import MetricsWriter, close_logging, format_duration, make_run_dir, setup_logging
+
+# torch.optim imports torch._dynamo on an optimizer's first add_param_group (about 2 s of CPU here). Imported in
+# the middle of start-up, one rank imports while the others wait in a collective; at 16 ranks a core those
+# waiters spin and yield, and the import took minutes (the 32-rank default job exceeded
+# monitor.startup_timeout_s once). Imported here, every rank pays it at once, before the first collective.
 
 log = logging.getLogger("hpcnet.train")
 
