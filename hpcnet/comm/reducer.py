@@ -196,10 +196,8 @@ class Reducer:
             if owner_of[j] != self.rank:
                 bucket.owned_views.append(None)
                 continue
-            flat = bucket.owned[at:at + p.numel()]
+            bucket.owned_views.append(_grad_view(bucket.owned[at:at + p.numel()], p))
             at += p.numel()
-            bucket.owned_views.append(flat.as_strided(p.shape, p.stride()) if not p.is_contiguous() and _dense(p)
-                                      else flat.view_as(p))
 
     def _ensure_buffer(self, bucket: _Bucket) -> None:
         """dist.zero=2: a dropped bucket is made again (every element is written by the folds)."""
@@ -234,11 +232,8 @@ class Reducer:
         """Each parameter's gradient in its bucket, laid out as the parameter is (channels-last stays so: fused
         optimizers read a gradient and its parameter in memory order, and gave wrong updates otherwise).  Made
         once per buffer, not per step: two tensor ops a parameter cost about 10 us each step here."""
-        bucket.views = []
-        for j, p in enumerate(bucket.params):
-            flat = bucket.buffer[bucket.offsets[j]:bucket.offsets[j + 1]]
-            dense_other_order = not p.is_contiguous() and _dense(p)
-            bucket.views.append(flat.as_strided(p.shape, p.stride()) if dense_other_order else flat.view_as(p))
+        bucket.views = [_grad_view(bucket.buffer[bucket.offsets[j]:bucket.offsets[j + 1]], p)
+                        for j, p in enumerate(bucket.params)]
 
     def _fold(self, bucket: _Bucket, j: int) -> None:
         """Write parameter j's gradient, times 1/world size, into its bucket view (one pass); ``.grad`` becomes
@@ -427,6 +422,12 @@ class Reducer:
             self.transport.close()
         else:
             abandon(self.transport)
+
+
+def _grad_view(flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``flat`` (``p.numel()`` elements) laid out as ``p`` is: a dense parameter in another order of its
+    dimensions (channels-last) gets its strides, any other its shape."""
+    return flat.as_strided(p.shape, p.stride()) if not p.is_contiguous() and _dense(p) else flat.view_as(p)
 
 
 def _dense(t: torch.Tensor) -> bool:

@@ -7,8 +7,8 @@ averaged gradient, lives on one owner rank only (README: Memory: sharded data pa
   rank's median, so ranks of unequal speed own less) and the measured link. Every rank computes the same plan
   from the same gathered inputs; rank 0 writes it to ``plan.json``.
 - **Stage 1**: gradients are all-reduced as at stage 0; each rank's optimizer holds and updates only the
-  parameters it owns (``ShardedOptimizer``), then every parameter is all-gathered from its owner
-  (``ParamGather``: one ``Allgatherv`` of a flat buffer laid out by owner).
+  parameters it owns (``ShardedOptimizer``), then every parameter is broadcast from its owner in place
+  (``ParamGather``: one ``MPI_Bcast`` per owner).
 - **Stage 2**: the reducer reduce-scatters each bucket so each rank receives only the sums it owns
   (``Reducer(owners=...)``); the buckets are dropped after the step, so between steps a rank holds 1/N of
   the gradients. The global gradient norm for clipping is gathered as one float per parameter.
@@ -20,19 +20,16 @@ sizes unchanged.
 """
 
 import inspect
-import logging
 import statistics
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from hpcnet.comm.costmodel import LinkCost, ShardPlan, assign_shards
-
-log = logging.getLogger(__name__)
+from hpcnet.comm.costmodel import LinkCost, ShardPlan, assign_shards, measured_speeds
+from hpcnet.comm.reducer import _dense
 
 UPDATE_S_PER_BYTE = 1.0 / 2e9
 """Modelled optimizer update time per parameter byte on the fastest rank: an elementwise update reads and writes
@@ -60,8 +57,6 @@ def plan_shards(params: list[nn.Parameter], comm: Any, *, mode: str, link: LinkC
     size = comm.Get_size()
     if speeds is None:
         if mode == "auto" and size > 1:
-            from hpcnet.comm.costmodel import measured_speeds
-
             speeds = measured_speeds(comm.allgather(measure_speed()))
         else:
             speeds = [1.0] * size
@@ -95,7 +90,7 @@ class ParamGather:
                 self.types.append(None)
                 continue
             for p in mine:
-                if not p.is_contiguous() and not _dense_any_order(p):
+                if not p.is_contiguous() and not _dense(p):
                     raise ValueError("a sharded parameter must be dense in memory")
             dtype = MPI.BYTE.Create_hindexed([p.numel() * p.element_size() for p in mine],
                                              [p.data_ptr() for p in mine]).Commit()
@@ -125,12 +120,6 @@ class ParamGather:
         if self.comm is not None:
             self.comm.Free()
             self.comm = None
-
-
-def _dense_any_order(t: torch.Tensor) -> bool:
-    from hpcnet.comm.reducer import _dense
-
-    return _dense(t)
 
 
 class ShardedOptimizer:
@@ -250,20 +239,15 @@ class ShardedOptimizer:
             return nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
         from mpi4py import MPI
 
-        owned = [i for i in range(len(self.params)) if self.plan.owner[i] == self.rank]
-        norms = np.zeros(len(self.params), dtype=np.float64)
-        present = np.zeros(len(self.params), dtype=np.int8)
-        grads = [self.params[i].grad for i in owned if self.params[i].grad is not None]
-        if grads:
-            local = torch._foreach_norm(grads, 2.0)
-            k = 0
-            for i in owned:
-                if self.params[i].grad is not None:
-                    norms[i] = float(local[k])  # a float32 norm is exact in float64
-                    present[i] = 1
-                    k += 1
-        self.comm.Allreduce(MPI.IN_PLACE, norms, op=MPI.SUM)  # one owner a slot: sums with zeros, exact
-        self.comm.Allreduce(MPI.IN_PLACE, present, op=MPI.MAX)
+        n = len(self.params)
+        mine = [i for i in range(n) if self.plan.owner[i] == self.rank and self.params[i].grad is not None]
+        # [norms | present flags]: one owner a slot, so the sum adds zeros to each: exact, in one exchange.
+        slots = np.zeros(2 * n, dtype=np.float64)
+        if mine:
+            for i, norm in zip(mine, torch._foreach_norm([self.params[i].grad for i in mine], 2.0)):
+                slots[i], slots[n + i] = float(norm), 1.0  # a float32 norm is exact in float64
+        self.comm.Allreduce(MPI.IN_PLACE, slots, op=MPI.SUM)
+        norms, present = slots[:n], slots[n:]
         device = self.params[0].device
         picked = [i for i in self._norm_order if present[i]]
         if not picked:
@@ -292,7 +276,3 @@ def _norm_order(params: list[nn.Parameter]) -> list[int]:
     for p in params:
         keys.setdefault((p.device, p.dtype), len(keys))
     return sorted(range(len(params)), key=lambda i: (keys[(params[i].device, params[i].dtype)], i))
-
-
-def owned_bytes(params: Iterable[nn.Parameter], owner: list[int], rank: int) -> int:
-    return sum(p.numel() * p.element_size() for i, p in enumerate(params) if owner[i] == rank)
