@@ -62,10 +62,18 @@ class DataConfig:
     """Keyword arguments for a dataset factory given by import path."""
     shuffle: bool = True
     """Reshuffle the training set every epoch (a seeded permutation)."""
+    balance: str = "off"
+    """Per-rank batch sizes: 'off' (train.batch_size on every rank) or 'auto' (the global batch split in proportion to each rank's measured forward+backward speed, re-decided every data.balance_every steps; the update is the same mean over the same global batch)."""
+    balance_every: int = 20
+    """Steps per measuring window of data.balance=auto; the ranks agree on new sizes after each."""
 
     def __post_init__(self) -> None:
         if not self.dataset:
             raise ConfigError("data.dataset must not be empty")
+        if self.balance not in ("off", "auto"):
+            raise ConfigError(f"data.balance must be 'off' or 'auto', got {self.balance!r}")
+        if self.balance_every < 2:
+            raise ConfigError(f"data.balance_every must be at least 2 steps, got {self.balance_every}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -331,6 +339,8 @@ class FaultConfig:
     """Seconds for fault.sleep_at_step."""
     slow_s: float = 0.0
     """Fault injection: the chosen rank sleeps this long in every step (a straggler)."""
+    slow_per_sample_s: float = 0.0
+    """Fault injection: the chosen rank's forward sleeps this long per sample of its micro-batch (a slower device: what data.balance=auto can even out)."""
     corrupt_checkpoint: bool = False
     """Fault injection: corrupt the newest committed checkpoint before resuming."""
     fill_disk_at_step: int = 0
@@ -359,6 +369,9 @@ class FaultConfig:
                 raise ConfigError(f"fault.{name} must be >= 0, got {getattr(self, name)}")
         if self.sleep_s < 0 or self.slow_s < 0:
             raise ConfigError("fault.sleep_s and fault.slow_s must be >= 0")
+        if not (math.isfinite(self.slow_per_sample_s) and self.slow_per_sample_s >= 0):
+            raise ConfigError(f"fault.slow_per_sample_s must be a number of seconds >= 0, "
+                              f"got {self.slow_per_sample_s}")
         if not (math.isfinite(self.slow_save_s) and self.slow_save_s >= 0):
             raise ConfigError(f"fault.slow_save_s must be a number of seconds >= 0, got {self.slow_save_s}")
 

@@ -20,6 +20,7 @@ from hpcnet.ckpt.state import TrainState
 from hpcnet.comm.dataparallel import DataParallel
 from hpcnet.comm.world import World
 from hpcnet.config import Config
+from hpcnet.data.balance import Balancer
 from hpcnet.data.loader import BatchLoader
 from hpcnet.data.sampler import eval_indices
 from hpcnet.errors import ExitCode
@@ -65,6 +66,17 @@ def loss_in(device: torch.device, precision: str) -> Callable[[nn.Module, torch.
     def loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with autocast(device, precision):
             return compute_loss(model, inputs, targets)
+
+    return loss
+
+
+def _slowed(loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor], faults: FaultInjector
+            ) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``loss_fn`` with ``fault.slow_per_sample_s`` injected into its forward."""
+
+    def loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        faults.slow_compute(len(inputs))
+        return loss_fn(model, inputs, targets)
 
     return loss
 
@@ -160,7 +172,7 @@ class Loop:
     def __init__(self, cfg: Config, comm: Any, world: World, dp: DataParallel, optimizer: torch.optim.Optimizer,
                  loader: BatchLoader, eval_split: Any, device: torch.device, metrics: MetricsWriter,
                  state: TrainState, faults: FaultInjector, monitor: Monitor, stop: Any = None,
-                 mover: BatchMover | None = None) -> None:
+                 mover: BatchMover | None = None, balancer: Balancer | None = None) -> None:
         self.cfg, self.comm, self.world, self.dp, self.optimizer = cfg, comm, world, dp, optimizer
         self.loader, self.eval_split, self.device, self.metrics = loader, eval_split, device, metrics
         self.state, self.faults, self.monitor, self.stop = state, faults, monitor, stop
@@ -169,7 +181,10 @@ class Loop:
         self.on_nonfinite = cfg.train.nonfinite  # stop | skip | ignore
         self.policy = SavePolicy.from_config(cfg)
         self._loss = loss_in(device, cfg.train.precision)
+        if cfg.fault.slow_per_sample_s:
+            self._loss = _slowed(self._loss, faults)
         self.mover = mover or BatchMover(device, DeviceSettings())
+        self.balancer = balancer
 
     def run(self, start_step: int) -> dict[str, Any]:
         """Train from ``start_step``; the run's summary."""
@@ -188,7 +203,8 @@ class Loop:
         elapsed = time.perf_counter() - p.t_loop
         return {"steps": p.step, "start_step": p.start_step, "final_loss": p.loss_value, "eval": p.evaluation,
                 "samples_per_s": (p.step - p.start_step) * self.global_batch / max(elapsed, 1e-9),
-                "stopped_by_signal": p.stopped_by, "diverged": p.diverged, "skipped_steps": p.skipped_steps}
+                "stopped_by_signal": p.stopped_by, "diverged": p.diverged, "skipped_steps": p.skipped_steps,
+                **({"balance": self.balancer.summary()} if self.balancer is not None else {})}
 
     def _step(self, p: Progress) -> tuple[torch.Tensor, int]:
         """Forward, backward, averaged gradients, the update; the ``NONFINITE_*`` bits this rank brings."""
@@ -206,6 +222,8 @@ class Loop:
             grad_norm = self.dp.grad_norm()
         applied, nonfinite = _update(self.optimizer, loss, grad_norm, self.on_nonfinite)
         p.step += 1
+        if self.balancer is not None:
+            self.balancer.after_step(p.step)  # data.balance=auto: every data.balance_every steps, collective
         self.monitor.step(p.step)  # heartbeats carry it; step times set the stall timeout; memory samples
         self.faults.at_step(p.step)  # fault.* injection; a no-op unless configured
         if not applied:
@@ -219,6 +237,9 @@ class Loop:
         from mpi4py import MPI
 
         with self.monitor.collective("loss.allreduce"):
+            if self.balancer is not None and self.balancer.unequal:
+                # Slices of unequal size: each rank's mean counts by its share of the global batch.
+                return self.comm.allreduce(local_loss * self.dp.share, op=MPI.SUM)
             return self.comm.allreduce(local_loss, op=MPI.SUM) / self.world.size
 
     def _log_if_due(self, p: Progress, loss: torch.Tensor) -> None:

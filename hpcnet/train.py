@@ -38,6 +38,7 @@ from hpcnet.comm.topology import probe, recommend
 from hpcnet.comm.world import World, choose_device, cpu_threads, discover
 from hpcnet.config import Config
 from hpcnet.config_manager import check_same_config, describe_options, load_config, parse_command_line, to_toml
+from hpcnet.data.balance import Balancer
 from hpcnet.data.loader import BatchLoader, open_dataset
 from hpcnet.data.sampler import GlobalBatchSampler
 from hpcnet.errors import ExitCode, exit_code_of
@@ -244,8 +245,10 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any
                         "to train on; another run.name or checkpoint.dir starts a new run", start_step,
                         cfg.train.steps)
         loader = BatchLoader(train_split, sampler)  # after resume: it reads ahead from the sampler's position
+        balancer = (Balancer(comm, loader, dp, every=cfg.data.balance_every, device=device, monitor=monitor)
+                    if cfg.data.balance == "auto" else None)  # resumed sizes are taken up here
         result.summary = Loop(cfg, comm, world, dp, optimizer, loader, eval_split, device, metrics, state, faults,
-                              monitor, stop, mover=BatchMover(device, settings)).run(start_step)
+                              monitor, stop, mover=BatchMover(device, settings), balancer=balancer).run(start_step)
     finally:
         if _may_communicate():
             manager.close()  # a checkpoint still being written is committed before we leave

@@ -98,6 +98,8 @@ class DataParallel:
             compression=_DTYPES[cfg.compression], find_unused=cfg.find_unused, timeout_s=cfg.timeout_s,
             recorder=recorder, owners=self.shards.owner if cfg.zero == 2 else None)
         self.step_count = 0
+        self.compute_timer: Any = None  # data.balance: times each forward and backward (hpcnet.data.balance)
+        self.share = 1.0 / world.size
         self._has_buffers = any(True for _ in model.buffers())
         # On GPU the buffers go over NCCL, in stream order, without a host round trip.
         self._buffer_group = None
@@ -212,8 +214,23 @@ class DataParallel:
                 self._buffer_group = None  # the NCCL group may be the part that failed
                 self._restore(saved)
 
+    def set_share(self, share: float) -> None:
+        """This rank's fraction of the global batch (``data.balance``): its gradients are weighted by it."""
+        self.reducer.set_share(share)
+        self.share = share
+
     def _forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
                           loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        if self.compute_timer is not None:
+            self.compute_timer.start()
+        loss = self._forward_backward_untimed(batches, loss_fn)
+        if self.compute_timer is not None:
+            self.compute_timer.stop()
+        return loss
+
+    def _forward_backward_untimed(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                                  loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+                                  ) -> torch.Tensor:
         self.reducer.zero_grad()
         total = torch.zeros((), device=self.device)
         n = len(batches)

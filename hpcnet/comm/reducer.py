@@ -180,6 +180,13 @@ class Reducer:
         self.zero_grad()
         self._reset()
 
+    def set_share(self, share: float) -> None:
+        """The weight of this rank's gradients in the sum: its fraction of the global batch (1/world size unless
+        ``data.balance`` gives the ranks slices of unequal size), so the sum is the mean over the global batch."""
+        if not 0 < share <= 1:
+            raise ValueError(f"share must be in (0, 1], got {share}")
+        self._scale = share
+
     def _set_transport(self, transport: Transport) -> None:
         self.transport = transport
         # Fixed for a transport's life; read a few times a step, and a property chain costs microseconds here.

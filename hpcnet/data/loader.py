@@ -139,6 +139,21 @@ class BatchLoader:
         self._state, self._epoch = self.sampler.state_dict(), self.sampler.epoch
         self._submit()
 
+    def set_sizes(self, sizes: list[int] | None) -> None:
+        """Split the global batches into these per-rank sizes from the next ``next()`` on
+        (``GlobalBatchSampler.set_sizes``); the batch read ahead with the old sizes is dropped and read again.
+
+        Args:
+            sizes: samples per rank, rank by rank, summing to the global batch; None: equal slices.
+        """
+        if self._closed:
+            raise RuntimeError("BatchLoader is closed")
+        self._wait_pending()
+        self.sampler.load_state_dict(self._state)  # back to the position after the batches returned so far
+        self.sampler.set_sizes(sizes)
+        self._state = self.sampler.state_dict()  # a checkpoint taken now resumes with the new sizes
+        self._submit()
+
     def _wait_pending(self) -> None:
         if self._pending is not None and self._executor is not None:
             future = self._pending[0]

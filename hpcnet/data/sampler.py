@@ -6,6 +6,8 @@ N*B sees; the position is kept in samples, so a run resumes at any world or batc
 Resuming at another world size or batch size). Pure: no communication, no files.
 """
 
+from typing import Any
+
 import numpy as np
 
 from hpcnet.data.info import is_integer, positive_ints
@@ -23,6 +25,10 @@ class GlobalBatchSampler:
     are left, they are dropped and the next epoch begins. The position is kept
     in samples, so a run can resume at another world size or batch size: it
     continues the same order from the saved sample on, in its own batch grid.
+
+    With ``set_sizes`` (``data.balance=auto``) the ranks take slices of unequal
+    sizes ``b_0 .. b_{N-1}`` that sum to ``G``: rank ``r`` takes
+    ``[b_0 + .. + b_{r-1}, + b_r)``, so the global batches are unchanged.
     """
 
     def __init__(self, num_samples: int, batch_size: int, *, rank: int, world_size: int, seed: int = 0,
@@ -57,6 +63,37 @@ class GlobalBatchSampler:
         self._position = 0
         self._order_epoch = -1
         self._order = np.empty(0, dtype=np.int64)
+        self._sizes: list[int] | None = None
+        self._start = rank * batch_size
+        self.resumed_sizes: list[int] | None = None
+
+    @property
+    def sizes(self) -> list[int]:
+        """Samples per rank per step, rank by rank (all ``batch_size`` unless ``set_sizes`` changed them)."""
+        return list(self._sizes) if self._sizes is not None else [self.batch_size] * self.world_size
+
+    @property
+    def local_batch_size(self) -> int:
+        """This rank's samples per step (micro-batch)."""
+        return self.sizes[self.rank]
+
+    def set_sizes(self, sizes: list[int] | None) -> None:
+        """Split every later global batch into slices of ``sizes`` (rank by rank); None: ``batch_size`` each.
+
+        Raises:
+            ValueError: not one positive integer per rank, or a sum other than the global batch.
+        """
+        if sizes is not None:
+            if len(sizes) != self.world_size or not all(is_integer(b) and b >= 1 for b in sizes):
+                raise ValueError(f"sizes must be {self.world_size} positive integers, got {sizes!r}")
+            if sum(sizes) != self.global_batch_size:
+                raise ValueError(f"sizes {list(sizes)} sum to {sum(sizes)}, not the global batch "
+                                 f"{self.global_batch_size}")
+            sizes = [int(b) for b in sizes]
+            if sizes == [self.batch_size] * self.world_size:
+                sizes = None
+        self._sizes = sizes
+        self._start = sum(self.sizes[:self.rank])
 
     @property
     def epoch(self) -> int:
@@ -86,29 +123,37 @@ class GlobalBatchSampler:
         return np.argsort(keys, kind="stable").astype(np.int64)
 
     def next_indices(self) -> np.ndarray:
-        """Advance one step and return this rank's B sample indices (rolls over to the next epoch)."""
+        """Advance one step and return this rank's sample indices (rolls over to the next epoch)."""
         if self._epoch_is_done():
             self._epoch, self._position = self._epoch + 1, 0
         if self._order_epoch != self._epoch:
             self._order, self._order_epoch = self.epoch_order(self._epoch), self._epoch
-        start = self._position + self.rank * self.batch_size
+        start = self._position + self._start
         self._position += self.global_batch_size
-        return self._order[start:start + self.batch_size].copy()
+        return self._order[start:start + self.local_batch_size].copy()
 
-    def state_dict(self) -> dict[str, int]:
-        """The position to resume from: ``{"epoch", "samples_consumed_in_epoch", "seed"}``."""
+    def state_dict(self) -> dict[str, Any]:
+        """The position to resume from: ``{"epoch", "samples_consumed_in_epoch", "seed"}``, and ``"batch_sizes"``
+        (per rank) when ``set_sizes`` made them unequal."""
         if self._epoch_is_done():
             # A finished epoch is stored as the start of the next: the tail this run
             # dropped stays dropped, whatever global batch resumes.
-            return {"epoch": self._epoch + 1, "samples_consumed_in_epoch": 0, "seed": self.seed}
-        return {"epoch": self._epoch, "samples_consumed_in_epoch": self._position, "seed": self.seed}
+            state: dict[str, Any] = {"epoch": self._epoch + 1, "samples_consumed_in_epoch": 0, "seed": self.seed}
+        else:
+            state = {"epoch": self._epoch, "samples_consumed_in_epoch": self._position, "seed": self.seed}
+        if self._sizes is not None:
+            state["batch_sizes"] = list(self._sizes)
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state_dict()``, possibly saved at another world size or batch size.
 
         The saved seed replaces this sampler's, so the resumed run continues the
         same order from the saved sample on, in global batches of this sampler's
-        size; an epoch that has less than one of them left ends at once.
+        size; an epoch that has less than one of them left ends at once. Saved
+        per-rank sizes are kept in ``resumed_sizes`` when they fit this world and
+        global batch (None otherwise), for the caller to apply with ``set_sizes``;
+        the sampler itself goes on with equal slices.
 
         Args:
             state: as returned by ``state_dict``.
@@ -127,6 +172,10 @@ class GlobalBatchSampler:
                              f"has only {self.num_samples} here (has the dataset shrunk?)")
         self.seed, self._epoch, self._position = int(seed), int(epoch), int(consumed)
         self._order_epoch = -1
+        saved = state.get("batch_sizes")
+        fits = (isinstance(saved, list) and len(saved) == self.world_size and sum(saved) == self.global_batch_size
+                and all(is_integer(b) and b >= 1 for b in saved))
+        self.resumed_sizes = [int(b) for b in saved] if fits else None
 
 
 def eval_indices(n: int, rank: int, size: int) -> np.ndarray:

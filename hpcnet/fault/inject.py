@@ -14,7 +14,9 @@ The training loop calls three hooks, each one line:
   (``kill_at_step``: a dead peer, what MPI notices), SIGSTOP itself
   (``hang_at_step``: a hung peer, what only heartbeats notice), sleep once
   (``sleep_at_step`` + ``sleep_s``: a hang that ends) or in every step
-  (``slow_s``: a straggler, which is not a failure).  The step is the one
+  (``slow_s``: a straggler, which is not a failure; ``slow_per_sample_s``,
+  through ``slow_compute`` in every forward: a slower device, whose time grows
+  with its share of the batch).  The step is the one
   just completed, before its checkpoint: a rank killed at step K loses the
   steps since the last checkpoint, which the next attempt recomputes.
 - ``before_resume(checkpoint_dir, comm)`` when resuming: rank 0 flips bytes
@@ -127,6 +129,8 @@ class FaultInjector:
             parts.append(f"{who} sleeps {c.sleep_s:g} s at step {c.sleep_at_step}")
         if c.slow_s:
             parts.append(f"{who} sleeps {c.slow_s:g} s every step")
+        if c.slow_per_sample_s:
+            parts.append(f"{who}'s forward sleeps {c.slow_per_sample_s:g} s per sample")
         if c.corrupt_checkpoint:
             parts.append("the newest checkpoint is corrupted before resuming")
         if c.fill_disk_at_step:
@@ -141,6 +145,12 @@ class FaultInjector:
             parts.append(f"every rank's checkpoint writer blocks for good, holding the GIL, in the collective "
                          f"create of step {c.stuck_fs_at_step} (a stuck file system)")
         return "; ".join(parts)
+
+    def slow_compute(self, samples: int) -> None:
+        """Called in every forward with its micro-batch's sample count: ``fault.slow_per_sample_s`` on the chosen
+        rank (a slower device, whose time grows with its share of the batch)."""
+        if self.mine and self.cfg.slow_per_sample_s:
+            time.sleep(self.cfg.slow_per_sample_s * samples)
 
     def at_step(self, step: int) -> None:
         """Called by every rank after optimizer step ``step``; acts on the chosen rank only."""
