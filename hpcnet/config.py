@@ -195,6 +195,8 @@ class DistConfig:
     """Sharded data parallelism (ZeRO): 0 = every rank holds all optimizer state and gradients; 1 = each parameter's optimizer state on its owner rank only, parameters all-gathered after the update; 2 = also its averaged gradient (reduce-scattered to the owner)."""
     plan: str = "auto"
     """Who owns which parameter with dist.zero > 0: 'auto' (the cost model: bytes, the measured link and each rank's measured speed, so a slower rank owns less) or 'uniform' (bytes balanced, ranks taken as equal); written to plan.json."""
+    replan_every: int = 50
+    """With dist.zero > 0 and dist.plan=auto: every this many steps the ranks compare their measured optimizer-update speeds, and when the cost model's step time would drop by more than 10% the parameters get new owners (their optimizer state moved); 0 = keep the start-up plan."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "fastest", "nccl", "gloo", "mpi", "shm"):
@@ -211,6 +213,8 @@ class DistConfig:
             raise ConfigError(f"dist.bucket_mb must be positive, got {self.bucket_mb}")
         if self.first_bucket_mb < 0:
             raise ConfigError(f"dist.first_bucket_mb must be >= 0, got {self.first_bucket_mb}")
+        if self.replan_every < 0 or self.replan_every == 1:
+            raise ConfigError(f"dist.replan_every must be 0 (never) or at least 2 steps, got {self.replan_every}")
         if self.hierarchical not in ("auto", "on", "off"):
             raise ConfigError(f"dist.hierarchical: {self.hierarchical!r} is not one of 'auto', 'on', 'off'")
         if self.compression not in ("none", "fp16", "bf16"):

@@ -185,6 +185,21 @@ def assign_shards(sizes_bytes: list[int], rank_speeds: list[float], *, compute_s
     return ShardPlan(owner=owner, rank_bytes=rank_bytes, rank_time_s=rank_time_s)
 
 
+def plan_time_s(sizes_bytes: list[int], owner: list[int], rank_speeds: list[float], *,
+                compute_s_per_byte: float, link: LinkCost) -> list[float]:
+    """Each rank's modelled time for an assignment ``owner`` at ``rank_speeds``, by ``assign_shards``'s model: to
+    compare the plan in force with a new one when measured speeds have drifted."""
+    if len(owner) != len(sizes_bytes):
+        raise ValueError(f"owner names {len(owner)} parameters, sizes_bytes {len(sizes_bytes)}")
+    for rank, speed in enumerate(rank_speeds):
+        _check_positive(f"rank_speeds[{rank}]", speed)
+    comm_s_per_byte = 2 * (len(rank_speeds) - 1) / link.bandwidth_Bps
+    times = [0.0] * len(rank_speeds)
+    for size, rank in zip(sizes_bytes, owner):
+        times[rank] += size * compute_s_per_byte / rank_speeds[rank] + size * comm_s_per_byte
+    return times
+
+
 def auto_bucket_bytes(link: LinkCost, total_bytes: int, n_ranks: int, *, overhead_fraction: float = 0.05,
                       min_bytes: int = 1 << 20, max_bytes: int = 64 << 20) -> int:
     """The gradient bucket size for ``dist.bucket_mb = "auto"``.

@@ -10,15 +10,18 @@ a run without the failure.
 import contextlib
 import json
 import logging
+import math
+import statistics
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from hpcnet.comm.costmodel import LinkCost, ShardPlan, auto_bucket_bytes
+from hpcnet.comm.costmodel import LinkCost, ShardPlan, auto_bucket_bytes, measured_speeds, plan_time_s
 from hpcnet.comm.reducer import Reducer, broadcast_buffers, broadcast_module
-from hpcnet.comm.zero import ShardedOptimizer, plan_shards
+from hpcnet.comm.zero import DEFAULT_LINK, UPDATE_S_PER_BYTE, ShardedOptimizer, plan_shards
+from hpcnet.timer import SpanTimer
 from hpcnet.layout import PLAN_FILE
 from hpcnet.config import DistConfig
 from hpcnet.errors import RestartableError, UsageError
@@ -30,6 +33,9 @@ from hpcnet.agree import agreed
 
 log = logging.getLogger(__name__)
 
+REPLAN_GAIN = 0.10
+"""dist.replan_every: new owners only when the modelled step drops by more than this fraction (moving optimizer
+state costs a pass over it, and measured speeds are noisy)."""
 AUTO_FALLBACK_MB = 25
 """dist.bucket_mb=auto without a probed link: DDP's default."""
 _DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -92,6 +98,8 @@ class DataParallel:
         if cfg.zero:
             self.shards, self.speeds = plan_shards(self.params, comm, mode=cfg.plan, link=link)
         self.optimizer: ShardedOptimizer | None = None
+        self._run_dir: Path | None = None
+        self.replans = 0
         self.reducer = Reducer(
             list(model.named_parameters()), transport, comm,
             bucket_bytes=self.bucket_bytes(), first_bucket_bytes=int(cfg.first_bucket_mb * 2**20),
@@ -131,11 +139,59 @@ class DataParallel:
             return optimizer
         assert self.shards is not None
         self.optimizer = ShardedOptimizer(optimizer, self.shards, self.params, self.comm, self.cfg.zero)
+        self._run_dir = run_dir
+        if self.cfg.plan == "auto" and self.cfg.replan_every and self.world.size > 1:
+            self.optimizer.update_timer = SpanTimer(self.device)
         if self.world.is_main:
             log.info("%s", self.describe_shards())
-            if run_dir is not None:
-                (run_dir / PLAN_FILE).write_text(json.dumps(self.plan_record(), indent=1) + "\n")
+        self._write_plan()
         return self.optimizer
+
+    def _write_plan(self) -> None:
+        if self.world.is_main and self._run_dir is not None:
+            (self._run_dir / PLAN_FILE).write_text(json.dumps(self.plan_record(), indent=1) + "\n")
+
+    def after_step(self, step: int) -> None:
+        """Called by every rank after each optimizer step: every ``dist.replan_every`` steps, with
+        ``dist.plan=auto``, the ranks agree whether measured update speeds call for new owners (collective)."""
+        if self.optimizer is None or self.optimizer.update_timer is None or step % self.cfg.replan_every:
+            return
+        times = self.optimizer.update_timer.drain()
+        owned = self.shards.rank_bytes[self.world.rank]
+        # The first update of a window may include lazily made state (AdamW's first step): left out.
+        per_byte = statistics.median(times[1:] if len(times) > 1 else times) / owned if times and owned else 0.0
+        with self.reducer.recorder.op("replan.allgather"):
+            measured = self.comm.allgather(per_byte)
+        self.replan(step, measured)
+
+    def replan(self, step: int, seconds_per_byte: list[float]) -> bool:
+        """New owners when the cost model, fed each rank's measured update time per owned byte, gives a step
+        more than ``REPLAN_GAIN`` shorter than the plan in force (collective; the same decision on every rank
+        from the same gathered figures). A rank that owns nothing has no figure: it is taken as the slowest
+        measured. Returns whether the owners changed."""
+        known = [t for t in seconds_per_byte if t > 0 and math.isfinite(t)]
+        if not known or self.shards is None or self.optimizer is None:
+            return False
+        speeds = measured_speeds([t if t > 0 and math.isfinite(t) else max(known) for t in seconds_per_byte])
+        sizes = [p.numel() * p.element_size() for p in self.params]
+        link = self.link or DEFAULT_LINK
+        now = max(plan_time_s(sizes, self.shards.owner, speeds, compute_s_per_byte=UPDATE_S_PER_BYTE, link=link))
+        candidate, _ = plan_shards(self.params, self.comm, mode="auto", link=self.link, speeds=speeds)
+        if candidate.owner == self.shards.owner or candidate.max_time_s >= (1 - REPLAN_GAIN) * now:
+            return False
+        sent = self.optimizer.reshard(candidate)
+        if self.cfg.zero == 2:
+            self.reducer.reassign(candidate.owner)
+        self.shards, self.speeds = candidate, speeds
+        self.replans += 1
+        moved = self.comm.allreduce(sent)
+        if self.world.is_main:
+            log.info("dist.plan: new owners after step %d (measured update speeds %s; modelled step %.3f -> %.3f "
+                     "ms; %.1f MiB of optimizer state moved): %s", step,
+                     ", ".join(f"{x:.2f}" for x in speeds[:8]), 1e3 * now, 1e3 * candidate.max_time_s,
+                     moved / 2**20, self.describe_shards())
+        self._write_plan()
+        return True
 
     def plan_record(self) -> dict[str, Any]:
         """What plan.json holds: the stage, the mode, the inputs the cost model used and its assignment."""
@@ -275,6 +331,7 @@ class DataParallel:
                "bytes_reduced": stats.bytes_reduced, "zero": self.cfg.zero}
         if self.shards is not None:
             out["owned_bytes"] = self.shards.rank_bytes
+            out["replans"] = self.replans
         return out
 
     def close(self, collective: bool = True) -> None:

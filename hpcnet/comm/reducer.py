@@ -144,6 +144,19 @@ class Reducer:
             raise ValueError(f"owners names {len(owners)} parameters, the model has {len(named)} trainable ones")
         self.rank = control.Get_rank()
         self.sharded = owners is not None
+        self._named = named
+        self._bucket_bytes_cap, self._first_bucket_bytes = bucket_bytes, first_bucket_bytes
+        self._build_buckets(owners)
+        for _, p in named:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._scale = 1.0 / self.world_size
+        self._bucket_bytes = sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+        self.zero_grad()
+        self._reset()
+
+    def _build_buckets(self, owners: list[int] | None) -> None:
+        """Lay the trainable parameters out in buckets (and, with ``owners``, each rank's owned sums)."""
+        named = self._named
         # One dtype/device per bucket: plan per (device, dtype) group.
         groups: dict[tuple[Any, Any], list[int]] = {}
         for i, (_, p) in enumerate(named):
@@ -151,7 +164,7 @@ class Reducer:
         self.buckets: list[_Bucket] = []
         for members in groups.values():
             sizes = [named[i][1].numel() * named[i][1].element_size() for i in members]
-            for plan in plan_buckets(sizes, bucket_bytes, first_bucket_bytes):
+            for plan in plan_buckets(sizes, self._bucket_bytes_cap, self._first_bucket_bytes):
                 if owners is not None and self._reduce_scatter is not None:
                     # Owner by owner, so each rank's sums are one contiguous piece to reduce-scatter. Without
                     # a reduce-scatter the layout stays dist.zero=0's: an all-reduce sums each element in an
@@ -164,20 +177,35 @@ class Reducer:
                 bucket = _Bucket(len(self.buckets), params, names, buffer, offsets)
                 if owners is not None:
                     bucket.grouped = self._reduce_scatter is not None
-                    bucket.counts = [0] * self.world_size
-                    for j, p in zip(plan, params):
-                        bucket.counts[owners[members[j]]] += p.numel()
-                    self._make_owned(bucket, [owners[members[j]] for j in plan])
+                    self._set_owners(bucket, [owners[members[j]] for j in plan])
                 self.buckets.append(bucket)
                 self._make_views(bucket)
-        self._bucket_of: dict[nn.Parameter, tuple[_Bucket, int]] = {}
-        for bucket in self.buckets:
-            for j, p in enumerate(bucket.params):
-                self._bucket_of[p] = (bucket, j)
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        self._scale = 1.0 / self.world_size
-        self._bucket_bytes = sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+        self._bucket_of: dict[nn.Parameter, tuple[_Bucket, int]] = {
+            p: (bucket, j) for bucket in self.buckets for j, p in enumerate(bucket.params)}
+
+    def _set_owners(self, bucket: _Bucket, owner_of: list[int]) -> None:
+        bucket.counts = [0] * self.world_size
+        for p, owner in zip(bucket.params, owner_of):
+            bucket.counts[owner] += p.numel()
+        self._make_owned(bucket, owner_of)
+
+    def reassign(self, owners: list[int]) -> None:
+        """dist.zero=2: new owners (a new plan), between steps; every gradient is dropped.
+
+        Buckets in the transport's memory (shm's window) keep dist.zero=0's layout, so only the owned sums are
+        made again; plain buckets are laid out again (owner by owner where the transport reduce-scatters).
+        """
+        if not self.sharded:
+            raise ValueError("reassign needs a reducer made with owners (dist.zero=2)")
+        if len(owners) != len(self._named):
+            raise ValueError(f"owners names {len(owners)} parameters, the model has {len(self._named)} trainable ones")
         self.zero_grad()
+        if getattr(self.transport, "allocate", None) is None:
+            self._build_buckets(owners)
+        else:
+            index = {id(p): i for i, (_, p) in enumerate(self._named)}
+            for bucket in self.buckets:
+                self._set_owners(bucket, [owners[index[id(p)]] for p in bucket.params])
         self._reset()
 
     def set_share(self, share: float) -> None:

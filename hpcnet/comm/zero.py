@@ -35,6 +35,8 @@ UPDATE_S_PER_BYTE = 1.0 / 2e9
 """Modelled optimizer update time per parameter byte on the fastest rank: an elementwise update reads and writes
 a few tensors of the parameter's size at a few GB/s; only the ratio to the link cost matters to the plan."""
 SPEED_PROBE_ROUNDS = 5
+DEFAULT_LINK = LinkCost(latency_s=10e-6, bandwidth_Bps=5e9)
+"""The link the plan assumes without a probe (dist.probe=false)."""
 
 
 def measure_speed(rounds: int = SPEED_PROBE_ROUNDS, size: int = 192) -> float:
@@ -64,7 +66,7 @@ def plan_shards(params: list[nn.Parameter], comm: Any, *, mode: str, link: LinkC
         raise ValueError(f"speeds has {len(speeds)} entries for {size} ranks")
     sizes = [p.numel() * p.element_size() for p in params]
     plan = assign_shards(sizes, speeds, compute_s_per_byte=UPDATE_S_PER_BYTE,
-                         link=link or LinkCost(latency_s=10e-6, bandwidth_Bps=5e9))
+                         link=link or DEFAULT_LINK)
     return plan, speeds
 
 
@@ -155,9 +157,11 @@ class ShardedOptimizer:
         self.owned_full = [k for k, i in enumerate(self.full_order) if plan.owner[i] == self.rank]
         """Full-optimizer indices of the owned parameters, in the inner optimizer's order."""
         accepted = inspect.signature(type(full).__init__).parameters
-        self.inner = type(full)(groups, **{k: v for k, v in full.defaults.items() if k in accepted})
+        self._options = {k: v for k, v in full.defaults.items() if k in accepted}
+        self.inner = type(full)(groups, **self._options)
         self.gather = ParamGather(params, plan.owner, comm)
         self._norm_order = _norm_order(params)
+        self.update_timer: Any = None  # dist.replan_every: times each owned update (hpcnet.timer.SpanTimer)
 
     # -- the optimizer interface the loop uses --------------------------------------
     @property
@@ -174,7 +178,12 @@ class ShardedOptimizer:
 
     def step(self) -> None:
         """Update the owned parameters, then all-gather every parameter from its owner (collective)."""
-        self.inner.step()
+        if self.update_timer is not None:
+            self.update_timer.start()
+            self.inner.step()
+            self.update_timer.stop()
+        else:
+            self.inner.step()
         self.gather.run()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -209,6 +218,41 @@ class ShardedOptimizer:
                                  "params": list(range(local, local + len(mine)))})
             local += len(mine)
         self.inner.load_state_dict({"state": local_state, "param_groups": local_groups})
+
+    def reshard(self, plan: ShardPlan) -> int:
+        """Move to new owners between steps (collective): each parameter's state goes from its old owner to its
+        new one, and an optimizer over the newly owned parameters takes over with the same hyperparameters.
+
+        The moved state travels as pickled CPU tensors (``alltoall``): a re-plan is rare, and every rank
+        learns what it receives without a size exchange. Returns the bytes this rank sent.
+        """
+        full = self.state_dict()
+        outgoing: list[dict[int, Any]] = [{} for _ in range(self.comm.Get_size())]
+        kept: dict[int, Any] = {}
+        sent = 0
+        for k, values in full["state"].items():
+            new_owner = plan.owner[self.full_order[k]]
+            if new_owner == self.rank:
+                kept[k] = values
+                continue
+            outgoing[new_owner][k] = {key: v.detach().cpu() if isinstance(v, torch.Tensor) else v
+                                      for key, v in values.items()}
+            sent += sum(v.numel() * v.element_size() for v in values.values() if isinstance(v, torch.Tensor))
+        for part in self.comm.alltoall(outgoing):
+            kept.update(part)
+        groups, start = [], 0
+        for group, n in zip(self.inner.param_groups, self.group_sizes):
+            members = self.full_order[start:start + n]
+            start += n
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            groups.append({**hyper, "params": [self.params[i] for i in members if plan.owner[i] == self.rank]})
+        self.plan = plan
+        self.owned_full = [k for k, i in enumerate(self.full_order) if plan.owner[i] == self.rank]
+        self.inner = type(self.inner)(groups, **self._options)
+        self.load_state_dict({"state": kept, "param_groups": full["param_groups"]})
+        self.gather.close()
+        self.gather = ParamGather(self.params, plan.owner, self.comm)
+        return sent
 
     def state_owners(self) -> dict[int, int]:
         """Full-optimizer index -> owner rank."""

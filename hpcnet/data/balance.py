@@ -13,11 +13,12 @@ goes on with them (README: Heterogeneous ranks).
 
 import logging
 import math
-import time
 from typing import Any
 
 import numpy as np
 import torch
+
+from hpcnet.timer import SpanTimer
 
 log = logging.getLogger(__name__)
 
@@ -60,51 +61,6 @@ def predicted_step_s(sizes: list[int], seconds_per_sample: list[float]) -> float
     return max(b * t for b, t in zip(sizes, seconds_per_sample))
 
 
-class ComputeTimer:
-    """Times of a rank's forward and backward, without synchronising the step.
-
-    On CPU, wall-clock differences; on CUDA, events recorded in the stream and read only when ``drain`` is
-    called (once per balancing window), so the step itself never waits for the GPU.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._marks: list[tuple[Any, Any]] = []
-        self._start: Any = None
-
-    def start(self) -> None:
-        if self.cuda:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self._start = time.perf_counter()
-
-    def stop(self) -> None:
-        if self._start is None:
-            return
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-        else:
-            end = time.perf_counter()
-        self._marks.append((self._start, end))
-        self._start = None
-
-    def discard(self) -> None:
-        """Forget what was measured so far (a window that straddles a change of sizes)."""
-        self._marks.clear()
-        self._start = None
-
-    def drain(self) -> list[float]:
-        """Seconds of each timed span since the last call."""
-        marks, self._marks = self._marks, []
-        if self.cuda:
-            if marks:
-                marks[-1][1].synchronize()
-            return [start.elapsed_time(end) / 1e3 for start, end in marks]
-        return [end - start for start, end in marks]
-
-
 class Balancer:
     """Re-split the global batch among the ranks of ``comm`` by their measured speed (collective).
 
@@ -121,7 +77,7 @@ class Balancer:
                  monitor: Any = None) -> None:
         self.comm, self.loader, self.dp, self.every, self.monitor = comm, loader, dp, every, monitor
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.timer = ComputeTimer(device)
+        self.timer = SpanTimer(device)
         dp.compute_timer = self.timer
         self.changes = 0
         self.history: list[dict[str, Any]] = []

@@ -8,9 +8,9 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from hpcnet.comm.costmodel import LinkCost
+from hpcnet.comm.costmodel import LinkCost, assign_shards, plan_time_s
 from hpcnet.comm.zero import ParamGather, plan_shards
-from hpcnet.errors import ExitCode
+from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.layout import PLAN_FILE
 from hpcnet.train import run
 from tests.helpers import StopAfter, tiny_images, train_config
@@ -241,4 +241,80 @@ def test_stage_2_on_virtual_nodes_in_bf16_equals_stage_0(comm, data_plane, mpi_t
     assert sharded.summary["comm"]["hierarchical"] == (comm.Get_size() >= 4)
     a, b = _params(replicated), _params(sharded)
     assert torch.equal(a, b), (a - b).abs().max()
+    comm.Barrier()
+
+
+def test_plan_time_is_the_planner_s_own_model():
+    sizes = [4096, 2048, 2048, 1024, 512, 8]
+    link = LinkCost(latency_s=1e-5, bandwidth_Bps=1e9)
+    plan = assign_shards(sizes, [1.0, 0.5, 0.8], compute_s_per_byte=1e-9, link=link)
+    times = plan_time_s(sizes, plan.owner, [1.0, 0.5, 0.8], compute_s_per_byte=1e-9, link=link)
+    assert times == pytest.approx(plan.rank_time_s)
+    with pytest.raises(ValueError, match="owner names 2 parameters"):
+        plan_time_s(sizes, [0, 1], [1.0], compute_s_per_byte=1e-9, link=link)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("zero,backend", [(1, "mpi"), (2, "mpi"), (2, "gloo"), (2, "shm")])
+def test_replan_moves_state_and_keeps_the_updates(comm, data_plane, mpi_tmp_path, monkeypatch, zero, backend):
+    """After step 3 rank 0 is measured 8x slower: the owners change, the optimizer state moves with them, and
+    the run still gives dist.zero=0's parameters; a checkpoint after the re-plan resumes to the same end."""
+    from hpcnet.comm.dataparallel import DataParallel
+
+    size = comm.Get_size()
+
+    def after_step(self, step):
+        if step == 3:
+            self.replan(step, [8e-9 if r == 0 else 1e-9 for r in range(size)])
+
+    monkeypatch.setattr(DataParallel, "after_step", after_step)
+    dataset = _dataset(comm, mpi_tmp_path)
+    # The start-up plan balances bytes (uniform), so a rank 8x slower makes the planner's gain certain.
+    args = ["optim.name=adamw", "optim.lr=0.003", f"dist.backend={backend}", "dist.plan=uniform"]
+    name = f"replan-{zero}-{backend}"
+    replicated = run(_cfg(mpi_tmp_path, dataset, f"{name}-z0", *args), comm, plane=data_plane)
+    sharded = run(_cfg(mpi_tmp_path, dataset, name, *args, f"dist.zero={zero}"), comm, plane=data_plane)
+    _assert_same(_params(replicated), _params(sharded), _exact_expected(comm, zero, backend))
+    if size > 1:
+        assert sharded.summary["comm"]["replans"] == 1
+        owned = sharded.summary["comm"]["owned_bytes"]
+        assert owned[0] < min(owned[1:])  # the slow rank owns least now
+        if comm.Get_rank() == 0:
+            plan = json.loads((mpi_tmp_path / "runs" / name / PLAN_FILE).read_text())
+            assert plan["rank_bytes"] == owned and plan["speeds"][0] == pytest.approx(0.125)
+        held = {i for i, p in enumerate(sharded.model.parameters()) if p in sharded.optimizer.state}
+        assert held == {i for i, o in enumerate(sharded.optimizer.plan.owner) if o == comm.Get_rank()}
+    # Saved after the re-plan (step 4), resumed with the start-up plan: the same end.
+    run(_cfg(mpi_tmp_path, dataset, f"{name}-stop", *args, f"dist.zero={zero}"), comm, plane=data_plane,
+        stop=StopAfter(4))
+    resumed = run(_cfg(mpi_tmp_path, dataset, f"{name}-stop", *args, f"dist.zero={zero}",
+                       "checkpoint.resume=auto"), comm, plane=data_plane)
+    assert resumed.summary["start_step"] == 4
+    _assert_same(_params(sharded), _params(resumed), _exact_expected(comm, zero, backend))
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+def test_replan_every_measures_the_updates_and_agrees(comm, data_plane, mpi_tmp_path, monkeypatch):
+    """dist.replan_every=2: the update timer's figures (rank 0's made 50x longer) are gathered every 2 steps and
+    the same new plan is taken on every rank; dist.plan=uniform never re-plans."""
+    from hpcnet import timer
+
+    rank = comm.Get_rank()
+    real_drain = timer.SpanTimer.drain
+    monkeypatch.setattr(timer.SpanTimer, "drain",
+                        lambda self: [t * (50 if rank == 0 else 1) for t in real_drain(self)])
+    dataset = _dataset(comm, mpi_tmp_path)
+    auto = run(_cfg(mpi_tmp_path, dataset, "replan-every", "dist.zero=1", "dist.replan_every=2"), comm,
+               plane=data_plane)
+    owners = comm.allgather(auto.optimizer.plan.owner)
+    assert all(o == owners[0] for o in owners)
+    if comm.Get_size() > 1:
+        assert auto.summary["comm"]["replans"] >= 1
+        assert auto.summary["comm"]["owned_bytes"][0] < max(auto.summary["comm"]["owned_bytes"])
+    uniform = run(_cfg(mpi_tmp_path, dataset, "replan-uniform", "dist.zero=1", "dist.replan_every=2",
+                       "dist.plan=uniform"), comm, plane=data_plane)
+    assert uniform.summary["comm"]["replans"] == 0
+    with pytest.raises(ConfigError, match="dist.replan_every must be 0"):
+        _cfg(mpi_tmp_path, dataset, "bad", "dist.replan_every=1")
     comm.Barrier()
