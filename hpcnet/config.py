@@ -196,7 +196,7 @@ class DistConfig:
     plan: str = "auto"
     """Who owns which parameter with dist.zero > 0: 'auto' (the cost model: bytes, the measured link and each rank's measured speed, so a slower rank owns less) or 'uniform' (bytes balanced, ranks taken as equal); written to plan.json."""
     replan_every: int = 50
-    """With dist.zero > 0 and dist.plan=auto: every this many steps the ranks compare their measured optimizer-update speeds, and when the cost model's step time would drop by more than 10% the parameters get new owners (their optimizer state moved); 0 = keep the start-up plan."""
+    """With dist.zero > 0 and dist.plan=auto: every this many steps the ranks repeat the start-up speed probe, and when a rank's relative speed moved by more than 25% and the cost model's step would be more than 10% shorter, the parameters get new owners (their optimizer state moved); 0 = keep the start-up plan."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "fastest", "nccl", "gloo", "mpi", "shm"):

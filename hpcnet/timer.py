@@ -1,5 +1,5 @@
 """Timing spans of the training step on CPU or GPU without adding synchronisation (``SpanTimer``): used by
-``data.balance`` (forward and backward per rank) and ``dist.replan_every`` (the sharded optimizer's update)."""
+``data.balance`` (each rank's forward and backward)."""
 
 import time
 from typing import Any

@@ -10,8 +10,6 @@ a run without the failure.
 import contextlib
 import json
 import logging
-import math
-import statistics
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,8 +18,7 @@ from torch import nn
 
 from hpcnet.comm.costmodel import LinkCost, ShardPlan, auto_bucket_bytes, measured_speeds, plan_time_s
 from hpcnet.comm.reducer import Reducer, broadcast_buffers, broadcast_module
-from hpcnet.comm.zero import DEFAULT_LINK, UPDATE_S_PER_BYTE, ShardedOptimizer, plan_shards
-from hpcnet.timer import SpanTimer
+from hpcnet.comm.zero import DEFAULT_LINK, UPDATE_S_PER_BYTE, ShardedOptimizer, measure_speed, plan_shards
 from hpcnet.layout import PLAN_FILE
 from hpcnet.config import DistConfig
 from hpcnet.errors import RestartableError, UsageError
@@ -33,9 +30,12 @@ from hpcnet.agree import agreed
 
 log = logging.getLogger(__name__)
 
+REPLAN_DRIFT = 0.25
+"""dist.replan_every: a re-plan is considered only when some rank's relative speed moved by more than this fraction
+since the plan was made (the probe's noise on a shared node stays below it)."""
 REPLAN_GAIN = 0.10
-"""dist.replan_every: new owners only when the modelled step drops by more than this fraction (moving optimizer
-state costs a pass over it, and measured speeds are noisy)."""
+"""... and taken only when the modelled step drops by more than this fraction (moving optimizer state costs a pass
+over it)."""
 AUTO_FALLBACK_MB = 25
 """dist.bucket_mb=auto without a probed link: DDP's default."""
 _DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -96,9 +96,10 @@ class DataParallel:
         self.shards: ShardPlan | None = None
         self.speeds: list[float] = []
         if cfg.zero:
-            self.shards, self.speeds = plan_shards(self.params, comm, mode=cfg.plan, link=link)
+            self.shards, self.speeds = plan_shards(self.params, comm, mode=cfg.plan, link=link, device=device)
         self.optimizer: ShardedOptimizer | None = None
         self._run_dir: Path | None = None
+        self._replanning = False
         self.replans = 0
         self.reducer = Reducer(
             list(model.named_parameters()), transport, comm,
@@ -140,8 +141,7 @@ class DataParallel:
         assert self.shards is not None
         self.optimizer = ShardedOptimizer(optimizer, self.shards, self.params, self.comm, self.cfg.zero)
         self._run_dir = run_dir
-        if self.cfg.plan == "auto" and self.cfg.replan_every and self.world.size > 1:
-            self.optimizer.update_timer = SpanTimer(self.device)
+        self._replanning = self.cfg.plan == "auto" and self.cfg.replan_every > 0 and self.world.size > 1
         if self.world.is_main:
             log.info("%s", self.describe_shards())
         self._write_plan()
@@ -153,26 +153,25 @@ class DataParallel:
 
     def after_step(self, step: int) -> None:
         """Called by every rank after each optimizer step: every ``dist.replan_every`` steps, with
-        ``dist.plan=auto``, the ranks agree whether measured update speeds call for new owners (collective)."""
-        if self.optimizer is None or self.optimizer.update_timer is None or step % self.cfg.replan_every:
+        ``dist.plan=auto``, the ranks probe their speed again and agree whether it calls for new owners
+        (collective)."""
+        if not self._replanning or step % self.cfg.replan_every:
             return
-        times = self.optimizer.update_timer.drain()
-        owned = self.shards.rank_bytes[self.world.rank]
-        # The first update of a window may include lazily made state (AdamW's first step): left out.
-        per_byte = statistics.median(times[1:] if len(times) > 1 else times) / owned if times and owned else 0.0
+        # The start-up probe again, the same work on every rank: a rank's own update time would not do, as it
+        # grows with what the rank owns, and a rank given less would look slower and be given less again.
+        seconds = measure_speed(device=self.device)
         with self.reducer.recorder.op("replan.allgather"):
-            measured = self.comm.allgather(per_byte)
-        self.replan(step, measured)
+            gathered = self.comm.allgather(seconds)
+        self.replan(step, measured_speeds(gathered))
 
-    def replan(self, step: int, seconds_per_byte: list[float]) -> bool:
-        """New owners when the cost model, fed each rank's measured update time per owned byte, gives a step
-        more than ``REPLAN_GAIN`` shorter than the plan in force (collective; the same decision on every rank
-        from the same gathered figures). A rank that owns nothing has no figure: it is taken as the slowest
-        measured. Returns whether the owners changed."""
-        known = [t for t in seconds_per_byte if t > 0 and math.isfinite(t)]
-        if not known or self.shards is None or self.optimizer is None:
+    def replan(self, step: int, speeds: list[float]) -> bool:
+        """New owners when the ranks' relative ``speeds`` drifted by more than ``REPLAN_DRIFT`` from those the plan
+        in force was made with and the cost model gives a step more than ``REPLAN_GAIN`` shorter (collective;
+        the same decision on every rank from the same gathered figures). Returns whether the owners changed."""
+        if self.shards is None or self.optimizer is None:
             return False
-        speeds = measured_speeds([t if t > 0 and math.isfinite(t) else max(known) for t in seconds_per_byte])
+        if max(abs(new / old - 1) for new, old in zip(speeds, self.speeds)) <= REPLAN_DRIFT:
+            return False
         sizes = [p.numel() * p.element_size() for p in self.params]
         link = self.link or DEFAULT_LINK
         now = max(plan_time_s(sizes, self.shards.owner, speeds, compute_s_per_byte=UPDATE_S_PER_BYTE, link=link))

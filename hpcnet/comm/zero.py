@@ -39,19 +39,25 @@ DEFAULT_LINK = LinkCost(latency_s=10e-6, bandwidth_Bps=5e9)
 """The link the plan assumes without a probe (dist.probe=false)."""
 
 
-def measure_speed(rounds: int = SPEED_PROBE_ROUNDS, size: int = 192) -> float:
-    """Seconds for one ``size``-square float32 matmul on this rank's CPU, median of ``rounds`` (about 10 ms)."""
-    a = torch.randn(size, size, generator=torch.Generator().manual_seed(0))
+def measure_speed(rounds: int = SPEED_PROBE_ROUNDS, size: int = 192, device: torch.device | None = None) -> float:
+    """Seconds for one ``size``-square float32 matmul on ``device`` (default this rank's CPU), median of
+    ``rounds`` (about 10 ms on a CPU; on a GPU each timed matmul is synchronised, so call it at a boundary)."""
+    device = device or torch.device("cpu")
+    a = torch.randn(size, size, generator=torch.Generator().manual_seed(0)).to(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
     for _ in range(rounds):
+        sync()
         t0 = time.perf_counter()
         torch.mm(a, a)
+        sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
 def plan_shards(params: list[nn.Parameter], comm: Any, *, mode: str, link: LinkCost | None = None,
-                speeds: list[float] | None = None) -> tuple[ShardPlan, list[float]]:
+                speeds: list[float] | None = None, device: torch.device | None = None
+                ) -> tuple[ShardPlan, list[float]]:
     """Owner ranks for ``params`` (collective when ``mode='auto'`` and ``speeds`` is None: gathers speeds).
 
     Returns the plan and the relative rank speeds it used (1.0 = the fastest).
@@ -59,7 +65,7 @@ def plan_shards(params: list[nn.Parameter], comm: Any, *, mode: str, link: LinkC
     size = comm.Get_size()
     if speeds is None:
         if mode == "auto" and size > 1:
-            speeds = measured_speeds(comm.allgather(measure_speed()))
+            speeds = measured_speeds(comm.allgather(measure_speed(device=device)))
         else:
             speeds = [1.0] * size
     if len(speeds) != size:
@@ -161,7 +167,6 @@ class ShardedOptimizer:
         self.inner = type(full)(groups, **self._options)
         self.gather = ParamGather(params, plan.owner, comm)
         self._norm_order = _norm_order(params)
-        self.update_timer: Any = None  # dist.replan_every: times each owned update (hpcnet.timer.SpanTimer)
 
     # -- the optimizer interface the loop uses --------------------------------------
     @property
@@ -178,12 +183,7 @@ class ShardedOptimizer:
 
     def step(self) -> None:
         """Update the owned parameters, then all-gather every parameter from its owner (collective)."""
-        if self.update_timer is not None:
-            self.update_timer.start()
-            self.inner.step()
-            self.update_timer.stop()
-        else:
-            self.inner.step()
+        self.inner.step()
         self.gather.run()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

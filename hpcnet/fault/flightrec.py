@@ -46,7 +46,7 @@ OPS: tuple[str, ...] = (
     "eval.allreduce",       # the evaluation sums
     "state.is_finite",      # before a save: agree that the state is finite (train.nonfinite)
     "balance.allgather",    # data.balance=auto: each rank's time per sample, every data.balance_every steps
-    "replan.allgather",     # dist.replan_every: each rank's update time per owned byte
+    "replan.allgather",     # dist.replan_every: each rank's speed probe
 )
 """Operation names; a beat carries the index, so the table is the same on every rank."""
 OP_CODES: dict[str, int] = {name: code for code, name in enumerate(OPS)}
