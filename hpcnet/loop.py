@@ -3,7 +3,9 @@ which every rank agrees on stopping, saving and non-finite values (README: Non-f
 
 import contextlib
 import logging
+import math
 import signal
+import statistics
 import time
 from dataclasses import dataclass, field
 from collections.abc import Callable
@@ -28,6 +30,8 @@ from hpcnet.fault.flightrec import NULL_RECORDER
 from hpcnet.fault.inject import FaultInjector
 from hpcnet.fault.monitor import Monitor
 from hpcnet.optim import lr_factor
+from hpcnet.phases import bucket_times, rss_mib
+from hpcnet.stats import job_step_stats, rank_step_stats
 from hpcnet.runlog import MetricsWriter, format_duration
 
 log = logging.getLogger("hpcnet.train")
@@ -68,6 +72,10 @@ def loss_in(device: torch.device, precision: str) -> Callable[[nn.Module, torch.
             return compute_loss(model, inputs, targets)
 
     return loss
+
+
+def _ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.0f} ms" if seconds >= 0.01 else f"{1e3 * seconds:.1f} ms"
 
 
 def _slowed(loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor], faults: FaultInjector
@@ -185,33 +193,41 @@ class Loop:
             self._loss = _slowed(self._loss, faults)
         self.mover = mover or BatchMover(device, DeviceSettings())
         self.balancer = balancer
+        self.clock = dp.clock  # where each step's time goes (hpcnet.phases); DataParallel marks its part
+        self._log_from_step = 0
 
     def run(self, start_step: int) -> dict[str, Any]:
         """Train from ``start_step``; the run's summary."""
         p = Progress(step=start_step, start_step=start_step)
         loss = None
         self.dp.model.train()
+        self._log_from_step = start_step
         while p.step < self.total:
             loss, nonfinite = self._step(p)
             self._log_if_due(p, loss)
             self._evaluate_if_due(p)
             if self._boundary(p, nonfinite):
                 break
+        self.clock.end()
         if loss is not None and p.step % self.cfg.run.log_every and p.step != self.total:  # stopped between logs
-            p.loss_value = self._global_loss(loss.item())
+            p.loss_value = self._gather_log(loss.item(), [])[0]
         self.dp.sync_buffers()
+        step_stats = self._step_stats()
         elapsed = time.perf_counter() - p.t_loop
         return {"steps": p.step, "start_step": p.start_step, "final_loss": p.loss_value, "eval": p.evaluation,
                 "samples_per_s": (p.step - p.start_step) * self.global_batch / max(elapsed, 1e-9),
                 "stopped_by_signal": p.stopped_by, "diverged": p.diverged, "skipped_steps": p.skipped_steps,
+                **({"step_stats": step_stats} if step_stats is not None else {}),
                 **({"balance": self.balancer.summary()} if self.balancer is not None else {})}
 
     def _step(self, p: Progress) -> tuple[torch.Tensor, int]:
         """Forward, backward, averaged gradients, the update; the ``NONFINITE_*`` bits this rank brings."""
         cfg = self.cfg
+        self.clock.start_step()
         for group in self.optimizer.param_groups:
             group["lr"] = cfg.optim.lr * lr_factor(p.step, self.total, cfg.optim)
         batches = [self.mover(self.loader.next()) for _ in range(cfg.train.grad_accumulation)]
+        self.clock.mark("data")
         loss = self.dp.step(batches, self._loss, step=p.step + 1)
         # The averaged gradients are the same on every rank, so a verdict from their norm needs
         # no collective; computing it costs a pass over them, paid only for clipping or skip.
@@ -221,6 +237,7 @@ class Loop:
         elif self.on_nonfinite == "skip":
             grad_norm = self.dp.grad_norm()
         applied, nonfinite = _update(self.optimizer, loss, grad_norm, self.on_nonfinite)
+        self.clock.mark("optimizer")
         p.step += 1
         if self.balancer is not None:
             self.balancer.after_step(p.step)  # data.balance=auto: every data.balance_every steps, collective
@@ -234,30 +251,56 @@ class Loop:
                             p.step, p.skipped_steps)
         return loss, nonfinite
 
-    def _global_loss(self, local_loss: float) -> float:
-        from mpi4py import MPI
-
+    def _gather_log(self, local_loss: float, step_s: list[float], comm_s: float = 0.0
+                    ) -> tuple[float, list[tuple[float, float, float]]]:
+        """The global loss, and every rank's (loss, median step seconds, exposed-communication share) of the
+        interval (collective)."""
+        median = statistics.median(step_s) if step_s else 0.0
         with self.monitor.collective("loss.allreduce"):
-            if self.balancer is not None and self.balancer.unequal:
-                # Slices of unequal size: each rank's mean counts by its share of the global batch.
-                return self.comm.allreduce(local_loss * self.dp.share, op=MPI.SUM)
-            return self.comm.allreduce(local_loss, op=MPI.SUM) / self.world.size
+            every = self.comm.allgather((local_loss, median, comm_s / sum(step_s) if step_s else 0.0))
+        if self.balancer is not None and self.balancer.unequal:
+            # Slices of unequal size: each rank's mean counts by its share of the global batch.
+            shares = self.balancer.shares
+            return math.fsum(loss * share for (loss, _, _), share in zip(every, shares)), every
+        return math.fsum(loss for loss, _, _ in every) / self.world.size, every
 
     def _log_if_due(self, p: Progress, loss: torch.Tensor) -> None:
         if p.step % self.cfg.run.log_every and p.step != self.total:
             return
+        self.clock.split()  # the interval's steps end here; what follows is the next step's
+        step_s, phases = self.clock.take_interval()
         local_loss = loss.item()
-        p.loss_value = self._global_loss(local_loss)
+        p.loss_value, every = self._gather_log(local_loss, step_s, phases["comm"])
+        self.clock.mark("comm")
         now = time.perf_counter()
         rate = (p.step - p.last_step) * self.global_batch / max(now - p.t_last, 1e-9)
         eta = (now - p.t_loop) / (p.step - p.start_step) * (self.total - p.step)
         lr = self.optimizer.param_groups[0]["lr"]
+        slowest = max(range(len(every)), key=lambda r: (every[r][1], -r))
         if self.world.is_main:
-            log.info("step %*d/%d | loss %.4f | lr %.2e | %.0f samples/s | eta %s", len(str(self.total)), p.step,
-                     self.total, p.loss_value, lr, rate, format_duration(eta))
+            log.info("step %*d/%d | loss %.4f | lr %.2e | %.0f samples/s | step %s (slowest: rank %d, %s) | comm %.0f%% "
+                     "| eta %s", len(str(self.total)), p.step, self.total, p.loss_value, lr, rate,
+                     _ms(every[0][1]), slowest, _ms(every[slowest][1]),
+                     100 * statistics.fmean(c for _, _, c in every), format_duration(eta))
+        extra: dict[str, Any] = {}
+        if self.device.type == "cuda":
+            extra["cuda_mb"] = round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
         self.metrics.write(step=p.step, loss=local_loss, global_loss=p.loss_value, lr=lr, samples_per_s=rate,
-                           epoch=self.loader.epoch)
+                           epoch=self.loader.epoch, steps=len(step_s), step_s=[round(t, 6) for t in step_s],
+                           phases_s={k: round(v, 6) for k, v in phases.items()}, rss_mb=round(rss_mib(), 1),
+                           buckets=bucket_times(self.monitor.recorder.entries(), self._log_from_step + 1),
+                           slowest_rank=slowest, slowest_step_s=round(every[slowest][1], 6), **extra)
+        self._log_from_step = p.step
         p.t_last, p.last_step = now, p.step
+
+    def _step_stats(self) -> dict[str, Any] | None:
+        """Every rank's step-time figures, gathered on rank 0 for summary.json (collective; None elsewhere).
+        The run's first step (lazy initialisation) is left out when there are others."""
+        step_s = self.clock.step_s[1:] if len(self.clock.step_s) > 1 else self.clock.step_s
+        mine = rank_step_stats(step_s, {k: round(v, 6) for k, v in self.clock.totals.items()})
+        with self.monitor.collective("stats.gather"):
+            every = self.comm.gather(mine, root=0)
+        return job_step_stats(every) if every is not None else None
 
     def _evaluate_if_due(self, p: Progress) -> None:
         every = self.cfg.train.eval_every
@@ -268,6 +311,7 @@ class Loop:
                                 max_batches=self.cfg.train.eval_batches, device=self.device,
                                 recorder=self.monitor.recorder, precision=self.cfg.train.precision,
                                 move=self.mover)
+        self.clock.mark("eval")
         if self.world.is_main:
             log.info("eval at step %d: loss %.4f, accuracy %.2f%%", p.step, p.evaluation["eval_loss"],
                      100 * p.evaluation["eval_accuracy"])
@@ -278,6 +322,7 @@ class Loop:
         with self.monitor.collective("step_boundary"):
             p.stopped_by, save, nonfinite = self.policy.agree(self.comm, p.step, self.stop.signum if self.stop else 0,
                                                               nonfinite=nonfinite)
+        self.clock.mark("comm")
         if nonfinite:
             p.diverged = _nonfinite_message(p.step, nonfinite)
         elif save:
@@ -303,6 +348,7 @@ class Loop:
         else:
             p.diverged = (f"non-finite model or optimizer state after step {p.step} (an update overflowed, "
                           "or a forward pass left non-finite statistics)")
+        self.clock.mark("checkpoint")
 
     def _report_divergence(self, p: Progress) -> None:
         if not self.world.is_main:

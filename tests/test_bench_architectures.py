@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from hpcnet.bench.architectures import SEED, percentile, recovery_time, report, step_statistics
+from hpcnet.bench.architectures import SEED, recovery_time, report, step_statistics
+from hpcnet.stats import percentile
 
 
 def test_percentile_interpolates():

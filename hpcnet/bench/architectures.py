@@ -19,8 +19,8 @@ the newest checkpoint.  From each run's own records (metrics time stamps with
 - throughput: samples of the whole job per second over the steady steps
   (after ``--warmup`` steps, before the kill);
 - jitter: the spread of those step times, as the seed reports it, ``±x%`` =
-  half the p5-p95 range over the median; also p50, p99 and the coefficient of
-  variation (standard deviation over mean).  Checkpoint steps are included: they
+  half the p5-p95 range over the median (``hpcnet.stats.jitter_pct``, the one
+  definition); also p50, p99 and the coefficient of variation.  Checkpoint steps are included: they
   are part of training, and show in p99;
 - recovery: the kill (the victim's log line) to the next completed step after
   the restart (``python -m hpcnet.bench recovery`` splits it into phases).
@@ -33,7 +33,6 @@ not the numbers.
 import argparse
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -43,6 +42,7 @@ from typing import Any
 from hpcnet.bench.common import load_average, table, write_json
 from hpcnet.bench.recovery import first_event, log_events, step_times
 from hpcnet.layout import LAUNCH_FILE, attempt_dir, metrics_file, rank_log
+from hpcnet.stats import cv_pct, jitter_pct, percentile
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,17 +52,6 @@ SEED = {
     "slurm": {"samples_per_s": 1987, "jitter_pct": 8, "recovery_s": 17},
 }
 """The seed article's table: 8-GPU throughput (images/s), latency jitter (±%), failure recovery (s)."""
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100), linear between the closest ranks."""
-    if not values:
-        raise ValueError("no values")
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def step_statistics(times: dict[int, float], first: int, last: int, global_batch: int) -> dict[str, float]:
@@ -77,15 +66,14 @@ def step_statistics(times: dict[int, float], first: int, last: int, global_batch
     if last - first < 2 or first not in times or last not in times:
         raise ValueError(f"need the completion times of steps {first}..{last}")
     durations = [times[s] - times[s - 1] for s in range(first + 1, last + 1) if s in times and s - 1 in times]
-    p5, p50, p95, p99 = (percentile(durations, q) for q in (5, 50, 95, 99))
-    mean = statistics.fmean(durations)
+    p50, p99 = percentile(durations, 50), percentile(durations, 99)
     return {
         "steps": last - first,
         "samples_per_s": global_batch * (last - first) / (times[last] - times[first]),
         "step_p50_s": p50,
         "step_p99_s": p99,
-        "jitter_pct": 100 * (p95 - p5) / (2 * p50),
-        "cv_pct": 100 * statistics.pstdev(durations) / mean,
+        "jitter_pct": jitter_pct(durations),
+        "cv_pct": cv_pct(durations),
     }
 
 

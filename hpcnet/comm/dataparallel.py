@@ -20,6 +20,7 @@ from hpcnet.comm.costmodel import LinkCost, ShardPlan, auto_bucket_bytes, measur
 from hpcnet.comm.reducer import Reducer, broadcast_buffers, broadcast_module
 from hpcnet.comm.zero import DEFAULT_LINK, UPDATE_S_PER_BYTE, ShardedOptimizer, measure_speed, plan_shards
 from hpcnet.layout import PLAN_FILE
+from hpcnet.phases import PhaseClock
 from hpcnet.config import DistConfig
 from hpcnet.errors import RestartableError, UsageError
 from hpcnet.fault.flightrec import NULL_RECORDER
@@ -108,6 +109,7 @@ class DataParallel:
             recorder=recorder, owners=self.shards.owner if cfg.zero == 2 else None)
         self.step_count = 0
         self.compute_timer: Any = None  # data.balance: times each forward and backward (hpcnet.data.balance)
+        self.clock = PhaseClock()  # the loop's (hpcnet.phases); marks are no-ops until it starts a step
         self.share = 1.0 / world.size
         self._has_buffers = any(True for _ in model.buffers())
         # On GPU the buffers go over NCCL, in stream order, without a host round trip.
@@ -140,6 +142,7 @@ class DataParallel:
             return optimizer
         assert self.shards is not None
         self.optimizer = ShardedOptimizer(optimizer, self.shards, self.params, self.comm, self.cfg.zero)
+        self.optimizer.clock = self.clock
         self._run_dir = run_dir
         self._replanning = self.cfg.plan == "auto" and self.cfg.replan_every > 0 and self.world.size > 1
         if self.world.is_main:
@@ -250,6 +253,7 @@ class DataParallel:
         """
         self.step_count = self.step_count + 1 if step is None else step
         self.sync_buffers()  # replicas start every step bit-identical, as with DDP's broadcast_buffers
+        self.clock.mark("comm")
         self.reducer.arm_fault(self.step_count == self.cfg.fail_at_step)
         # What the step may change besides gradients: a retry restores them.
         saved = self._snapshot() if self.plan.fallback else None
@@ -257,6 +261,7 @@ class DataParallel:
             loss = self._forward_backward(batches, loss_fn)
             try:
                 self.reducer.finish()
+                self.clock.mark("comm")  # what backward did not hide
                 return loss
             except CommFailure as exc:
                 if self.plan.fallback is None or saved is None:
@@ -294,7 +299,9 @@ class DataParallel:
             context = self.reducer.no_sync() if k < n - 1 else contextlib.nullcontext()
             with context:
                 loss = loss_fn(self.model, inputs, targets) / n
+                self.clock.mark("forward")
                 loss.backward()
+                self.clock.mark("backward")
             total += loss.detach()
         return total
 

@@ -167,6 +167,7 @@ class ShardedOptimizer:
         self.inner = type(full)(groups, **self._options)
         self.gather = ParamGather(params, plan.owner, comm)
         self._norm_order = _norm_order(params)
+        self.clock: Any = None  # the loop's PhaseClock: the update is 'optimizer', the broadcast 'comm'
 
     # -- the optimizer interface the loop uses --------------------------------------
     @property
@@ -184,7 +185,11 @@ class ShardedOptimizer:
     def step(self) -> None:
         """Update the owned parameters, then all-gather every parameter from its owner (collective)."""
         self.inner.step()
+        if self.clock is not None:
+            self.clock.mark("optimizer")
         self.gather.run()
+        if self.clock is not None:
+            self.clock.mark("comm")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:

@@ -90,6 +90,12 @@ class Balancer:
         return self.loader.sampler.sizes
 
     @property
+    def shares(self) -> list[float]:
+        """Each rank's fraction of the global batch."""
+        sizes = self.sizes
+        return [b / sum(sizes) for b in sizes]
+
+    @property
     def unequal(self) -> bool:
         """Whether the ranks take slices of unequal size now."""
         return len(set(self.sizes)) > 1

@@ -47,12 +47,13 @@ OPS: tuple[str, ...] = (
     "state.is_finite",      # before a save: agree that the state is finite (train.nonfinite)
     "balance.allgather",    # data.balance=auto: each rank's time per sample, every data.balance_every steps
     "replan.allgather",     # dist.replan_every: each rank's speed probe
+    "stats.gather",         # at the end of the loop: every rank's step-time figures to rank 0 (summary.json)
 )
 """Operation names; a beat carries the index, so the table is the same on every rank."""
 OP_CODES: dict[str, int] = {name: code for code, name in enumerate(OPS)}
 DATA_PLANE_OPS = frozenset({"allreduce.bucket"})
 """Collectives on the transport's communicator, left out of cross-rank comparisons (see above)."""
-EVERY_RANK_OPS = frozenset(OPS) - DATA_PLANE_OPS - {"none", "broadcast.buffers"}
+EVERY_RANK_OPS = frozenset(OPS) - DATA_PLANE_OPS - {"none", "broadcast.buffers", "stats.gather"}
 """Control-plane collectives that end on a rank only once every rank has entered them (sums and agreements
 over the whole job), issued one at a time by the training thread: each one that ends is proof of life
 (``FlightRecorder.all_alive_at``)."""
