@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpcnet.errors import ConfigError
+from hpcnet.trace import parse_steps
 from hpcnet.importing import is_import_path
 
 
@@ -140,6 +141,10 @@ class TrainConfig:
     """At a non-finite loss, gradient norm or state: 'stop' (status 65, never saved), 'skip' the update, or 'ignore'."""
     precision: str = "fp32"
     """'fp32', or 'bf16': forward and loss under torch.autocast in bfloat16 (CPU and CUDA); parameters, gradients, optimizer state and checkpoints stay float32."""
+    trace_steps: str = ""
+    """'START:END' (steps, inclusive): write trace.json, a Chrome/Perfetto timeline of those steps on every rank (steps, phases, collectives with bytes, checkpoint timings), clocks aligned over MPI; empty: no trace."""
+    trace_ops: bool = False
+    """With train.trace_steps: also torch.profiler's operator (and CUDA kernel) events in the trace."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -155,6 +160,12 @@ class TrainConfig:
             raise ConfigError(f"train.nonfinite: {self.nonfinite!r} is not one of 'stop', 'skip', 'ignore'")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"train.precision: {self.precision!r} is not one of {', '.join(map(repr, PRECISIONS))}")
+        try:
+            parse_steps(self.trace_steps)
+        except ValueError as exc:
+            raise ConfigError(f"train.trace_steps: {exc}") from None
+        if self.trace_ops and not self.trace_steps:
+            raise ConfigError("train.trace_ops needs train.trace_steps ('START:END'): which steps to profile")
 
 
 PRECISIONS = ("fp32", "bf16")

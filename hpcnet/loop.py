@@ -32,6 +32,7 @@ from hpcnet.fault.monitor import Monitor
 from hpcnet.optim import lr_factor
 from hpcnet.phases import bucket_times, rss_mib
 from hpcnet.stats import job_step_stats, rank_step_stats
+from hpcnet.trace import StepTracer
 from hpcnet.runlog import MetricsWriter, format_duration
 
 log = logging.getLogger("hpcnet.train")
@@ -180,7 +181,8 @@ class Loop:
     def __init__(self, cfg: Config, comm: Any, world: World, dp: DataParallel, optimizer: torch.optim.Optimizer,
                  loader: BatchLoader, eval_split: Any, device: torch.device, metrics: MetricsWriter,
                  state: TrainState, faults: FaultInjector, monitor: Monitor, stop: Any = None,
-                 mover: BatchMover | None = None, balancer: Balancer | None = None) -> None:
+                 mover: BatchMover | None = None, balancer: Balancer | None = None,
+                 tracer: StepTracer | None = None) -> None:
         self.cfg, self.comm, self.world, self.dp, self.optimizer = cfg, comm, world, dp, optimizer
         self.loader, self.eval_split, self.device, self.metrics = loader, eval_split, device, metrics
         self.state, self.faults, self.monitor, self.stop = state, faults, monitor, stop
@@ -194,6 +196,7 @@ class Loop:
         self.mover = mover or BatchMover(device, DeviceSettings())
         self.balancer = balancer
         self.clock = dp.clock  # where each step's time goes (hpcnet.phases); DataParallel marks its part
+        self.tracer = tracer  # train.trace_steps
         self._log_from_step = 0
 
     def run(self, start_step: int) -> dict[str, Any]:
@@ -206,8 +209,13 @@ class Loop:
             loss, nonfinite = self._step(p)
             self._log_if_due(p, loss)
             self._evaluate_if_due(p)
-            if self._boundary(p, nonfinite):
+            stop = self._boundary(p, nonfinite)
+            if self.tracer is not None:
+                self.tracer.after_step(p.step)  # after END: every rank's events to trace.json (collective)
+            if stop:
                 break
+        if self.tracer is not None:
+            self.tracer.close(p.step)
         self.clock.end()
         if loss is not None and p.step % self.cfg.run.log_every and p.step != self.total:  # stopped between logs
             p.loss_value = self._gather_log(loss.item(), [])[0]
@@ -224,6 +232,8 @@ class Loop:
         """Forward, backward, averaged gradients, the update; the ``NONFINITE_*`` bits this rank brings."""
         cfg = self.cfg
         self.clock.start_step()
+        if self.tracer is not None:
+            self.tracer.before_step(p.step + 1)
         for group in self.optimizer.param_groups:
             group["lr"] = cfg.optim.lr * lr_factor(p.step, self.total, cfg.optim)
         batches = [self.mover(self.loader.next()) for _ in range(cfg.train.grad_accumulation)]
@@ -345,6 +355,8 @@ class Loop:
         if finite:
             self.state.save(p.step, self.loader.state_dict())
             self.policy.saved()
+            if self.tracer is not None:
+                self.tracer.checkpoint(p.step, self.state.manager.last_timings)
         else:
             p.diverged = (f"non-finite model or optimizer state after step {p.step} (an update overflowed, "
                           "or a forward pass left non-finite statistics)")

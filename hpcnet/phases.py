@@ -45,6 +45,11 @@ class PhaseClock:
         self.pieces: list[tuple[str, float, float]] = []
         """With ``tracing``: (phase, start perf_counter, seconds) of every piece."""
 
+    @property
+    def step_start(self) -> float | None:
+        """``perf_counter`` at which the step in progress began (None between steps)."""
+        return self._step_start
+
     def start_step(self) -> None:
         """A step begins: the previous one (if any) ends here, its remainder charged to ``other``; after ``split``
         the step has begun already."""

@@ -49,6 +49,7 @@ from hpcnet.loop import Loop
 from hpcnet.models import build_model, count_parameters
 from hpcnet.optim import build_optimizer
 from hpcnet.runlog import MetricsWriter, close_logging, format_duration, make_run_dir, setup_logging
+from hpcnet.trace import StepTracer, parse_steps
 
 # torch.optim imports torch._dynamo on an optimizer's first add_param_group (about 2 s of CPU here). Imported in
 # the middle of start-up, one rank imports while the others wait in a collective; at 16 ranks a core those
@@ -247,8 +248,12 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any
         loader = BatchLoader(train_split, sampler)  # after resume: it reads ahead from the sampler's position
         balancer = (Balancer(comm, loader, dp, every=cfg.data.balance_every, device=device, monitor=monitor)
                     if cfg.data.balance == "auto" else None)  # resumed sizes are taken up here
+        steps = parse_steps(cfg.train.trace_steps)
+        tracer = (StepTracer(comm, steps, dp.clock, monitor.recorder, run_dir, ops=cfg.train.trace_ops, device=device)
+                  if steps else None)  # clocks compared over MPI here, once
         result.summary = Loop(cfg, comm, world, dp, optimizer, loader, eval_split, device, metrics, state, faults,
-                              monitor, stop, mover=BatchMover(device, settings), balancer=balancer).run(start_step)
+                              monitor, stop, mover=BatchMover(device, settings), balancer=balancer,
+                              tracer=tracer).run(start_step)
     finally:
         if _may_communicate():
             manager.close()  # a checkpoint still being written is committed before we leave
