@@ -8,6 +8,7 @@ turn the live objects into what a ``CheckpointManager`` stores and back;
 import json
 import logging
 import random
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -233,11 +234,15 @@ class TrainState:
         if not which:
             self.manager.start_fresh()
             return 0
+        log.info("resume: reading the %s checkpoint of %s", "newest committed" if which == "auto" else "given",
+                 which if which != "auto" else self.manager.directory)
+        t0 = time.perf_counter()
         loaded = self.manager.resume(which)
         if loaded is None:
             log.info("no checkpoint in %s yet: starting from step 0", self.manager.directory)
             return 0
         self._restore(loaded, rank)
+        log.info("resume: checkpoint read and restored in %.2f s", time.perf_counter() - t0)
         return loaded.step
 
     def _restore(self, loaded: Loaded, rank: int) -> None:
