@@ -85,12 +85,16 @@ class CheckpointManager:
         deadlines: where saves, writes, waits and loads are guarded (``Monitor.deadlines``).
         timeout_s: ``checkpoint.timeout_s``: the deadline of each; 0 derives it (``io_timeout_s``).
         collective_writes: write tensors split across ranks with collective MPI-IO (else
-            independently, each rank its rows; ``bench checkpoint`` compares both).
+            independently, each rank its rows; ``bench checkpoint`` compares both), where
+            ``direct_writes`` does not apply: increments, or ``direct_writes=False``.
+        direct_writes: write a full checkpoint's tensor data with pwrite at the datasets' offsets,
+            hashed in threads while the disk writes (``hpcnet.ckpt.direct``), not through h5py.
     """
 
     def __init__(self, comm: Any, directory: str | Path, *, keep: int = 3, full_every: int = 4,
                  async_save: bool = True, move_aside: bool = False, fault: IoFault | None = None,
-                 deadlines: Any = NULL_DEADLINES, timeout_s: float = 0.0, collective_writes: bool = True) -> None:
+                 deadlines: Any = NULL_DEADLINES, timeout_s: float = 0.0, collective_writes: bool = True,
+                 direct_writes: bool = True) -> None:
         from mpi4py import MPI
 
         if keep < 1 or full_every < 1:
@@ -103,6 +107,7 @@ class CheckpointManager:
         """Whether a run may start afresh in a directory of another run's checkpoints by moving them aside."""
         self.fault = fault
         self.collective_writes = collective_writes
+        self.direct_writes = direct_writes
         check_shared_directory(comm, self.directory)
         self.deadlines = deadlines
         self.timeout_s = timeout_s
@@ -174,7 +179,7 @@ class CheckpointManager:
         job = SaveJob(directory=self.directory, step=step, kind=kind, uid=comm.bcast(uuid.uuid4().hex, root=0),
                       created_unix=created, specs=specs, ownership=ownership, arrays=arrays, meta_bytes=meta_bytes,
                       rank_state_bytes=rank_bytes, keep=self.keep, seq=seq, fault=self.fault,
-                      collective_writes=self.collective_writes)
+                      collective_writes=self.collective_writes, direct_writes=self.direct_writes)
         if incremental:
             job.parent, job.base, job.prev_hashes = previous.info, previous.base, previous.hashes
         since_full = previous.saves_since_full + 1 if incremental else 0
@@ -289,8 +294,11 @@ class CheckpointManager:
                 infos = scan(self.directory)[0]
         return self.comm.bcast(infos, root=0)
 
-    def load(self, which: str = "auto") -> Loaded | None:
+    def load(self, which: str = "auto", into: dict[str, torch.Tensor] | None = None) -> Loaded | None:
         """Collective: load a checkpoint; see ``load_checkpoint``.  Changes nothing on disk.
+
+        ``into``: tensors to load into in place where they fit (name, CPU, contiguous, shape, dtype), as
+        torch.distributed.checkpoint does; the loaded tensors then share their memory.
 
         Returns None when ``which='auto'`` finds no checkpoint.  ``Loaded.rank_state``
         is None on ranks beyond the saved world size: seed those afresh.  The
@@ -299,7 +307,7 @@ class CheckpointManager:
         self._check_open()
         self.wait()
         with self.deadlines.guard("checkpoint.load", self._deadline_s(self._stored_bytes()), what="checkpoint.load"):
-            return load_checkpoint(self.comm, which, self.directory, fault=self.fault)
+            return load_checkpoint(self.comm, which, self.directory, fault=self.fault, into=into)
 
     def start_fresh(self) -> None:
         """Collective: begin a run that does not resume.

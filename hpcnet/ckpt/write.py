@@ -59,7 +59,11 @@ class SaveJob:
     """Its place in the directory's commit order."""
     fault: IoFault | None = None
     collective_writes: bool = True
-    """Write tensors split across ranks with collective MPI-IO (else independently, each rank its rows)."""
+    """Write tensors split across ranks with collective MPI-IO (else independently, each rank its rows);
+    only where ``direct_writes`` does not apply."""
+    direct_writes: bool = True
+    """A full checkpoint's tensor data: pwrite at the datasets' offsets, hashed in threads (``hpcnet.ckpt.direct``),
+    instead of h5py writes."""
     parent: CheckpointInfo | None = None
     base: CheckpointInfo | None = None
     prev_hashes: dict[int, np.ndarray] | None = None
