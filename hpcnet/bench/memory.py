@@ -1,30 +1,47 @@
-"""Memory per rank of hpcnet's dist.zero=0/1/2 against torch DDP and DDP with ZeroRedundancyOptimizer, same run.
+"""Memory per rank and step time of hpcnet's dist.zero=0/1/2 against DDP, DDP+ZeroRedundancyOptimizer and FSDP2.
 
 Launch:
-    mpirun -np 4 python -m mpi4py -m hpcnet.bench memory [--models mlp-4096] [--optim adamw] [--json out.json]
+    mpirun -np 4 python -m mpi4py -m hpcnet.bench memory [--models transformer] [--cap-gb 0.5] [--json out.json]
 
 Every contender trains its own copy of one model (same weights, same AdamW or SGD settings, same synthetic
-batches) for a few steps, one contender after the other in the same processes. For each, every rank measures
-its resident memory (``/proc/self/status``) above what it held before the contender was built: ``held`` after
-the steps (what stays between steps: parameters, gradients, optimizer state, communication buffers) and
-``peak`` during them (the high-water mark, reset with ``/proc/self/clear_refs`` before each contender; it adds
-activations and the transient full gradient). The table gives the largest rank's figures and their ratio to
-DDP's. For hpcnet the tensors themselves are counted as well (parameters, gradients and buckets, optimizer
-state), which is exact where resident memory is approximate (glibc keeps small freed blocks).
+batches, gradient clipping at norm 1) in the same processes:
+
+- **Memory**: the contenders are built one after the other and each runs ``--steps`` steps while the ones built
+  before it sit idle. Every rank measures its resident memory (``/proc/self/status``) above what it held
+  before the contender was built: ``held`` after the steps (parameters, gradients, optimizer state,
+  communication buffers) and ``peak`` during them (the high-water mark, reset with ``/proc/self/clear_refs``;
+  it adds activations and transient buffers). For hpcnet the tensors are counted as well (exact, where
+  resident memory is approximate).
+- **Step time**: then ``--rounds`` rounds, each contender ``--round-steps`` steps a round, the order rotated
+  every round so none always runs first or after the same neighbour (this machine is shared and noisy). A
+  step is timed from a barrier to its end on every rank; the slowest rank's time counts. Ratios to DDP, FSDP2
+  and hpcnet ``dist.zero=0`` are taken round by round (the same minute of load on both sides), then their
+  median and range.
+- **Weights**: after the steps every contender's full weights (FSDP2's gathered) are compared with hpcnet
+  ``dist.zero=0``'s.
+- **Capacity** (``--cap-gb``): the largest transformer of a ladder (rung k: width 64k, k blocks, k heads) that
+  DDP and hpcnet ``dist.zero=2`` each train with every rank's peak under the cap, where the peak is measured as
+  above (what training adds to the process, the analogue of ``max_memory_allocated`` on a GPU). A formula
+  only picks the first rung to try; every answer is bracketed by measured rungs (the largest that fit, the
+  next that did not).
 """
 
 import argparse
 import copy
 import ctypes
 import gc
+import statistics
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
-from hpcnet.bench.common import describe_environment, environment, load_average, table, write_json
+from hpcnet.bench.common import describe_environment, environment, load_average, summarize, table, write_json
 
 MODELS = {
     # GPT-style, 8 blocks of width 512, vocabulary 8192 (tied): 29.4 M parameters (112 MiB), in 100 tensors.
@@ -34,9 +51,79 @@ MODELS = {
     # A seconds-long smoke test.
     "mlp-small": ("mlp", {"hidden": [256, 256]}, "image", (3, 32, 32), 10, 8),
 }
-CONTENDERS = ("ddp", "ddp+torch-zero1", "hpcnet-zero0", "hpcnet-zero1", "hpcnet-zero2")
+CONTENDERS = ("ddp", "ddp+torch-zero1", "fsdp2", "hpcnet-zero0", "hpcnet-zero1", "hpcnet-zero2")
+TIME_PEERS = ("ddp", "fsdp2", "hpcnet-zero0")
+CAP_CONTENDERS = ("ddp", "hpcnet-zero2")
+CAP_VOCAB, CAP_SEQ, CAP_BATCH = 8192, 64, 4  # the capacity ladder's data: the table's transformer's
+CAP_TOP_RUNG = 32  # width 2048, 32 blocks: 1.6 G parameters, far beyond this machine
+CAP_GUESS_BYTES_PER_PARAM = {"ddp": 20.0, "hpcnet-zero2": 10.0}
+"""Where the search starts without a measured transformer in the same run (AdamW: DDP holds parameters,
+gradients, buckets and two moments; zero 2 parameters, one full gradient transient and 1/N of the rest)."""
 
 
+# -- pure helpers (tested on one process) -----------------------------------------------
+def ladder_options(rung: int) -> dict[str, int]:
+    """The transformer of capacity rung ``rung`` (>= 1): width 64 * rung, ``rung`` blocks of ``rung`` heads of 64."""
+    if rung < 1:
+        raise ValueError(f"a ladder rung is at least 1, got {rung}")
+    return {"d_model": 64 * rung, "n_layers": rung, "n_heads": rung}
+
+
+def transformer_parameters(d_model: int, n_layers: int, vocab: int = CAP_VOCAB, seq: int = CAP_SEQ) -> int:
+    """Parameters of ``hpcnet.models.transformer`` with tied embeddings and d_ff = 4 * d_model."""
+    per_block = 12 * d_model * d_model + 13 * d_model  # qkv, proj, ff_in, ff_out with biases; two LayerNorms
+    return n_layers * per_block + (vocab + seq + 2) * d_model  # token and position embeddings, final LayerNorm
+
+
+def rung_parameters(rung: int) -> int:
+    options = ladder_options(rung)
+    return transformer_parameters(options["d_model"], options["n_layers"])
+
+
+def start_rung(cap_bytes: float, bytes_per_param: float, top: int = CAP_TOP_RUNG) -> int:
+    """The largest rung whose parameters times ``bytes_per_param`` fit ``cap_bytes`` (at least 1): a first guess."""
+    fitting = [k for k in range(1, top + 1) if rung_parameters(k) * bytes_per_param <= cap_bytes]
+    return max(fitting, default=1)
+
+
+def search_largest(fits: Callable[[int], bool], start: int, top: int) -> tuple[int, dict[int, bool]]:
+    """The largest k in 1..top with ``fits(k)`` (0 if none), for a ``fits`` that is true up to some k and false
+    above it, starting from ``start`` and stepping one rung at a time, so the answer k has ``fits(k)`` and
+    ``fits(k + 1)`` (below ``top``) both evaluated. Returns it and every evaluation made."""
+    if not 1 <= start <= top:
+        raise ValueError(f"the start rung {start} is outside 1..{top}")
+    seen: dict[int, bool] = {}
+    k = start
+    seen[k] = fits(k)
+    if seen[k]:
+        while k < top:
+            seen[k + 1] = fits(k + 1)
+            if not seen[k + 1]:
+                break
+            k += 1
+        return k, seen
+    while k > 1:
+        k -= 1
+        seen[k] = fits(k)
+        if seen[k]:
+            return k, seen
+    return 0, seen
+
+
+def paired_ratios(numerator: list[float], denominator: list[float]) -> dict[str, float]:
+    """Median and range of the round-by-round ratios of two contenders' per-round step times."""
+    if len(numerator) != len(denominator):
+        raise ValueError(f"{len(numerator)} rounds against {len(denominator)}")
+    return summarize([a / b for a, b in zip(numerator, denominator)])
+
+
+def rotated(names: tuple[str, ...], round_index: int) -> list[str]:
+    """Round ``round_index``'s order: every name runs in every position once over ``len(names)`` rounds."""
+    shift = round_index % len(names)
+    return [*names[shift:], *names[:shift]]
+
+
+# -- measuring --------------------------------------------------------------------------
 def _status_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -93,8 +180,54 @@ def _hpcnet_tensors(model: nn.Module, dp: Any, optimizer: Any) -> dict[str, int]
     return {"params": _storage_bytes(params), "grads": _storage_bytes(grads), "optim": _storage_bytes(state)}
 
 
-def _build(name: str, base: nn.Module, comm: Any, world: Any, optim: str) -> tuple[nn.Module, Any, Any, Any]:
-    """The contender's model, its forward module, its optimizer and hpcnet's DataParallel (or None)."""
+class Contender:
+    """One trainer: its model (the module whose parameters are trained), the module that runs the forward, its
+    optimizer, hpcnet's DataParallel (or None) and how many steps it took."""
+
+    def __init__(self, name: str, model: nn.Module, forward: nn.Module, optimizer: Any, dp: Any) -> None:
+        self.name, self.model, self.forward, self.optimizer, self.dp = name, model, forward, optimizer, dp
+        self.steps = 0
+
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """One training step on the next of ``batches`` (collective)."""
+        from hpcnet.loop import compute_loss
+
+        x, y = batches[self.steps % len(batches)]
+        if self.dp is not None:
+            self.dp.step([(x, y)], compute_loss)
+            self.dp.clip_grad_norm_(1.0)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            compute_loss(self.forward, x, y).backward()
+            nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.steps += 1
+
+    def full_weights(self) -> torch.Tensor:
+        """Every parameter, whole, flat in name order (collective for FSDP2: its shards are gathered)."""
+        tensors = []
+        for _, p in sorted(self.model.named_parameters(), key=lambda item: item[0]):
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            tensors.append(full.detach().reshape(-1))
+        return torch.cat(tensors)
+
+    def close(self) -> None:
+        if self.dp is not None:
+            self.dp.close()
+        self.dp = self.model = self.forward = self.optimizer = None
+
+
+def _fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """What FSDP2 shards and gathers as one unit, as its examples do: each transformer block (an MLP's each
+    linear layer); the root takes the rest (embeddings, the tied head)."""
+    from hpcnet.models.transformer import TransformerBlock
+
+    blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
+    return blocks or [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+def _build(name: str, base: nn.Module, comm: Any, world: Any, optim: str, *, copy_base: bool = True) -> Contender:
+    """The contender ``name`` training a copy of ``base`` (``base`` itself with ``copy_base=False``)."""
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
@@ -105,15 +238,22 @@ def _build(name: str, base: nn.Module, comm: Any, world: Any, optim: str) -> tup
     from hpcnet.optim import build_optimizer
 
     optim_cfg = OptimConfig(name=optim, lr=1e-3)
-    model = copy.deepcopy(base)
+    model = copy.deepcopy(base) if copy_base else base
     if name.startswith("hpcnet"):
         cfg = DistConfig(zero=int(name[-1]), plan="uniform")
         dp = DataParallel(model, comm, world, cfg, device=torch.device("cpu"),
                           plan=decide_plan(comm, world, cfg, device_type="cpu"))
-        return model, model, dp.shard_optimizer(build_optimizer(model, optim_cfg)), dp
+        return Contender(name, model, model, dp.shard_optimizer(build_optimizer(model, optim_cfg)), dp)
+    if name == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for unit in _fsdp_units(model):
+            fully_shard(unit)
+        fully_shard(model)
+        return Contender(name, model, model, build_optimizer(model, optim_cfg), None)
     ddp = DistributedDataParallel(model)
     if name == "ddp":
-        return model, ddp, build_optimizer(model, optim_cfg), None
+        return Contender(name, model, ddp, build_optimizer(model, optim_cfg), None)
     groups = build_optimizer(model, optim_cfg).param_groups
     cls = torch.optim.AdamW if optim == "adamw" else torch.optim.SGD
     extra = {"betas": tuple(optim_cfg.betas), "eps": optim_cfg.eps} if optim == "adamw" else \
@@ -121,22 +261,16 @@ def _build(name: str, base: nn.Module, comm: Any, world: Any, optim: str) -> tup
     zero = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=cls, lr=optim_cfg.lr,
                                    weight_decay=groups[0]["weight_decay"], process_group=dist.group.WORLD, **extra)
     zero.add_param_group({"params": groups[1]["params"], "weight_decay": 0.0})
-    return model, ddp, zero, None
+    return Contender(name, model, ddp, zero, None)
 
 
-def _steps(model: nn.Module, forward: Any, optimizer: Any, dp: Any, batches: list, steps: int) -> None:
-    from hpcnet.loop import compute_loss
-
-    for step in range(steps):
-        x, y = batches[step % len(batches)]
-        if dp is not None:
-            dp.step([(x, y)], compute_loss)
-            dp.clip_grad_norm_(1.0)
-        else:
-            optimizer.zero_grad(set_to_none=True)
-            compute_loss(forward, x, y).backward()
-            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+def _batches(kind: str, shape: tuple[int, ...], classes: int, batch: int, rank: int) -> list:
+    gen = torch.Generator().manual_seed(100 + rank)
+    if kind == "tokens":
+        return [(torch.randint(0, classes, (batch, *shape), generator=gen),
+                 torch.randint(0, classes, (batch, *shape), generator=gen)) for _ in range(2)]
+    return [(torch.randn(batch, *shape, generator=gen), torch.randint(0, classes, (batch,), generator=gen))
+            for _ in range(2)]
 
 
 def bench_model(key: str, comm: Any, world: Any, args: argparse.Namespace) -> dict[str, Any]:
@@ -148,70 +282,212 @@ def bench_model(key: str, comm: Any, world: Any, args: argparse.Namespace) -> di
     model_name, options, kind, shape, classes, batch = MODELS[key]
     torch.manual_seed(0)
     base = build_model(model_name, DatasetInfo(kind, shape, classes), options)
-    gen = torch.Generator().manual_seed(100 + world.rank)
-    if kind == "tokens":
-        batches = [(torch.randint(0, classes, (batch, *shape), generator=gen),
-                    torch.randint(0, classes, (batch, *shape), generator=gen)) for _ in range(2)]
-    else:
-        batches = [(torch.randn(batch, *shape, generator=gen), torch.randint(0, classes, (batch,), generator=gen))
-                   for _ in range(2)]
+    batches = _batches(kind, shape, classes, batch, world.rank)
     n_params = sum(p.numel() for p in base.parameters())
-    results: dict[str, Any] = {}
-    finals = {}
-    # One unmeasured step of each kind first: what the first use of autograd, gloo and MPI allocates for good
-    # would otherwise be charged to the first contender.
-    for name in ("ddp", "hpcnet-zero2"):
-        model, forward, optimizer, dp = _build(name, base, comm, world, args.optim)
-        _steps(model, forward, optimizer, dp, batches, 1)
-        if dp is not None:
-            dp.close()
-        del model, forward, optimizer, dp
+    # One unmeasured step of each kind first: what the first use of autograd, gloo, MPI and FSDP2 allocates for
+    # good would otherwise be charged to the first contender of the kind.
+    for name in ("ddp", "fsdp2", "hpcnet-zero2"):
+        warm = _build(name, base, comm, world, args.optim)
+        warm.step(batches)
+        warm.close()
+        del warm
+    memory: dict[str, Any] = {}
+    alive: dict[str, Contender] = {}
     for name in CONTENDERS:
         before = _settle()
         comm.Barrier()
         _reset_peak()
-        model, forward, optimizer, dp = _build(name, base, comm, world, args.optim)
-        _steps(model, forward, optimizer, dp, batches, args.steps)
+        contender = _build(name, base, comm, world, args.optim)
+        for _ in range(args.steps):
+            contender.step(batches)
         gc.collect()
         held, peak = _status_kib("VmRSS") - before, _status_kib("VmHWM") - before
-        counted = _hpcnet_tensors(model, dp, optimizer) if dp is not None else None
-        finals[name] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        counted = (_hpcnet_tensors(contender.model, contender.dp, contender.optimizer)
+                   if contender.dp is not None else None)
         every = comm.gather((held, peak, counted), root=0)
         if world.rank == 0:
-            results[name] = {"held_mib": [h / 1024 for h, _, _ in every], "peak_mib": [p / 1024 for _, p, _ in every],
-                             "tensors_mib": [{k: v / 2**20 for k, v in c.items()} if c else None
-                                             for _, _, c in every]}
-        if dp is not None:
-            dp.close()
-        del model, forward, optimizer, dp
+            memory[name] = {"held_mib": [h / 1024 for h, _, _ in every], "peak_mib": [p / 1024 for _, p, _ in every],
+                            "tensors_mib": [{k: v / 2**20 for k, v in c.items()} if c else None
+                                            for _, _, c in every]}
+        alive[name] = contender  # idle from here until the timed rounds: its memory does not change
         comm.Barrier()
-    # The contenders trained alike: their weights agree (hpcnet's stages bit for bit up to 2 ranks).
-    ref = finals["hpcnet-zero0"]
-    diffs = {name: float((w - ref).abs().max()) for name, w in finals.items()}
+    # Timed rounds: every contender has taken --steps steps already (its warm-up).
+    local = np.zeros((len(CONTENDERS), args.rounds, args.round_steps))
+    for r in range(args.rounds):
+        for name in rotated(CONTENDERS, r):
+            for s in range(args.round_steps):
+                comm.Barrier()
+                t0 = time.perf_counter()
+                alive[name].step(batches)
+                local[CONTENDERS.index(name), r, s] = time.perf_counter() - t0
+    slowest = np.empty_like(local)
+    comm.Allreduce(local, slowest, op=MPI.MAX)
+    # Every contender took the same steps on the same batches: their weights agree (hpcnet's stages bit for bit
+    # up to 2 ranks; the others sum gradients in other orders).
+    ref = alive["hpcnet-zero0"].full_weights()
+    diffs = {}
+    for name in CONTENDERS:
+        diffs[name] = float((alive[name].full_weights() - ref).abs().max())
     worst = comm.allreduce(max(diffs.values()), op=MPI.MAX)
-    if world.rank == 0:
-        return {"model": key, "parameters": n_params, "optimizer": args.optim, "contenders": results,
-                "max_weight_difference": worst, "differences": diffs}
-    return {}
+    for name in CONTENDERS:
+        alive.pop(name).close()
+    del ref
+    if world.rank != 0:
+        return {}
+    per_round = {name: [float(statistics.median(slowest[i, r])) for r in range(args.rounds)]
+                 for i, name in enumerate(CONTENDERS)}
+    timing = {name: {"step_s": slowest[i].reshape(-1).tolist(), "step_s_rounds": per_round[name],
+                     "step_s_summary": summarize(slowest[i].reshape(-1).tolist())}
+              for i, name in enumerate(CONTENDERS)}
+    ratios = {peer: {name: paired_ratios(per_round[name], per_round[peer]) for name in CONTENDERS}
+              for peer in TIME_PEERS}
+    return {"model": key, "parameters": n_params, "optimizer": args.optim, "memory": memory, "timing": timing,
+            "time_ratios": ratios, "max_weight_difference": worst, "differences": diffs,
+            "targets": targets(memory, ratios, world.size)}
 
 
-def report(out: dict[str, Any]) -> str:
+def targets(memory: dict[str, Any], ratios: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
+    """Issue 12's targets for hpcnet dist.zero=2 (stated at 4 ranks), each with its measured figure."""
+    peak = {name: max(r["peak_mib"]) for name, r in memory.items()}
+    rows = [("peak / DDP's", peak["hpcnet-zero2"] / peak["ddp"], 0.5),
+            ("peak / DDP+ZeroRedundancyOptimizer's", peak["hpcnet-zero2"] / peak["ddp+torch-zero1"], 0.8),
+            ("step time / FSDP2's (median of rounds)", ratios["fsdp2"]["hpcnet-zero2"]["median"], 1.0),
+            ("step time / hpcnet zero 0's (median of rounds)", ratios["hpcnet-zero0"]["hpcnet-zero2"]["median"], 1.1)]
+    return [{"what": what, "value": float(value), "at_most": bound, "met": bool(value <= bound), "ranks": world_size}
+            for what, value, bound in rows]
+
+
+# -- capacity under a memory cap --------------------------------------------------------
+def cap_trial(name: str, rung: int, comm: Any, world: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Build and train rung ``rung`` with ``name`` for ``--cap-steps`` steps; its peak above the rank's settled
+    memory before the model was made, the largest rank's (collective)."""
+    from mpi4py import MPI
+
+    from hpcnet.data.info import DatasetInfo
+    from hpcnet.models import build_model
+
+    batches = _batches("tokens", (CAP_SEQ,), CAP_VOCAB, CAP_BATCH, world.rank)
+    before = _settle()
+    comm.Barrier()
+    _reset_peak()
+    torch.manual_seed(0)
+    model = build_model("transformer", DatasetInfo("tokens", (CAP_SEQ,), CAP_VOCAB), ladder_options(rung))
+    contender = _build(name, model, comm, world, args.optim, copy_base=False)
+    del model
+    t0 = time.perf_counter()
+    for _ in range(args.cap_steps):
+        contender.step(batches)
+    seconds = (time.perf_counter() - t0) / args.cap_steps
+    peak_kib = _status_kib("VmHWM") - before
+    contender.close()
+    del contender
+    peak = comm.allreduce(peak_kib, op=MPI.MAX) * 1024
+    return {"contender": name, "rung": rung, **ladder_options(rung), "parameters": rung_parameters(rung),
+            "peak_bytes": peak, "fits": bool(peak <= args.cap_gb * 1e9),
+            "step_s": comm.allreduce(seconds, op=MPI.MAX)}
+
+
+def bench_capacity(comm: Any, world: Any, args: argparse.Namespace, measured: dict[str, float]) -> dict[str, Any]:
+    """The largest ladder rung each of DDP and hpcnet dist.zero=2 trains under ``--cap-gb`` (collective).
+
+    Args:
+        measured: bytes of peak per parameter each contender showed on the table's transformer in this run
+            (where it ran), which picks the first rung to try; the search itself measures.
+    """
+    cap = args.cap_gb * 1e9
+    found: dict[str, Any] = {}
+    trials: list[dict[str, Any]] = []
+    # An unmeasured trial of each first: seen here, DDP's first trial in a process peaked 120 MiB higher than
+    # the same trial after it (what the first use of autograd and gloo allocates for good).
+    for name in CAP_CONTENDERS:
+        cap_trial(name, 1, comm, world, args)
+    for name in CAP_CONTENDERS:
+        guess = measured.get(name, CAP_GUESS_BYTES_PER_PARAM[name])
+        results: dict[int, dict[str, Any]] = {}
+
+        def fits(rung: int) -> bool:
+            results[rung] = cap_trial(name, rung, comm, world, args)  # called within this iteration
+            return results[rung]["fits"]
+
+        best, _ = search_largest(fits, start_rung(cap, guess), CAP_TOP_RUNG)
+        trials.extend(results[k] for k in sorted(results))
+        above = results.get(best + 1)
+        found[name] = {"rung": best, "parameters": rung_parameters(best) if best else 0,
+                       **(ladder_options(best) if best else {}),
+                       "peak_bytes": results[best]["peak_bytes"] if best else None,
+                       "next_rung_peak_bytes": above["peak_bytes"] if above else None}
+    ddp, zero2 = found["ddp"], found["hpcnet-zero2"]
+    ratio = bracket = None
+    if ddp["rung"] and zero2["rung"]:
+        # The true largest sizes lie between a rung that fit and the next, which did not: the ratio's bounds.
+        ratio = zero2["parameters"] / ddp["parameters"]
+        bracket = [zero2["parameters"] / rung_parameters(ddp["rung"] + 1),
+                   rung_parameters(zero2["rung"] + 1) / ddp["parameters"]]
+    return {"cap_bytes": cap, "steps": args.cap_steps, "batch": [CAP_BATCH, CAP_SEQ], "vocab": CAP_VOCAB,
+            "largest": found, "trials": trials, "ratio_parameters_zero2_vs_ddp": ratio, "ratio_bracket": bracket}
+
+
+# -- reports ----------------------------------------------------------------------------
+def _ms(summary: dict[str, float]) -> str:
+    return f"{summary['median'] * 1e3:.0f} ({summary['min'] * 1e3:.0f}-{summary['max'] * 1e3:.0f})"
+
+
+def _ratio(summary: dict[str, float]) -> str:
+    return f"{summary['median']:.2f} ({summary['min']:.2f}-{summary['max']:.2f})"
+
+
+def report(out: dict[str, Any], args: argparse.Namespace) -> str:
+    memory, timing, ratios = out["memory"], out["timing"], out["time_ratios"]
+    ddp_held, ddp_peak = max(memory["ddp"]["held_mib"]), max(memory["ddp"]["peak_mib"])
     rows = []
-    res = out["contenders"]
-    ddp_held, ddp_peak = max(res["ddp"]["held_mib"]), max(res["ddp"]["peak_mib"])
-    for name, r in res.items():
+    for name in CONTENDERS:
+        r = memory[name]
         held, peak = max(r["held_mib"]), max(r["peak_mib"])
         tensors = [t for t in r["tensors_mib"] if t]
         counted = (" / ".join(f"{max(t[k] for t in tensors):.1f}" for k in ("params", "grads", "optim"))
                    if tensors else "-")
-        rows.append([name, f"{held:.1f}", f"{held / ddp_held:.2f}", f"{peak:.1f}", f"{peak / ddp_peak:.2f}", counted])
+        rows.append([name, f"{held:.1f}", f"{held / ddp_held:.2f}", f"{peak:.1f}", f"{peak / ddp_peak:.2f}",
+                     _ms(timing[name]["step_s_summary"]), *(_ratio(ratios[p][name]) for p in TIME_PEERS), counted])
     head = (f"{out['model']}: {out['parameters'] / 1e6:.1f} M parameters ({out['parameters'] * 4 / 2**20:.0f} MiB "
             f"in fp32), {out['optimizer']}")
-    return (head + "\n" + table(["contender", "held MiB", "/ddp", "peak MiB", "/ddp",
-                                  "hpcnet tensors MiB: params / grads+buckets / optim"], rows)
-            + "\nheld: resident memory after the steps above what the rank held before the contender was built; "
-              "peak: its high-water mark during them; both the largest rank's. "
-            + f"max |weight difference| between contenders after the steps: {out['max_weight_difference']:.2e}")
+    lines = [head, table(["contender", "held MiB", "/ddp", "peak MiB", "/ddp", "step ms (range)", "/ddp",
+                          "/fsdp2", "/zero0", "hpcnet tensors MiB: params / grads+buckets / optim"], rows)]
+    lines.append("held: resident memory after the steps above what the rank held before the contender was built; "
+                 "peak: its high-water mark during them; both the largest rank's. step: the slowest rank's, "
+                 f"{args.rounds} rounds x {args.round_steps} steps after {args.steps} warm-up steps, median "
+                 "(range); ratios paired round by round, median (range). max |weight difference| from "
+                 f"hpcnet-zero0 after the steps: {out['max_weight_difference']:.2e} "
+                 f"({', '.join(f'{k} {v:.1e}' for k, v in out['differences'].items())})")
+    for t in out["targets"]:
+        lines.append(f"target (issue 12, at 4 ranks; here {t['ranks']}): hpcnet-zero2 {t['what']} "
+                     f"{t['value']:.2f} <= {t['at_most']}: {'met' if t['met'] else 'NOT met'}")
+    return "\n".join(lines)
+
+
+def report_capacity(cap: dict[str, Any]) -> str:
+    rows = []
+    for t in cap["trials"]:
+        rows.append([t["contender"], str(t["rung"]), f"{t['d_model']} x {t['n_layers']}",
+                     f"{t['parameters'] / 1e6:.1f}", f"{t['peak_bytes'] / 2**20:.0f}", f"{t['step_s'] * 1e3:.0f}",
+                     "yes" if t["fits"] else "no"])
+    lines = [f"largest transformer under a cap of {cap['cap_bytes'] / 1e9:g} GB ({cap['cap_bytes'] / 2**20:.0f} MiB) "
+             f"of peak per rank (batch {cap['batch'][0]} x {cap['batch'][1]} tokens, vocabulary {cap['vocab']}, "
+             f"{cap['steps']} steps a trial); rungs tried:",
+             table(["contender", "rung", "width x depth", "M params", "peak MiB", "step ms", "fits"], rows)]
+    for name, f in cap["largest"].items():
+        if not f["rung"]:
+            lines.append(f"{name}: not even rung 1 fits")
+            continue
+        above = f["next_rung_peak_bytes"]
+        lines.append(f"{name}: rung {f['rung']} ({f['d_model']} x {f['n_layers']}, {f['parameters'] / 1e6:.1f} M "
+                     f"parameters, peak {f['peak_bytes'] / 2**20:.0f} MiB)"
+                     + (f"; the next rung peaked at {above / 2**20:.0f} MiB" if above else ""))
+    ratio = cap["ratio_parameters_zero2_vs_ddp"]
+    if ratio is not None:
+        low, high = cap["ratio_bracket"]
+        lines.append(f"parameters, hpcnet-zero2 / ddp: {ratio:.2f} (target >= 2: {'met' if ratio >= 2 else 'NOT met'}; "
+                     f"the ladder is coarse: a finer one would give between {low:.2f} and {high:.2f})")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,15 +500,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="transformer,mlp-4096",
                         help=f"comma-separated among {', '.join(MODELS)} (default transformer,mlp-4096)")
     parser.add_argument("--optim", default="adamw", choices=["adamw", "sgd"], help="the optimizer (default adamw)")
-    parser.add_argument("--steps", type=int, default=3, help="steps per contender (default 3)")
+    parser.add_argument("--steps", type=int, default=3,
+                        help="steps per contender for the memory figures, also the timing's warm-up (default 3)")
+    parser.add_argument("--rounds", type=int, default=6,
+                        help="timed rounds (default 6: every contender once in every position)")
+    parser.add_argument("--round-steps", type=int, default=1, help="timed steps per contender a round (default 1)")
+    parser.add_argument("--cap-gb", type=float, default=0.5,
+                        help="per-rank cap in GB (1e9 bytes) on the peak that training adds, for the largest "
+                             "transformer DDP and hpcnet dist.zero=2 train under it; 0 skips (default 0.5)")
+    parser.add_argument("--cap-steps", type=int, default=2, help="steps per capacity trial (default 2)")
     parser.add_argument("--json", default="", help="also write the results to this JSON file (rank 0)")
     args = parser.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in MODELS]
-    if unknown or not models:
+    if unknown or (not models and args.cap_gb <= 0):
         parser.error(f"--models: unknown {unknown or args.models!r}; choose among {', '.join(MODELS)}")
-    if args.steps < 1:
-        parser.error("--steps must be at least 1")
+    for option in ("steps", "rounds", "round_steps", "cap_steps"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} must be at least 1")
+    if args.cap_gb < 0:
+        parser.error("--cap-gb must be 0 (skip) or more")
     comm = MPI.COMM_WORLD.Dup()
     world = discover(comm)
     if world.size < 2:
@@ -242,19 +529,29 @@ def main(argv: list[str] | None = None) -> int:
     plane = init_data_plane(comm, world, backend="gloo", device=torch.device("cpu"), timeout_s=300)
     env = environment(comm)
     outs = []
+    capacity = None
     try:
+        measured: dict[str, float] = {}
         for key in models:
             out = bench_model(key, comm, world, args)
             if world.rank == 0:
                 outs.append(out)
-                print(report(out), flush=True)
+                print(report(out, args), flush=True)
+                if key == "transformer":
+                    measured = {n: max(out["memory"][n]["peak_mib"]) * 2**20 / out["parameters"]
+                                for n in CAP_CONTENDERS}
+        if args.cap_gb > 0:
+            capacity = bench_capacity(comm, world, args, comm.bcast(measured, root=0))
+            if world.rank == 0:
+                print(report_capacity(capacity), flush=True)
     finally:
         plane.close()
     if world.rank == 0:
         print(describe_environment(env))
         print(f"load average at end: {', '.join(f'{x:.2f}' for x in load_average())}")
         if args.json:
-            write_json(args.json, {"environment": env, "models": outs})
+            write_json(args.json, {"benchmark": "memory", "environment": env, "models": outs,
+                                   "capacity": capacity})
     comm.Free()
     return 0
 
