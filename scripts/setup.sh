@@ -70,7 +70,11 @@ stamp="$venv/.hpcnet-setup"
 want="$(cat "$root/pyproject.toml" "$root/scripts/setup.sh" | sha256sum | cut -d' ' -f1) $torch_req"
 check_env() {
     "$vpy" - <<'PY' 2>/dev/null
+import importlib.util
 import h5py, mpi4py, torch, numpy, pytest, pytest_mpi, hpcnet  # noqa: F401
+# python -m hpcnet.report's plots: found, not imported (a second import would slow every set-up check).
+if importlib.util.find_spec("matplotlib") is None:
+    raise SystemExit(4)
 raise SystemExit(0 if h5py.get_config().mpi else 3)
 PY
 }
@@ -99,10 +103,10 @@ if ! h5py_is_mpi; then
     h5py_is_mpi || die "h5py.get_config().mpi is False after building against parallel HDF5; see the README, 'Set-up problems'"
 fi
 
-# --- 4. hpcnet itself (editable) and the test tools --------------------------
-say "installing hpcnet (editable) and test requirements"
-pip install --no-build-isolation -e "$root[test]"
+# --- 4. hpcnet itself (editable), the test tools and the report's matplotlib --
+say "installing hpcnet (editable), test and report requirements"
+pip install --no-build-isolation -e "$root[test,report]"
 
-check_env || die "the environment in $venv does not import (h5py, mpi4py, torch, pytest-mpi, hpcnet)"
+check_env || die "the environment in $venv does not import (h5py, mpi4py, torch, pytest-mpi, matplotlib, hpcnet)"
 printf '%s' "$want" >"$stamp"
 say "environment ready ($venv)"
