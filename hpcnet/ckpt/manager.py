@@ -34,8 +34,9 @@ import torch
 
 import hpcnet
 from hpcnet.agree import agree_on_error, agreed, ranks_differing, shared_errors
-from hpcnet.ckpt.format import (CheckpointInfo, Ownership, TensorSpec, check_names_nest, committed_after, dtype_name,
-                                make_spec, plan_ownership, sha256_hex, to_storage)
+from hpcnet.ckpt.format import (BLOCK_BYTES, LARGE_BLOCK_BYTES, CheckpointInfo, Ownership, TensorSpec,
+                                check_names_nest, committed_after, dtype_name, make_spec, plan_ownership, sha256_hex,
+                                to_storage)
 from hpcnet.ckpt.listing import listing, scan, set_aside
 from hpcnet.ckpt.load import Loaded, load_checkpoint, load_with_choice
 from hpcnet.ckpt.shared import check_same_listing, check_shared_directory
@@ -193,13 +194,15 @@ class CheckpointManager:
                   ) -> tuple[list[TensorSpec], str, str, bytes, bytes]:
         """Collective (for errors): the specs, their digest, the kind of this save, its meta and rank state as JSON."""
         specs: list[TensorSpec] = []
+        # Small blocks make increments small; where none will follow, large ones hash faster.
+        block_bytes = BLOCK_BYTES if self.full_every > 1 else LARGE_BLOCK_BYTES
         with shared_errors(self.comm):
             if not isinstance(step, int) or step < 0:
                 raise ValueError(f"step must be an integer >= 0, got {step!r}")
             for name, tensor in tensors.items():
                 if not isinstance(tensor, torch.Tensor):
                     raise ValueError(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-                specs.append(make_spec(name, dtype_name(tensor), tuple(tensor.shape)))
+                specs.append(make_spec(name, dtype_name(tensor), tuple(tensor.shape), block_bytes))
             check_names_nest([s.name for s in specs])
             unknown = sorted(set(holders) - {s.name for s in specs})
             if unknown:

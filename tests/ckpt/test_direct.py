@@ -102,19 +102,25 @@ def test_parallel_load_reads_equal_bytes_into_new_or_given_tensors(comm, mpi_tmp
 
 
 @pytest.mark.mpi
-def test_a_corrupted_block_far_inside_a_parallel_read_is_detected(comm, mpi_tmp_path):
+@pytest.mark.parametrize("full_every", [1, 2])
+def test_a_corrupted_block_far_inside_a_parallel_read_is_detected(comm, mpi_tmp_path, full_every):
     import h5py
 
+    from hpcnet.ckpt.format import BLOCK_BYTES, LARGE_BLOCK_BYTES, make_spec
+    from hpcnet.ckpt.load import load_checkpoint
     from hpcnet.ckpt.manager import CheckpointManager
     from hpcnet.errors import CheckpointCorrupt
 
-    directory = fresh_dir(comm, mpi_tmp_path / "corrupt-direct")
+    directory = fresh_dir(comm, mpi_tmp_path / f"corrupt-direct-{full_every}")
     state = _state()
-    with CheckpointManager(comm, directory, full_every=1, async_save=False) as manager:
+    with CheckpointManager(comm, directory, full_every=full_every, async_save=False) as manager:
         path = manager.save(1, state, {}, {})
+    # Large blocks only where no increment follows (full_every=1); either kind reads back.
+    block_rows = make_spec("b", "float32", (3000, 700), LARGE_BLOCK_BYTES if full_every == 1 else BLOCK_BYTES).block_rows
     row = 2345  # inside the last rank's share at up to 4 ranks, and past the first chunk
     if comm.Get_rank() == 0:
         with h5py.File(path, "r") as f:
+            assert '"block_rows":%d' % block_rows in f["index"][()].tobytes().decode()
             offset = f["tensors/model/big"].id.get_offset() + row * 700 * 4 + 5
         with open(path, "r+b") as handle:
             handle.seek(offset)
@@ -122,8 +128,8 @@ def test_a_corrupted_block_far_inside_a_parallel_read_is_detected(comm, mpi_tmp_
             handle.seek(offset)
             handle.write(bytes([byte[0] ^ 0x01]))
     comm.Barrier()
-    from hpcnet.ckpt.load import load_checkpoint
-
-    with pytest.raises(CheckpointCorrupt, match=f"/tensors/model/big: checksum mismatch in 1 block.*rows {row}-{row}"):
+    lo = row // block_rows * block_rows
+    with pytest.raises(CheckpointCorrupt, match=f"/tensors/model/big: checksum mismatch in 1 block.*rows {lo}-"
+                                                f"{min(lo + block_rows, 3000) - 1}"):
         load_checkpoint(comm, str(path))
     comm.Barrier()

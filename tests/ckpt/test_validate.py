@@ -54,14 +54,14 @@ def test_a_file_declaring_a_64_gib_tensor_is_rejected_without_allocating_it(sing
     def huge(f, index):
         rows = 64 << 20  # 64 Mi rows of 1 KiB: 64 GiB
         entry = next(e for e in index if e["name"] == "model/w")
-        entry["shape"] = [rows, 256]
-        shift = rows - 8
+        entry["shape"], entry["block_rows"] = [rows, 256], 1  # one block a row, whatever the file's block size
+        shift = rows - entry["n_hashes"]
         for later in index[index.index(entry) + 1:]:
             later["hash_offset"] += shift
         entry["n_hashes"] = rows
         del f["tensors/model/w"], f["hashes"]
         f.create_dataset("tensors/model/w", shape=(rows, 256), dtype="<f4")  # declared, never stored
-        f.create_dataset("hashes", shape=(rows + 1,), dtype="<u8")
+        f.create_dataset("hashes", shape=(sum(e["n_hashes"] for e in index),), dtype="<u8")
 
     _rewrite_index(path, huge)
     assert os.path.getsize(path) < 1 << 20
