@@ -298,7 +298,7 @@ class Loop:
         self.metrics.write(step=p.step, loss=local_loss, global_loss=p.loss_value, lr=lr, samples_per_s=rate,
                            epoch=self.loader.epoch, steps=len(step_s), step_s=[round(t, 6) for t in step_s],
                            phases_s={k: round(v, 6) for k, v in phases.items()}, rss_mb=round(rss_mib(), 1),
-                           buckets=bucket_times(self.monitor.recorder.entries(), self._log_from_step + 1),
+                           buckets=bucket_times(self.monitor.recorder.entries(), self._log_from_step),
                            slowest_rank=slowest, slowest_step_s=round(every[slowest][1], 6), **extra)
         self._log_from_step = p.step
         p.t_last, p.last_step = now, p.step

@@ -130,7 +130,8 @@ def rss_mib() -> float:
 
 def bucket_times(entries: list[Any], since_step: int) -> list[dict[str, Any]]:
     """Per gradient bucket, its bytes and the median seconds from launch to completion, over the flight recorder's
-    completed ``allreduce.bucket`` entries of steps after ``since_step``."""
+    completed ``allreduce.bucket`` entries of the steps after step ``since_step`` (an entry's ``step`` counts the
+    steps completed when it started: a bucket of step k has ``step == k - 1``)."""
     spans: dict[int, list[float]] = {}
     sizes: dict[int, int] = {}
     for entry in entries:

@@ -76,6 +76,7 @@ def test_bucket_times_take_the_median_of_the_interval():
                Collective(3, "allreduce.bucket", 0, 100, 4, 12.0, end=12.2),
                Collective(4, "allreduce.bucket", 1, 50, 4, 12.0, end=None),  # still running
                Collective(5, "step_boundary", -1, 0, 4, 12.0, end=12.1)]
+    # Steps 5 and 6 (entries stamped 4 and 5: the steps completed when each started): after step 4.
     assert bucket_times(entries, since_step=4) == [{"bucket": 0, "bytes": 100, "seconds": pytest.approx(0.2)}]
 
 
