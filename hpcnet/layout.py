@@ -11,6 +11,9 @@ import time
 from pathlib import Path
 
 ATTEMPT_ENV = "HPCNET_ATTEMPT"
+STANDBY_ENV = "HPCNET_STANDBY"  # also read in hpcnet/__init__.py, which may import nothing
+"""Set by ``hpcnet.launch`` on a warm standby attempt: the directory where its ranks report that they are parked.
+Such a rank imports everything, then waits for SIGUSR1 before MPI initialisation (``hpcnet.launch.park``)."""
 """Set by ``hpcnet.launch`` for every attempt: 1, 2, ... (absent: 1)."""
 RANKS_PER_NODE_ENV = "HPCNET_RANKS_PER_NODE"
 """Splits one machine into virtual nodes of this many ranks each, so multi-node code paths run on one host."""

@@ -44,6 +44,7 @@ from hpcnet.data.sampler import GlobalBatchSampler
 from hpcnet.errors import ExitCode, exit_code_of
 from hpcnet.fault.inject import FaultInjector
 from hpcnet.fault.monitor import Monitor
+from hpcnet.launch.park import park
 from hpcnet.layout import CONFIG_FILE, SUMMARY_FILE, checkpoint_dir, metrics_file
 from hpcnet.loop import Loop
 from hpcnet.models import build_model, count_parameters
@@ -333,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    park(sys.argv[1:])  # a warm standby of hpcnet.launch waits here, imported, before MPI starts
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpcnet.bench.common import load_average, table, write_json
+from hpcnet.bench.common import load_average, summarize, table, write_json
 from hpcnet.layout import FAILURE_FILE, LAUNCH_FILE, attempt_dir, metrics_file, rank_log
 
 _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank (\d+) (\w+) ([\w.]+): (.*)$")
@@ -87,9 +87,9 @@ def step_times(path: Path) -> dict[int, float]:
 
 
 def _supervise(out_dir: Path, name: str, train_args: list[str], args: argparse.Namespace,
-               timeout_s: float) -> tuple[int, float, Path]:
+               timeout_s: float, standby: str = "off") -> tuple[int, float, Path]:
     command = [sys.executable, "-m", "hpcnet.launch", "--max-restarts", "1", "--backoff-s", str(args.backoff_s),
-               "--", "mpirun", "-np", str(args.np), sys.executable, "-m", "mpi4py", "-m", "hpcnet.train",
+               "--standby", standby, "--", "mpirun", "-np", str(args.np), sys.executable, "-m", "mpi4py", "-m", "hpcnet.train",
                f"run.dir={out_dir}", f"run.name={name}", *train_args]
     t0 = time.monotonic()
     proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
@@ -144,9 +144,15 @@ def _restart_phases(launch_dir: Path, record: dict[str, Any], fault_step: int, f
     return phases
 
 
-def measure_kill(out_dir: Path, train_args: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    status, wall, launch_dir = _supervise(out_dir, "kill", [*train_args, f"fault.kill_at_step={args.kill_at}",
-                                                           "fault.only_attempt=1"], args, timeout_s=600)
+def _standby_used(record: dict[str, Any]) -> dict[str, Any]:
+    second = record["attempts"][1] if len(record["attempts"]) > 1 else {}
+    return {"standby_used": bool(second.get("standby")), "standby_note": second.get("standby_note", "")}
+
+
+def measure_kill(out_dir: Path, train_args: list[str], args: argparse.Namespace, *, name: str = "kill",
+                 standby: str = "off") -> dict[str, Any]:
+    status, wall, launch_dir = _supervise(out_dir, name, [*train_args, f"fault.kill_at_step={args.kill_at}",
+                                                         "fault.only_attempt=1"], args, timeout_s=600, standby=standby)
     record = json.loads((launch_dir / LAUNCH_FILE).read_text())
     victim = args.np - 1
     killed = first_event(log_events(attempt_dir(launch_dir, 1) / rank_log(victim)), r"kills itself \(SIGKILL\)")
@@ -154,12 +160,14 @@ def measure_kill(out_dir: Path, train_args: list[str], args: argparse.Namespace)
         raise RuntimeError(f"kill run: status {status}, {len(record['attempts'])} attempt(s) in {launch_dir}")
     phases = _restart_phases(launch_dir, record, args.kill_at, killed[0], record["attempts"][0]["launcher_report_unix"])
     return {"status": status, "wall_s": wall, "launch_dir": str(launch_dir),
-            "first_attempt_status": record["attempts"][0]["status"], "cause": record["attempts"][0]["cause"], **phases}
+            "first_attempt_status": record["attempts"][0]["status"], "cause": record["attempts"][0]["cause"],
+            **_standby_used(record), **phases}
 
 
-def measure_hang(out_dir: Path, train_args: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    status, wall, launch_dir = _supervise(out_dir, "hang", [*train_args, f"fault.hang_at_step={args.kill_at}",
-                                                           "fault.only_attempt=1"], args, timeout_s=600)
+def measure_hang(out_dir: Path, train_args: list[str], args: argparse.Namespace, *, name: str = "hang",
+                 standby: str = "off") -> dict[str, Any]:
+    status, wall, launch_dir = _supervise(out_dir, name, [*train_args, f"fault.hang_at_step={args.kill_at}",
+                                                         "fault.only_attempt=1"], args, timeout_s=600, standby=standby)
     record = json.loads((launch_dir / LAUNCH_FILE).read_text())
     victim = args.np - 1
     stopped = first_event(log_events(attempt_dir(launch_dir, 1) / rank_log(victim)), r"stops itself \(SIGSTOP\)")
@@ -168,7 +176,8 @@ def measure_hang(out_dir: Path, train_args: list[str], args: argparse.Namespace)
     detected = failure.get("detected_wall") or (failure_path.stat().st_mtime if failure_path.exists() else None)
     out: dict[str, Any] = {"status": status, "wall_s": wall, "launch_dir": str(launch_dir),
                            "first_attempt_status": record["attempts"][0]["status"],
-                           "cause": record["attempts"][0]["cause"], "failure_kind": failure.get("kind")}
+                           "cause": record["attempts"][0]["cause"], "failure_kind": failure.get("kind"),
+                           **_standby_used(record)}
     if stopped is None or detected is None:
         out["error"] = "no SIGSTOP record or no failure.json: the hang was not detected"
         return out
@@ -205,49 +214,51 @@ def measure_startup(args: argparse.Namespace) -> dict[str, float]:
     return out
 
 
-def _row(name: str, value: float | None, what: str) -> list[str]:
-    return [name, "-" if value is None else f"{value:.2f}", what]
+PHASES = [("detection_s", "detection", "the fault -> the launcher reports it (hang: failure.json)"),
+          ("teardown_s", "teardown", "-> the launcher has exited"),
+          ("backoff_s", "back-off", "-> the next attempt starts or its standby is released (--backoff-s)"),
+          ("restart_s", "restart", "-> ready to load: cold, process start, imports, MPI init, set-up; warm, "
+                                   "MPI init and set-up"),
+          ("load_s", "checkpoint load", "read, verify, restore"),
+          ("first_step_s", "first step", "the first step after the resume"),
+          ("total_to_first_step_s", "= total", "the fault -> the first step after the restart")]
 
 
-def report(kill: dict[str, Any] | None, hang: dict[str, Any] | None, startup: dict[str, float] | None) -> str:
+def _cell(values: list[float]) -> str:
+    if not values:
+        return "-"
+    s = summarize(values)
+    return f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
+
+
+def report(trials: dict[str, dict[str, list[dict[str, Any]]]], startup: dict[str, float] | None) -> str:
+    """Median (range) of every phase, cold beside warm, for each fault."""
     lines = []
-    if kill:
-        split = kill["restart_split"]
-        rows = [
-            _row("detection", kill["detection_s"], "kill -9 -> mpirun reports the dead rank"),
-            _row("teardown", kill["teardown_s"], "-> mpirun has exited"),
-            _row("back-off", kill["backoff_s"], "-> next attempt starts (--backoff-s)"),
-            _row("restart", kill["restart_s"], "-> ready to load (below)"),
-            _row("  to first log line", split["process_start_to_first_log_s"],
-                 "mpirun, python, import torch/h5py, MPI init, run dir"),
-            _row("  topology probe", split["topology_probe_s"], "dist.probe"),
-            _row("  torch.distributed", split["torch_distributed_s"], "gloo group (the fallback plane)"),
-            _row("  dataset/model/optim", split["dataset_model_optimizer_s"],
-                 "incl. torch._dynamo import by the optimizer"),
-            _row("checkpoint load", kill["load_s"], f"read + verify + restore step {kill['resumed_at_step']}"),
-            _row("first step", kill["first_step_s"], f"step {kill['resumed_at_step'] + 1}"),
-            _row("= kill -> first step", kill["total_to_first_step_s"], "the headline figure"),
-            _row("recompute", kill["recompute_s"],
-                 f"{kill['steps_recomputed']} steps since the checkpoint (step time before "
-                 f"{kill['step_time_before_s'] or 0:.3f} s)"),
-            _row("= kill -> caught up", kill["total_to_caught_up_s"], f"back at step {kill['fault_step']}"),
-        ]
-        lines += [f"kill -9 of the last rank at step {kill['fault_step']} "
-                  f"(first attempt: status {kill['first_attempt_status']}, {kill['cause']}):",
-                  table(["phase", "seconds", "what"], rows), ""]
-    if hang:
-        if "hang_detection_s" in hang:
-            rows = [_row("hang detection", hang["hang_detection_s"],
-                         f"SIGSTOP -> failure.json ({hang.get('failure_kind')})")]
-            if "total_to_first_step_s" in hang:
-                rows += [_row("teardown", hang["teardown_s"], "-> mpirun has exited"),
-                         _row("restart + load + step", hang["total_to_first_step_s"] - hang["hang_detection_s"]
-                              - hang["teardown_s"], "as above"),
-                         _row("= stop -> first step", hang["total_to_first_step_s"], "")]
-            lines += [f"SIGSTOP of the last rank (first attempt: status {hang['first_attempt_status']}, "
-                      f"{hang['cause']}):", table(["phase", "seconds", "what"], rows), ""]
-        else:
-            lines += [f"hang: {hang.get('error') or hang.get('skipped')}", ""]
+    for fault, modes in trials.items():
+        runs = {mode: [r for r in results if "total_to_first_step_s" in r] for mode, results in modes.items()}
+        header = ["phase"] + [f"{mode} (n={len(runs[mode])})" for mode in modes] + ["what"]
+        rows = []
+        for key, label, what in PHASES:
+            if fault == "hang" and key == "detection_s":
+                key, what = "hang_detection_s", "SIGSTOP -> the monitor's failure.json"
+            rows.append([label] + [_cell([r[key] for r in runs[mode] if r.get(key) is not None]) for mode in modes]
+                        + [what])
+        lines.append(f"{fault} of the last rank at step {next(iter(next(iter(runs.values()))), {}).get('fault_step', '?')}"
+                     f" (seconds, median and range over trials):")
+        lines.append(table(header, rows))
+        if "cold" in runs and "warm" in runs and runs["cold"] and runs["warm"]:
+            cold = summarize([r["total_to_first_step_s"] for r in runs["cold"]])["median"]
+            warm = summarize([r["total_to_first_step_s"] for r in runs["warm"]])["median"]
+            used = sum(r.get("standby_used", False) for r in runs["warm"])
+            lines.append(f"warm/cold total: {warm / cold:.2f} (the standby was used in {used} of "
+                         f"{len(runs['warm'])} warm trials)")
+            if fault == "hang":
+                detect = summarize([r["hang_detection_s"] for r in runs["warm"]])["median"]
+                lines.append(f"warm total - hang detection: {warm - detect:.2f} s")
+        failed = [r for results in modes.values() for r in results if "total_to_first_step_s" not in r]
+        if failed:
+            lines.append(f"{len(failed)} trial(s) without a restart: {[r.get('error') or r.get('status') for r in failed]}")
+        lines.append("")
     if startup:
         rows = [[k.removesuffix("_s"), f"{v:.2f}"] for k, v in startup.items()]
         lines += ["start-up pieces (best of 2, separate processes):", table(["what", "seconds"], rows), ""]
@@ -261,6 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every-steps", type=int, default=10, help="checkpoint.every_steps (default 10)")
     parser.add_argument("--kill-at", type=int, default=25, help="step after which the rank is killed/stopped")
     parser.add_argument("--backoff-s", type=float, default=0.0, help="hpcnet.launch --backoff-s (default 0)")
+    parser.add_argument("--trials", type=int, default=5, help="trials of each fault and mode (default 5)")
+    parser.add_argument("--modes", default="cold,warm",
+                        help="cold (hpcnet.launch --standby off), warm (--standby on), or both (default cold,warm)")
+    parser.add_argument("--settle-s", type=float, default=10.0,
+                        help="the first attempt sleeps this long at step 2, so its standby has parked before the "
+                             "fault (default 10; a real failure comes long after the start)")
     parser.add_argument("--dir", default="", help="where runs go (default: a new directory under /tmp)")
     parser.add_argument("--data-dir", default="data", help="data.dir with the synthetic dataset (default data)")
     parser.add_argument("--no-hang", action="store_true", help="skip the hang measurement")
@@ -268,34 +285,48 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("train_args", nargs="*", help="extra hpcnet.train options, e.g. dist.probe=false")
     args = parser.parse_args(argv)
-    if not 0 < args.every_steps < args.kill_at < args.steps:
-        parser.error("need 0 < --every-steps < --kill-at < --steps")
+    if not 2 < args.every_steps < args.kill_at < args.steps:
+        parser.error("need 2 < --every-steps < --kill-at < --steps")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or set(modes) - {"cold", "warm"} or args.trials < 1:
+        parser.error("--modes takes cold, warm or both; --trials must be at least 1")
     out_dir = Path(args.dir) if args.dir else Path(f"/tmp/hpcnet-recovery-{os.getpid()}")
     out_dir.mkdir(parents=True, exist_ok=True)
     train_args = [f"data.dir={Path(args.data_dir).absolute()}", "model.name=mlp", "train.batch_size=16",
                   f"train.steps={args.steps}", "train.eval_every=0", "run.log_every=1",
                   f"checkpoint.every_steps={args.every_steps}",
                   "checkpoint.move_aside=true",  # a rerun with the same --dir: set the last run's checkpoints aside
+                  *([f"fault.sleep_at_step=2", f"fault.sleep_s={args.settle_s}"] if args.settle_s > 0 else []),
                   *args.train_args]
+    hang_ok = not args.no_hang and importlib.util.find_spec("hpcnet.fault.monitor") is not None
+    faults = ["kill"] + (["hang"] if hang_ok else [])
     load_start = load_average()
-    kill = measure_kill(out_dir, train_args, args)
-    hang: dict[str, Any] | None = None
-    if not args.no_hang:
-        if importlib.util.find_spec("hpcnet.fault.monitor") is None:
-            hang = {"skipped": "hpcnet.fault.monitor is not there: a SIGSTOPped rank would never be detected"}
-        else:
-            hang = measure_hang(out_dir, train_args, args)
+    trials: dict[str, dict[str, list[dict[str, Any]]]] = {f: {m: [] for m in modes} for f in faults}
+    for trial in range(args.trials):
+        order = modes if trial % 2 == 0 else modes[::-1]  # alternate, so drift in the load hits both
+        for fault in faults:
+            for mode in order:
+                name = f"{fault}-{mode}-{trial}"
+                measure = measure_kill if fault == "kill" else measure_hang
+                try:
+                    result = measure(out_dir, train_args, args, name=name, standby="on" if mode == "warm" else "off")
+                except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                    result = {"error": str(exc)[-500:]}
+                trials[fault][mode].append(result)
+                total = result.get("total_to_first_step_s")
+                print(f"trial {trial + 1} {fault} {mode}: "
+                      f"{'%.2f s' % total if total is not None else result.get('error', 'no restart')}"
+                      f"{'' if mode == 'cold' else ' (standby used)' if result.get('standby_used') else ' (no standby)'}",
+                      flush=True)
     startup = None if args.no_startup else measure_startup(args)
-    text = report(kill, hang, startup)
-    print(f"recovery benchmark: {args.np} ranks, model mlp, {os.cpu_count()} cores, load average "
-          f"{', '.join(f'{x:.2f}' for x in load_start)} at start; runs in {out_dir}\n")
-    print(text)
+    print(f"\nrecovery benchmark: {args.np} ranks, model mlp, {args.trials} trial(s) per fault and mode, "
+          f"{os.cpu_count()} cores, load average {', '.join(f'{x:.2f}' for x in load_start)} at start, "
+          f"{', '.join(f'{x:.2f}' for x in load_average())} at end; runs in {out_dir}\n")
+    print(report(trials, startup))
     payload = {"np": args.np, "train_args": train_args, "load_average_start": load_start,
-               "load_average_end": load_average(), "kill": kill, "hang": hang, "startup": startup}
+               "load_average_end": load_average(), "trials": trials, "startup": startup}
     if args.json:
         write_json(args.json, payload)
-    else:
-        print(json.dumps(payload, indent=2))
     return 0
 
 

@@ -22,6 +22,7 @@ The README ("Automatic restart") describes the behaviour and the exit status.
 """
 
 import argparse
+import concurrent.futures
 import contextlib
 import ctypes
 import json
@@ -40,10 +41,12 @@ from hpcnet.config_manager import load_config, parse_command_line
 from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.launch.command import attempt_command, is_openmpi, launcher_env, launcher_kind, train_args_start
 from hpcnet.launch.hosts import exclude_hosts, slurm_allocation
+from hpcnet.launch.park import RELEASE_SIGNAL
+from hpcnet.launch.standby import TRIGGER, TRIGGER_TIMEOUT_S, fingerprint, parked_ranks, standby_command
 from hpcnet.launch.policy import (RestartBudget, backoff_s, committed_checkpoints, describe_failure, describe_status,
                                   failed_where, failure_from_line, is_restartable, new_checkpoints, normalise_status,
                                   read_failure)
-from hpcnet.layout import ATTEMPT_ENV, LAUNCH_FILE, attempt_dir, checkpoint_dir, run_dir_path
+from hpcnet.layout import ATTEMPT_ENV, LAUNCH_FILE, STANDBY_ENV, attempt_dir, checkpoint_dir, run_dir_path
 
 
 @dataclass(slots=True)
@@ -71,6 +74,12 @@ class Attempt:
     """Processes of the attempt still running after the launcher ended, killed before going on."""
     survivors: list[int] = field(default_factory=list)
     """Processes that would not die (SIGKILL in an uninterruptible wait): nothing more is started."""
+    standby: bool = False
+    """Run by a warm standby: started during the previous attempt, parked, released at its failure."""
+    standby_note: str = ""
+    """Why no standby was used (none was ready, or it was discarded and why)."""
+    standby_started_unix: float | None = None
+    """When the standby that ran this attempt was started."""
 
 
 class _Forwarder:
@@ -172,36 +181,56 @@ def _tee(stream: Any, out: TextIO, on_line: Any) -> None:
     stream.close()
 
 
-def run_attempt(command: list[str], env: dict[str, str], forwarder: _Forwarder, record: Attempt) -> None:
-    """Run one attempt to its end, teeing its output; fill in ``record``."""
-    def on_line(line: str) -> None:
+class _Started:
+    """A launcher process in a session of its own, its output teed to ours as it comes."""
+
+    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+        # Its own session (and so process group): a Ctrl-C on the terminal reaches
+        # the job once, through us, and every process the attempt starts is
+        # found by its session afterwards (reap_session).
+        self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     start_new_session=True, preexec_fn=_die_with_parent)
+        self.on_line: Any = None
+        self.threads = [threading.Thread(target=_tee, args=(self.proc.stdout, sys.stdout, self._line), daemon=True),
+                        threading.Thread(target=_tee, args=(self.proc.stderr, sys.stderr, self._line), daemon=True)]
+        for thread in self.threads:
+            thread.start()
+
+    def _line(self, line: str) -> None:
+        hook = self.on_line
+        if hook is not None:
+            hook(line)
+
+
+def run_attempt(command: list[str], env: dict[str, str], forwarder: _Forwarder, record: Attempt,
+                started: "_Started | None" = None, on_line: Any = None) -> None:
+    """Run one attempt to its end (``started``: already running, a released standby), teeing its output; fill in
+    ``record``."""
+    def seen(line: str) -> None:
         if record.launcher_report_unix is None:
             found = failure_from_line(line)
             if found:
                 record.launcher_report_unix = time.time()
                 record.failure = record.failure or found
+        if on_line is not None:
+            on_line(line)
 
     record.start_unix = time.time()
     t0 = time.monotonic()
-    try:
-        # Its own session (and so process group): a Ctrl-C on the terminal reaches
-        # the job once, through us, and every process the attempt starts is
-        # found by its session afterwards (reap_session).
-        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True, preexec_fn=_die_with_parent)
-    except OSError as exc:
-        print(f"hpcnet.launch: cannot run {command[0]!r}: {exc.strerror or exc}", file=sys.stderr, flush=True)
-        record.status, record.end_unix = 127, time.time()
-        record.cause = f"cannot run {command[0]!r}"
-        return
+    if started is None:
+        try:
+            started = _Started(command, env)
+        except OSError as exc:
+            print(f"hpcnet.launch: cannot run {command[0]!r}: {exc.strerror or exc}", file=sys.stderr, flush=True)
+            record.status, record.end_unix = 127, time.time()
+            record.cause = f"cannot run {command[0]!r}"
+            return
+    started.on_line = seen
+    proc = started.proc
     forwarder.proc = proc
     if forwarder.received:  # a signal came between attempts: pass it on at once
         forwarder.count -= 1
         forwarder._handle(forwarder.received, None)
-    threads = [threading.Thread(target=_tee, args=(proc.stdout, sys.stdout, on_line), daemon=True),
-               threading.Thread(target=_tee, args=(proc.stderr, sys.stderr, on_line), daemon=True)]
-    for thread in threads:
-        thread.start()
     returncode = proc.wait()
     record.end_unix = time.time()
     record.duration_s = time.monotonic() - t0
@@ -209,9 +238,54 @@ def run_attempt(command: list[str], env: dict[str, str], forwarder: _Forwarder, 
     record.reaped, record.survivors = reap_session(proc.pid)  # before the tees: survivors hold the pipes
     if record.reaped:
         _say(f"killed {len(record.reaped)} process(es) the attempt left running: {record.reaped[:10]}")
-    for thread in threads:
+    for thread in started.threads:
         thread.join(timeout=5)
     record.status = normalise_status(returncode)
+
+
+class Standby:
+    """The next attempt's processes, started ahead and parked before MPI initialisation (``hpcnet.launch.standby``).
+
+    Args:
+        attempt: the attempt it would run.
+        command: that attempt's command; ``launcher`` and ``openmpi`` say how to make it a standby's.
+        env: that attempt's environment.
+        directory: where its ranks report that they are parked.
+        fingerprint: what must be unchanged for it to be used.
+    """
+
+    def __init__(self, attempt: int, command: list[str], env: dict[str, str], directory: Path, fingerprint: str, *,
+                 launcher: str, openmpi: bool) -> None:
+        self.attempt, self.directory, self.fingerprint = attempt, directory, fingerprint
+        directory.mkdir(parents=True, exist_ok=True)
+        for old in directory.glob("parked.*"):
+            old.unlink(missing_ok=True)
+        command = standby_command(command, launcher)
+        if openmpi and launcher == "mpirun":
+            command = [command[0], "-x", STANDBY_ENV, *command[1:]]  # to the ranks on other nodes too
+        self.command = command
+        self.started_unix = time.time()
+        self.started = _Started(command, {**env, STANDBY_ENV: str(directory)})
+
+    def alive(self) -> bool:
+        return self.started.proc.poll() is None
+
+    def parked(self) -> str:
+        """'N/M ranks parked' (M unknown before rank 0 has parked)."""
+        count, size = parked_ranks(self.directory)
+        return f"{count}/{size if size is not None else '?'} ranks parked"
+
+    def release(self) -> None:
+        """Let its ranks go on (the launcher forwards the signal to every rank)."""
+        os.kill(self.started.proc.pid, RELEASE_SIGNAL)
+
+    def discard(self) -> None:
+        """End every process of the standby (its session) and wait for them."""
+        reap_session(self.started.proc.pid, timeout_s=10.0)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.started.proc.wait(timeout=10)
+        for thread in self.started.threads:
+            thread.join(timeout=2)
 
 
 @dataclass(slots=True)
@@ -230,15 +304,26 @@ class _Job:
     allocation: list[tuple[str, int]] | None
     excluded: list[str] = field(default_factory=list)
     attempts: list[Attempt] = field(default_factory=list)
+    launcher: str = ""
+    config_file: str | None = None
+    standby_on: bool = False
+    standby: Standby | None = None
+    """The standby for the next attempt, once started (by the attempt's watcher thread)."""
+    spawner: Any = None
+    """The one thread that starts standbys, alive as long as the supervisor: Linux sends the parent-death signal
+    (``_die_with_parent``) when the *thread* that started a child ends, so a short-lived thread would kill its
+    standby as soon as it returned."""
 
 
 def _prepare(command: list[str], environ: dict[str, str]) -> "_Job | int":
     """The launcher and the launch and checkpoint directories of ``command``; a status when its options are bad."""
     openmpi = launcher_kind(command) == "mpirun" and is_openmpi(command[0])
     start = train_args_start(command)
-    job = _Job(command, list(command), openmpi, start, Path.cwd(), None, slurm_allocation(environ))
+    job = _Job(command, list(command), openmpi, start, Path.cwd(), None, slurm_allocation(environ),
+               launcher=launcher_kind(command))
     if start is not None:
         parsed = parse_command_line(command[start:])
+        job.config_file = parsed.config
         if parsed.help or parsed.print_config:  # runs once, nothing to supervise
             job.train_start = None
         else:
@@ -261,18 +346,87 @@ def _prepare(command: list[str], environ: dict[str, str]) -> "_Job | int":
     return job
 
 
-def _run_next(job: _Job, budget: RestartBudget, forwarder: _Forwarder, environ: dict[str, str]) -> Attempt:
-    """Run the next attempt of ``job`` and record it in launch.json."""
-    attempt = len(job.attempts) + 1
+def _attempt_plan(job: _Job, attempt: int, environ: dict[str, str]) -> tuple[list[str], dict[str, str], str | None]:
+    """The command, environment and run directory of attempt ``attempt`` as things stand."""
     run_dir = str(attempt_dir(job.launch_dir, attempt)) if job.train_start is not None else None
     pinned = [f"run.dir={run_dir}", "run.dir_exact=true", f"checkpoint.dir={job.checkpoint_dir}"] if run_dir else []
     cmd = attempt_command(job.base, attempt, train_start=job.train_start, pinned=pinned, openmpi=job.openmpi)
+    return cmd, {**launcher_env(environ, job.openmpi), ATTEMPT_ENV: str(attempt)}, run_dir
+
+
+def _take_standby(job: _Job, attempt: int, cmd: list[str], env: dict[str, str], record: Attempt) -> Standby | None:
+    """The standby for ``attempt`` if it is alive and what it runs is what a cold start would run now; else it is
+    discarded and ``record`` says why."""
+    standby, job.standby = job.standby, None
+    if standby is None:
+        if job.standby_on and attempt > 1:
+            record.standby_note = "no standby was ready (the previous attempt ended before its start-up was over)"
+        return None
+    note = ""
+    if standby.attempt != attempt:
+        note = f"it was made for attempt {standby.attempt}"
+    elif not standby.alive():
+        note = f"it ended with status {normalise_status(standby.started.proc.returncode)}"
+    elif standby.fingerprint != fingerprint(cmd, env, job.config_file):
+        note = "the command, environment, hosts, code or config file changed since it started"
+    if note:
+        standby.discard()
+        record.standby_note = f"standby discarded: {note}; cold start"
+        _say(record.standby_note)
+        return None
+    record.standby, record.standby_started_unix = True, standby.started_unix
+    record.standby_note = f"released with {standby.parked()} after {time.time() - standby.started_unix:.1f} s"
+    return standby
+
+
+def _standby_watcher(job: _Job, attempt: int, environ: dict[str, str], started: threading.Event,
+                     ended: threading.Event) -> None:
+    """Start the standby for attempt ``attempt`` + 1 once this attempt's start-up is over (``TRIGGER``)."""
+    started.wait(TRIGGER_TIMEOUT_S)
+    if ended.is_set():
+        return
+    cmd, env, _ = _attempt_plan(job, attempt + 1, environ)
+    try:
+        job.standby = job.spawner.submit(
+            Standby, attempt + 1, cmd, env, job.launch_dir / f"standby-{attempt + 1}",
+            fingerprint(cmd, env, job.config_file), launcher=job.launcher, openmpi=job.openmpi).result()
+    except OSError as exc:
+        _say(f"cannot start a standby for attempt {attempt + 1}: {exc.strerror or exc}")
+        return
+    _say(f"standby for attempt {attempt + 1} started (pid {job.standby.started.proc.pid}); it parks before MPI "
+         "starts")
+
+
+def _run_next(job: _Job, budget: RestartBudget, forwarder: _Forwarder, environ: dict[str, str]) -> Attempt:
+    """Run the next attempt of ``job`` (through its standby when one is ready) and record it in launch.json."""
+    attempt = len(job.attempts) + 1
+    cmd, env, run_dir = _attempt_plan(job, attempt, environ)
     record = Attempt(attempt=attempt, command=cmd, run_dir=run_dir, start_unix=time.time(),
                      excluded_hosts=list(job.excluded))
     job.attempts.append(record)
-    _say(f"attempt {attempt}/{budget.last_attempt(attempt)}: {shlex.join(cmd)}")
+    standby = _take_standby(job, attempt, cmd, env, record)
+    _say(f"attempt {attempt}/{budget.last_attempt(attempt)}{' (warm standby)' if standby else ''}: {shlex.join(cmd)}")
     before = committed_checkpoints(job.checkpoint_dir)
-    run_attempt(cmd, {**launcher_env(environ, job.openmpi), ATTEMPT_ENV: str(attempt)}, forwarder, record)
+    started_up, ended = threading.Event(), threading.Event()
+    watcher = None
+    if job.standby_on:
+        watcher = threading.Thread(target=_standby_watcher, args=(job, attempt, environ, started_up, ended),
+                                   daemon=True)
+        watcher.start()
+
+    def on_line(line: str) -> None:
+        if TRIGGER.match(line):
+            started_up.set()
+
+    if standby is not None:
+        standby.release()
+    try:
+        run_attempt(cmd, env, forwarder, record, started=standby.started if standby else None, on_line=on_line)
+    finally:
+        ended.set()
+        started_up.set()
+        if watcher is not None:
+            watcher.join()
     record.new_checkpoints = new_checkpoints(before, committed_checkpoints(job.checkpoint_dir))
     record.failure = read_failure(run_dir) or record.failure
     record.signal_received = forwarder.received
@@ -319,13 +473,24 @@ def _exclude_failed_hosts(job: _Job, record: Attempt) -> None:
 
 
 def supervise(command: list[str], *, max_restarts: int = 3, backoff_base_s: float = 1.0,
-              backoff_cap_s: float = 60.0, exclude_failed_hosts: bool = False,
+              backoff_cap_s: float = 60.0, exclude_failed_hosts: bool = False, standby: str = "auto",
               environ: dict[str, str] | None = None) -> int:
-    """Run ``command`` until it succeeds, fails for good, or uses up ``max_restarts``; return its status."""
+    """Run ``command`` until it succeeds, fails for good, or uses up ``max_restarts``; return its status.
+
+    ``standby``: 'auto' (a warm standby when the launcher is mpirun or srun, the command runs hpcnet.train and a
+    restart is allowed), 'on' (the same, an error where it cannot be), 'off'.
+    """
     environ = dict(os.environ if environ is None else environ)
     job = _prepare(command, environ)
     if isinstance(job, int):
         return job
+    possible = job.launcher in ("mpirun", "srun") and job.train_start is not None and max_restarts > 0
+    if standby == "on" and not possible:
+        _say("error: --standby on needs an mpirun or srun command that runs hpcnet.train, and --max-restarts > 0")
+        return ExitCode.USAGE_ERROR
+    job.standby_on = standby != "off" and possible
+    if job.standby_on:
+        job.spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcnet-standby")
     forwarder = _Forwarder(mpirun=job.openmpi).install()
     budget = RestartBudget(max_restarts)
     since = " since the last new checkpoint" if job.checkpoint_dir else ""
@@ -357,6 +522,11 @@ def supervise(command: list[str], *, max_restarts: int = 3, backoff_base_s: floa
                    f"{describe_status(status)}{_cause(record)}")
         return status
     finally:
+        if job.standby is not None:  # not needed: its processes end with us
+            job.standby.discard()
+            job.standby = None
+        if job.spawner is not None:
+            job.spawner.shutdown(wait=True)
         forwarder.restore()
         if message:
             _say(message)
@@ -393,6 +563,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-backoff-s", type=float, default=60.0, help="longest wait (default 60)")
     parser.add_argument("--exclude-failed-hosts", action="store_true",
                         help="leave a host that a failure is pinned to out of the next attempts (mpirun, srun)")
+    parser.add_argument("--standby", choices=("auto", "on", "off"), default="auto",
+                        help="warm standby: start the next attempt ahead, parked before MPI starts, and release it "
+                             "at a failure (auto: with mpirun or srun; default auto)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the launcher command")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -401,4 +574,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_restarts < 0 or args.backoff_s < 0 or args.max_backoff_s < 0:
         parser.error("--max-restarts, --backoff-s and --max-backoff-s must be >= 0")
     return supervise(command, max_restarts=args.max_restarts, backoff_base_s=args.backoff_s,
-                     backoff_cap_s=args.max_backoff_s, exclude_failed_hosts=args.exclude_failed_hosts)
+                     backoff_cap_s=args.max_backoff_s, exclude_failed_hosts=args.exclude_failed_hosts,
+                     standby=args.standby)

@@ -1,0 +1,148 @@
+"""Warm standby in hpcnet.launch: the next attempt parked before MPI starts, released at a failure; a changed
+configuration discards it; no parked process outlives the supervisor, however it ends."""
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from hpcnet.launch.standby import TRIGGER, fingerprint, parked_ranks, standby_command
+from tests.helpers import clean_env
+from tests.launch.test_supervisor import _assert_same, _final_tensors, _serial_only, _train_command, reference  # noqa: F401
+
+
+# -- pure --------------------------------------------------------------------------------------------------------
+def test_the_fingerprint_follows_command_environment_hostfile_and_config(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("a slots=2\n")
+    config = tmp_path / "run.toml"
+    config.write_text("[train]\nsteps = 5\n")
+    command = ["mpirun", "--hostfile", str(hosts), "python", "-m", "hpcnet.train", "--config", str(config)]
+    env = {"A": "1"}
+    base = fingerprint(command, env, str(config))
+    assert fingerprint(list(command), dict(env), str(config)) == base
+    assert fingerprint(command + ["train.steps=6"], env, str(config)) != base
+    assert fingerprint(command, {"A": "2"}, str(config)) != base
+    hosts.write_text("b slots=2\n")
+    assert fingerprint(command, env, str(config)) != base
+    base = fingerprint(command, env, str(config))
+    time.sleep(0.01)
+    config.write_text("[train]\nsteps = 7\n")
+    assert fingerprint(command, env, str(config)) != base
+
+
+def test_standby_commands_parked_counts_and_the_trigger(tmp_path):
+    assert standby_command(["srun", "-n", "2", "python"], "srun") == ["srun", "--overlap", "-n", "2", "python"]
+    assert standby_command(["mpirun", "-np", "2"], "mpirun") == ["mpirun", "-np", "2"]
+    assert parked_ranks(tmp_path) == (0, None)
+    (tmp_path / "parked.1").write_text(" 12 1.0\n")
+    (tmp_path / "parked.0").write_text("2 11 1.0\n")
+    assert parked_ranks(tmp_path) == (2, 2)
+    assert TRIGGER.match("step  5/10 | loss 1.0 | lr") and TRIGGER.match("gradients: mpi all-reduce (inline)")
+    assert not TRIGGER.match("model mlp: 1,000 parameters")
+
+
+# -- under mpirun --------------------------------------------------------------------------------------------------
+def _standby_processes(marker: str) -> list[int]:
+    """Processes whose environment names a standby directory under ``marker``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if f"HPCNET_STANDBY={marker}".encode() in environ:
+            found.append(int(entry.name))
+    return found
+
+
+def _none_left(marker: str, timeout_s: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while (left := _standby_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def _launch(tmp_path, name, *extra, options=(), stderr=None):
+    # The first attempt pauses at step 2 (fault.sleep_*: its rank 1, the one that is killed later), so the standby
+    # has started, and usually parked, before the fault; the numbers do not change.
+    command = _train_command(tmp_path, name, "fault.sleep_at_step=2", "fault.sleep_s=8", *extra)
+    return subprocess.Popen([sys.executable, "-m", "hpcnet.launch", "--backoff-s", "0", *options, "--", *command],
+                            cwd=tmp_path, env=clean_env(), stderr=stderr, stdout=subprocess.DEVNULL, text=True)
+
+
+def _record(tmp_path, name):
+    return json.loads(next((tmp_path / "runs").glob(f"{name}-*/launch.json")).read_text())
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(300)
+def test_a_killed_rank_restarts_from_the_standby_and_ends_identical(tmp_path, reference):  # noqa: F811
+    with open(tmp_path / "err.txt", "w") as err:
+        proc = _launch(tmp_path, "warm", "fault.kill_at_step=6", "fault.only_attempt=1", options=("--standby", "on"),
+                       stderr=err)
+        assert proc.wait(timeout=240) == 0, (tmp_path / "err.txt").read_text()[-3000:]
+    text = (tmp_path / "err.txt").read_text()
+    assert "standby for attempt 2 started" in text and re.search(r"attempt 2/\d+ \(warm standby\)", text)
+    attempts = _record(tmp_path, "warm")["attempts"]
+    assert [a["status"] for a in attempts] == [137, 0]
+    assert attempts[1]["standby"] and attempts[1]["standby_note"].startswith("released with"), attempts[1]
+    assert not attempts[0]["standby"]
+    _assert_same(_final_tensors(tmp_path, "warm"), reference)
+    assert _none_left(str(tmp_path)) == []  # the standby made for attempt 3 is gone too
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(300)
+def test_a_changed_config_file_discards_the_standby(tmp_path, reference):  # noqa: F811
+    config = tmp_path / "run.toml"
+    config.write_text("[train]\nsteps = 10\n")
+    with open(tmp_path / "err.txt", "w") as err:
+        proc = _launch(tmp_path, "changed", "--config", str(config), "fault.kill_at_step=6", "fault.only_attempt=1",
+                       stderr=err)
+        deadline = time.monotonic() + 150
+        while "standby for attempt 2 started" not in (tmp_path / "err.txt").read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "err.txt").read_text()[-3000:]
+            time.sleep(0.2)
+        config.write_text("[train]\nsteps = 10  # edited while the job runs\n")
+        assert proc.wait(timeout=200) == 0, (tmp_path / "err.txt").read_text()[-3000:]
+    attempts = _record(tmp_path, "changed")["attempts"]
+    assert [a["status"] for a in attempts] == [137, 0] and not attempts[1]["standby"]
+    assert "config file changed" in attempts[1]["standby_note"]
+    _assert_same(_final_tensors(tmp_path, "changed"), reference)
+    assert _none_left(str(tmp_path)) == []
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGKILL", "failure"])
+def test_no_parked_process_outlives_the_supervisor(tmp_path, how):
+    """However the supervisor ends (a stop signal, kill -9 of it, a failure it does not restart), the standby's
+    processes end too: the supervisor reaps them, or the parent-death signal reaches them."""
+    _serial_only()
+    extra = (["fault.write_error=EDQUOT", "fault.write_error_at_step=4"] if how == "failure"
+             else ["train.steps=100000", "checkpoint.every_steps=0"])
+    with open(tmp_path / "err.txt", "w") as err:
+        proc = _launch(tmp_path, "left", *extra, stderr=err)
+        try:
+            deadline = time.monotonic() + 150
+            while not _standby_processes(str(tmp_path)):
+                assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "err.txt").read_text()[-3000:]
+                time.sleep(0.2)
+            if how != "failure":
+                proc.send_signal(getattr(signal, how))
+            proc.wait(timeout=120)
+        finally:
+            proc.kill()
+    assert _none_left(str(tmp_path), 30.0) == [], (tmp_path / "err.txt").read_text()[-3000:]
+    if how == "failure":
+        assert proc.returncode == 2
