@@ -66,7 +66,7 @@ def _rows_of_blocks(spec: TensorSpec, blocks: np.ndarray, first_block: int) -> n
 
 def _hash_owned(job: "SaveJob") -> dict[int, np.ndarray]:
     """This rank's block hashes of every piece it owns, computed in threads (``hpcnet.ckpt.direct``)."""
-    with direct.pool() as pool:
+    with direct.pool(job.io_threads) as pool:
         futures = {i: direct.submit_hash(pool, array, job.specs[i].block_rows * job.specs[i].row_bytes)
                    for i, array in job.arrays.items()}
         return {i: direct.collect(f) for i, f in futures.items()}
@@ -318,7 +318,7 @@ def _write_direct(job: "SaveJob", rank: int, tmp: Path, d_tensors: dict[int, Any
         errors.append(exc)
         return 0, hashes
     try:
-        with direct.pool() as pool:
+        with direct.pool(job.io_threads) as pool:
             futures = {i: direct.submit_write(pool, fd, job.arrays[i], offset, block_bytes)
                        for i, offset, block_bytes in pieces}
             for i, chunks in futures.items():

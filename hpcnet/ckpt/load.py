@@ -98,7 +98,8 @@ def _choose(which: str, directory: Path | None) -> Choice:
 
 
 def load_with_choice(comm: Any, which: str, directory: Path | None, fault: IoFault | None,
-                     into: "dict[str, torch.Tensor] | None" = None) -> tuple[Loaded | None, Choice]:
+                     into: "dict[str, torch.Tensor] | None" = None, io_threads: int = 0
+                     ) -> tuple[Loaded | None, Choice]:
     """Collective: ``load_checkpoint``, and what rank 0 chose from (the manager settles the directory by it)."""
     choice = None
     with shared_errors(comm):
@@ -113,7 +114,7 @@ def load_with_choice(comm: Any, which: str, directory: Path | None, fault: IoFau
         if chain is not None:
             try:
                 result = read_chain(comm, [Path(i.path) for i in chain], uids=[i.uid for i in chain], fault=fault,
-                                    into=into)
+                                    into=into, io_threads=io_threads)
             except CheckpointCorrupt as exc:  # damage only: an I/O error is not a reason to go back
                 why = str(exc).removeprefix(f"{info.path}: ")
             else:
@@ -136,8 +137,8 @@ def load_with_choice(comm: Any, which: str, directory: Path | None, fault: IoFau
 
 
 def load_checkpoint(comm: Any, which: str = "auto", directory: str | Path | None = None, *,
-                    fault: IoFault | None = None, into: "dict[str, torch.Tensor] | None" = None
-                    ) -> Loaded | None:
+                    fault: IoFault | None = None, into: "dict[str, torch.Tensor] | None" = None,
+                    io_threads: int = 0) -> Loaded | None:
     """Collective: load a checkpoint, verified, on every rank of ``comm`` (any world size).
 
     Args:
@@ -151,8 +152,10 @@ def load_checkpoint(comm: Any, which: str = "auto", directory: str | Path | None
         directory: the checkpoint directory, for 'auto'.
         fault: fault injection (``hpcnet.ckpt.write.IoFault``), or None.
         into: tensors to load into in place where they fit (``hpcnet.ckpt.read.read_chain``).
+        io_threads: threads that read and hash (0: ``hpcnet.ckpt.direct.IO_THREADS``).
 
     I/O errors are not damage: they are raised (on every rank) as what they
     are, ``OSError`` with its errno.
     """
-    return load_with_choice(comm, which, None if directory is None else Path(directory), fault, into)[0]
+    return load_with_choice(comm, which, None if directory is None else Path(directory), fault, into,
+                            io_threads)[0]

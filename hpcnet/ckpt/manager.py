@@ -37,6 +37,7 @@ from hpcnet.agree import agree_on_error, agreed, ranks_differing, shared_errors
 from hpcnet.ckpt.format import (BLOCK_BYTES, LARGE_BLOCK_BYTES, CheckpointInfo, Ownership, TensorSpec,
                                 check_names_nest, committed_after, dtype_name, make_spec, plan_ownership, sha256_hex,
                                 to_storage)
+from hpcnet.ckpt import direct
 from hpcnet.ckpt.listing import listing, scan, set_aside
 from hpcnet.ckpt.load import Loaded, load_checkpoint, load_with_choice
 from hpcnet.ckpt.shared import check_same_listing, check_shared_directory
@@ -109,6 +110,13 @@ class CheckpointManager:
         self.fault = fault
         self.collective_writes = collective_writes
         self.direct_writes = direct_writes
+        from hpcnet.comm.world import usable_cores
+
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        node_ranks = node.Get_size()
+        node.Free()
+        self.io_threads = max(1, min(direct.IO_THREADS, len(usable_cores()) // node_ranks))
+        """Threads of this rank that write, read and hash: its share of the node's cores, at most IO_THREADS."""
         check_shared_directory(comm, self.directory)
         self.deadlines = deadlines
         self.timeout_s = timeout_s
@@ -180,7 +188,8 @@ class CheckpointManager:
         job = SaveJob(directory=self.directory, step=step, kind=kind, uid=comm.bcast(uuid.uuid4().hex, root=0),
                       created_unix=created, specs=specs, ownership=ownership, arrays=arrays, meta_bytes=meta_bytes,
                       rank_state_bytes=rank_bytes, keep=self.keep, seq=seq, fault=self.fault,
-                      collective_writes=self.collective_writes, direct_writes=self.direct_writes)
+                      collective_writes=self.collective_writes, direct_writes=self.direct_writes,
+                      io_threads=self.io_threads)
         if incremental:
             job.parent, job.base, job.prev_hashes = previous.info, previous.base, previous.hashes
         since_full = previous.saves_since_full + 1 if incremental else 0
@@ -310,7 +319,8 @@ class CheckpointManager:
         self._check_open()
         self.wait()
         with self.deadlines.guard("checkpoint.load", self._deadline_s(self._stored_bytes()), what="checkpoint.load"):
-            return load_checkpoint(self.comm, which, self.directory, fault=self.fault, into=into)
+            return load_checkpoint(self.comm, which, self.directory, fault=self.fault, into=into,
+                                   io_threads=self.io_threads)
 
     def start_fresh(self) -> None:
         """Collective: begin a run that does not resume.
@@ -338,7 +348,8 @@ class CheckpointManager:
         self._check_open()
         self.wait()
         with self.deadlines.guard("checkpoint.load", self._deadline_s(self._stored_bytes()), what="checkpoint.load"):
-            loaded, choice = load_with_choice(self.comm, which, self.directory, self.fault)
+            loaded, choice = load_with_choice(self.comm, which, self.directory, self.fault,
+                                              io_threads=self.io_threads)
         if Path(choice.folder).resolve() != self.directory.resolve():
             self._claim(self._agreed_infos(), f"resumed-from-{Path(choice.folder).name}")
         elif loaded is not None:

@@ -47,7 +47,8 @@ def _verify(got: np.ndarray, want: np.ndarray, spec: TensorSpec, blocks: np.ndar
 
 
 def _read_owned(f: Any, path: Path, attrs: dict[str, Any], index: list[dict[str, Any]], owned: list,
-                out: dict[int, np.ndarray], file_hashes: np.ndarray, file_blocks: np.ndarray | None) -> None:
+                out: dict[int, np.ndarray], file_hashes: np.ndarray, file_blocks: np.ndarray | None,
+                io_threads: int = 0) -> None:
     """Read (and verify) this rank's pieces from one file of a chain into ``out``.
 
     A full file's pieces are read in chunks by several threads at once, each
@@ -56,7 +57,7 @@ def _read_owned(f: Any, path: Path, attrs: dict[str, Any], index: list[dict[str,
     """
     fd = os.open(path, os.O_RDONLY)
     try:
-        with direct.pool() as pool:
+        with direct.pool(io_threads) as pool:
             checks: list[tuple[str, TensorSpec, np.ndarray, np.ndarray, list]] = []
             try:
                 _read_pieces(f, fd, attrs, index, owned, out, file_hashes, file_blocks, pool, checks)
@@ -229,7 +230,8 @@ def _buffer(spec: TensorSpec, into: "dict[str, torch.Tensor] | None") -> np.ndar
 
 
 def _read_local(chain: list[Path], headers: list, ownership: Ownership, rank: int,
-                into: "dict[str, torch.Tensor] | None" = None) -> tuple[dict[int, np.ndarray], ReadResult]:
+                into: "dict[str, torch.Tensor] | None" = None, io_threads: int = 0
+                ) -> tuple[dict[int, np.ndarray], ReadResult]:
     """This rank's verified pieces of every tensor (in full-size buffers), the meta and its rank state."""
     specs = [e["spec"] for e in headers[-1][1]]
     owned = ownership.owned(rank)
@@ -243,7 +245,7 @@ def _read_local(chain: list[Path], headers: list, ownership: Ownership, rank: in
                 file_blocks = None
                 if attrs["kind"] == "incremental":
                     file_blocks = checked(f, "blocks", file_hashes.shape, np.dtype("<i8"))[()]
-                _read_owned(f, path, attrs, index, owned, out, file_hashes, file_blocks)
+                _read_owned(f, path, attrs, index, owned, out, file_hashes, file_blocks, io_threads)
                 if path != chain[-1]:
                     continue
                 try:
@@ -259,7 +261,8 @@ def _read_local(chain: list[Path], headers: list, ownership: Ownership, rank: in
 
 
 def read_chain(comm: Any, chain: list[Path], *, uids: list[str] | None = None,
-               fault: IoFault | None = None, into: "dict[str, torch.Tensor] | None" = None) -> ReadResult:
+               fault: IoFault | None = None, into: "dict[str, torch.Tensor] | None" = None,
+               io_threads: int = 0) -> ReadResult:
     """Collective: read the chain (full base first, increments after), verify it, return full tensors.
 
     Args:
@@ -271,6 +274,7 @@ def read_chain(comm: Any, chain: list[Path], *, uids: list[str] | None = None,
             shape and dtype), as torch.distributed.checkpoint loads: no new memory to allocate and
             fault in.  The returned tensors then share their memory.  A failed load may have
             overwritten some of them.
+        io_threads: threads that read and hash (0: ``hpcnet.ckpt.direct.IO_THREADS``).
 
     Raises, on every rank alike: ``CheckpointCorrupt`` (a checksum or the
     structure; the message names file and dataset), an ``OSError`` with its
@@ -283,7 +287,7 @@ def read_chain(comm: Any, chain: list[Path], *, uids: list[str] | None = None,
     try:
         headers = _read_headers(chain, uids, fault)
         ownership = plan_ownership([e["spec"] for e in headers[-1][1]], size)
-        out, result = _read_local(chain, headers, ownership, rank, into)
+        out, result = _read_local(chain, headers, ownership, rank, into, io_threads)
     except BaseException as exc:  # noqa: BLE001 - shared below, so every rank raises alike
         error = exc
     t_read = time.perf_counter()

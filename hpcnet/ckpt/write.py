@@ -64,6 +64,8 @@ class SaveJob:
     direct_writes: bool = True
     """A full checkpoint's tensor data: pwrite at the datasets' offsets, hashed in threads (``hpcnet.ckpt.direct``),
     instead of h5py writes."""
+    io_threads: int = 0
+    """Threads that write and hash (0: ``hpcnet.ckpt.direct.IO_THREADS``)."""
     parent: CheckpointInfo | None = None
     base: CheckpointInfo | None = None
     prev_hashes: dict[int, np.ndarray] | None = None
