@@ -225,8 +225,12 @@ def test_killed_rank_recovers_inside_the_allocation(jobs):
     info = job.wait()
     out = job.output()
     assert "kills itself (SIGKILL) at step 12" in out, out[-3000:]
-    assert re.search(r"attempt 2/\d+: srun", out), out[-3000:]
+    assert re.search(r"attempt 2/\d+ \(warm standby\): srun", out), out[-3000:]
     assert info["Restarts"] == "0"  # retried by hpcnet.launch, not requeued
+    # Through the standby: an srun --overlap step in the allocation, parked, released by SIGUSR1.
+    record = json.loads(next((job.directory / "runs" / job.id).glob("kill-*/launch.json")).read_text())
+    assert record["attempts"][1]["standby"], record["attempts"][1]
+    assert "--overlap" not in record["attempts"][1]["command"]  # what a cold restart would run
     _assert_finished(job, info)
     assert 0 < job.summary()["start_step"] <= 12
     _assert_same_state(job, jobs["reference"])
