@@ -1,20 +1,107 @@
-"""HDF5 dataset files: ``H5Split`` opens one split read-only, validates it and reads rows by index.
+"""HDF5 dataset files, the one home of the format: ``H5Split`` opens one split read-only, validates it
+and reads rows by index; ``atomic_h5``, ``set_root_attributes`` and ``create_split`` write one.
 
 Every rank opens its own handle with serial h5py and reads only its rows, so no parallel HDF5 is
-needed to train. The file layout is in the README (Datasets) and written by ``hpcnet.data.synthetic``.
+needed to train. The file layout is in the README (Datasets); ``hpcnet.data.synthetic`` (generated
+sets) and ``hpcnet.data.convert`` (the user's arrays) write it. Torch is imported only to read, so the
+writers' command lines start without it.
 """
 
+import contextlib
 import math
 import os
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import h5py
 import numpy as np
-import torch
 
 from hpcnet.data.info import DATASET_KINDS, FORMAT_VERSION, DatasetInfo, is_integer
 from hpcnet.errors import DatasetError
+
+if TYPE_CHECKING:
+    import torch
+
+
+# ---------------------------------------------------------------------------
+# writing
+
+
+@contextlib.contextmanager
+def atomic_h5(path: Path) -> Iterator[h5py.File]:
+    """Write an HDF5 file under a temporary name and rename it into place on success.
+
+    On any exception the temporary file is removed and ``path`` is left as it was.
+
+    Args:
+        path: the file to create or replace.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Same directory, so os.replace is an atomic rename: readers see no file or a whole one.
+    # Not mkstemp: its 0600 mode would hide the file from other users of a shared data.dir.
+    tmp_name = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        with h5py.File(tmp_name, "w-") as f:
+            yield f
+        with open(tmp_name, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # make the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+def set_root_attributes(f: h5py.File, kind: str, num_classes: int, **provenance: Any) -> None:
+    """Write the root attributes that make ``f`` an hpcnet dataset file.
+
+    Args:
+        f: the file, open for writing.
+        kind: ``"image"`` or ``"tokens"``.
+        num_classes: number of classes, or the vocabulary size for tokens.
+        provenance: more attributes saying where the data came from (``generator``, ``seed``, ...).
+    """
+    if kind not in DATASET_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(DATASET_KINDS)}, got {kind!r}")
+    if not is_integer(num_classes) or num_classes < 1:
+        raise ValueError(f"num_classes must be a positive integer, got {num_classes!r}")
+    f.attrs.update(hpcnet_format=FORMAT_VERSION, kind=kind, num_classes=num_classes, **provenance)
+
+
+def chunk_shape(row_shape: tuple[int, ...], itemsize: int, num_rows: int, chunk_bytes: int) -> tuple[int, ...]:
+    """Chunks of whole rows, as many as fit in ``chunk_bytes`` (at least one, at most ``num_rows``)."""
+    rows = max(1, chunk_bytes // max(1, math.prod(row_shape) * itemsize))
+    return (min(rows, num_rows), *row_shape)
+
+
+def create_split(f: h5py.File, split: str, inputs: tuple[tuple[int, ...], Any], targets: tuple[tuple[int, ...], Any],
+                 *, chunk_bytes: int) -> tuple[h5py.Dataset, h5py.Dataset]:
+    """Create ``/<split>/inputs`` and ``/<split>/targets``, chunked by rows, for the caller to fill.
+
+    Args:
+        f: the file, open for writing.
+        split: ``"train"`` or ``"eval"``.
+        inputs: (shape, dtype) of the inputs, rows first.
+        targets: (shape, dtype) of the targets, rows first.
+        chunk_bytes: target size of one chunk (see ``chunk_shape``).
+    """
+    group = f.create_group(split)
+    datasets = []
+    for name, (shape, dtype) in (("inputs", inputs), ("targets", targets)):
+        chunks = chunk_shape(shape[1:], np.dtype(dtype).itemsize, shape[0], chunk_bytes)
+        datasets.append(group.create_dataset(name, shape=shape, dtype=dtype, chunks=chunks))
+    return datasets[0], datasets[1]
+
+
+# ---------------------------------------------------------------------------
+# reading
 
 
 def _attribute(f: h5py.File, path: Path, name: str) -> Any:
@@ -147,12 +234,14 @@ class H5Split:
     def __repr__(self) -> str:
         return f"H5Split({str(self.path)!r}, {self.split!r}, {len(self)} rows, {self.info})"
 
-    def read(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, indices: np.ndarray) -> "tuple[torch.Tensor, torch.Tensor]":
         """Read rows ``indices`` (in that order) as (inputs, targets) tensors.
 
         Args:
             indices: 1-D integer row numbers in [0, len); repeats are allowed.
         """
+        import torch  # here, not at the top: the dataset writers' command lines do not need it
+
         indices = np.asarray(indices)
         if indices.ndim != 1 or (indices.size and indices.dtype.kind not in "iu"):
             raise TypeError(f"indices must be a 1-D integer array, got {indices.dtype}{list(indices.shape)}")

@@ -10,11 +10,9 @@ log(vocabulary).  Files are written to a temporary name, fsynced and renamed.
 """
 
 import argparse
-import contextlib
 import math
 import os
-import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,8 @@ import h5py
 import numpy as np
 
 from hpcnet.agree import agree_on_error, agreed
-from hpcnet.data.info import FORMAT_VERSION, SPLITS, positive_ints
+from hpcnet.data.h5 import atomic_h5, create_split, set_root_attributes
+from hpcnet.data.info import SPLITS, positive_ints
 from hpcnet.errors import DatasetError
 
 SYNTHETIC_DATASETS = ("synthetic-images", "synthetic-tokens")
@@ -52,45 +51,6 @@ def _smooth_patterns(rng: np.random.Generator, count: int, channels: int, height
     patterns -= patterns.mean(axis=(1, 2, 3), keepdims=True)
     patterns /= patterns.std(axis=(1, 2, 3), keepdims=True)
     return patterns
-
-
-def _chunk_rows(row_shape: tuple[int, ...], itemsize: int, num_rows: int) -> tuple[int, ...]:
-    rows = max(1, CHUNK_BYTES // max(1, math.prod(row_shape) * itemsize))
-    return (min(rows, num_rows), *row_shape)
-
-
-@contextlib.contextmanager
-def _atomic_h5(path: Path) -> Iterator[h5py.File]:
-    """Write an HDF5 file under a temporary name and rename it into place on success."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Same directory, so os.replace is an atomic rename: readers see no file or a whole one.
-    # Not mkstemp: its 0600 mode would hide the file from other users of a shared data.dir.
-    tmp_name = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        with h5py.File(tmp_name, "w-") as f:
-            yield f
-        with open(tmp_name, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
-
-
-def _create_split(f: h5py.File, split: str, inputs: tuple[tuple[int, ...], str],
-                  targets: tuple[tuple[int, ...], str]) -> tuple[h5py.Dataset, h5py.Dataset]:
-    group = f.create_group(split)
-    datasets = []
-    for name, (shape, dtype) in (("inputs", inputs), ("targets", targets)):
-        chunks = _chunk_rows(shape[1:], np.dtype(dtype).itemsize, shape[0])
-        datasets.append(group.create_dataset(name, shape=shape, dtype=dtype, chunks=chunks))
-    return datasets[0], datasets[1]
 
 
 def generate_images(path: str | os.PathLike[str], *, num_train: int = 8192, num_eval: int = 1024,
@@ -128,11 +88,12 @@ def generate_images(path: str | os.PathLike[str], *, num_train: int = 8192, num_
     # Divide by the expected pixel std so inputs are roughly standardised (E[scale^2] = 13/12).
     norm = math.sqrt(signal**2 * 13 / 12 + 2 * noise**2) or 1.0
     path = Path(path)
-    with _atomic_h5(path) as f:
-        f.attrs.update(hpcnet_format=FORMAT_VERSION, kind="image", num_classes=num_classes,
-                       generator="hpcnet.data.generate_images", seed=seed, noise=noise)
+    with atomic_h5(path) as f:
+        set_root_attributes(f, "image", num_classes, generator="hpcnet.data.generate_images", seed=seed,
+                            noise=noise)
         for split_id, (split, count) in enumerate((("train", num_train), ("eval", num_eval)), start=1):
-            inputs, targets = _create_split(f, split, ((count, *shape), "float32"), ((count,), "int64"))
+            inputs, targets = create_split(f, split, ((count, *shape), "float32"), ((count,), "int64"),
+                                           chunk_bytes=CHUNK_BYTES)
             split_rng = np.random.default_rng([seed, split_id])
             for lo in range(0, count, 1024):
                 n = min(1024, count - lo)
@@ -172,12 +133,11 @@ def generate_tokens(path: str | os.PathLike[str], *, num_train: int = 4096, num_
     successors = rng.integers(0, vocab_size, (vocab_size, 4))
     cumulative = np.cumsum(rng.dirichlet(np.full(4, 0.5), size=vocab_size), axis=1)
     path = Path(path)
-    with _atomic_h5(path) as f:
-        f.attrs.update(hpcnet_format=FORMAT_VERSION, kind="tokens", num_classes=vocab_size,
-                       generator="hpcnet.data.generate_tokens", seed=seed)
+    with atomic_h5(path) as f:
+        set_root_attributes(f, "tokens", vocab_size, generator="hpcnet.data.generate_tokens", seed=seed)
         for split_id, (split, count) in enumerate((("train", num_train), ("eval", num_eval)), start=1):
             shape = (count, seq_len)
-            inputs, targets = _create_split(f, split, (shape, "int64"), (shape, "int64"))
+            inputs, targets = create_split(f, split, (shape, "int64"), (shape, "int64"), chunk_bytes=CHUNK_BYTES)
             split_rng = np.random.default_rng([seed, split_id])
             for lo in range(0, count, 4096):
                 n = min(4096, count - lo)
@@ -242,14 +202,12 @@ def ensure_synthetic(name: str, directory: str | os.PathLike[str], *, comm: Any,
 # command line
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hpcnet.data generate images|tokens --out PATH [options]``.
+def add_generate_command(commands: Any) -> None:
+    """Add ``generate`` to the subcommands of a ``python -m hpcnet.data`` parser.
 
     Args:
-        argv: the arguments after the program name; None reads ``sys.argv``.
+        commands: what ``ArgumentParser.add_subparsers`` returned.
     """
-    parser = argparse.ArgumentParser(prog="python -m hpcnet.data", description="hpcnet dataset tools")
-    commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="write a synthetic dataset file")
     gen.add_argument("kind", choices=("images", "tokens"))
     gen.add_argument("--out", required=True, type=Path, help="the .h5 file to write")
@@ -261,7 +219,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     gen.add_argument("--noise", type=float, help="images: noise scale (1.0 = default difficulty)")
     gen.add_argument("--seq-len", type=int, help="tokens: sequence length")
     gen.add_argument("--vocab-size", type=int, help="tokens: vocabulary size")
-    args = parser.parse_args(argv)
+    gen.set_defaults(handler=_generate)
+
+
+def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     common = {"num_train": args.num_train, "num_eval": args.num_eval}
     only = {"images": {"shape": args.shape, "num_classes": args.num_classes, "noise": args.noise},
             "tokens": {"seq_len": args.seq_len, "vocab_size": args.vocab_size}}
@@ -283,3 +244,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         sizes = ", ".join(f"{split} inputs {f[split]['inputs'].shape}" for split in SPLITS)
     print(f"wrote {path}: {args.kind}, {sizes}")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m hpcnet.data generate images|tokens --out PATH [options]`` (``data/generate.py``).
+
+    ``python -m hpcnet.data`` itself also has ``convert`` (``hpcnet/data/__main__.py``).
+
+    Args:
+        argv: the arguments after the program name; None reads ``sys.argv``.
+    """
+    parser = argparse.ArgumentParser(prog="python -m hpcnet.data", description="hpcnet dataset tools")
+    add_generate_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.handler(args, parser)
