@@ -10,8 +10,10 @@ log(vocabulary).  Files are written to a temporary name, fsynced and renamed.
 """
 
 import argparse
+import logging
 import math
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,8 @@ from hpcnet.errors import DatasetError
 SYNTHETIC_DATASETS = ("synthetic-images", "synthetic-tokens")
 CHUNK_BYTES = 1 << 20
 """Target size of one HDF5 chunk: big enough for fast scans, small enough that a random row is cheap."""
+
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------
@@ -185,7 +189,11 @@ def ensure_synthetic(name: str, directory: str | os.PathLike[str], *, comm: Any,
     if comm.Get_rank() == 0 and not path.is_file():
         try:
             generate = generate_images if name == "synthetic-images" else generate_tokens
+            # Rank 0 writes while the others wait in the agreement below: say so, it may take a while.
+            log.info("generating the %s dataset once into %s (the other ranks wait; later runs reuse it)", name, path)
+            t0 = time.perf_counter()
             generate(path, seed=seed)
+            log.info("generated %s in %.1f s", path.name, time.perf_counter() - t0)
         except Exception as exc:  # noqa: BLE001 - shared below, so no rank is left waiting
             error = DatasetError(f"cannot create the synthetic dataset {path}: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
