@@ -116,7 +116,8 @@ def test_a_corrupted_block_far_inside_a_parallel_read_is_detected(comm, mpi_tmp_
     with CheckpointManager(comm, directory, full_every=full_every, async_save=False) as manager:
         path = manager.save(1, state, {}, {})
     # Large blocks only where no increment follows (full_every=1); either kind reads back.
-    block_rows = make_spec("b", "float32", (3000, 700), LARGE_BLOCK_BYTES if full_every == 1 else BLOCK_BYTES).block_rows
+    block_bytes = LARGE_BLOCK_BYTES if full_every == 1 else BLOCK_BYTES
+    block_rows = make_spec("b", "float32", (3000, 700), block_bytes).block_rows
     row = 2345  # inside the last rank's share at up to 4 ranks, and past the first chunk
     if comm.Get_rank() == 0:
         with h5py.File(path, "r") as f:
