@@ -141,8 +141,8 @@ class TrainConfig:
     """At a non-finite loss, gradient norm or state: 'stop' (status 65, never saved), 'skip' the update, or 'ignore'."""
     precision: str = "fp32"
     """'fp32', or 'bf16': forward and loss under torch.autocast in bfloat16 (CPU and CUDA); parameters, gradients, optimizer state and checkpoints stay float32."""
-    trace_steps: str = ""
-    """'START:END' (steps, inclusive): write trace.json, a Chrome/Perfetto timeline of those steps on every rank (steps, phases, collectives with bytes, checkpoint timings), clocks aligned over MPI; empty: no trace."""
+    trace_steps: str = "11:12"
+    """'START:END' (steps, inclusive): write trace.json, a Chrome/Perfetto timeline of those steps on every rank (steps, phases, collectives with bytes, checkpoint timings), clocks aligned over MPI; by default two steps after the first log line; empty: no trace."""
     trace_ops: bool = False
     """With train.trace_steps: also torch.profiler's operator (and CUDA kernel) events in the trace."""
 

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import hpcnet
 
-TRIGGER = re.compile(r"^(step\s+\d+/\d+ \||gradients: |resume: checkpoint read)")
-"""A line of the attempt after which its start-up (the CPU-heavy imports) is over: the standby starts then, so the
-two do not compete for the CPU (README: Automatic restart)."""
+TRIGGER = re.compile(r"^step\s+\d+/\d+ \|")
+"""The attempt's first step line (rank 0's log): its start-up, imports, checkpoint load and first steps, is over,
+and the standby starts then, so the two do not compete for the CPU (measured here: started at the earlier
+``gradients:`` line, the standby's imports doubled the load and first step of the attempt it was made beside)."""
 TRIGGER_TIMEOUT_S = 60.0
 """... or this long after the attempt started, whichever comes first."""
 HOSTFILE_OPTIONS = ("--hostfile", "-hostfile", "--machinefile", "-machinefile", "--default-hostfile")
