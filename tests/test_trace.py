@@ -19,7 +19,8 @@ def test_steps_spec():
     with pytest.raises(ConfigError, match="train.trace_steps"):
         load_config(overrides=["train.trace_steps=9:1"])
     with pytest.raises(ConfigError, match="train.trace_ops needs train.trace_steps"):
-        load_config(overrides=["train.trace_ops=true"])
+        load_config(overrides=["train.trace_ops=true", 'train.trace_steps=""'])
+    assert load_config().train.trace_steps == "11:12"  # the default job leaves a trace for the report
 
 
 @pytest.mark.mpi
