@@ -17,6 +17,11 @@ plane = init_data_plane(comm, world, backend='gloo', device=torch.device('cpu'),
 t = torch.ones(4) * (world.rank + 1)
 dist.all_reduce(t)
 opened = sorted({address for inode, (address, _) in listening_sockets().items() if inode not in before})
-print(f'RESULT {world.rank} {world.num_nodes} {plane.address} {plane.interface} {t[0].item()}', flush=True)
-print('OPENED ' + json.dumps([world.rank, opened]), flush=True)
+# Printed by rank 0 alone: lines of several ranks written at once could be interleaved by the launcher.
+every = comm.gather((f'RESULT {world.rank} {world.num_nodes} {plane.address} {plane.interface} {t[0].item()}',
+                     'OPENED ' + json.dumps([world.rank, opened])), root=0)
+if every is not None:
+    for result, listeners in every:
+        print(result, flush=True)
+        print(listeners, flush=True)
 plane.close()
