@@ -297,17 +297,19 @@ def test_replan_moves_state_and_keeps_the_updates(comm, data_plane, mpi_tmp_path
 @pytest.mark.mpi
 def test_replan_every_probes_again_and_agrees(comm, data_plane, mpi_tmp_path, monkeypatch):
     """dist.replan_every=2: from step 4 on, rank 0's speed probe takes 10x as long; the probes are gathered every 2
-    steps and the same new plan is taken on every rank; dist.plan=uniform never re-plans."""
-    from hpcnet.comm import dataparallel
-    from hpcnet.comm.zero import measure_speed
+    steps and the same new plan is taken on every rank, once; dist.plan=uniform never re-plans."""
+    from hpcnet.comm import dataparallel, zero
 
     rank = comm.Get_rank()
     calls = []
 
     def probe(device=None):
         calls.append(1)
-        return measure_speed(device=device) * (10 if rank == 0 and len(calls) > 1 else 1)
+        return 1e-3 * (10 if rank == 0 and len(calls) > 1 else 1)
 
+    # Fixed figures: measured ones vary by more than 25% on a loaded machine, and a start-up probe that found
+    # rank 0 slow by chance would leave nothing to re-plan at step 4.
+    monkeypatch.setattr(zero, "measure_speed", lambda device=None: 1e-3)  # the start-up plan: equal speeds
     monkeypatch.setattr(dataparallel, "measure_speed", probe)
     dataset = _dataset(comm, mpi_tmp_path)
     auto = run(_cfg(mpi_tmp_path, dataset, "replan-every", "dist.zero=1", "dist.replan_every=2"), comm,
@@ -315,8 +317,7 @@ def test_replan_every_probes_again_and_agrees(comm, data_plane, mpi_tmp_path, mo
     owners = comm.allgather(auto.optimizer.plan.owner)
     assert all(o == owners[0] for o in owners)
     if comm.Get_size() > 1:
-        # At step 4 (and at step 2 too when this machine's noise moved the probe by more than 25%).
-        assert auto.summary["comm"]["replans"] >= 1 and len(calls) == 3  # probes at steps 2, 4, 6
+        assert auto.summary["comm"]["replans"] == 1 and len(calls) == 3  # probes at steps 2, 4, 6: at 4 only
         assert auto.summary["comm"]["owned_bytes"][0] < max(auto.summary["comm"]["owned_bytes"])
     uniform = run(_cfg(mpi_tmp_path, dataset, "replan-uniform", "dist.zero=1", "dist.replan_every=2",
                        "dist.plan=uniform"), comm, plane=data_plane)
