@@ -50,7 +50,7 @@ def profile_block(contender: Any, batches: list[tuple[torch.Tensor, torch.Tensor
                 rows.setdefault(key, []).append(seconds * 1e3)
     out: dict[str, Any] = {f"{k}_ms": statistics.median(v) for k, v in rows.items()}
     if reducer is not None:
-        out["buckets_mib"] = [round(b.buffer.numel() * b.buffer.element_size() / 2**20, 2) for b in reducer.buckets]
+        out["buckets_mib"] = [round(b.nbytes / 2**20, 2) for b in reducer.buckets]
     return out
 
 

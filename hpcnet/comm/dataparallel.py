@@ -232,7 +232,7 @@ class DataParallel:
         return self.reducer.transport.name
 
     def describe(self) -> str:
-        sizes = [b.buffer.numel() * b.buffer.element_size() / 2**20 for b in self.reducer.buckets]
+        sizes = [b.nbytes / 2**20 for b in self.reducer.buckets]
         progress = f" ({self.progress})" if "mpi" in self.backend else ""
         return (f"gradients: {self.backend} all-reduce{' (hierarchical)' if self.plan.hierarchical else ''}"
                 f"{progress}, "

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from hpcnet.fault.flightrec import NULL_RECORDER
-from hpcnet.comm.transport import CommFailure, FaultyTransport, Transport, abandon, wait_all
+from hpcnet.comm.transport import CommFailure, FaultyTransport, Transport, abandon, succeeded, wait_all
 from hpcnet.agree import agreed
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,12 @@ class _Bucket:
     owned: torch.Tensor | None = None  # dist.zero=2: this rank's sums, kept between steps
     owned_views: list[torch.Tensor | None] = field(default_factory=list)  # its parameters' gradients in ``owned``
     scattered: bool = False  # dist.zero=2: the transport reduce-scattered into ``owned``
+    released: bool = False  # its sum is complete here and taken out (``Reducer._release``)
+
+    @property
+    def nbytes(self) -> int:
+        """The bucket's size (its buffer is empty between steps at dist.zero=2)."""
+        return self.offsets[-1] * self.params[0].element_size()
 
 
 @dataclass
@@ -122,7 +128,6 @@ class Reducer:
                  bucket_bytes: int = 25 * 2**20, first_bucket_bytes: int = 2**20,
                  compression: torch.dtype | None = None, find_unused: bool = False, timeout_s: float = 600.0,
                  recorder: Any = NULL_RECORDER, owners: list[int] | None = None):
-        self._set_transport(transport)
         self.recorder = recorder
         self.control = control
         self.world_size = control.Get_size()
@@ -144,13 +149,14 @@ class Reducer:
             raise ValueError(f"owners names {len(owners)} parameters, the model has {len(named)} trainable ones")
         self.rank = control.Get_rank()
         self.sharded = owners is not None
+        self._set_transport(transport)
         self._named = named
         self._bucket_bytes_cap, self._first_bucket_bytes = bucket_bytes, first_bucket_bytes
         self._build_buckets(owners)
         for _, p in named:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         self._scale = 1.0 / self.world_size
-        self._bucket_bytes = sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+        self._bucket_bytes = sum(b.nbytes for b in self.buckets)
         self.zero_grad()
         self._reset()
 
@@ -173,7 +179,9 @@ class Reducer:
                 params = [named[members[j]][1] for j in plan]
                 names = [named[members[j]][0] for j in plan]
                 offsets = np.cumsum([0] + [p.numel() for p in params]).tolist()
-                buffer = self._new_buffer(offsets[-1], params[0])
+                # dist.zero=2 with buckets that are dropped: made by the first fold of each backward.
+                dropped = owners is not None and self._transient
+                buffer = params[0].new_empty(0) if dropped else self._new_buffer(offsets[-1], params[0])
                 bucket = _Bucket(len(self.buckets), params, names, buffer, offsets)
                 if owners is not None:
                     bucket.grouped = self._reduce_scatter is not None
@@ -221,6 +229,10 @@ class Reducer:
         self._synchronous = transport.synchronous
         self._transient = getattr(transport, "allocate", None) is None  # dist.zero=2 drops such buckets
         self._reduce_scatter = getattr(transport, "start_reduce_scatter", None)
+        # dist.zero=2 with buckets that can be dropped: each goes out as soon as it is complete, even on a
+        # synchronous transport, and is dropped once its sum is in, so the whole gradient is never alive at
+        # once (the stage's memory saving); see ``_launch_ready``.
+        self._eager = self.sharded and self._transient
 
     def _make_owned(self, bucket: _Bucket, owner_of: list[int]) -> None:
         """dist.zero=2: this rank's sums of the bucket, its parameters' in bucket order, and their gradient views."""
@@ -267,6 +279,9 @@ class Reducer:
         """Each parameter's gradient in its bucket, laid out as the parameter is (channels-last stays so: fused
         optimizers read a gradient and its parameter in memory order, and gave wrong updates otherwise).  Made
         once per buffer, not per step: two tensor ops a parameter cost about 10 us each step here."""
+        if bucket.buffer.numel() == 0:
+            bucket.views = []  # a dropped bucket (dist.zero=2): made again with its buffer
+            return
         bucket.views = [_grad_view(bucket.buffer[bucket.offsets[j]:bucket.offsets[j + 1]], p)
                         for j, p in enumerate(bucket.params)]
 
@@ -302,7 +317,8 @@ class Reducer:
             bucket.launched = False
             bucket.handle = None
             self.recorder.end(bucket.token)  # no-op unless an error left it open
-        self._next_launch = 0
+            bucket.released = False
+        self._next_launch = self._next_release = 0
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -329,12 +345,29 @@ class Reducer:
 
     def _launch_ready(self, force: bool = False) -> None:
         """Launch the complete buckets, strictly in bucket order, so every rank issues the same collectives in
-        the same sequence; a synchronous transport's only from ``finish`` (``force``, see there)."""
-        if self._synchronous and not force and self.world_size > 1:
+        the same sequence; a synchronous transport's only from ``finish`` (``force``, see there), except at
+        ``dist.zero=2`` (``_eager``).
+
+        ``_eager``: the hooks launch complete buckets on every transport and drop those whose sums are in
+        (``_release_finished``), so a rank holds the buckets being filled and those in flight, not the whole
+        gradient. A synchronous collective in a hook blocks until every rank has completed that bucket; a rank
+        that lacks a gradient in it completes it in ``finish``, where its backward ends without a collective,
+        so the others wait for it but never for each other in another order (the same argument as ``finish``'s).
+        """
+        if self._synchronous and not force and self.world_size > 1 and not self._eager:
             return
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
+        if self._eager and not force:
+            self._release_finished()
+
+    def _release_finished(self) -> None:
+        """Release, in bucket order, the launched buckets whose collectives are known to have succeeded here
+        (never waits; a failure is left to ``finish``, which agrees on it first)."""
+        while self._next_release < self._next_launch and succeeded(self.buckets[self._next_release].handle):
+            self._release(self.buckets[self._next_release])
+            self._next_release += 1
 
     def _launch(self, bucket: _Bucket) -> None:
         bucket.launched = True
@@ -399,28 +432,31 @@ class Reducer:
                                      + (f" here: {error}" if error else " on another rank")))
         if outcome[1] and not self.find_unused:
             self._raise_unused(lacking)
-        if self.compression is not None:
-            for bucket in self.buckets:
-                bucket.buffer.copy_(bucket.wire)
-                bucket.wire = None
-        if self.sharded:
-            self._keep_owned()
+        for bucket in self.buckets:
+            if not bucket.released:
+                self._release(bucket)
         self.stats.bytes_reduced += self._bucket_bytes
         self._reset()
 
-    def _keep_owned(self) -> None:
-        """dist.zero=2, after the sums: owned gradients in ``owned``, others None, transient buckets dropped."""
-        for bucket in self.buckets:
-            if bucket.grouped and not bucket.scattered:  # all-reduced (a compressed wire): one piece to keep
-                lo = sum(bucket.counts[:self.rank])
-                bucket.owned.copy_(bucket.buffer[lo:lo + bucket.counts[self.rank]])
-            for j, (p, view) in enumerate(zip(bucket.params, bucket.owned_views)):
-                if view is not None and not bucket.grouped:
-                    view.copy_(bucket.views[j])
-                p.grad = view
-            if self._transient:
-                bucket.buffer = bucket.buffer.new_empty(0)
-                bucket.views = []
+    def _release(self, bucket: _Bucket) -> None:
+        """A bucket whose sum is complete here: a compressed wire copied back; dist.zero=2: the owned
+        gradients kept in ``owned``, the others None, a transient bucket dropped."""
+        if bucket.wire is not None:
+            bucket.buffer.copy_(bucket.wire)
+            bucket.wire = None
+        bucket.released = True
+        if not self.sharded:
+            return
+        if bucket.grouped and not bucket.scattered:  # all-reduced (a compressed wire): one piece to keep
+            lo = sum(bucket.counts[:self.rank])
+            bucket.owned.copy_(bucket.buffer[lo:lo + bucket.counts[self.rank]])
+        for j, (p, view) in enumerate(zip(bucket.params, bucket.owned_views)):
+            if view is not None and not bucket.grouped:
+                view.copy_(bucket.views[j])
+            p.grad = view
+        if self._transient:
+            bucket.buffer = bucket.buffer.new_empty(0)
+            bucket.views = []
 
     def _raise_unused(self, lacking: list[int]) -> None:
         """``lacking``: this rank's buckets that lacked a gradient (empty when only another rank's did)."""

@@ -486,6 +486,18 @@ class _FailingHandle:
         raise CommFailure("injected communication failure (dist.fail_at_step)")
 
 
+def succeeded(handle: Handle | None) -> bool:
+    """True when ``handle``'s operation is known to have finished without an error here (never waits): a
+    synchronous one that did not raise, or a worker thread's that returned. Others (torch works, failed or
+    injected ones) answer False and are left to ``wait``."""
+    if isinstance(handle, Done):
+        return True
+    if isinstance(handle, _FutureHandle):
+        future = handle.future
+        return future.done() and not future.cancelled() and future.exception() is None
+    return False
+
+
 def wait_all(handles: list[Handle], timeout_s: float,
              on_done: Callable[[int], None] | None = None) -> BaseException | None:
     """Wait for every handle (``timeout_s`` in all); return the first error instead of raising.

@@ -121,10 +121,13 @@ def test_an_inline_failure_on_one_rank_fails_the_step_on_every_rank(comm):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("kind, progress", [("mpi", "inline"), ("mpi", "thread"), ("shm", "inline")])
-def test_a_parameter_unused_on_one_rank_only_is_an_error_or_a_zero_never_a_hang(comm, kind, progress):
+@pytest.mark.parametrize("kind, progress, sharded", [("mpi", "inline", False), ("mpi", "thread", False),
+                                                     ("shm", "inline", False), ("mpi", "inline", True),
+                                                     ("mpi", "thread", True)])
+def test_a_parameter_unused_on_one_rank_only_is_an_error_or_a_zero_never_a_hang(comm, kind, progress, sharded):
     """Rank 0's graph skips layer b, the others' do not: rank 0 cannot complete b's bucket while its peers
-    can.  A synchronous transport run from the hooks would leave the peers blocked in b's collective."""
+    can.  At dist.zero=2 (``sharded``) the hooks run even a synchronous transport's collectives: the peers
+    wait in b's until rank 0 completes it in ``finish``, and go on in the same order."""
     from mpi4py import MPI
 
     world = discover(comm, environ={})
@@ -149,18 +152,84 @@ def test_a_parameter_unused_on_one_rank_only_is_an_error_or_a_zero_never_a_hang(
     for find_unused in (False, True):
         torch.manual_seed(0)
         model = Sometimes()
+        owners = [i % comm.Get_size() for i in range(len(expected))] if sharded else None
         reducer = Reducer(list(model.named_parameters()),
                           build_transport(kind, False, comm, world, progress=progress), comm,
-                          bucket_bytes=1024, first_bucket_bytes=16, find_unused=find_unused)
+                          bucket_bytes=1024, first_bucket_bytes=16, find_unused=find_unused, owners=owners)
         reducer.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         if find_unused:
             reducer.finish()
-            for p, want in zip(model.parameters(), expected):
-                torch.testing.assert_close(p.grad, want, rtol=1e-5, atol=1e-6)
+            for i, (p, want) in enumerate(zip(model.parameters(), expected)):
+                if sharded and owners[i] != rank:
+                    assert p.grad is None
+                else:
+                    torch.testing.assert_close(p.grad, want, rtol=1e-5, atol=1e-6)
         else:
             with pytest.raises(RuntimeError, match="no gradient this step"):
                 reducer.finish()
+        reducer.close()
+
+
+class Deep(nn.Module):
+    """Eight layers of 64x64: buckets that fill one after the other during backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+
+    def forward(self, x):
+        return self.layers(x)[:, :4]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind, progress", [("mpi", "inline"), ("mpi", "thread"), ("gloo", "inline")])
+def test_stage_2_drops_each_bucket_once_its_sum_is_in(comm, data_plane, kind, progress):
+    """dist.zero=2: a bucket goes out as soon as it is complete, even on a synchronous transport, and is dropped
+    once its sum is in, so the whole gradient is never alive at once (the stage's memory saving); the owners'
+    gradients equal the plain reduction's. At dist.zero=0 every bucket lives on (it is the gradient)."""
+    world = discover(comm, environ={})
+    size, rank = comm.Get_size(), comm.Get_rank()
+    torch.manual_seed(0)
+    model = Deep()
+    torch.manual_seed(100 + rank)
+    x, y = torch.randn(8, 64), torch.randint(0, 4, (8,))
+    expected = reference_grads(model, x, y, comm)
+    params = list(model.parameters())
+    layer_bytes = (64 * 64 + 64) * 4
+    for sharded in (True, False):
+        owners = [i % size for i in range(len(params))] if sharded else None
+        reducer = Reducer(list(model.named_parameters()), build_transport(kind, False, comm, world, progress=progress),
+                          comm, bucket_bytes=layer_bytes, first_bucket_bytes=layer_bytes, owners=owners)
+        assert len(reducer.buckets) == 8
+        live = []  # bucket bytes alive after each parameter's hook (ours run after the reducer's)
+        hooks = [p.register_post_accumulate_grad_hook(
+            lambda _: live.append(sum(b.buffer.numel() * 4 for b in reducer.buckets))) for p in params]
+        for _ in range(2):  # a second step makes the dropped buckets again
+            live.clear()
+            reducer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            at_end = live[-1]
+            reducer.finish()
+            for i, (p, want) in enumerate(zip(params, expected)):
+                if sharded and owners[i] != rank:
+                    assert p.grad is None
+                else:
+                    torch.testing.assert_close(p.grad, want, rtol=1e-5, atol=1e-6)
+            total = sum(p.numel() * 4 for p in params)
+            if not sharded:
+                assert at_end == total  # every bucket alive: at dist.zero=0 they are the gradients
+            elif reducer.transport.synchronous:
+                # Each sum was in when its hook returned: at most the bucket being filled is alive.
+                assert max(live) <= layer_bytes and at_end == 0, live
+            else:
+                # A worker thread's or gloo's sums finish while backward goes on: fewer than all alive at
+                # some point would be timing; what holds is that nothing is kept past finish.
+                assert max(live) <= total
+            if sharded:
+                assert all(b.buffer.numel() == 0 for b in reducer.buckets)
+        for hook in hooks:
+            hook.remove()
         reducer.close()
 
 
