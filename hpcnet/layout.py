@@ -12,6 +12,7 @@ from pathlib import Path
 
 ATTEMPT_ENV = "HPCNET_ATTEMPT"
 STANDBY_ENV = "HPCNET_STANDBY"  # also read in hpcnet/__init__.py, which may import nothing
+STANDBY_OWNER_ENV = "HPCNET_STANDBY_OWNER"  # "host pid" of the supervisor that started a standby
 """Set by ``hpcnet.launch`` on a warm standby attempt: the directory where its ranks report that they are parked.
 Such a rank imports everything, then waits for SIGUSR1 before MPI initialisation (``hpcnet.launch.park``)."""
 """Set by ``hpcnet.launch`` for every attempt: 1, 2, ... (absent: 1)."""

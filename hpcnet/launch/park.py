@@ -6,23 +6,28 @@ dataset factories: ``hpcnet.train`` does at import), writes ``parked.<rank>`` th
 ranks), and blocks in ``sigwait`` for SIGUSR1: no CPU, only the memory of what it imported. The launcher
 (mpirun, srun) forwards the supervisor's SIGUSR1 to every rank, which then initialises MPI and runs as any
 attempt does. SIGUSR1 is blocked as soon as the ``hpcnet`` package is imported (``hpcnet/__init__.py``), so a
-release that comes before a rank has parked waits for it instead of killing it. A parked rank asks for SIGKILL when its
-parent (the launcher's daemon) dies, so none outlives its job.
+release that comes before a rank has parked waits for it instead of killing it. A standby rank asks for SIGKILL when its
+parent (the launcher or its daemon) dies, as soon as ``hpcnet`` is imported; while parked it also wakes every
+``WATCH_S`` seconds (microseconds of CPU) and leaves when its parent changed (it died before the request took
+effect) or, on the supervisor's host, the supervisor is gone: no parked process outlives its job.
 """
 
 import contextlib
-import ctypes
 import importlib
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
-from hpcnet.layout import STANDBY_ENV
+import hpcnet
+from hpcnet.layout import STANDBY_ENV, STANDBY_OWNER_ENV
 
 RELEASE_SIGNAL = signal.SIGUSR1
 RANK_ENVS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID", "PMI_RANK")
 SIZE_ENVS = ("OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", "PMI_SIZE")
+WATCH_S = 2.0
+ORPHAN_EXIT = 3
 
 
 def standby_dir() -> Path | None:
@@ -57,8 +62,6 @@ def park(argv: list[str]) -> float:
     directory = standby_dir()
     if directory is None:
         return 0.0
-    with contextlib.suppress(OSError, AttributeError):  # Linux: die with the launcher's daemon
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
     _preimport(argv)
     rank = _env_int(RANK_ENVS)
     size = _env_int(SIZE_ENVS)
@@ -67,9 +70,27 @@ def park(argv: list[str]) -> float:
         name = f"parked.{rank if rank is not None else os.getpid()}"
         (directory / name).write_text(f"{size if size is not None else ''} {os.getpid()} {time.time():.3f}\n")
     t0 = time.monotonic()
-    signal.sigwait({RELEASE_SIGNAL})
+    while signal.sigtimedwait({RELEASE_SIGNAL}, WATCH_S) is None:
+        if orphaned(hpcnet._STANDBY_PARENT, os.environ.get(STANDBY_OWNER_ENV, "")):
+            os._exit(ORPHAN_EXIT)
     parked_s = time.monotonic() - t0
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {RELEASE_SIGNAL})
     signal.signal(RELEASE_SIGNAL, signal.SIG_IGN)  # a second release must not end the run
     os.environ.pop(STANDBY_ENV, None)  # children of the run are not standbys
     return parked_s
+
+
+def orphaned(parent: int, owner: str) -> bool:
+    """Whether a parked process's job is gone: its parent is no longer ``parent`` (the pid it had when ``hpcnet``
+    was imported), or ``owner`` ("host pid", the supervisor) names this host and no such process lives."""
+    if parent and os.getppid() != parent:
+        return True
+    host, _, pid = owner.partition(" ")
+    if pid.isdigit() and host == socket.gethostname():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+    return False

@@ -29,6 +29,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -46,7 +47,7 @@ from hpcnet.launch.standby import TRIGGER, TRIGGER_TIMEOUT_S, fingerprint, parke
 from hpcnet.launch.policy import (RestartBudget, backoff_s, committed_checkpoints, describe_failure, describe_status,
                                   failed_where, failure_from_line, is_restartable, new_checkpoints, normalise_status,
                                   read_failure)
-from hpcnet.layout import ATTEMPT_ENV, LAUNCH_FILE, STANDBY_ENV, attempt_dir, checkpoint_dir, run_dir_path
+from hpcnet.layout import ATTEMPT_ENV, LAUNCH_FILE, STANDBY_ENV, STANDBY_OWNER_ENV, attempt_dir, checkpoint_dir, run_dir_path
 
 
 @dataclass(slots=True)
@@ -262,10 +263,11 @@ class Standby:
             old.unlink(missing_ok=True)
         command = standby_command(command, launcher)
         if openmpi and launcher == "mpirun":
-            command = [command[0], "-x", STANDBY_ENV, *command[1:]]  # to the ranks on other nodes too
+            command = [command[0], "-x", STANDBY_ENV, "-x", STANDBY_OWNER_ENV, *command[1:]]  # other nodes too
         self.command = command
         self.started_unix = time.time()
-        self.started = _Started(command, {**env, STANDBY_ENV: str(directory)})
+        owner = f"{socket.gethostname()} {os.getpid()}"
+        self.started = _Started(command, {**env, STANDBY_ENV: str(directory), STANDBY_OWNER_ENV: owner})
 
     def alive(self) -> bool:
         return self.started.proc.poll() is None

@@ -2,8 +2,10 @@
 configuration discards it; no parked process outlives the supervisor, however it ends."""
 
 import json
+import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,7 +15,9 @@ import pytest
 import torch
 from mpi4py import MPI
 
+from hpcnet.launch.park import ORPHAN_EXIT, WATCH_S, orphaned
 from hpcnet.launch.standby import TRIGGER, fingerprint, parked_ranks, standby_command
+from hpcnet.layout import STANDBY_ENV, STANDBY_OWNER_ENV
 from tests.helpers import clean_env
 from tests.launch.test_supervisor import _assert_same, _final_tensors, _serial_only, _train_command, reference  # noqa: F401
 
@@ -50,6 +54,43 @@ def test_standby_commands_parked_counts_and_the_trigger(tmp_path):
 
 
 # -- under mpirun --------------------------------------------------------------------------------------------------
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_parked_process_whose_supervisor_is_gone_leaves(tmp_path):
+    """The supervisor named in the environment no longer lives: the parked process sees it at its next watch and
+    exits, after it had parked."""
+    host = socket.gethostname()
+    assert not orphaned(0, f"{host} {os.getpid()}") and not orphaned(os.getppid(), "")
+    assert orphaned(0, f"{host} {_dead_pid()}") and orphaned(os.getpid(), "")  # a parent it never had
+    assert not orphaned(0, f"another-host {_dead_pid()}")  # only the supervisor's host can tell
+    env = {**clean_env(), STANDBY_ENV: str(tmp_path / "sb"), STANDBY_OWNER_ENV: f"{host} {_dead_pid()}"}
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", "from hpcnet.launch.park import park; park([])"], env=env,
+                         timeout=60, capture_output=True, text=True)
+    assert out.returncode == ORPHAN_EXIT, out.stderr
+    assert list((tmp_path / "sb").glob("parked.*")) and time.monotonic() - t0 < 20 + WATCH_S
+
+
+def test_a_standby_dies_with_its_launcher_even_before_it_parks(tmp_path):
+    """Importing hpcnet in a standby asks for SIGKILL at its parent's death: a launcher killed while its ranks
+    still import (before they park) leaves none of them behind."""
+    child = ("import hpcnet, sys, time; print('imported', flush=True); time.sleep(120)")
+    parent = ("import os, subprocess, sys; p = subprocess.Popen([sys.executable, '-c', sys.argv[1]], "
+              "stdout=subprocess.PIPE, text=True); p.stdout.readline(); print(p.pid, flush=True); "
+              "os.kill(os.getpid(), 9)")
+    env = {**clean_env(), STANDBY_ENV: str(tmp_path / "sb")}
+    out = subprocess.run([sys.executable, "-c", parent, child], env=env, timeout=60, capture_output=True, text=True)
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
 def _standby_processes(marker: str) -> list[int]:
     """Processes whose environment names a standby directory under ``marker``."""
     found = []
@@ -131,6 +172,7 @@ def test_no_parked_process_outlives_the_supervisor(tmp_path, how):
     _serial_only()
     extra = (["fault.write_error=EDQUOT", "fault.write_error_at_step=4"] if how == "failure"
              else ["train.steps=100000", "checkpoint.every_steps=0"])
+    extra.append("fault.sleep_at_step=0")  # no pause: the standby is made while the attempt runs on
     with open(tmp_path / "err.txt", "w") as err:
         proc = _launch(tmp_path, "left", *extra, stderr=err)
         try:
