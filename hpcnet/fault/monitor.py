@@ -365,14 +365,15 @@ class Monitor:
         self._declare(report)
 
     def _signal_local_peers(self, ranks: list[int]) -> bool:
-        """Ask silent ranks on this host to print their stacks (works while they hold the GIL); any asked?"""
-        asked = False
+        """Ask silent ranks on this host to print their stacks (works while they hold the GIL); can any answer?
+        A stopped one (SIGSTOP, a debugger) is asked too, but holds the signal until it resumes: no wait for it."""
+        answering = False
         for rank in ranks:
             if self.world.hostnames[rank] == self.world.hostname and rank < len(self._pids) and rank != self.world.rank:
                 with contextlib.suppress(OSError):
                     os.kill(self._pids[rank], DUMP_SIGNAL)
-                    asked = True
-        return asked
+                    answering = answering or not _stopped(self._pids[rank])
+        return answering
 
     def _coordinate(self, kind: str, detail: str, mismatched: tuple[int, ...] = ()) -> None:
         """Ask every rank for its dump and state, wait a little for answers, report (monitor thread).
@@ -462,3 +463,13 @@ class Monitor:
         for handler in logging.getLogger("hpcnet").handlers:
             handler.flush()
         self.comm.Abort(ExitCode.RESTARTABLE)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state T: SIGSTOP; t: a debugger) or gone (Z, X, no such process)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    fields = stat.rpartition(")")[2].split()
+    return bool(fields) and fields[0] in ("T", "t", "Z", "X")

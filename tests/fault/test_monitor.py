@@ -20,7 +20,7 @@ from hpcnet.config import MonitorConfig
 from hpcnet.config_manager import load_config
 from hpcnet.errors import ExitCode
 from hpcnet.fault.heartbeat import ring_peers
-from hpcnet.fault.monitor import Monitor
+from hpcnet.fault.monitor import Monitor, _stopped
 from hpcnet.fault.report import DUMP_SIGNAL
 from tests.helpers import PROGRAMS, ROOT, clean_env, made_dir, wait_for
 
@@ -299,3 +299,20 @@ def test_hang_detection_time_with_the_defaults(launch, tmp_path):
     print(f"SIGSTOPped rank detected after {detected_s:.2f} s with the defaults")
     assert report["failed"][0]["rank"] == 1
     assert 3.9 < detected_s < 9.0  # 4-6 s by design (+ scheduling); generous for a loaded machine
+
+
+def test_a_stopped_peer_is_not_waited_for():
+    """A SIGSTOPped rank holds the dump signal until it resumes, so the rank that declares it dead does not
+    wait for its stacks before the abort (half a second of every hang's recovery)."""
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        assert not _stopped(proc.pid)
+        proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while not _stopped(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _stopped(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert _stopped(proc.pid)  # gone
