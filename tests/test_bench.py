@@ -134,8 +134,8 @@ def test_memory_search_largest_brackets_the_answer():
 def test_memory_ladder_and_helpers():
     import torch
 
-    from hpcnet.bench.memory import (CAP_SEQ, CAP_VOCAB, ladder_options, paired_ratios, rotated, rung_parameters,
-                                     start_rung)
+    from hpcnet.bench.memory import (CAP_SEQ, CAP_VOCAB, deeper_options, ladder_options, paired_ratios, rotated,
+                                     rung_parameters, start_rung, transformer_parameters)
     from hpcnet.data.info import DatasetInfo
     from hpcnet.models import build_model
 
@@ -146,6 +146,10 @@ def test_memory_ladder_and_helpers():
     assert rung_parameters(8) == 29_447_168  # the table's transformer
     assert [rung_parameters(k) < rung_parameters(k + 1) for k in range(1, 20)] == [True] * 19
     assert start_rung(30e6 * 20, 20) == 8 and start_rung(1, 20) == 1
+    deeper = deeper_options(7)  # width 448: 7 + 1, 2, 3 blocks stay below rung 8's parameters
+    assert [d["n_layers"] for d in deeper] == [8, 9, 10] and {d["d_model"] for d in deeper} == {448}
+    assert all(rung_parameters(7) < transformer_parameters(d["d_model"], d["n_layers"]) < rung_parameters(8)
+               for d in deeper)
     with pytest.raises(ValueError):
         ladder_options(0)
     assert rotated(("a", "b", "c"), 0) == ["a", "b", "c"] and rotated(("a", "b", "c"), 4) == ["b", "c", "a"]
@@ -182,7 +186,12 @@ def test_memory_under_mpirun(launch, tmp_path):
     cap = report["capacity"]
     assert cap["cap_bytes"] == 0.07e9 and set(cap["largest"]) == set(CAP_CONTENDERS)
     for name, found in cap["largest"].items():
-        tried = {t["rung"]: t for t in cap["trials"] if t["contender"] == name}
+        mine = [t for t in cap["trials"] if t["contender"] == name]
+        tried = {t["rung"]: t for t in mine if not t["extra_blocks"]}
         assert found["rung"] == max((k for k, t in tried.items() if t["fits"]), default=0)
-        assert all(t["fits"] == (t["peak_bytes"] <= cap["cap_bytes"]) for t in tried.values())
+        assert all(t["fits"] == (t["peak_bytes"] <= cap["cap_bytes"]) for t in mine)
         assert found["rung"] + 1 in tried  # the rung above was measured not to fit
+        # The refinement: the largest size that fit, and a larger one tried that did not.
+        assert found["parameters"] == max((t["parameters"] for t in mine if t["fits"]), default=0)
+        assert found["next_parameters"] == min(t["parameters"] for t in mine
+                                               if not t["fits"] and t["parameters"] > found["parameters"])

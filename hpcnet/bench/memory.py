@@ -86,6 +86,22 @@ def start_rung(cap_bytes: float, bytes_per_param: float, top: int = CAP_TOP_RUNG
     return max(fitting, default=1)
 
 
+def deeper_options(rung: int, most: int = 4) -> list[dict[str, int]]:
+    """The refinement between rung ``rung`` and the next: rung ``rung``'s width with more blocks, while it has
+    fewer parameters than rung ``rung + 1`` (the ladder alone moves in steps of 25-45% of parameters); at most
+    ``most`` of them, evenly spaced (small rungs, dominated by the embedding, would have dozens)."""
+    out = []
+    limit = rung_parameters(rung + 1)
+    options = ladder_options(rung)
+    for extra in range(1, 10 * rung + 10):
+        deeper = {**options, "n_layers": rung + extra}
+        if transformer_parameters(deeper["d_model"], deeper["n_layers"]) >= limit:
+            break
+        out.append(deeper)
+    step = -(-len(out) // most) if out else 1
+    return out[step - 1::step]
+
+
 def search_largest(fits: Callable[[int], bool], start: int, top: int) -> tuple[int, dict[int, bool]]:
     """The largest k in 1..top with ``fits(k)`` (0 if none), for a ``fits`` that is true up to some k and false
     above it, starting from ``start`` and stepping one rung at a time, so the answer k has ``fits(k)`` and
@@ -358,9 +374,11 @@ def targets(memory: dict[str, Any], ratios: dict[str, Any], world_size: int) -> 
 
 
 # -- capacity under a memory cap --------------------------------------------------------
-def cap_trial(name: str, rung: int, comm: Any, world: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """Build and train rung ``rung`` with ``name`` for ``--cap-steps`` steps; its peak above the rank's settled
-    memory before the model was made, the largest rank's (collective)."""
+def cap_trial(name: str, rung: int, comm: Any, world: Any, args: argparse.Namespace,
+              options: dict[str, int] | None = None) -> dict[str, Any]:
+    """Build and train rung ``rung`` (or ``options``, a refinement of it) with ``name`` for ``--cap-steps`` steps;
+    its peak above the rank's settled memory before the model was made, the largest rank's (collective)."""
+    options = options or ladder_options(rung)
     from mpi4py import MPI
 
     from hpcnet.data.info import DatasetInfo
@@ -371,7 +389,7 @@ def cap_trial(name: str, rung: int, comm: Any, world: Any, args: argparse.Namesp
     comm.Barrier()
     _reset_peak()
     torch.manual_seed(0)
-    model = build_model("transformer", DatasetInfo("tokens", (CAP_SEQ,), CAP_VOCAB), ladder_options(rung))
+    model = build_model("transformer", DatasetInfo("tokens", (CAP_SEQ,), CAP_VOCAB), options)
     contender = _build(name, model, comm, world, args.optim, copy_base=False)
     del model
     t0 = time.perf_counter()
@@ -382,8 +400,8 @@ def cap_trial(name: str, rung: int, comm: Any, world: Any, args: argparse.Namesp
     contender.close()
     del contender
     peak = comm.allreduce(peak_kib, op=MPI.MAX) * 1024
-    return {"contender": name, "rung": rung, **ladder_options(rung), "parameters": rung_parameters(rung),
-            "peak_bytes": peak, "fits": bool(peak <= args.cap_gb * 1e9),
+    return {"contender": name, "rung": rung, "extra_blocks": options["n_layers"] - rung, **options,
+            "parameters": transformer_parameters(options["d_model"], options["n_layers"]), "peak_bytes": peak, "fits": bool(peak <= args.cap_gb * 1e9),
             "step_s": comm.allreduce(seconds, op=MPI.MAX)}
 
 
@@ -410,19 +428,33 @@ def bench_capacity(comm: Any, world: Any, args: argparse.Namespace, measured: di
             return results[rung]["fits"]
 
         best, _ = search_largest(fits, start_rung(cap, guess), CAP_TOP_RUNG)
-        trials.extend(results[k] for k in sorted(results))
-        above = results.get(best + 1)
-        found[name] = {"rung": best, "parameters": rung_parameters(best) if best else 0,
-                       **(ladder_options(best) if best else {}),
-                       "peak_bytes": results[best]["peak_bytes"] if best else None,
-                       "next_rung_peak_bytes": above["peak_bytes"] if above else None}
+        tried = [results[k] for k in sorted(results)]
+        largest = results[best] if best else None
+        if best and best < CAP_TOP_RUNG:
+            # Then rung ``best``'s width with more blocks, up to the first that does not fit.
+            for options in deeper_options(best):
+                trial = cap_trial(name, best, comm, world, args, options)
+                tried.append(trial)
+                if not trial["fits"]:
+                    break
+                largest = trial
+        trials.extend(tried)
+        above = min((t for t in tried if not t["fits"] and largest and t["parameters"] > largest["parameters"]),
+                    key=lambda t: t["parameters"], default=None)
+        found[name] = {"rung": best, "extra_blocks": largest["extra_blocks"] if largest else 0,
+                       "parameters": largest["parameters"] if largest else 0,
+                       **({k: largest[k] for k in ("d_model", "n_layers", "n_heads")} if largest else {}),
+                       "peak_bytes": largest["peak_bytes"] if largest else None,
+                       "next_parameters": above["parameters"] if above else None,
+                       "next_peak_bytes": above["peak_bytes"] if above else None}
     ddp, zero2 = found["ddp"], found["hpcnet-zero2"]
     ratio = bracket = None
-    if ddp["rung"] and zero2["rung"]:
-        # The true largest sizes lie between a rung that fit and the next, which did not: the ratio's bounds.
+    if ddp["rung"] and zero2["rung"] and ddp["next_parameters"] and zero2["next_parameters"]:
+        # The true largest sizes lie between a size that fit and the next tried, which did not: the ratio's bounds.
         ratio = zero2["parameters"] / ddp["parameters"]
-        bracket = [zero2["parameters"] / rung_parameters(ddp["rung"] + 1),
-                   rung_parameters(zero2["rung"] + 1) / ddp["parameters"]]
+        bracket = [zero2["parameters"] / ddp["next_parameters"], zero2["next_parameters"] / ddp["parameters"]]
+    elif ddp["rung"] and zero2["rung"]:
+        ratio = zero2["parameters"] / ddp["parameters"]
     return {"cap_bytes": cap, "steps": args.cap_steps, "batch": [CAP_BATCH, CAP_SEQ], "vocab": CAP_VOCAB,
             "largest": found, "trials": trials, "ratio_parameters_zero2_vs_ddp": ratio, "ratio_bracket": bracket}
 
@@ -467,7 +499,8 @@ def report(out: dict[str, Any], args: argparse.Namespace) -> str:
 def report_capacity(cap: dict[str, Any]) -> str:
     rows = []
     for t in cap["trials"]:
-        rows.append([t["contender"], str(t["rung"]), f"{t['d_model']} x {t['n_layers']}",
+        rung = f"{t['rung']}" + (f" +{t['extra_blocks']} blocks" if t.get("extra_blocks") else "")
+        rows.append([t["contender"], rung, f"{t['d_model']} x {t['n_layers']}",
                      f"{t['parameters'] / 1e6:.1f}", f"{t['peak_bytes'] / 2**20:.0f}", f"{t['step_s'] * 1e3:.0f}",
                      "yes" if t["fits"] else "no"])
     lines = [f"largest transformer under a cap of {cap['cap_bytes'] / 1e9:g} GB ({cap['cap_bytes'] / 2**20:.0f} MiB) "
@@ -478,15 +511,19 @@ def report_capacity(cap: dict[str, Any]) -> str:
         if not f["rung"]:
             lines.append(f"{name}: not even rung 1 fits")
             continue
-        above = f["next_rung_peak_bytes"]
-        lines.append(f"{name}: rung {f['rung']} ({f['d_model']} x {f['n_layers']}, {f['parameters'] / 1e6:.1f} M "
-                     f"parameters, peak {f['peak_bytes'] / 2**20:.0f} MiB)"
-                     + (f"; the next rung peaked at {above / 2**20:.0f} MiB" if above else ""))
+        above = f["next_peak_bytes"]
+        lines.append(f"{name}: {f['d_model']} x {f['n_layers']} ({f['parameters'] / 1e6:.1f} M parameters, peak "
+                     f"{f['peak_bytes'] / 2**20:.0f} MiB)"
+                     + (f"; the next size tried, {f['next_parameters'] / 1e6:.1f} M, peaked at {above / 2**20:.0f} MiB"
+                        if above else ""))
     ratio = cap["ratio_parameters_zero2_vs_ddp"]
     if ratio is not None:
-        low, high = cap["ratio_bracket"]
-        lines.append(f"parameters, hpcnet-zero2 / ddp: {ratio:.2f} (target >= 2: {'met' if ratio >= 2 else 'NOT met'}; "
-                     f"the ladder is coarse: a finer one would give between {low:.2f} and {high:.2f})")
+        bounds = ""
+        if cap["ratio_bracket"]:
+            low, high = cap["ratio_bracket"]
+            bounds = f"; between the sizes tried, the true ratio lies in {low:.2f}-{high:.2f}"
+        lines.append(f"parameters, hpcnet-zero2 / ddp: {ratio:.2f} (target >= 2: {'met' if ratio >= 2 else 'NOT met'}"
+                     f"{bounds})")
     return "\n".join(lines)
 
 

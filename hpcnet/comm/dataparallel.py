@@ -16,7 +16,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from hpcnet.comm.costmodel import LinkCost, ShardPlan, auto_bucket_bytes, measured_speeds, plan_time_s
+from hpcnet.comm.costmodel import (LinkCost, ShardPlan, auto_bucket_bytes, measured_speeds, plan_time_s,
+                                   stage2_bucket_cap)
 from hpcnet.comm.reducer import Reducer, broadcast_buffers, broadcast_module
 from hpcnet.comm.zero import DEFAULT_LINK, UPDATE_S_PER_BYTE, ShardedOptimizer, measure_speed, plan_shards
 from hpcnet.layout import PLAN_FILE
@@ -120,19 +121,29 @@ class DataParallel:
             self._buffer_group = dist.group.WORLD
 
     def bucket_bytes(self) -> int:
-        """``dist.bucket_mb`` in bytes; 'auto' from the probed link (``costmodel.auto_bucket_bytes``)."""
+        """``dist.bucket_mb`` in bytes; 'auto' from the probed link (``costmodel.auto_bucket_bytes``); at
+        ``dist.zero=2`` at most ``costmodel.stage2_bucket_cap`` (the buckets in flight stay small beside the
+        gradient shard a rank keeps)."""
+        total = sum(p.numel() * p.element_size() for p in self.params)
         if self.cfg.bucket_mb != "auto":
-            return int(float(self.cfg.bucket_mb) * 2**20)
-        if self.link is None:
+            chosen = int(float(self.cfg.bucket_mb) * 2**20)
+        elif self.link is None:
             if self.world.is_main and self.world.size > 1:
                 log.info("dist.bucket_mb=auto: no probed link (dist.probe=false), buckets of %d MiB",
                          AUTO_FALLBACK_MB)
-            return AUTO_FALLBACK_MB * 2**20
-        total = sum(p.numel() * p.element_size() for p in self.params)
-        chosen = auto_bucket_bytes(self.link, total, self.world.size)
-        if self.world.is_main:
-            log.info("dist.bucket_mb=auto: %.2f MiB buckets (link %.1f us, %.2f GB/s; %.1f MiB of gradients)",
-                     chosen / 2**20, self.link.latency_s * 1e6, self.link.bandwidth_Bps / 1e9, total / 2**20)
+            chosen = AUTO_FALLBACK_MB * 2**20
+        else:
+            chosen = auto_bucket_bytes(self.link, total, self.world.size)
+            if self.world.is_main:
+                log.info("dist.bucket_mb=auto: %.2f MiB buckets (link %.1f us, %.2f GB/s; %.1f MiB of gradients)",
+                         chosen / 2**20, self.link.latency_s * 1e6, self.link.bandwidth_Bps / 1e9, total / 2**20)
+        if self.cfg.zero == 2 and self.world.size > 1:
+            cap = stage2_bucket_cap(total, self.world.size)
+            if chosen > cap:
+                if self.world.is_main:
+                    log.info("dist.zero=2: buckets of %.2f MiB, not %.2f (at most a quarter of a rank's %.1f MiB "
+                             "gradient shard)", cap / 2**20, chosen / 2**20, total / self.world.size / 2**20)
+                chosen = cap
         return chosen
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer, run_dir: Path | None = None) -> Any:

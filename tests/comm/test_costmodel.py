@@ -281,3 +281,17 @@ def test_measured_speeds_are_relative_to_the_fastest():
         measured_speeds([1.0, 0.0])
     with pytest.raises(ValueError, match=r"step_times_s\[0\] must be a positive finite number, got inf"):
         measured_speeds([math.inf, 1.0])
+
+
+def test_stage_2_buckets_are_a_quarter_of_a_shard_at_most():
+    from hpcnet.comm.costmodel import stage2_bucket_cap
+
+    mib = 1 << 20
+    assert stage2_bucket_cap(112 * mib, 4) == 7 * mib  # the bench's transformer at 4 ranks
+    assert stage2_bucket_cap(112 * mib, 4) % (64 << 10) == 0
+    assert stage2_bucket_cap(3 * mib, 8) == mib  # never below the floor
+    assert stage2_bucket_cap(1000 * mib, 2) == 125 * mib
+    with pytest.raises(ValueError):
+        stage2_bucket_cap(mib, 0)
+    with pytest.raises(ValueError):
+        stage2_bucket_cap(mib, 2, share=0)
