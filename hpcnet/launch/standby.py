@@ -24,6 +24,9 @@ and the standby starts then, so the two do not compete for the CPU (measured her
 ``gradients:`` line, the standby's imports doubled the load and first step of the attempt it was made beside)."""
 TRIGGER_TIMEOUT_S = 60.0
 """... or this long after the attempt started, whichever comes first."""
+PARK_WAIT_S = 60.0
+"""At a failure, how long the supervisor waits for a standby's ranks still importing to park before it releases
+them (a release before a rank has blocked the signal would end it); past it the standby is discarded."""
 HOSTFILE_OPTIONS = ("--hostfile", "-hostfile", "--machinefile", "-machinefile", "--default-hostfile")
 
 

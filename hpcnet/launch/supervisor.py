@@ -43,7 +43,8 @@ from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.launch.command import attempt_command, is_openmpi, launcher_env, launcher_kind, train_args_start
 from hpcnet.launch.hosts import exclude_hosts, slurm_allocation
 from hpcnet.launch.park import RELEASE_SIGNAL
-from hpcnet.launch.standby import TRIGGER, TRIGGER_TIMEOUT_S, fingerprint, parked_ranks, standby_command
+from hpcnet.launch.standby import (PARK_WAIT_S, TRIGGER, TRIGGER_TIMEOUT_S, fingerprint, parked_ranks,
+                                  standby_command)
 from hpcnet.launch.policy import (RestartBudget, backoff_s, committed_checkpoints, describe_failure, describe_status,
                                   failed_where, failure_from_line, is_restartable, new_checkpoints, normalise_status,
                                   read_failure)
@@ -277,6 +278,19 @@ class Standby:
         count, size = parked_ranks(self.directory)
         return f"{count}/{size if size is not None else '?'} ranks parked"
 
+    def wait_parked(self, timeout_s: float, stopping: Any = None) -> bool:
+        """Wait until every rank has parked (rank 0 reports how many there are); False if the standby ended,
+        ``stopping()`` became true or ``timeout_s`` passed first. A release must not come sooner: a rank that
+        has not yet imported hpcnet (which blocks the release signal) would be ended by it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            count, size = parked_ranks(self.directory)
+            if size is not None and count >= size:
+                return True
+            if not self.alive() or time.monotonic() >= deadline or (stopping is not None and stopping()):
+                return False
+            time.sleep(0.01)
+
     def release(self) -> None:
         """Let its ranks go on (the launcher forwards the signal to every rank)."""
         os.kill(self.started.proc.pid, RELEASE_SIGNAL)
@@ -356,9 +370,11 @@ def _attempt_plan(job: _Job, attempt: int, environ: dict[str, str]) -> tuple[lis
     return cmd, {**launcher_env(environ, job.openmpi), ATTEMPT_ENV: str(attempt)}, run_dir
 
 
-def _take_standby(job: _Job, attempt: int, cmd: list[str], env: dict[str, str], record: Attempt) -> Standby | None:
-    """The standby for ``attempt`` if it is alive and what it runs is what a cold start would run now; else it is
-    discarded and ``record`` says why."""
+def _take_standby(job: _Job, attempt: int, cmd: list[str], env: dict[str, str], record: Attempt,
+                  stopping: Any = None) -> Standby | None:
+    """The standby for ``attempt`` if it is alive, what it runs is what a cold start would run now and its ranks
+    have all parked (waiting for them up to ``PARK_WAIT_S``: they are further on than a cold start would be);
+    else it is discarded and ``record`` says why."""
     standby, job.standby = job.standby, None
     if standby is None:
         if job.standby_on and attempt > 1:
@@ -371,6 +387,13 @@ def _take_standby(job: _Job, attempt: int, cmd: list[str], env: dict[str, str], 
         note = f"it ended with status {normalise_status(standby.started.proc.returncode)}"
     elif standby.fingerprint != fingerprint(cmd, env, job.config_file):
         note = "the command, environment, hosts, code or config file changed since it started"
+    elif not standby.wait_parked(PARK_WAIT_S, stopping):
+        if not standby.alive():
+            note = f"it ended with status {normalise_status(standby.started.proc.returncode)}"
+        elif stopping is not None and stopping():
+            note = "a stop signal came while its ranks were parking"
+        else:
+            note = f"its ranks had not all parked within {PARK_WAIT_S:.0f} s ({standby.parked()})"
     if note:
         standby.discard()
         record.standby_note = f"standby discarded: {note}; cold start"
@@ -406,7 +429,7 @@ def _run_next(job: _Job, budget: RestartBudget, forwarder: _Forwarder, environ: 
     record = Attempt(attempt=attempt, command=cmd, run_dir=run_dir, start_unix=time.time(),
                      excluded_hosts=list(job.excluded))
     job.attempts.append(record)
-    standby = _take_standby(job, attempt, cmd, env, record)
+    standby = _take_standby(job, attempt, cmd, env, record, stopping=lambda: bool(forwarder.received))
     _say(f"attempt {attempt}/{budget.last_attempt(attempt)}{' (warm standby)' if standby else ''}: {shlex.join(cmd)}")
     before = committed_checkpoints(job.checkpoint_dir)
     started_up, ended = threading.Event(), threading.Event()

@@ -18,6 +18,7 @@ from mpi4py import MPI
 from hpcnet.launch.park import ORPHAN_EXIT, WATCH_S, orphaned
 from hpcnet.launch.standby import TRIGGER, fingerprint, parked_ranks, standby_command
 from hpcnet.layout import STANDBY_ENV, STANDBY_OWNER_ENV
+from hpcnet.launch.supervisor import Standby
 from tests.helpers import clean_env
 from tests.launch.test_supervisor import _assert_same, _final_tensors, _serial_only, _train_command, reference  # noqa: F401
 
@@ -54,6 +55,31 @@ def test_standby_commands_parked_counts_and_the_trigger(tmp_path):
 
 
 # -- under mpirun --------------------------------------------------------------------------------------------------
+def test_a_standby_is_released_only_once_every_rank_has_parked(tmp_path):
+    """At a failure the supervisor waits for the standby's ranks that still import (a release signal would end a
+    rank that has not yet blocked it); a standby that ends or never parks is not waited for past its end or the
+    timeout."""
+    park_late = ('sleep 0.5; echo "2 1 0" > "$HPCNET_STANDBY/parked.0"; sleep 0.3; '
+                 'echo "" > "$HPCNET_STANDBY/parked.1"; sleep 30')
+    cases = {"late": (park_late, 20.0, True), "ends": ("exit 3", 20.0, False), "never": ("sleep 30", 0.5, False)}
+    for name, (script, timeout_s, expected) in cases.items():
+        standby = Standby(2, ["sh", "-c", script], clean_env(), tmp_path / name, "fp", launcher="other", openmpi=False)
+        try:
+            t0 = time.monotonic()
+            assert standby.wait_parked(timeout_s) is expected, name
+            assert time.monotonic() - t0 < (15 if expected else timeout_s + 5)
+            if expected:
+                assert standby.parked() == "2/2 ranks parked" and time.monotonic() - t0 >= 0.7
+        finally:
+            standby.discard()
+    stopped = Standby(2, ["sh", "-c", "sleep 30"], clean_env(), tmp_path / "stop", "fp", launcher="other",
+                      openmpi=False)
+    try:
+        assert stopped.wait_parked(60.0, stopping=lambda: True) is False
+    finally:
+        stopped.discard()
+
+
 def _dead_pid() -> int:
     proc = subprocess.Popen(["true"])
     proc.wait()
@@ -140,6 +166,23 @@ def test_a_killed_rank_restarts_from_the_standby_and_ends_identical(tmp_path, re
     assert not attempts[0]["standby"]
     _assert_same(_final_tensors(tmp_path, "warm"), reference)
     assert _none_left(str(tmp_path)) == []  # the standby made for attempt 3 is gone too
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(300)
+def test_a_kill_just_after_the_standby_started_waits_for_it_to_park(tmp_path, reference):  # noqa: F811
+    """The kill comes a step after the standby was started, while its ranks still import: the supervisor waits
+    for them to park before the release (a release sooner ended them with SIGUSR1: status 138, seen once in
+    the suite), and the run ends as the uninterrupted one."""
+    with open(tmp_path / "err.txt", "w") as err:
+        proc = _launch(tmp_path, "early", "fault.kill_at_step=2", "fault.only_attempt=1", "fault.sleep_at_step=0",
+                       options=("--standby", "on"), stderr=err)
+        assert proc.wait(timeout=240) == 0, (tmp_path / "err.txt").read_text()[-3000:]
+    attempts = _record(tmp_path, "early")["attempts"]
+    assert [a["status"] for a in attempts] == [137, 0]
+    assert attempts[1]["standby"] and attempts[1]["standby_note"].startswith("released with 2/2 ranks parked")
+    _assert_same(_final_tensors(tmp_path, "early"), reference)
+    assert _none_left(str(tmp_path)) == []
 
 
 @pytest.mark.launch
