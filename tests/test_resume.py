@@ -204,8 +204,8 @@ def test_resume_auto_with_every_checkpoint_damaged_stops_and_lists_them(launch, 
 
 
 @pytest.mark.launch
-@pytest.mark.parametrize("code, status", [("EDQUOT", ExitCode.USAGE_ERROR), ("ENOSPC", ExitCode.USAGE_ERROR),
-                                          ("EIO", ExitCode.RESTARTABLE)])
+# ENOSPC takes EDQUOT's path (tests/ckpt cover both errnos' statuses; fault.fill_disk_at_step a real full disk).
+@pytest.mark.parametrize("code, status", [("EDQUOT", ExitCode.USAGE_ERROR), ("EIO", ExitCode.RESTARTABLE)])
 def test_an_error_inside_the_checkpoint_write_gives_its_documented_status(launch, tmp_path, code, status):
     out = launch(2, *_run_args(tmp_path, "train.steps=30", f"fault.write_error={code}", "fault.write_error_at_step=20"))
     assert out.returncode == status, out.stderr
@@ -272,7 +272,7 @@ def test_a_node_local_checkpoint_directory_is_an_error_not_a_fresh_start(tmp_pat
     assert out.returncode == ExitCode.USAGE_ERROR, out.stderr
     assert "is not the directory rank 0 writes to" in out.stderr and "ranks [1]" in out.stderr
 @pytest.mark.launch
-@pytest.mark.parametrize("saved_ranks, resumed_ranks", [(2, 3), (4, 3), (3, 2)])
+@pytest.mark.parametrize("saved_ranks, resumed_ranks", [(2, 3), (4, 3)])  # more ranks, and fewer
 def test_resume_at_another_world_size(launch, tmp_path, saved_ranks, resumed_ranks):
     """The saved position is no whole number of the new global batches: the epoch goes on from it, and its
     tail is dropped where the new grid runs out (seen in the epoch each step logs)."""

@@ -241,8 +241,9 @@ def test_sigterm_to_the_supervisor_saves_and_stops_the_job(tmp_path):
     # stderr goes to a file, as a terminal or a batch log would take it: a pipe nobody reads fills up at 64 KiB
     # (a line a step here) and blocks the job's logging until the signal finds it frozen.
     with open(tmp_path / "stderr.txt", "w+") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "hpcnet.launch", "--", *command], cwd=tmp_path,
-                                env=clean_env(), stderr=stderr, text=True)
+        # No standby: no restart follows (tests/launch/test_standby.py ends one with SIGTERM).
+        proc = subprocess.Popen([sys.executable, "-m", "hpcnet.launch", "--standby", "off", "--", *command],
+                                cwd=tmp_path, env=clean_env(), stderr=stderr, text=True)
         try:
             deadline = time.monotonic() + 150
             metrics = tmp_path / "runs"
