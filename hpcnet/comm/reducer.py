@@ -86,7 +86,6 @@ class _Bucket:
     owned: torch.Tensor | None = None  # dist.zero=2: this rank's sums, kept between steps
     owned_views: list[torch.Tensor | None] = field(default_factory=list)  # its parameters' gradients in ``owned``
     scattered: bool = False  # dist.zero=2: the transport reduce-scattered into ``owned``
-    released: bool = False  # its sum is complete here and taken out (``Reducer._release``)
 
     @property
     def nbytes(self) -> int:
@@ -317,8 +316,7 @@ class Reducer:
             bucket.launched = False
             bucket.handle = None
             self.recorder.end(bucket.token)  # no-op unless an error left it open
-            bucket.released = False
-        self._next_launch = self._next_release = 0
+        self._next_launch = self._next_release = 0  # buckets before _next_release are released (in order)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -432,9 +430,8 @@ class Reducer:
                                      + (f" here: {error}" if error else " on another rank")))
         if outcome[1] and not self.find_unused:
             self._raise_unused(lacking)
-        for bucket in self.buckets:
-            if not bucket.released:
-                self._release(bucket)
+        for bucket in self.buckets[self._next_release:]:
+            self._release(bucket)
         self.stats.bytes_reduced += self._bucket_bytes
         self._reset()
 
@@ -444,7 +441,6 @@ class Reducer:
         if bucket.wire is not None:
             bucket.buffer.copy_(bucket.wire)
             bucket.wire = None
-        bucket.released = True
         if not self.sharded:
             return
         if bucket.grouped and not bucket.scattered:  # all-reduced (a compressed wire): one piece to keep

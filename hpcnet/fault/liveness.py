@@ -106,10 +106,15 @@ def process_threads(pid: int, started: int | None) -> list[ThreadState] | None:
     return threads or None
 
 
+def halted(threads: Iterable[ThreadState] | None) -> bool:
+    """Gone (None), or a thread stopped (SIGSTOP, a debugger) or dead: it runs no Python until resumed, if ever."""
+    return threads is None or any(t.state in "TtZXx" for t in threads)
+
+
 def starved(threads: Iterable[ThreadState]) -> bool | None:
     """True: starved (alive); False: blocked; None: stopped or dead (see the module docstring)."""
     threads = list(threads)
-    if any(t.state in "TtZXx" for t in threads):
+    if halted(threads):
         return None
     monitor = [t for t in threads if t.name.encode() == MONITOR_THREAD_NAME[:15]]
     if not monitor:

@@ -47,7 +47,7 @@ from hpcnet.fault.flightrec import (NULL_RECORDER, WARMUP_FACTOR, FlightRecorder
                                    stall_timeout)
 from hpcnet.fault.heartbeat import (LEAVING, RUNNING, TAG_ACK, TAG_BEAT, TAG_NOTICE, HeartbeatLink, PeerTracker,
                                     encode, position, ring_peers)
-from hpcnet.fault.liveness import LocalLiveness, name_this_thread, start_time
+from hpcnet.fault.liveness import LocalLiveness, halted, name_this_thread, process_threads, start_time
 from hpcnet.fault.memwatch import MemoryWatch, merge_summaries
 from hpcnet.fault.native import NativeWatchdog
 from hpcnet.fault.report import (DUMP_SIGNAL, heartbeat_report, native_report, register_dump_signal, stall_report,
@@ -372,7 +372,7 @@ class Monitor:
             if self.world.hostnames[rank] == self.world.hostname and rank < len(self._pids) and rank != self.world.rank:
                 with contextlib.suppress(OSError):
                     os.kill(self._pids[rank], DUMP_SIGNAL)
-                    answering = answering or not _stopped(self._pids[rank])
+                    answering = answering or not halted(process_threads(self._pids[rank], None))
         return answering
 
     def _coordinate(self, kind: str, detail: str, mismatched: tuple[int, ...] = ()) -> None:
@@ -463,13 +463,3 @@ class Monitor:
         for handler in logging.getLogger("hpcnet").handlers:
             handler.flush()
         self.comm.Abort(ExitCode.RESTARTABLE)
-
-
-def _stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped (state T: SIGSTOP; t: a debugger) or gone (Z, X, no such process)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    fields = stat.rpartition(")")[2].split()
-    return bool(fields) and fields[0] in ("T", "t", "Z", "X")

@@ -383,8 +383,6 @@ def _take_standby(job: _Job, attempt: int, cmd: list[str], env: dict[str, str], 
     note = ""
     if standby.attempt != attempt:
         note = f"it was made for attempt {standby.attempt}"
-    elif not standby.alive():
-        note = f"it ended with status {normalise_status(standby.started.proc.returncode)}"
     elif standby.fingerprint != fingerprint(cmd, env, job.config_file):
         note = "the command, environment, hosts, code or config file changed since it started"
     elif not standby.wait_parked(PARK_WAIT_S, stopping):

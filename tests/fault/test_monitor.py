@@ -20,7 +20,8 @@ from hpcnet.config import MonitorConfig
 from hpcnet.config_manager import load_config
 from hpcnet.errors import ExitCode
 from hpcnet.fault.heartbeat import ring_peers
-from hpcnet.fault.monitor import Monitor, _stopped
+from hpcnet.fault.liveness import halted, process_threads
+from hpcnet.fault.monitor import Monitor
 from hpcnet.fault.report import DUMP_SIGNAL
 from tests.helpers import PROGRAMS, ROOT, clean_env, made_dir, wait_for
 
@@ -304,6 +305,9 @@ def test_hang_detection_time_with_the_defaults(launch, tmp_path):
 def test_a_stopped_peer_is_not_waited_for():
     """A SIGSTOPped rank holds the dump signal until it resumes, so the rank that declares it dead does not
     wait for its stacks before the abort (half a second of every hang's recovery)."""
+    def _stopped(pid):
+        return halted(process_threads(pid, None))
+
     proc = subprocess.Popen(["sleep", "30"])
     try:
         assert not _stopped(proc.pid)
