@@ -48,7 +48,8 @@ from hpcnet.launch.standby import (PARK_WAIT_S, TRIGGER, TRIGGER_TIMEOUT_S, fing
 from hpcnet.launch.policy import (RestartBudget, backoff_s, committed_checkpoints, describe_failure, describe_status,
                                   failed_where, failure_from_line, is_restartable, new_checkpoints, normalise_status,
                                   read_failure)
-from hpcnet.layout import ATTEMPT_ENV, LAUNCH_FILE, STANDBY_ENV, STANDBY_OWNER_ENV, attempt_dir, checkpoint_dir, run_dir_path
+from hpcnet.layout import (ATTEMPT_ENV, LAUNCH_FILE, STANDBY_ENV, STANDBY_OWNER_ENV, attempt_dir, checkpoint_dir,
+                           run_dir_path)
 
 
 @dataclass(slots=True)
