@@ -71,7 +71,7 @@ want="$(cat "$root/pyproject.toml" "$root/scripts/setup.sh" | sha256sum | cut -d
 check_env() {
     "$vpy" - <<'PY' 2>/dev/null
 import importlib.util
-import h5py, mpi4py, torch, numpy, pytest, pytest_mpi, hpcnet  # noqa: F401
+import h5py, mpi4py, torch, numpy, xxhash, pytest, pytest_mpi, hpcnet  # noqa: F401
 # python -m hpcnet.report's plots: found, not imported (a second import would slow every set-up check).
 if importlib.util.find_spec("matplotlib") is None:
     raise SystemExit(4)
@@ -107,6 +107,6 @@ fi
 say "installing hpcnet (editable), test and report requirements"
 pip install --no-build-isolation -e "$root[test,report]"
 
-check_env || die "the environment in $venv does not import (h5py, mpi4py, torch, pytest-mpi, matplotlib, hpcnet)"
+check_env || die "the environment in $venv does not import (h5py, mpi4py, torch, xxhash, pytest-mpi, matplotlib, hpcnet)"
 printf '%s' "$want" >"$stamp"
 say "environment ready ($venv)"

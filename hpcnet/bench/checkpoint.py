@@ -9,7 +9,8 @@ tensors, is saved and loaded by:
 
 - disk: every rank writes its 1/N share of the bytes to its own file and
   fsyncs (N writers), and rank 0 alone writes all of them (1 writer); the
-  faster is the limit;
+  faster is the limit; and every rank reads its share back (N readers), the
+  limit of a load;
 - raw collective h5py: one dataset of the same bytes in one file
   (``driver="mpio"``), each rank writing its disjoint 1/N slice collectively,
   in pieces of 64 MiB, then closed and fsynced by every rank;
@@ -32,6 +33,9 @@ disk here is mounted with ``discard``).  Rates are logical state bytes /
 seconds, best of ``--repeat``
 rounds; each round runs every method once, in an order rotated from round to
 round, so that a change of load on a shared machine hits every method alike.
+The ratios of hpcnet to its peers are given twice: between the best times, and
+round by round (the median and range over the rounds of the ratio within one
+round), which a noisy disk moves less.
 """
 
 import argparse
@@ -86,6 +90,17 @@ def write_fsync(path: Path, data: memoryview) -> None:
         os.fsync(handle.fileno())
 
 
+def read_into(path: Path, buffer: memoryview) -> None:
+    """Read the file into ``buffer`` (as long as the file), in 64 MiB calls."""
+    with open(path, "rb", buffering=0) as handle:
+        done = 0
+        while done < len(buffer):
+            got = handle.readinto(buffer[done:done + (64 << 20)])
+            if not got:
+                raise ValueError(f"{path} ends at byte {done} of {len(buffer)}")
+            done += got
+
+
 def timed(comm: Any, fn: Callable[[], Any], before: Callable[[], Any] | None = None) -> float:
     """Wall time of one run, barrier to barrier (the slowest rank counts)."""
     from mpi4py import MPI
@@ -114,6 +129,7 @@ class _Methods:
         self.share = np.random.default_rng(self.rank).integers(0, 255, size=nbytes // self.size, dtype=np.uint8)
         self.whole = (np.random.default_rng(9).integers(0, 255, size=nbytes, dtype=np.uint8)
                       if self.rank == 0 else None)
+        self.share_back = np.empty_like(self.share)
         # keep=2: the save deletes nothing (the bench's own clean-up does, untimed, like for the others).
         self.sync = CheckpointManager(comm, self.fresh("hpcnet-sync"), keep=2, full_every=1, async_save=False)
         self.through_h5py = CheckpointManager(comm, self.fresh("hpcnet-h5py"), keep=2, full_every=1,
@@ -222,6 +238,8 @@ class _Methods:
              clean(self.disk, "part*", keep_newest=False)),
             ("disk_1_writer", lambda: rank == 0 and write_fsync(self.disk / "whole", memoryview(self.whole)),
              clean(self.disk, "whole", keep_newest=False)),
+            ("disk_n_readers", lambda: read_into(self.disk / f"part{rank}", memoryview(self.share_back)),
+             lambda: drop_cache([self.disk / f"part{rank}"])),
             ("hpcnet_save", self.hpcnet_sync, clean(sync_dir, ckpts)),
             ("h5py_collective", self.h5py_collective, clean(self.h5py_dir, "raw.h5", keep_newest=False)),
             ("hpcnet_save_h5py", self.hpcnet_through_h5py, clean(self.through_h5py.directory, ckpts)),
@@ -278,13 +296,31 @@ def run(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def paired(results: dict[str, Any], ours: str, peer: str) -> tuple[float, float, float]:
+    """``peer``'s time over ``ours`` round by round: the median, lowest and highest (above 1: hpcnet is faster)."""
+    ratios = sorted(p / o for p, o in zip(results[f"{peer}_all_s"], results[f"{ours}_all_s"]))
+    mid = len(ratios) // 2
+    median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    return median, ratios[0], ratios[-1]
+
+
+PAIRS = [("hpcnet_save", "disk_n_writers", "disk N writers"), ("hpcnet_save", "dcp_save", "DCP save"),
+         ("hpcnet_load_into", "disk_n_readers", "disk N readers"), ("hpcnet_load_into", "dcp_load", "DCP load"),
+         ("hpcnet_load", "dcp_load", "DCP load")]
+"""The ratios of issue 12's targets, also given round by round: (hpcnet's line, its peer's, the peer's name)."""
+
+
 def report(results: dict[str, Any]) -> str:
     """The table: rates in GB/s (1e9 bytes), and hpcnet against the disk, raw h5py and DCP."""
     nbytes = results["state_bytes"]
     disk_s, h5py_s, dcp_s = results["disk_n_writers_s"], results["h5py_collective_s"], results["dcp_save_s"]
+    read_s = results["disk_n_readers_s"]
 
     def save_note(seconds: float) -> str:
         return f"{disk_s / seconds:.2f}x disk N, {h5py_s / seconds:.2f}x h5py, {dcp_s / seconds:.2f}x DCP"
+
+    def load_note(seconds: float) -> str:
+        return f"{read_s / seconds:.2f}x disk N read, {results['dcp_load_s'] / seconds:.2f}x DCP"
 
     rows = [
         ("disk, fsync'd, N writers", disk_s, ""),
@@ -296,10 +332,9 @@ def report(results: dict[str, Any]) -> str:
         ("hpcnet save (async): until written", results["hpcnet_async_total_s"], "save() + wait()"),
         ("torch.save on rank 0", results["torch_save_s"], ""),
         ("torch.distributed.checkpoint save", dcp_s, ""),
-        ("hpcnet load (every rank, new tensors)", results["hpcnet_load_s"],
-         f"{results['dcp_load_s'] / results['hpcnet_load_s']:.2f}x DCP"),
-        ("hpcnet load (in place, as DCP)", results["hpcnet_load_into_s"],
-         f"{results['dcp_load_s'] / results['hpcnet_load_into_s']:.2f}x DCP"),
+        ("disk, N readers (page cache dropped)", read_s, "each rank its share"),
+        ("hpcnet load (every rank, new tensors)", results["hpcnet_load_s"], load_note(results["hpcnet_load_s"])),
+        ("hpcnet load (in place, as DCP)", results["hpcnet_load_into_s"], load_note(results["hpcnet_load_into_s"])),
         ("torch.load on every rank", results["torch_load_s"], ""),
         ("torch.distributed.checkpoint load", results["dcp_load_s"], "in place"),
     ]
@@ -308,6 +343,10 @@ def report(results: dict[str, Any]) -> str:
              f"{'':<40} {'seconds':>8} {'GB/s':>7}  note"]
     for name, seconds, note in rows:
         lines.append(f"{name:<40} {seconds:>8.3f} {nbytes / seconds / 1e9:>7.3f}  {note}")
+    lines.append("hpcnet against its peers round by round (peer's time / hpcnet's; median, range):")
+    for ours, peer, name in PAIRS:
+        median, low, high = paired(results, ours, peer)
+        lines.append(f"  {ours:<17} x {name:<15} {median:.2f} ({low:.2f}-{high:.2f})")
     for what in ("save", "load"):
         phases = results.get(f"hpcnet_{what}_phases", {})
         lines.append(f"hpcnet {what} phases (last run, rank 0): " + ", ".join(
@@ -324,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpcnet.bench checkpoint", description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=float, default=512.0, help="state size in MB (default 512)")
     parser.add_argument("--dir", default="bench-checkpoint", help="scratch directory on the file system to test")
-    parser.add_argument("--repeat", type=int, default=3, help="rounds (each runs every method once); the best counts")
+    parser.add_argument("--repeat", type=int, default=5,
+                        help="rounds (each runs every method once); the best counts, and the ratios round by round")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--keep", action="store_true", help="keep the files written")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

@@ -5,7 +5,7 @@ unfiltered and, with ``ALIGN_BYTES``, aligned); the bytes themselves need no
 HDF5: each rank writes (reads) its rows at ``offset + row * row_bytes`` with
 ``os.pwrite`` (``os.preadv``), in chunks of whole hash blocks that a small
 thread pool moves and hashes at once.  Both ``os.pwrite``/``os.preadv`` and
-hashlib (on 2 KiB and more) release the GIL, so the chunks overlap with each
+the checksums (on large slices) release the GIL, so the chunks overlap with each
 other and with the disk.  On a save, writeback of each chunk starts as soon as
 it is in the page cache (``sync_file_range``), so the final fsync waits only
 for the tail; on a load, several reads are in flight at once.  The file stays a
@@ -14,11 +14,12 @@ plain HDF5 file: HDF5 and h5py read it as if h5py had written the data.
 
 import ctypes
 import ctypes.util
-import hashlib
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
+
+from hpcnet.ckpt.format import hash_view
 
 IO_THREADS = 4
 """Most threads of one rank that move and hash chunks (``CheckpointManager`` gives each rank its share of
@@ -62,25 +63,19 @@ def chunk_bounds(nbytes: int, block_bytes: int, chunk_bytes: int = CHUNK_BYTES) 
     return [(lo, min(lo + step, nbytes)) for lo in range(0, nbytes, step)]
 
 
-def hash_bytes(view: memoryview, block_bytes: int) -> bytes:
-    """The first 8 bytes of sha256 of each ``block_bytes`` slice, concatenated (``format.block_hashes``' bytes)."""
-    n = -(-len(view) // block_bytes)
-    return b"".join(hashlib.sha256(view[i * block_bytes:(i + 1) * block_bytes]).digest()[:8] for i in range(n))
-
-
 def _as_bytes(array: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
 
 
-def _write_chunk(fd: int, view: memoryview, offset: int, block_bytes: int) -> bytes:
+def _write_chunk(fd: int, view: memoryview, offset: int, block_bytes: int, hash_name: str) -> bytes:
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
     start_writeback(fd, offset, len(view))
-    return hash_bytes(view, block_bytes)
+    return hash_view(view, block_bytes, hash_name)
 
 
-def _read_chunk(fd: int, view: memoryview, offset: int, block_bytes: int) -> bytes:
+def _read_chunk(fd: int, view: memoryview, offset: int, block_bytes: int, hash_name: str) -> bytes:
     # The next chunk is read ahead while this one is hashed, even by a single thread.
     os.posix_fadvise(fd, offset + len(view), len(view), os.POSIX_FADV_WILLNEED)
     done = 0
@@ -89,33 +84,36 @@ def _read_chunk(fd: int, view: memoryview, offset: int, block_bytes: int) -> byt
         if got == 0:
             raise ValueError(f"file ends at byte {offset + done}, inside a dataset (truncated?)")
         done += got
-    return hash_bytes(view, block_bytes)
+    return hash_view(view, block_bytes, hash_name)
 
 
 def _submit(pool: ThreadPoolExecutor, fn: object, fd: int, data: np.ndarray, offset: int,
-            block_bytes: int) -> list[Future]:
+            block_bytes: int, hash_name: str) -> list[Future]:
     view = _as_bytes(data)
-    return [pool.submit(fn, fd, view[lo:hi], offset + lo, block_bytes)  # type: ignore[arg-type]
+    return [pool.submit(fn, fd, view[lo:hi], offset + lo, block_bytes, hash_name)  # type: ignore[arg-type]
             for lo, hi in chunk_bounds(len(view), block_bytes)]
 
 
 def submit_write(pool: ThreadPoolExecutor, fd: int, data: np.ndarray, offset: int, block_bytes: int) -> list[Future]:
-    """Queue ``data`` (C-contiguous) to be written at ``offset`` of ``fd`` and hashed; ``collect`` the futures."""
-    return _submit(pool, _write_chunk, fd, data, offset, block_bytes)
+    """Queue ``data`` (C-contiguous) to be written at ``offset`` of ``fd`` and hashed (``format.HASH_NAME``);
+    ``collect`` the futures."""
+    return _submit(pool, _write_chunk, fd, data, offset, block_bytes, "")
 
 
-def submit_read(pool: ThreadPoolExecutor, fd: int, target: np.ndarray, offset: int, block_bytes: int
-                ) -> list[Future]:
-    """Queue reading ``target``'s bytes (C-contiguous, writable) from ``offset`` of ``fd`` and hashing them."""
+def submit_read(pool: ThreadPoolExecutor, fd: int, target: np.ndarray, offset: int, block_bytes: int,
+                hash_name: str = "") -> list[Future]:
+    """Queue reading ``target``'s bytes (C-contiguous, writable) from ``offset`` of ``fd`` and hashing them
+    with the file's checksum ``hash_name`` (default ``format.HASH_NAME``)."""
     if not target.flags.c_contiguous or not target.flags.writeable:
         raise ValueError("target must be C-contiguous and writable")
-    return _submit(pool, _read_chunk, fd, target, offset, block_bytes)
+    return _submit(pool, _read_chunk, fd, target, offset, block_bytes, hash_name)
 
 
-def submit_hash(pool: ThreadPoolExecutor, data: np.ndarray, block_bytes: int) -> list[Future]:
+def submit_hash(pool: ThreadPoolExecutor, data: np.ndarray, block_bytes: int, hash_name: str = "") -> list[Future]:
     """Queue hashing ``data``'s blocks alone (nothing moved)."""
     view = _as_bytes(data)
-    return [pool.submit(hash_bytes, view[lo:hi], block_bytes) for lo, hi in chunk_bounds(len(view), block_bytes)]
+    return [pool.submit(hash_view, view[lo:hi], block_bytes, hash_name)
+            for lo, hi in chunk_bounds(len(view), block_bytes)]
 
 
 def collect(futures: list[Future]) -> np.ndarray:

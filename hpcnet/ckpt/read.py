@@ -89,13 +89,14 @@ def _read_pieces(f: Any, fd: int, attrs: dict[str, Any], index: list[dict[str, A
                 lo, hi = spec.block_range_rows(piece.block_lo, piece.block_hi)
                 offset = d.id.get_offset() if d.id.get_create_plist().get_layout() == h5py.h5d.CONTIGUOUS else None
                 if offset is not None:  # checked: inside the file
-                    futures = direct.submit_read(pool, fd, target[lo:hi], offset + lo * spec.row_bytes, block_bytes)
+                    futures = direct.submit_read(pool, fd, target[lo:hi], offset + lo * spec.row_bytes, block_bytes,
+                                                 attrs["hash"])
                 else:  # compact (hpcnet never writes it, HDF5 may): through h5py
                     if spec.shape:
                         d.read_direct(target, np.s_[lo:hi], np.s_[lo:hi])
                     else:
                         target[0] = d[()]
-                    futures = direct.submit_hash(pool, target[lo:hi], block_bytes)
+                    futures = direct.submit_hash(pool, target[lo:hi], block_bytes, attrs["hash"])
                 blocks = np.arange(piece.block_lo, piece.block_hi)
                 checks.append((dataset, spec, blocks, hashes[blocks], futures))
                 continue
@@ -114,7 +115,7 @@ def _read_pieces(f: Any, fd: int, attrs: dict[str, Any], index: list[dict[str, A
             for k, block in enumerate(mine):
                 lo, hi = spec.block_range_rows(int(block), int(block) + 1)
                 rows = packed[k * spec.block_rows:k * spec.block_rows + hi - lo]
-                got[k] = block_hashes(rows, block_bytes)[0]
+                got[k] = block_hashes(rows, block_bytes, attrs["hash"])[0]
                 target[lo:hi] = rows
             _verify(got, hashes[a:b], spec, mine)
         except Exception as exc:  # noqa: BLE001 - reported with file and dataset by the caller
@@ -201,7 +202,7 @@ def _read_rank_state(f: Any, attrs: dict[str, Any], rank: int) -> dict[str, Any]
     try:
         row = checked(f, "rank_state", (attrs["world_size"], width), np.dtype(np.uint8))[rank]
         want = checked(f, "rank_state_hashes", (attrs["world_size"],), np.dtype("<u8"))[rank]
-        if block_hashes(row, width)[0] != want:
+        if block_hashes(row, width, attrs["hash"])[0] != want:
             raise ValueError(f"checksum mismatch in row {rank}")
         state = json.loads(row.tobytes().decode("utf-8"))
         if not isinstance(state, dict):

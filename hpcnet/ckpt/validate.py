@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcnet.ckpt.format import FORMAT, FORMAT_VERSION, HASH_NAME, MAX_JSON_BYTES, UID_RE, parse_index, sha256_hex
+from hpcnet.ckpt.format import FORMAT, FORMAT_VERSION, HASHES, MAX_JSON_BYTES, UID_RE, parse_index, sha256_hex
 from hpcnet.layout import CKPT_NAME_RE
 
 _ATTR_TYPES: dict[str, type] = {
@@ -55,7 +55,7 @@ def read_attrs(f: Any, path: Path) -> dict[str, Any]:
     if out["format"] != FORMAT or out["format_version"] != FORMAT_VERSION:
         raise ValueError(f"format {out['format']!r} version {out['format_version']} is not "
                          f"{FORMAT!r} version {FORMAT_VERSION}")
-    if out["kind"] not in ("full", "incremental") or out["hash"] != HASH_NAME:
+    if out["kind"] not in ("full", "incremental") or out["hash"] not in HASHES:
         raise ValueError(f"unknown kind {out['kind']!r} or hash {out['hash']!r}")
     if (not 0 <= out["step"] < 10**19 or not 1 <= out["world_size"] <= 1 << 24 or not UID_RE.match(out["uid"])
             or not 0 <= out["seq"] < 2**62 or not math.isfinite(out["created_unix"])):

@@ -1,8 +1,11 @@
 """hpcnet.ckpt.direct: data moved at the datasets' offsets and hashed in threads, equal to the serial path."""
 
+import hashlib
+
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from hpcnet.ckpt import direct
 from hpcnet.ckpt.format import block_hashes
@@ -23,11 +26,17 @@ def test_chunks_are_whole_blocks_and_cover_the_bytes(nbytes, block_bytes, chunk_
 
 @pytest.mark.parametrize("nbytes,block_bytes", [(0, 1024), (1000, 1024), (5 << 20, 1024), ((9 << 20) + 7, 16384),
                                                 ((17 << 20) + 3, 1 << 20)])
-def test_threaded_hashes_equal_the_serial_ones(nbytes, block_bytes):
+@pytest.mark.parametrize("hash_name", ["xxh3-64", "sha256-64"])
+def test_threaded_hashes_equal_the_serial_ones(nbytes, block_bytes, hash_name):
     data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
     with direct.pool() as pool:
-        threaded = direct.collect(direct.submit_hash(pool, data, block_bytes))
-    assert np.array_equal(threaded, block_hashes(data, block_bytes))
+        threaded = direct.collect(direct.submit_hash(pool, data, block_bytes, hash_name))
+    serial = block_hashes(data, block_bytes, hash_name)
+    assert np.array_equal(threaded, serial)
+    if nbytes:  # the documented definitions: XXH3-64, and sha256's first 8 bytes read little-endian
+        first = data[:block_bytes].tobytes()
+        assert int(serial[0]) == (xxhash.xxh3_64_intdigest(first) if hash_name == "xxh3-64" else
+                                  int.from_bytes(hashlib.sha256(first).digest()[:8], "little"))
 
 
 def test_parallel_write_and_read_move_equal_bytes_and_hash_them(tmp_path):
@@ -102,19 +111,31 @@ def test_parallel_load_reads_equal_bytes_into_new_or_given_tensors(comm, mpi_tmp
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("full_every", [1, 2])
-def test_a_corrupted_block_far_inside_a_parallel_read_is_detected(comm, mpi_tmp_path, full_every):
+@pytest.mark.parametrize("full_every,hash_name", [(1, "xxh3-64"), (2, "xxh3-64"), (2, "sha256-64")])
+def test_a_corrupted_block_far_inside_a_parallel_read_is_detected(comm, mpi_tmp_path, monkeypatch, full_every,
+                                                                  hash_name):
+    """Also for files checksummed with sha256-64, as hpcnet wrote them before xxh3-64: they read and verify."""
     import h5py
 
+    from hpcnet.ckpt import format, write
     from hpcnet.ckpt.format import BLOCK_BYTES, LARGE_BLOCK_BYTES, make_spec
     from hpcnet.ckpt.load import load_checkpoint
     from hpcnet.ckpt.manager import CheckpointManager
     from hpcnet.errors import CheckpointCorrupt
 
-    directory = fresh_dir(comm, mpi_tmp_path / f"corrupt-direct-{full_every}")
+    directory = fresh_dir(comm, mpi_tmp_path / f"corrupt-direct-{full_every}-{hash_name}")
     state = _state()
-    with CheckpointManager(comm, directory, full_every=full_every, async_save=False) as manager:
-        path = manager.save(1, state, {}, {})
+    with monkeypatch.context() as patch:
+        patch.setattr(format, "HASH_NAME", hash_name)
+        patch.setattr(write, "HASH_NAME", hash_name)
+        with CheckpointManager(comm, directory, full_every=full_every, async_save=False) as manager:
+            path = manager.save(1, state, {}, {"rank": comm.Get_rank()})
+    with h5py.File(path, "r") as f:
+        assert f.attrs["hash"] == hash_name
+    intact = load_checkpoint(comm, str(path))
+    assert all(torch.equal(intact.tensors[name], tensor) for name, tensor in state.items())
+    assert intact.rank_state == {"rank": comm.Get_rank()}
+    comm.Barrier()
     # Large blocks only where no increment follows (full_every=1); either kind reads back.
     block_bytes = LARGE_BLOCK_BYTES if full_every == 1 else BLOCK_BYTES
     block_rows = make_spec("b", "float32", (3000, 700), block_bytes).block_rows
