@@ -9,7 +9,7 @@ try an older checkpoint, an I/O error is not (README: Checkpoints, resume rules)
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from hpcnet.agree import agreed, shared_errors
 from hpcnet.ckpt.format import CheckpointInfo, resolve_chain
@@ -98,8 +98,8 @@ def _choose(which: str, directory: Path | None) -> Choice:
 
 
 def load_with_choice(comm: Any, which: str, directory: Path | None, fault: IoFault | None,
-                     into: "dict[str, torch.Tensor] | None" = None, io_threads: int = 0
-                     ) -> tuple[Loaded | None, Choice]:
+                     into: "dict[str, torch.Tensor] | None" = None, io_threads: int = 0,
+                     wanted: Callable[[str], bool] | None = None) -> tuple[Loaded | None, Choice]:
     """Collective: ``load_checkpoint``, and what rank 0 chose from (the manager settles the directory by it)."""
     choice = None
     with shared_errors(comm):
@@ -114,7 +114,7 @@ def load_with_choice(comm: Any, which: str, directory: Path | None, fault: IoFau
         if chain is not None:
             try:
                 result = read_chain(comm, [Path(i.path) for i in chain], uids=[i.uid for i in chain], fault=fault,
-                                    into=into, io_threads=io_threads)
+                                    into=into, io_threads=io_threads, wanted=wanted)
             except CheckpointCorrupt as exc:  # damage only: an I/O error is not a reason to go back
                 why = str(exc).removeprefix(f"{info.path}: ")
             else:
@@ -138,11 +138,11 @@ def load_with_choice(comm: Any, which: str, directory: Path | None, fault: IoFau
 
 def load_checkpoint(comm: Any, which: str = "auto", directory: str | Path | None = None, *,
                     fault: IoFault | None = None, into: "dict[str, torch.Tensor] | None" = None,
-                    io_threads: int = 0) -> Loaded | None:
+                    io_threads: int = 0, wanted: Callable[[str], bool] | None = None) -> Loaded | None:
     """Collective: load a checkpoint, verified, on every rank of ``comm`` (any world size).
 
     Args:
-        comm: the ranks that load; each gets the full tensors.
+        comm: the ranks that load; each gets the full tensors it wants.
         which: 'auto' (the last committed one in ``directory`` that verifies;
             damaged ones are skipped with a warning; None if the directory holds
             no checkpoint, UsageError listing each one if none loads), a
@@ -153,9 +153,11 @@ def load_checkpoint(comm: Any, which: str = "auto", directory: str | Path | None
         fault: fault injection (``hpcnet.ckpt.write.IoFault``), or None.
         into: tensors to load into in place where they fit (``hpcnet.ckpt.read.read_chain``).
         io_threads: threads that read and hash (0: ``hpcnet.ckpt.direct.IO_THREADS``).
+        wanted: this rank's choice of tensors by name (None: all of them); ``Loaded.tensors`` holds those only,
+            and a tensor one rank alone wants reaches that rank only (``hpcnet.ckpt.state.state_wanted``).
 
     I/O errors are not damage: they are raised (on every rank) as what they
     are, ``OSError`` with its errno.
     """
     return load_with_choice(comm, which, None if directory is None else Path(directory), fault, into,
-                            io_threads)[0]
+                            io_threads, wanted)[0]

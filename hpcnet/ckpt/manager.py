@@ -27,7 +27,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -306,11 +306,13 @@ class CheckpointManager:
                 infos = scan(self.directory)[0]
         return self.comm.bcast(infos, root=0)
 
-    def load(self, which: str = "auto", into: dict[str, torch.Tensor] | None = None) -> Loaded | None:
+    def load(self, which: str = "auto", into: dict[str, torch.Tensor] | None = None,
+             wanted: Callable[[str], bool] | None = None) -> Loaded | None:
         """Collective: load a checkpoint; see ``load_checkpoint``.  Changes nothing on disk.
 
         ``into``: tensors to load into in place where they fit (name, CPU, contiguous, shape, dtype), as
-        torch.distributed.checkpoint does; the loaded tensors then share their memory.
+        torch.distributed.checkpoint does; the loaded tensors then share their memory.  ``wanted``: the
+        tensors this rank takes, by name (None: all).
 
         Returns None when ``which='auto'`` finds no checkpoint.  ``Loaded.rank_state``
         is None on ranks beyond the saved world size: seed those afresh.  The
@@ -320,7 +322,7 @@ class CheckpointManager:
         self.wait()
         with self.deadlines.guard("checkpoint.load", self._deadline_s(self._stored_bytes()), what="checkpoint.load"):
             return load_checkpoint(self.comm, which, self.directory, fault=self.fault, into=into,
-                                   io_threads=self.io_threads)
+                                   io_threads=self.io_threads, wanted=wanted)
 
     def start_fresh(self) -> None:
         """Collective: begin a run that does not resume.
@@ -335,7 +337,8 @@ class CheckpointManager:
         self.wait()
         self._claim(self._agreed_infos(), "fresh-run")
 
-    def resume(self, which: str) -> Loaded | None:
+    def resume(self, which: str, wanted: Callable[[str], bool] | None = None,
+               into: dict[str, torch.Tensor] | None = None) -> Loaded | None:
         """Collective: load the checkpoint to continue from (``'auto'`` or a path) and settle the directory.
 
         What the continued run abandons is moved aside, never deleted and never
@@ -343,13 +346,14 @@ class CheckpointManager:
         older checkpoint of this directory), the checkpoints committed after it;
         after ``'auto'`` passed over damaged ones, those.  Resuming from another
         directory's checkpoint needs this directory empty, as ``start_fresh`` does.
-        Returns None when ``'auto'`` finds no checkpoint at all.
+        Returns None when ``'auto'`` finds no checkpoint at all.  ``wanted``, ``into``: as for ``load`` (a
+        checkpoint that fails verification may have overwritten some of ``into`` before the next is tried).
         """
         self._check_open()
         self.wait()
         with self.deadlines.guard("checkpoint.load", self._deadline_s(self._stored_bytes()), what="checkpoint.load"):
             loaded, choice = load_with_choice(self.comm, which, self.directory, self.fault,
-                                              io_threads=self.io_threads)
+                                              into=into, io_threads=self.io_threads, wanted=wanted)
         if Path(choice.folder).resolve() != self.directory.resolve():
             self._claim(self._agreed_infos(), f"resumed-from-{Path(choice.folder).name}")
         elif loaded is not None:

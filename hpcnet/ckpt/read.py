@@ -1,9 +1,11 @@
-"""The verified read of a checkpoint chain, and the exchange that gives every rank the full tensors.
+"""The verified read of a checkpoint chain, and the exchange that gives every rank the full tensors it wants.
 
 Reading opens committed files with serial h5py (no MPI-IO, no collective, so
 nothing can hang), each rank reads and verifies the blocks it owns under an
 ``Ownership`` for the *current* world size, and the ranks then exchange the
-pieces (README: Checkpoints).  Failures are classified (damage, I/O error,
+pieces (README: Checkpoints): a tensor every rank wants is all-gathered, one that a single rank wants (a
+sharded optimizer's state, ``dist.zero``) is gathered to that rank only, so no rank ever holds the others'
+shards.  Failures are classified (damage, I/O error,
 memory) and agreed, so every rank raises alike.
 """
 
@@ -14,7 +16,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -122,10 +124,13 @@ def _read_pieces(f: Any, fd: int, attrs: dict[str, Any], index: list[dict[str, A
             raise ValueError(f"dataset {dataset}: {exc}") from None
 
 
-def _allgatherv_inplace(comm: Any, buffer: np.ndarray, counts: list[int], displs: list[int]) -> None:
-    """Allgatherv of byte ranges of ``buffer`` in place, in units large enough for MPI's int counts."""
+def _allgatherv_inplace(comm: Any, buffer: np.ndarray, counts: list[int], displs: list[int],
+                        root: int | None = None) -> None:
+    """Allgatherv of byte ranges of ``buffer`` in place, in units large enough for MPI's int counts; with
+    ``root``, a Gatherv to that rank only (the others' ``buffer`` keeps just their own range)."""
     from mpi4py import MPI
 
+    rank = comm.Get_rank()
     if comm.Get_size() == 1 or not any(counts):
         return
     # Plain bytes where the counts fit an int: Open MPI moves one huge derived
@@ -134,9 +139,15 @@ def _allgatherv_inplace(comm: Any, buffer: np.ndarray, counts: list[int], displs
     if max(max(counts), max(displs)) // unit >= 2**31:
         raise ValueError("piece too large for one MPI call")
     datatype = MPI.BYTE if unit == 1 else MPI.BYTE.Create_contiguous(unit).Commit()
+    whole = [buffer.reshape(-1).view(np.uint8), [c // unit for c in counts], [d // unit for d in displs], datatype]
     try:
-        comm.Allgatherv(MPI.IN_PLACE, [buffer.reshape(-1).view(np.uint8), [c // unit for c in counts],
-                                       [d // unit for d in displs], datatype])
+        if root is None:
+            comm.Allgatherv(MPI.IN_PLACE, whole)
+        elif rank == root:
+            comm.Gatherv(MPI.IN_PLACE, whole, root=root)
+        else:
+            mine = buffer.reshape(-1).view(np.uint8)[displs[rank]:displs[rank] + counts[rank]]
+            comm.Gatherv([mine, counts[rank] // unit, datatype], None, root=root)
     finally:
         if unit != 1:
             datatype.Free()
@@ -262,6 +273,7 @@ def _read_local(chain: list[Path], headers: list, ownership: Ownership, rank: in
 
 
 def read_chain(comm: Any, chain: list[Path], *, uids: list[str] | None = None,
+               wanted: Callable[[str], bool] | None = None,
                fault: IoFault | None = None, into: "dict[str, torch.Tensor] | None" = None,
                io_threads: int = 0) -> ReadResult:
     """Collective: read the chain (full base first, increments after), verify it, return full tensors.
@@ -301,26 +313,40 @@ def read_chain(comm: Any, chain: list[Path], *, uids: list[str] | None = None,
                                       "replaced while loading, or is the directory not shared?)"))
     specs = [e["spec"] for e in headers[-1][1]]
     t_agreed = time.perf_counter()
-    t_split = _exchange(comm, ownership, specs, out)
-    result.tensors = {spec.name: from_storage(out[i], spec.dtype).reshape(spec.shape) for i, spec in enumerate(specs)}
+    wanting = _wanting(comm, specs, wanted)
+    t_split = _exchange(comm, ownership, specs, out, wanting)
+    result.tensors = {spec.name: from_storage(out[i], spec.dtype).reshape(spec.shape) for i, spec in enumerate(specs)
+                      if rank in wanting[i]}
     result.timings = {"read_verify_s": t_read - t_start, "wait_s": t_agreed - t_read,
                       "exchange_s": time.perf_counter() - t_agreed, "exchange_split_s": t_split}
     return result
 
 
-def _exchange(comm: Any, ownership: Ownership, specs: list[TensorSpec], out: dict[int, np.ndarray]) -> float:
-    """Collective: give every rank the pieces the others read; return the seconds spent on split tensors.
+def _wanting(comm: Any, specs: list[TensorSpec], wanted: Callable[[str], bool] | None) -> list[set[int]]:
+    """Collective: for each tensor, the ranks whose ``wanted`` takes it (every rank where ``wanted`` is None)."""
+    mine = np.packbits([True if wanted is None else bool(wanted(spec.name)) for spec in specs])
+    every = [np.unpackbits(bits, count=len(specs)).astype(bool) for bits in comm.allgather(mine)]
+    return [{r for r, flags in enumerate(every) if flags[i]} for i in range(len(specs))]
 
-    Each split tensor is exchanged in place; whole small tensors are packed into one buffer.
+
+def _exchange(comm: Any, ownership: Ownership, specs: list[TensorSpec], out: dict[int, np.ndarray],
+              wanting: list[set[int]]) -> float:
+    """Collective: give each rank the pieces the others read of the tensors it wants (``wanting``); return the
+    seconds spent on split tensors.
+
+    Each split tensor is exchanged in place: all-gathered, or gathered to the one rank that wants it (the
+    others touch only their own piece of its buffer), or left alone when no rank wants it.  Whole small
+    tensors are packed into one buffer that every rank gets.
     """
     rank, size = comm.Get_rank(), comm.Get_size()
     small = [i for i in range(len(specs)) if not ownership.split[i] and ownership.pieces[i]]
     t_split = time.perf_counter()
     for i, spec in enumerate(specs):
-        if ownership.split[i]:
+        if ownership.split[i] and wanting[i]:
             ranges = [spec.block_range_rows(p.block_lo, p.block_hi) for p in ownership.pieces[i]]
+            root = next(iter(wanting[i])) if len(wanting[i]) == 1 else None
             _allgatherv_inplace(comm, out[i], [(hi - lo) * spec.row_bytes for lo, hi in ranges],
-                                [lo * spec.row_bytes for lo, _ in ranges])
+                                [lo * spec.row_bytes for lo, _ in ranges], root)
     t_split = time.perf_counter() - t_split
     if size > 1 and small:
         by_rank: list[list[int]] = [[] for _ in range(size)]

@@ -11,7 +11,7 @@ import random
 import time
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -94,6 +94,17 @@ def state_holders(optimizer: Any, names: list[str]) -> dict[str, int]:
         return {}
     owners = optimizer.state_owners()
     return {name: owners[int(name.split("/")[1])] for name in names if name.startswith("optim/")}
+
+
+def state_wanted(optimizer: Any) -> Callable[[str], bool] | None:
+    """Which of ``flatten_state``'s tensors this rank restores: with a sharded optimizer (``dist.zero``), the
+    model's and the state of the parameters it owns, so a resume never holds the others' shards; None (all)
+    otherwise."""
+    owned_full = getattr(optimizer, "owned_full", None)
+    if owned_full is None:
+        return None
+    owned = {str(index) for index in owned_full}
+    return lambda name: not name.startswith("optim/") or name.split("/")[1] in owned
 
 
 def restore_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, tensors: dict[str, torch.Tensor],
@@ -237,7 +248,10 @@ class TrainState:
         log.info("resume: reading the %s checkpoint of %s", "newest committed" if which == "auto" else "given",
                  which if which != "auto" else self.manager.directory)
         t0 = time.perf_counter()
-        loaded = self.manager.resume(which)
+        # Read straight into the model's own tensors where they fit (CPU): a resume then holds no second copy of
+        # the model, and with a sharded optimizer no other rank's state either, so it fits wherever a step does.
+        into = {f"model/{key}": value for key, value in self.model.state_dict().items()}
+        loaded = self.manager.resume(which, wanted=state_wanted(self.optimizer), into=into)
         if loaded is None:
             log.info("no checkpoint in %s yet: starting from step 0", self.manager.directory)
             return 0

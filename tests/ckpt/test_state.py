@@ -112,3 +112,15 @@ def test_a_sampler_state_that_fails_on_resume_fails_every_rank(comm, mpi_tmp_pat
         sampler = _Sampler(fail=comm.Get_rank() == comm.Get_size() - 1)  # a shrunk dataset, seen by one rank
         with pytest.raises((ValueError, RuntimeError), match="sampler state is malformed"):
             TrainState(load_config(), model, sgd, sampler, manager).start("auto", rank=comm.Get_rank())
+
+
+def test_a_sharded_optimizer_s_rank_wants_the_model_and_its_own_state_only():
+    from types import SimpleNamespace
+
+    from hpcnet.ckpt.state import state_wanted
+
+    assert state_wanted(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)) is None  # replicated: all
+    wanted = state_wanted(SimpleNamespace(owned_full=[1, 12]))
+    assert [name for name in ("model/w", "model/blocks/1/b", "optim/1/exp_avg", "optim/12/step", "optim/2/exp_avg",
+                              "optim/0/step", "optim/121/exp_avg") if wanted(name)] == [
+        "model/w", "model/blocks/1/b", "optim/1/exp_avg", "optim/12/step"]
