@@ -1,4 +1,4 @@
-"""Load user objects named by an import path such as ``package.module:function``."""
+"""Load user objects named by an import path such as ``package.module:function``; import what training needs."""
 
 import importlib
 from typing import Any
@@ -34,3 +34,16 @@ def load_object(path: str, option: str) -> Any:
     if not callable(obj):
         raise ConfigError(f"{option}: {path!r} is not callable")
     return obj
+
+
+def import_for_training() -> None:
+    """What training will import anyway, imported now: at the top of ``run``, where every rank arrives at once
+    (straight from agreeing on the config), and in a warm standby before it parks.
+
+    torch.optim imports torch._dynamo on an optimizer's first add_param_group and on every ``step`` (about 2 s
+    of CPU here).  Imported in the middle of start-up, one rank imports while the others wait in a collective;
+    at 16 ranks a core those waiters spin and yield, and the import took minutes (the 32-rank default job
+    exceeded monitor.startup_timeout_s once).  Imported here, every rank pays it at once, before the first
+    collective; and ``--help``, ``--print-config`` and a bad option answer without it.
+    """
+    import torch._dynamo  # noqa: F401

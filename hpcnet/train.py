@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch._dynamo  # noqa: F401 - see below
 from torch import nn
 
 from hpcnet import __version__
@@ -42,6 +41,7 @@ from hpcnet.data.balance import Balancer
 from hpcnet.data.loader import BatchLoader, open_dataset
 from hpcnet.data.sampler import GlobalBatchSampler
 from hpcnet.errors import ExitCode, exit_code_of
+from hpcnet.importing import import_for_training
 from hpcnet.fault.inject import FaultInjector
 from hpcnet.fault.monitor import Monitor
 from hpcnet.launch.park import park
@@ -51,11 +51,6 @@ from hpcnet.models import build_model, count_parameters
 from hpcnet.optim import build_optimizer
 from hpcnet.runlog import MetricsWriter, close_logging, format_duration, make_run_dir, setup_logging
 from hpcnet.trace import StepTracer, parse_steps
-
-# torch.optim imports torch._dynamo on an optimizer's first add_param_group (about 2 s of CPU here). Imported in
-# the middle of start-up, one rank imports while the others wait in a collective; at 16 ranks a core those
-# waiters spin and yield, and the import took minutes (the 32-rank default job exceeded
-# monitor.startup_timeout_s once). Imported here, every rank pays it at once, before the first collective.
 
 log = logging.getLogger("hpcnet.train")
 
@@ -110,6 +105,7 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
         stop: where signal handlers record a stop request, or None.
     """
     t_start = time.perf_counter()
+    import_for_training()
     comm = comm.Dup()  # hpcnet's control-plane traffic never mixes with the caller's
     own_plane = False
     monitor = None

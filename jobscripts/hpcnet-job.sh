@@ -20,6 +20,8 @@
 #                        reads the allocation itself)
 #   HPCNET_MAX_RESTARTS  restarts inside the allocation by hpcnet.launch (default 2)
 #   HPCNET_MAX_REQUEUES  requeues of the job (default 10)
+#   HPCNET_LAUNCH_ARGS   more options for hpcnet.launch, split at spaces, e.g.
+#                        "--standby off --exclude-failed-hosts" (README: Automatic restart)
 #   HPCNET_RUN_DIR       run directory parent (default runs/<job id>, relative to the
 #                        job's working directory, the submission directory by default)
 #   HPCNET_ROOT          the hpcnet repository (default: the submission directory)
@@ -111,7 +113,9 @@ hpcnet_job() {
     if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
         defaults+=("train.threads=$SLURM_CPUS_PER_TASK")
     fi
-    local command=(python -m hpcnet.launch --max-restarts "${HPCNET_MAX_RESTARTS:-2}" --
+    local launch_args=()
+    read -ra launch_args <<<"${HPCNET_LAUNCH_ARGS:-}"
+    local command=(python -m hpcnet.launch --max-restarts "${HPCNET_MAX_RESTARTS:-2}" "${launch_args[@]}" --
                    "${launcher[@]}" python -m mpi4py -m hpcnet.train "${defaults[@]}" --resume auto "$@")
     hpcnet_log "job $job_id ($job_name) on ${SLURM_JOB_NODELIST:-?}: ${SLURM_NTASKS:-?} tasks," \
         "requeue $restarts of at most $max_requeues; run dir $run_dir"

@@ -217,7 +217,7 @@ def test_an_error_inside_the_checkpoint_write_gives_its_documented_status(launch
 def test_an_io_error_in_a_save_is_restarted_by_the_supervisor(tmp_path):
     from tests.helpers import clean_env
 
-    cmd = [sys.executable, "-m", "hpcnet.launch", "--max-restarts", "1", "--backoff-s", "0", "--",
+    cmd = [sys.executable, "-m", "hpcnet.launch", "--max-restarts", "1", "--backoff-s", "0", "--standby", "off", "--",
            "mpirun", "-np", "2", sys.executable, "-m", "mpi4py", "-m", "hpcnet.train",
            *_run_args(tmp_path, "train.steps=30", "fault.write_error=EIO", "fault.write_error_at_step=20",
                       "fault.only_attempt=1")]

@@ -143,11 +143,14 @@ def jobs(dataset, tmp_path_factory):
     in one polling loop: one test after another would find the later jobs
     already finished.
     """
-    def submit(name, *args):
-        return Job(tmp_path_factory.mktemp(f"slurm-{name}"), dataset, *args, name=name)
+    def submit(name, *args, standby="off"):
+        # The standby is what the kill job tests; the others leave it off (HPCNET_LAUNCH_ARGS), so that five
+        # jobs sharing two cores are not joined by standbys importing torch.
+        return Job(tmp_path_factory.mktemp(f"slurm-{name}"), dataset, *args, name=name,
+                   env={"HPCNET_LAUNCH_ARGS": f"--standby {standby}"})
 
     jobs = {"reference": submit("reference"), "signal": submit("signal"), "requeue": submit("requeue"),
-            "kill": submit("kill", "fault.kill_at_step=12", "fault.only_attempt=1"),
+            "kill": submit("kill", "fault.kill_at_step=12", "fault.only_attempt=1", standby="auto"),
             # No restarts inside the allocation: the failure must be retried by requeue.
             "kill-requeue": Job(tmp_path_factory.mktemp("slurm-kill-requeue"), dataset, name="kill-requeue",
                                 env={"HPCNET_MAX_RESTARTS": "0"})}
@@ -192,6 +195,7 @@ def test_uninterrupted_job_trains(jobs):
     assert len(losses) == STEPS and losses[-1] < losses[0], out[-3000:]
     assert "training exited with status 0 (done)" in out
     assert info["Restarts"] == "0"
+    assert re.search(r"running: python -m hpcnet.launch --max-restarts \d+ --standby off -- ", out), out[-3000:]
 
 
 def test_preempted_by_signal_requeues_itself_and_resumes(jobs):

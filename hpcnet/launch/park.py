@@ -45,8 +45,12 @@ def _env_int(names: tuple[str, ...]) -> int | None:
 
 
 def _preimport(argv: list[str]) -> None:
-    """Import the configured model and dataset factories' modules (best effort: a bad config is reported by the
-    run itself, after the release)."""
+    """Import what training imports at its start (``hpcnet.importing.import_for_training``) and the configured model
+    and dataset factories' modules (best effort: a bad config is reported by the run itself, after the release)."""
+    with contextlib.suppress(Exception):
+        from hpcnet.importing import import_for_training
+
+        import_for_training()
     with contextlib.suppress(Exception):
         from hpcnet.config_manager import load_config, parse_command_line
 

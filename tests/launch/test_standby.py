@@ -43,6 +43,17 @@ def test_the_fingerprint_follows_command_environment_hostfile_and_config(tmp_pat
     assert fingerprint(command, env, str(config)) != base
 
 
+def test_a_standby_has_imported_what_training_imports_and_a_bare_import_has_not():
+    """torch._dynamo (2 s of CPU, imported by every optimizer step) is paid by the parked standby, not after the
+    release; importing hpcnet.train alone (--help, a bad option) does without it."""
+    code = ("import sys; import hpcnet.train; before = 'torch._dynamo' in sys.modules; "
+            "from hpcnet.launch.park import _preimport; _preimport(['train.steps=3']); "
+            "print(before, 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"]
+
+
 def test_standby_commands_parked_counts_and_the_trigger(tmp_path):
     assert standby_command(["srun", "-n", "2", "python"], "srun") == ["srun", "--overlap", "-n", "2", "python"]
     assert standby_command(["mpirun", "-np", "2"], "mpirun") == ["mpirun", "-np", "2"]
