@@ -121,7 +121,8 @@ class Reducer:
             ones). Each bucket is laid out owner by owner and reduce-scattered (or all-reduced, where the
             transport has no reduce-scatter, and its owned part kept); after ``finish`` a parameter has a
             ``.grad`` on its owner only, and the buckets are dropped until the next backward (unless they live
-            in the transport's memory, shm's window), so between steps a rank holds its own sums only.
+            in the transport's memory, shm's window), so between steps a rank holds its own sums only; and
+            those are dropped by the next ``zero_grad`` and made again bucket by bucket as the sums go out.
     """
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], transport: Transport, control: Any, *,

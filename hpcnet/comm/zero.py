@@ -11,7 +11,7 @@ averaged gradient, lives on one owner rank only (README: Memory: sharded data pa
   (``ParamGather``: one ``MPI_Bcast`` per owner).
 - **Stage 2**: the reducer reduce-scatters each bucket so each rank receives only the sums it owns
   (``Reducer(owners=...)``); the buckets are dropped after the step, so between steps a rank holds 1/N of
-  the gradients. The global gradient norm for clipping is gathered as one float per parameter.
+  the gradients, and from the next step's start until its buckets go out not even those. The global gradient norm for clipping is gathered as one float per parameter.
 
 A sharded optimizer's ``state_dict`` has the layout of the unsharded optimizer's (state keyed by the global
 parameter index, every param group with every index), holding the owned entries only; ``load_state_dict``

@@ -203,11 +203,19 @@ def test_stage_2_drops_each_bucket_once_its_sum_is_in(comm, data_plane, kind, pr
                           comm, bucket_bytes=layer_bytes, first_bucket_bytes=layer_bytes, owners=owners)
         assert len(reducer.buckets) == 8
         live = []  # bucket bytes alive after each parameter's hook (ours run after the reducer's)
-        hooks = [p.register_post_accumulate_grad_hook(
-            lambda _: live.append(sum(b.buffer.numel() * 4 for b in reducer.buckets))) for p in params]
+        owned = []  # and this rank's owned sums (dist.zero=2) alive then
+
+        def note(_: torch.Tensor) -> None:
+            live.append(sum(b.buffer.numel() * 4 for b in reducer.buckets))
+            owned.append(sum(b.owned.numel() * 4 for b in reducer.buckets if b.owned is not None))
+
+        hooks = [p.register_post_accumulate_grad_hook(note) for p in params]
         for _ in range(2):  # a second step makes the dropped buckets again
             live.clear()
+            owned.clear()
             reducer.zero_grad()
+            # The last step's owned sums are dropped with the gradients: made again as each bucket goes out.
+            assert all(b.owned is None and p.grad is None for b in reducer.buckets for p in b.params)
             nn.functional.cross_entropy(model(x), y).backward()
             at_end = live[-1]
             reducer.finish()
@@ -220,8 +228,10 @@ def test_stage_2_drops_each_bucket_once_its_sum_is_in(comm, data_plane, kind, pr
             if not sharded:
                 assert at_end == total  # every bucket alive: at dist.zero=0 they are the gradients
             elif reducer.transport.synchronous:
-                # Each sum was in when its hook returned: at most the bucket being filled is alive.
+                # Each sum was in when its hook returned: at most the bucket being filled is alive, and the owned
+                # sums grow bucket by bucket (the first hooks see at most the first bucket's).
                 assert max(live) <= layer_bytes and at_end == 0, live
+                assert owned[0] <= layer_bytes and owned == sorted(owned), owned
             else:
                 # A worker thread's or gloo's sums finish while backward goes on: fewer than all alive at
                 # some point would be timing; what holds is that nothing is kept past finish.
