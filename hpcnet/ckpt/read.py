@@ -323,8 +323,17 @@ def read_chain(comm: Any, chain: list[Path], *, uids: list[str] | None = None,
 
 
 def _wanting(comm: Any, specs: list[TensorSpec], wanted: Callable[[str], bool] | None) -> list[set[int]]:
-    """Collective: for each tensor, the ranks whose ``wanted`` takes it (every rank where ``wanted`` is None)."""
-    mine = np.packbits([True if wanted is None else bool(wanted(spec.name)) for spec in specs])
+    """Collective: for each tensor, the ranks whose ``wanted`` takes it (every rank where ``wanted`` is None);
+    a ``wanted`` that fails on some rank is raised on every rank."""
+    error = None
+    flags = [True] * len(specs)
+    try:
+        if wanted is not None:
+            flags = [bool(wanted(spec.name)) for spec in specs]
+    except Exception as exc:  # noqa: BLE001 - shared below, so no rank is left in the allgather
+        error = exc
+    agree_on_error(comm, error)
+    mine = np.packbits(flags)
     every = [np.unpackbits(bits, count=len(specs)).astype(bool) for bits in comm.allgather(mine)]
     return [{r for r, flags in enumerate(every) if flags[i]} for i in range(len(specs))]
 

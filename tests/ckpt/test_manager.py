@@ -270,3 +270,20 @@ def test_each_rank_loads_only_the_tensors_it_wants(comm, mpi_tmp_path):
     assert set(loaded.tensors) == want
     assert_same_tensors({name: tensors[name] for name in want}, loaded.tensors)
     comm.Barrier()
+
+
+@pytest.mark.mpi
+def test_a_choice_of_tensors_that_fails_on_one_rank_fails_on_every_rank(comm, mpi_tmp_path):
+    directory = fresh_dir(comm, mpi_tmp_path / "wanted-fails")
+    last = comm.Get_size() - 1
+
+    def wanted(name):
+        if comm.Get_rank() == last:
+            raise KeyError(f"no owner for {name}")
+        return True
+
+    with CheckpointManager(comm, directory, async_save=False) as manager:
+        manager.save(1, {"model/w": torch.ones(3)}, {}, {})
+        with pytest.raises(Exception, match="no owner for model/w"):
+            manager.load("auto", wanted=wanted)
+    comm.Barrier()
