@@ -262,6 +262,60 @@ def plan_ownership(specs: list[TensorSpec], world_size: int, *, split_min_bytes:
     return Ownership(world_size, tuple(pieces), tuple(split), tuple(loads))
 
 
+def plan_reads(specs: list[TensorSpec], wanting: list[set[int]] | list[frozenset[int]], world_size: int
+               ) -> Ownership:
+    """Who reads which blocks of a checkpoint on a load (pure): each rank one contiguous run of the file.
+
+    A tensor no rank wants is not read; one that a single rank wants is read
+    whole by that rank (nothing to exchange: ``dist.zero``'s own optimizer
+    state).  The others, taken in index order - the order the writer created
+    them, which HDF5 allocated in increasing offsets for every dataset large
+    enough to matter (``direct.ALIGN_BYTES``) - form one stream of bytes cut
+    into ``world_size`` consecutive ranges, so that each rank reads one
+    stretch of the file: a tensor is split only where a cut falls inside it.
+    Each rank's range is sized to even out the bytes it reads, counting the
+    tensors only it wants.  Cutting every tensor across every rank (as a save
+    does, ``plan_ownership``) made each rank's reads strided: two ranks read
+    their 256 MB halves of a checkpoint in 0.63-0.94 s that way, in 0.33-0.56 s
+    as one run each (this disk; ``read_ahead_kb`` 8192).
+    """
+    if world_size < 1:
+        raise ValueError("world_size must be at least 1")
+    loads = [0] * world_size
+    pieces: list[tuple[Piece, ...]] = [()] * len(specs)
+    shared = []
+    for i, (spec, ranks) in enumerate(zip(specs, wanting)):
+        if spec.n_blocks == 0 or not ranks:
+            continue
+        if len(ranks) == 1:
+            (rank,) = ranks
+            if not 0 <= rank < world_size:
+                raise ValueError(f"tensor {spec.name!r} is wanted by rank {rank}, not one of {world_size}")
+            pieces[i] = (Piece(rank, 0, spec.n_blocks),)
+            loads[rank] += spec.nbytes
+        else:
+            shared.append(i)
+    stream = sum(specs[i].nbytes for i in shared)
+    share = [max(0, (stream + sum(loads)) / world_size - load) for load in loads]
+    scale = stream / sum(share) if sum(share) else 0.0
+    cuts = [0.0]
+    for s in share:
+        cuts.append(cuts[-1] + s * scale)
+    position = 0
+    for i in shared:
+        spec = specs[i]
+        block_bytes = spec.block_rows * spec.row_bytes
+        # Block numbers where each rank's range starts, rounded to the nearest block boundary.
+        starts = [min(spec.n_blocks, max(0, round((cut - position) / block_bytes))) for cut in cuts[1:-1]]
+        bounds = [0, *starts, spec.n_blocks]
+        pieces[i] = tuple(Piece(r, bounds[r], bounds[r + 1]) for r in range(world_size) if bounds[r + 1] > bounds[r])
+        for p in pieces[i]:
+            lo, hi = spec.block_range_rows(p.block_lo, p.block_hi)
+            loads[p.rank] += (hi - lo) * spec.row_bytes
+        position += spec.nbytes
+    return Ownership(world_size, tuple(pieces), tuple(len(p) > 1 for p in pieces), tuple(loads))
+
+
 def write_pieces(rows_per_rank: list[int], piece_rows_max: int) -> int:
     """How many collective calls split a tensor whose ranks own ``rows_per_rank`` rows (pure).
 

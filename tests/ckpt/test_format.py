@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from torch import nn
 
-from hpcnet.ckpt.format import (BLOCK_BYTES, CheckpointInfo, block_hashes, check_names_nest, check_tensor_name,
-                                make_spec, plan_ownership, plan_retention, resolve_chain, write_pieces)
+from hpcnet.ckpt.format import (BLOCK_BYTES, CheckpointInfo, Piece, block_hashes, check_names_nest, check_tensor_name,
+                                make_spec, plan_ownership, plan_reads, plan_retention, resolve_chain,
+                                write_pieces)
 
 
 pytestmark = pytest.mark.timeout(120)
@@ -48,6 +49,61 @@ def test_plan_ownership_is_even_on_a_resnet():
     for n in (2, 4):
         loads = plan_ownership(specs, n).rank_bytes
         assert max(loads) / (sum(loads) / n) < 1.05
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7, 64])
+def test_plan_reads_gives_each_rank_one_stretch_and_reads_what_one_rank_wants_there(world_size):
+    rng = random.Random(100 + world_size)
+    specs = _random_specs(rng, 80)
+    everyone = set(range(world_size))
+    wanting = [rng.choice([everyone, everyone, everyone, set(), {rng.randrange(world_size)},
+                           set(rng.sample(range(world_size), min(2, world_size)))]) for _ in specs]
+    plan = plan_reads(specs, wanting, world_size)
+    assert plan == plan_reads(specs, wanting, world_size)  # deterministic
+    loads = [0] * world_size
+    last_rank = 0
+    for spec, ranks, pieces in zip(specs, wanting, plan.pieces):
+        if not ranks or spec.n_blocks == 0:
+            assert pieces == ()  # nobody wants it: not read
+            continue
+        covered = [b for p in pieces for b in range(p.block_lo, p.block_hi)]
+        assert covered == list(range(spec.n_blocks))
+        if len(ranks) == 1:
+            assert [p.rank for p in pieces] == list(ranks)  # read by the one rank that wants it
+        else:
+            ranks_in_order = [p.rank for p in pieces]
+            assert ranks_in_order == sorted(set(ranks_in_order)) and ranks_in_order[0] >= last_rank
+            last_rank = ranks_in_order[-1]  # the shared tensors are one stream, cut in rank order
+        for p in pieces:
+            lo, hi = spec.block_range_rows(p.block_lo, p.block_hi)
+            loads[p.rank] += (hi - lo) * spec.row_bytes
+    assert tuple(loads) == plan.rank_bytes
+    shared_blocks = [s.block_rows * s.row_bytes for s, r in zip(specs, wanting) if len(r) > 1 and s.n_blocks]
+    own = [sum(s.nbytes for s, r in zip(specs, wanting) if r == {k}) for k in range(world_size)]
+    even = sum(loads) / world_size
+    # Each rank reads its even share, give or take a block at each end of its stretch, unless the tensors only
+    # it wants already exceed that share.
+    for k in range(world_size):
+        assert loads[k] <= max(even, own[k]) + 2 * max(shared_blocks, default=0)
+
+
+def test_plan_reads_cuts_a_model_into_contiguous_halves():
+    specs = [make_spec(f"layer{i}", "float32", (1024, 4096)) for i in range(4)]
+    plan = plan_reads(specs, [{0, 1}] * 4, 2)
+    assert [[(p.rank, p.block_lo, p.block_hi) for p in pieces] for pieces in plan.pieces] == [
+        [(0, 0, specs[0].n_blocks)], [(0, 0, specs[1].n_blocks)], [(1, 0, specs[2].n_blocks)],
+        [(1, 0, specs[3].n_blocks)]]
+    # Three ranks: the middle one reads the end of layer 1 and the start of layer 2.
+    plan = plan_reads(specs, [{0, 1, 2}] * 4, 3)
+    assert [[p.rank for p in pieces] for pieces in plan.pieces] == [[0], [0, 1], [1, 2], [2]]
+    # What rank 1 alone wants (its optimizer state) counts towards its share.
+    state = make_spec("optim/0/exp_avg", "float32", (1024, 4096))
+    plan = plan_reads([*specs, state], [{0, 1}] * 4 + [{1}], 2)
+    assert plan.pieces[4] == (Piece(1, 0, state.n_blocks),)
+    assert abs(plan.rank_bytes[0] - plan.rank_bytes[1]) <= 2 * specs[0].block_rows * specs[0].row_bytes
+    assert [p.rank for p in plan.pieces[2]] == [0, 1]  # rank 0 reads 2.5 layers, rank 1 1.5 and its state
+    with pytest.raises(ValueError, match="rank 5"):
+        plan_reads(specs, [{5}] * 4, 2)
 
 
 def test_make_spec_blocks():
