@@ -199,14 +199,20 @@ class TrainState:
     """The pieces of a run that a checkpoint holds: model, optimizer, data position, RNG."""
 
     def __init__(self, cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, sampler: Any,
-                 manager: CheckpointManager) -> None:
+                 manager: CheckpointManager, shards: Any = None) -> None:
         self.cfg, self.model, self.optimizer, self.sampler, self.manager = cfg, model, optimizer, sampler, manager
+        self.shards = shards
+        """Who owns which parameter (``DataParallel``: ``plan_state``/``restore_plan``), or None: saved in the
+        meta, so a resume goes on with the owners in force."""
         self.last_saved_step = -1
 
     def save(self, step: int, loader_state: dict[str, Any]) -> Path:
         """Collective: checkpoint the state after ``step`` (blocks only for the snapshot when async)."""
         tensors, state_meta = flatten_state(self.model, self.optimizer)
         meta = {"state": state_meta, "sampler": loader_state, "config": to_dict(self.cfg), "step": step}
+        plan = self.shards.plan_state() if self.shards is not None else None
+        if plan is not None:
+            meta["shards"] = plan
         path = self.manager.save(step, tensors, meta, rng_state(), holders=state_holders(self.optimizer, list(tensors)))
         self.last_saved_step = step
         timings = self.manager.last_timings
@@ -256,6 +262,8 @@ class TrainState:
             log.info("no checkpoint in %s yet: starting from step 0", self.manager.directory)
             return 0
         self._restore(loaded, rank)
+        if self.shards is not None:
+            self.shards.restore_plan(loaded.meta.get("shards"))
         log.info("resume: checkpoint read and restored in %.2f s", time.perf_counter() - t0)
         return loaded.step
 

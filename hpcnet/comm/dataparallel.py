@@ -206,6 +206,56 @@ class DataParallel:
         self._write_plan()
         return True
 
+    def plan_state(self) -> dict[str, Any] | None:
+        """The owners in force and the speeds they were planned with, for a checkpoint's meta (None at
+        ``dist.zero=0``): a resume at the same world size goes on with them (``restore_plan``)."""
+        if self.shards is None:
+            return None
+        return {"world_size": self.world.size, "owner": list(self.shards.owner), "speeds": list(self.speeds),
+                "bytes": [p.numel() * p.element_size() for p in self.params]}
+
+    def restore_plan(self, saved: Any) -> bool:
+        """Go on with the owners a checkpoint was saved under (collective; every rank has the same meta).
+
+        ``dist.plan=auto`` plans from speeds measured at start-up, which differ
+        from one start to the next; at stage 2 the owners decide how each bucket
+        is reduce-scattered, and with more than 2 ranks MPI then adds the same
+        numbers in another order.  Keeping the saved owners makes a resume at the
+        same world size bit-identical to the run that was not interrupted.  Only
+        a checkpoint of the same world size and parameter sizes is followed;
+        otherwise the fresh plan stays.  Returns whether the owners changed.
+        """
+        if self.shards is None or self.optimizer is None or not isinstance(saved, dict):
+            return False
+        sizes = [p.numel() * p.element_size() for p in self.params]
+        owner, speeds = saved.get("owner"), saved.get("speeds")
+        if (saved.get("world_size") != self.world.size or saved.get("bytes") != sizes
+                or not isinstance(owner, list) or len(owner) != len(sizes)
+                or not all(isinstance(o, int) and 0 <= o < self.world.size for o in owner)
+                or not isinstance(speeds, list) or len(speeds) != self.world.size
+                or not all(isinstance(x, (int, float)) and 0 < x <= 1 for x in speeds)):
+            return False
+        if owner == self.shards.owner:
+            self.speeds = [float(x) for x in speeds]
+            return False
+        speeds = [float(x) for x in speeds]
+        times = plan_time_s(sizes, owner, speeds, compute_s_per_byte=UPDATE_S_PER_BYTE,
+                            link=self.link or DEFAULT_LINK)
+        rank_bytes = [0] * self.world.size
+        for size, rank in zip(sizes, owner):
+            rank_bytes[rank] += size
+        saved_plan = ShardPlan(owner, rank_bytes, times)
+        sent = self.optimizer.reshard(saved_plan)
+        if self.cfg.zero == 2:
+            self.reducer.reassign(owner)
+        self.shards, self.speeds = saved_plan, speeds
+        moved = self.comm.allreduce(sent)
+        if self.world.is_main:
+            log.info("dist.plan: resumed with the checkpoint's owners (%.1f MiB of optimizer state moved): %s",
+                     moved / 2**20, self.describe_shards())
+        self._write_plan()
+        return True
+
     def plan_record(self) -> dict[str, Any]:
         """What plan.json holds: the stage, the mode, the inputs the cost model used and its assignment."""
         assert self.shards is not None

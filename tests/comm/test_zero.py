@@ -138,7 +138,9 @@ def test_resume_across_stages_is_exact(comm, data_plane, mpi_tmp_path, saved_zer
     """A checkpoint holds the optimizer state in the unsharded layout, whoever wrote it: a run stopped at
     dist.zero=A and resumed at B ends as an uninterrupted run at A would, bit for bit where A and B sum alike."""
     dataset = _dataset(comm, mpi_tmp_path)
-    common = ["optim.name=adamw", "optim.lr=0.003", "train.steps=8", "checkpoint.at_end=true"]
+    # Uniform owners: the two uninterrupted-or-not runs plan alike (auto plans from speeds measured at each
+    # start, and so may differ from run to run; what a resume does with that is tested below).
+    common = ["optim.name=adamw", "optim.lr=0.003", "train.steps=8", "checkpoint.at_end=true", "dist.plan=uniform"]
     name = f"resume-{saved_zero}-{resumed_zero}"
     straight = run(_cfg(mpi_tmp_path, dataset, f"{name}-straight", *common, f"dist.zero={saved_zero}"), comm,
                    plane=data_plane)
@@ -150,6 +152,38 @@ def test_resume_across_stages_is_exact(comm, data_plane, mpi_tmp_path, saved_zer
     assert second.summary["start_step"] == 3 and second.summary["steps"] == 8
     _assert_same(_params(straight), _params(second),
                  _exact_expected(comm, max(saved_zero, resumed_zero), "mpi") or saved_zero == resumed_zero)
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+def test_a_resume_goes_on_with_the_owners_it_was_saved_under(comm, data_plane, mpi_tmp_path, monkeypatch):
+    """dist.plan=auto plans from the speeds measured at each start.  A resume at the same world size takes the
+    owners the checkpoint was saved under, whatever it measures, so at stage 2 (where the owners decide how
+    each bucket is reduce-scattered) it ends bit for bit as the run that was not stopped."""
+    import hpcnet.comm.zero as zero
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    dataset = _dataset(comm, mpi_tmp_path)
+    common = ["optim.name=adamw", "optim.lr=0.003", "train.steps=8", "dist.zero=2", "dist.plan=auto",
+              "dist.replan_every=0"]
+    monkeypatch.setattr(zero, "measure_speed", lambda **_: 4.0 if rank == 0 else 1.0)  # rank 0 four times slower
+    straight = run(_cfg(mpi_tmp_path, dataset, "owners-straight", *common), comm, plane=data_plane)
+    first = run(_cfg(mpi_tmp_path, dataset, "owners", *common), comm, plane=data_plane, stop=StopAfter(3))
+    saved_owners = list(first.optimizer.plan.owner)
+    assert saved_owners == list(straight.optimizer.plan.owner)
+    monkeypatch.setattr(zero, "measure_speed", lambda **_: 1.0)  # now equally fast: a fresh plan would differ
+    fresh = run(_cfg(mpi_tmp_path, dataset, "owners-fresh", *common, "train.steps=1"), comm, plane=data_plane)
+    if size > 1:
+        assert list(fresh.optimizer.plan.owner) != saved_owners
+    second = run(_cfg(mpi_tmp_path, dataset, "owners", *common, "checkpoint.resume=auto"), comm, plane=data_plane)
+    assert second.summary["start_step"] == 3
+    assert list(second.optimizer.plan.owner) == saved_owners
+    held = {i for i, p in enumerate(second.model.parameters()) if p in second.optimizer.state}
+    assert held == {i for i, o in enumerate(saved_owners) if o == rank}  # the state moved to them
+    _assert_same(_params(straight), _params(second), True)
+    if rank == 0:
+        plan = json.loads((mpi_tmp_path / "runs" / "owners" / PLAN_FILE).read_text())
+        assert plan["owner"] == saved_owners
     comm.Barrier()
 
 
