@@ -99,7 +99,9 @@ def _choose(which: str, directory: Path | None) -> Choice:
 
 def load_with_choice(comm: Any, which: str, directory: Path | None, fault: IoFault | None,
                      into: "dict[str, torch.Tensor] | None" = None, io_threads: int = 0,
-                     wanted: Callable[[str], bool] | None = None) -> tuple[Loaded | None, Choice]:
+                     wanted: Callable[[str], bool] | None = None,
+                     wanted_from_meta: "Callable[[dict[str, Any]], Callable[[str], bool] | None] | None" = None
+                     ) -> tuple[Loaded | None, Choice]:
     """Collective: ``load_checkpoint``, and what rank 0 chose from (the manager settles the directory by it)."""
     choice = None
     with shared_errors(comm):
@@ -114,7 +116,8 @@ def load_with_choice(comm: Any, which: str, directory: Path | None, fault: IoFau
         if chain is not None:
             try:
                 result = read_chain(comm, [Path(i.path) for i in chain], uids=[i.uid for i in chain], fault=fault,
-                                    into=into, io_threads=io_threads, wanted=wanted)
+                                    into=into, io_threads=io_threads, wanted=wanted,
+                                    wanted_from_meta=wanted_from_meta)
             except CheckpointCorrupt as exc:  # damage only: an I/O error is not a reason to go back
                 why = str(exc).removeprefix(f"{info.path}: ")
             else:

@@ -338,7 +338,9 @@ class CheckpointManager:
         self._claim(self._agreed_infos(), "fresh-run")
 
     def resume(self, which: str, wanted: Callable[[str], bool] | None = None,
-               into: dict[str, torch.Tensor] | None = None) -> Loaded | None:
+               into: dict[str, torch.Tensor] | None = None,
+               wanted_from_meta: Callable[[dict[str, Any]], Callable[[str], bool] | None] | None = None
+               ) -> Loaded | None:
         """Collective: load the checkpoint to continue from (``'auto'`` or a path) and settle the directory.
 
         What the continued run abandons is moved aside, never deleted and never
@@ -347,13 +349,15 @@ class CheckpointManager:
         after ``'auto'`` passed over damaged ones, those.  Resuming from another
         directory's checkpoint needs this directory empty, as ``start_fresh`` does.
         Returns None when ``'auto'`` finds no checkpoint at all.  ``wanted``, ``into``: as for ``load`` (a
-        checkpoint that fails verification may have overwritten some of ``into`` before the next is tried).
+        checkpoint that fails verification may have overwritten some of ``into`` before the next is tried);
+        ``wanted_from_meta``: as for ``hpcnet.ckpt.read.read_chain``.
         """
         self._check_open()
         self.wait()
         with self.deadlines.guard("checkpoint.load", self._deadline_s(self._stored_bytes()), what="checkpoint.load"):
             loaded, choice = load_with_choice(self.comm, which, self.directory, self.fault,
-                                              into=into, io_threads=self.io_threads, wanted=wanted)
+                                              into=into, io_threads=self.io_threads, wanted=wanted,
+                                              wanted_from_meta=wanted_from_meta)
         if Path(choice.folder).resolve() != self.directory.resolve():
             self._claim(self._agreed_infos(), f"resumed-from-{Path(choice.folder).name}")
         elif loaded is not None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from hpcnet.agree import agree_on_error, agreed, ranks_differing
+from hpcnet.agree import agree_on_error, agreed, ranks_differing, shared_errors
 from hpcnet.ckpt import direct
 from hpcnet.ckpt.format import (SPLIT_MIN_BYTES, Ownership, TensorSpec, block_hashes, dtype_name, from_storage,
                                 packed_rows, plan_reads, sha256_hex, to_storage)
@@ -204,16 +204,30 @@ def _raise_read_failure(path: Path, exc: Exception) -> None:
     raise failure from exc
 
 
+def _read_meta(f: Any, attrs: dict[str, Any]) -> dict[str, Any]:
+    try:
+        meta = read_json(f, "meta", attrs["meta_sha256"])
+    except ValueError as exc:
+        raise ValueError(f"dataset /meta: {exc}") from None
+    if not isinstance(meta, dict):
+        raise ValueError("dataset /meta: not a JSON object")
+    return meta
+
+
 def _read_headers(chain: list[Path], uids: list[str] | None, fault: IoFault | None
-                  ) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
-    """Every file's validated header; the chain must hold one set of tensors and, if given, these uids."""
+                  ) -> tuple[list[tuple[dict[str, Any], list[dict[str, Any]]]], dict[str, Any]]:
+    """Every file's validated header, and the meta of the last; the chain must hold one set of tensors and, if
+    given, these uids."""
     headers = []
+    meta: dict[str, Any] = {}
     for path in chain:
         try:
             if fault is not None:
                 fault("read", -1)
             with open_read(path) as f:
                 headers.append(read_header(f, path))
+                if path == chain[-1]:
+                    meta = _read_meta(f, headers[-1][0])
         except Exception as exc:  # noqa: BLE001 - classified
             _raise_read_failure(path, exc)
     specs = [e["spec"] for e in headers[-1][1]]
@@ -225,7 +239,7 @@ def _read_headers(chain: list[Path], uids: list[str] | None, fault: IoFault | No
         changed = [p.name for p, a, b in zip(chain, uids, read) if a != b]
         raise RestartableError(f"checkpoint {', '.join(changed)} was replaced after it was listed "
                                "(is another job writing to the checkpoint directory?)")
-    return headers
+    return headers, meta
 
 
 def _read_rank_state(f: Any, attrs: dict[str, Any], rank: int) -> dict[str, Any] | None:
@@ -322,15 +336,8 @@ def _read_files(chain: list[Path], headers: list, owned: list, out: dict[int, np
                 if attrs["kind"] == "incremental":
                     file_blocks = checked(f, "blocks", file_hashes.shape, np.dtype("<i8"))[()]
                 _read_owned(f, path, attrs, index, owned, out, file_hashes, file_blocks, io_threads)
-                if path != chain[-1]:
-                    continue
-                try:
-                    meta = read_json(f, "meta", attrs["meta_sha256"])
-                except ValueError as exc:
-                    raise ValueError(f"dataset /meta: {exc}") from None
-                if not isinstance(meta, dict):
-                    raise ValueError("dataset /meta: not a JSON object")
-                result = ReadResult({}, meta, _read_rank_state(f, attrs, rank), attrs)
+                if path == chain[-1]:
+                    result = ReadResult({}, {}, _read_rank_state(f, attrs, rank), attrs)
         except Exception as exc:  # noqa: BLE001 - classified
             _raise_read_failure(path, exc)
     return result
@@ -339,7 +346,9 @@ def _read_files(chain: list[Path], headers: list, owned: list, out: dict[int, np
 def read_chain(comm: Any, chain: list[Path], *, uids: list[str] | None = None,
                wanted: Callable[[str], bool] | None = None,
                fault: IoFault | None = None, into: "dict[str, torch.Tensor] | None" = None,
-               io_threads: int = 0) -> ReadResult:
+               io_threads: int = 0,
+               wanted_from_meta: "Callable[[dict[str, Any]], Callable[[str], bool] | None] | None" = None
+               ) -> ReadResult:
     """Collective: read the chain (full base first, increments after), verify it, return full tensors.
 
     Args:
@@ -352,6 +361,10 @@ def read_chain(comm: Any, chain: list[Path], *, uids: list[str] | None = None,
             fault in.  The returned tensors then share their memory.  A failed load may have
             overwritten some of them.
         io_threads: threads that read and hash (0: ``hpcnet.ckpt.direct.IO_THREADS``).
+        wanted_from_meta: called on every rank with the checkpoint's meta once every rank has checked it read
+            the same files, before any tensor is read; returns ``wanted`` (which it replaces).  It may be
+            collective: a sharded optimizer takes the owners the checkpoint was saved under there, so that
+            each rank then reads the state of the parameters it will own.
 
     Raises, on every rank alike: ``CheckpointCorrupt`` (a checksum or the
     structure; the message names file and dataset), an ``OSError`` with its
@@ -361,8 +374,9 @@ def read_chain(comm: Any, chain: list[Path], *, uids: list[str] | None = None,
     rank, size = comm.Get_rank(), comm.Get_size()
     t_start = time.perf_counter()
     error = headers = None
+    meta: dict[str, Any] = {}
     try:
-        headers = _read_headers(chain, uids, fault)
+        headers, meta = _read_headers(chain, uids, fault)
     except BaseException as exc:  # noqa: BLE001 - shared below, so every rank raises alike
         error = exc
     agree_on_error(comm, error)
@@ -373,6 +387,9 @@ def read_chain(comm: Any, chain: list[Path], *, uids: list[str] | None = None,
         raise agreed(RestartableError(f"ranks {odd} read other files than rank 0 for {chain[-1]} (was a file "
                                       "replaced while loading, or is the directory not shared?)"))
     specs = [e["spec"] for e in headers[-1][1]]
+    if wanted_from_meta is not None:
+        with shared_errors(comm):
+            wanted = wanted_from_meta(meta)
     wanting = _wanting(comm, specs, wanted)
     ownership = plan_reads(specs, wanting, size)
     t_planned = time.perf_counter()
@@ -384,6 +401,7 @@ def read_chain(comm: Any, chain: list[Path], *, uids: list[str] | None = None,
     agree_on_error(comm, error)
     t_agreed = time.perf_counter()
     t_split = _exchange(comm, ownership, specs, out, wanting)
+    result.meta = meta
     result.tensors = {spec.name: from_storage(out[i], spec.dtype).reshape(spec.shape) for i, spec in enumerate(specs)
                       if rank in wanting[i]}
     result.timings = {"open_plan_s": t_planned - t_start, "read_verify_s": t_read - t_planned,

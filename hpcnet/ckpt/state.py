@@ -257,15 +257,20 @@ class TrainState:
         # Read straight into the model's own tensors where they fit (CPU): a resume then holds no second copy of
         # the model, and with a sharded optimizer no other rank's state either, so it fits wherever a step does.
         into = {f"model/{key}": value for key, value in self.model.state_dict().items()}
-        loaded = self.manager.resume(which, wanted=state_wanted(self.optimizer), into=into)
+        loaded = self.manager.resume(which, into=into, wanted_from_meta=self._plan_from)
         if loaded is None:
             log.info("no checkpoint in %s yet: starting from step 0", self.manager.directory)
             return 0
         self._restore(loaded, rank)
-        if self.shards is not None:
-            self.shards.restore_plan(loaded.meta.get("shards"))
         log.info("resume: checkpoint read and restored in %.2f s", time.perf_counter() - t0)
         return loaded.step
+
+    def _plan_from(self, meta: dict[str, Any]) -> Callable[[str], bool] | None:
+        """Collective, before the load reads a tensor: take the owners the checkpoint was saved under (while the
+        optimizer holds no state, nothing moves), then what this rank restores under them."""
+        if self.shards is not None:
+            self.shards.restore_plan(meta.get("shards"))
+        return state_wanted(self.optimizer)
 
     def _restore(self, loaded: Loaded, rank: int) -> None:
         # Everything here may fail on some ranks only (each restores its own
