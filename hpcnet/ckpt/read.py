@@ -319,6 +319,8 @@ def _read_local(chain: list[Path], headers: list, ownership: Ownership, wanting:
             new.add(i)
     receive = [out[i].reshape(-1).view(np.uint8)[lo:hi] for i, lo, hi in _to_receive(ownership, specs, wanting, rank)
                if i in new]
+    if not receive:
+        return out, _read_files(chain, headers, owned, out, rank, io_threads)
     with ThreadPoolExecutor(1, thread_name_prefix="hpcnet-checkpoint-prefault") as toucher:
         touched = toucher.submit(_prefault, receive)
         result = _read_files(chain, headers, owned, out, rank, io_threads)

@@ -192,12 +192,8 @@ class DataParallel:
         candidate, _ = plan_shards(self.params, self.comm, mode="auto", link=self.link, speeds=speeds)
         if candidate.owner == self.shards.owner or candidate.max_time_s >= (1 - REPLAN_GAIN) * now:
             return False
-        sent = self.optimizer.reshard(candidate)
-        if self.cfg.zero == 2:
-            self.reducer.reassign(candidate.owner)
-        self.shards, self.speeds = candidate, speeds
+        moved = self._adopt(candidate, speeds)
         self.replans += 1
-        moved = self.comm.allreduce(sent)
         if self.world.is_main:
             log.info("dist.plan: new owners after step %d (measured update speeds %s; modelled step %.3f -> %.3f "
                      "ms; %.1f MiB of optimizer state moved): %s", step,
@@ -205,6 +201,16 @@ class DataParallel:
                      moved / 2**20, self.describe_shards())
         self._write_plan()
         return True
+
+    def _adopt(self, plan: ShardPlan, speeds: list[float]) -> int:
+        """Move to ``plan``'s owners (collective): the optimizer state and, at stage 2, the buckets' layout;
+        returns the bytes of state moved by all ranks together."""
+        assert self.optimizer is not None
+        sent = self.optimizer.reshard(plan)
+        if self.cfg.zero == 2:
+            self.reducer.reassign(plan.owner)
+        self.shards, self.speeds = plan, speeds
+        return self.comm.allreduce(sent)
 
     def plan_state(self) -> dict[str, Any] | None:
         """The owners in force and the speeds they were planned with, for a checkpoint's meta (None at
@@ -235,21 +241,16 @@ class DataParallel:
                 or not isinstance(speeds, list) or len(speeds) != self.world.size
                 or not all(isinstance(x, (int, float)) and 0 < x <= 1 for x in speeds)):
             return False
-        if owner == self.shards.owner:
-            self.speeds = [float(x) for x in speeds]
-            return False
         speeds = [float(x) for x in speeds]
+        if owner == self.shards.owner:
+            self.speeds = speeds
+            return False
         times = plan_time_s(sizes, owner, speeds, compute_s_per_byte=UPDATE_S_PER_BYTE,
                             link=self.link or DEFAULT_LINK)
         rank_bytes = [0] * self.world.size
         for size, rank in zip(sizes, owner):
             rank_bytes[rank] += size
-        saved_plan = ShardPlan(owner, rank_bytes, times)
-        sent = self.optimizer.reshard(saved_plan)
-        if self.cfg.zero == 2:
-            self.reducer.reassign(owner)
-        self.shards, self.speeds = saved_plan, speeds
-        moved = self.comm.allreduce(sent)
+        moved = self._adopt(ShardPlan(owner, rank_bytes, times), speeds)
         if self.world.is_main:
             log.info("dist.plan: resumed with the checkpoint's owners (%.1f MiB of optimizer state moved): %s",
                      moved / 2**20, self.describe_shards())
