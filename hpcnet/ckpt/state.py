@@ -20,6 +20,7 @@ from torch import nn
 from hpcnet.agree import shared_errors
 from hpcnet.ckpt.load import Loaded
 from hpcnet.ckpt.manager import CheckpointManager
+from hpcnet.comm.zero import PIECE, rows_of
 from hpcnet.config import Config
 from hpcnet.config_manager import to_dict
 from hpcnet.errors import UsageError
@@ -37,32 +38,46 @@ def flatten_state(model: nn.Module, optimizer: torch.optim.Optimizer
     key>`` (Adam's ``step`` tensors included); the meta holds the optimizer's
     class, its param groups' hyper-parameters and member params, and any
     non-tensor per-param state.  A sharded optimizer (``dist.zero``) gives the
-    same names and meta as the unsharded one would (collective): its own
-    entries, and the others' as ``meta``-device tensors (``state_holders``
-    says who holds them).
+    same meta and names as the unsharded one would (collective), except that
+    the state of a parameter cut into row ranges comes in pieces,
+    ``optim/<index>/<key>:<lo>-<hi>``: its own entries, and the others' as
+    ``meta``-device tensors (``flatten_with_holders`` says who holds them).
     """
+    tensors, meta, _ = flatten_with_holders(model, optimizer)
+    return tensors, meta
+
+
+def flatten_with_holders(model: nn.Module, optimizer: torch.optim.Optimizer
+                         ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, int]]:
+    """``flatten_state``, and of its tensors those one rank alone holds (a sharded optimizer's state) -> that
+    rank; empty when every rank holds everything."""
     tensors: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"model state {key!r} is a {type(value).__name__}, not a tensor; it cannot be saved")
         tensors[f"model/{key}"] = value
-    state = optimizer.state_dict()
-    if hasattr(optimizer, "gather_state_specs"):
-        state = {**state, "state": _sharded_state(optimizer, state["state"])}
+    holders: dict[str, int] = {}
     scalars: dict[str, dict[str, Any]] = {}
-    for index, per_param in state["state"].items():
-        for key, value in per_param.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"optim/{index}/{key}"] = value
-            else:
-                scalars.setdefault(str(index), {})[key] = value
-    meta = {"optimizer": optimizer_name(optimizer), "param_groups": state["param_groups"], "state_scalars": scalars}
+    if hasattr(optimizer, "checkpoint_state"):
+        optim_tensors, scalars, holders = optimizer.checkpoint_state()
+        tensors.update(optim_tensors)
+        groups = optimizer.full_param_groups()
+    else:
+        state = optimizer.state_dict()
+        for index, per_param in state["state"].items():
+            for key, value in per_param.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"optim/{index}/{key}"] = value
+                else:
+                    scalars.setdefault(str(index), {})[key] = value
+        groups = state["param_groups"]
+    meta = {"optimizer": optimizer_name(optimizer), "param_groups": groups, "state_scalars": scalars}
     try:
         json.dumps(meta)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"optimizer {type(optimizer).__name__}: param groups or state are not JSON-able: "
                          f"{exc}") from None
-    return tensors, json.loads(json.dumps(meta))
+    return tensors, json.loads(json.dumps(meta)), holders
 
 
 def optimizer_name(optimizer: Any) -> str:
@@ -70,41 +85,11 @@ def optimizer_name(optimizer: Any) -> str:
     return type(getattr(optimizer, "inner", optimizer)).__name__
 
 
-def _sharded_state(optimizer: Any, owned: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """A sharded optimizer's (``dist.zero``) state for every parameter (collective): the owned entries, and for the
-    others tensors of their shape and dtype on the ``meta`` device (no memory), and their scalars."""
-    every: dict[int, dict[str, Any]] = {}
-    for index, described in optimizer.gather_state_specs().items():
-        every[index] = {}
-        for key, (kind, *rest) in described.items():
-            if index in owned:
-                every[index][key] = owned[index][key]
-            elif kind == "tensor":
-                dtype, shape = rest
-                every[index][key] = torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
-            else:
-                every[index][key] = rest[0]
-    return every
-
-
-def state_holders(optimizer: Any, names: list[str]) -> dict[str, int]:
-    """Of the tensor ``names`` from ``flatten_state``, those one rank alone holds (a sharded optimizer's state,
-    ``optim/<index>/<key>``) -> that rank; empty when every rank holds everything."""
-    if not hasattr(optimizer, "state_owners"):
-        return {}
-    owners = optimizer.state_owners()
-    return {name: owners[int(name.split("/")[1])] for name in names if name.startswith("optim/")}
-
-
 def state_wanted(optimizer: Any) -> Callable[[str], bool] | None:
     """Which of ``flatten_state``'s tensors this rank restores: with a sharded optimizer (``dist.zero``), the
-    model's and the state of the parameters it owns, so a resume never holds the others' shards; None (all)
-    otherwise."""
-    owned_full = getattr(optimizer, "owned_full", None)
-    if owned_full is None:
-        return None
-    owned = {str(index) for index in owned_full}
-    return lambda name: not name.startswith("optim/") or name.split("/")[1] in owned
+    model's and the state of what it owns (of a cut parameter, the pieces over its rows), so a resume never
+    holds the others' shards; None (all) otherwise."""
+    return getattr(optimizer, "wants", None)
 
 
 def restore_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, tensors: dict[str, torch.Tensor],
@@ -129,6 +114,8 @@ def restore_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, ten
         if name.startswith("optim/"):
             _, index, key = name.split("/", 2)
             per_param.setdefault(int(index), {})[key] = value
+    if not hasattr(optimizer, "checkpoint_state"):  # a sharded optimizer takes the pieces it needs itself
+        _join_pieces(per_param, [p for group in optimizer.param_groups for p in group["params"]])
     for index, values in meta.get("state_scalars", {}).items():
         per_param.setdefault(int(index), {}).update(values)
     groups = meta["param_groups"]
@@ -143,6 +130,46 @@ def restore_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, ten
         optimizer.load_state_dict({"state": per_param, "param_groups": groups})
     except (ValueError, KeyError) as exc:
         raise UsageError(f"checkpoint does not match the optimizer: {exc}") from None
+
+
+def join_pieces(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (a loaded checkpoint's) with the row pieces of each cut parameter's optimizer state
+    (``optim/<index>/<key>:<lo>-<hi>``, ``dist.zero``) joined into one tensor under the unsharded name: the
+    names and values an unsharded run saves.  ValueError when a tensor's pieces leave rows out."""
+    out: dict[str, torch.Tensor] = {}
+    pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+    for name, value in tensors.items():
+        head, _, key = name.rpartition("/")
+        piece = PIECE.match(key) if name.startswith("optim/") else None
+        if piece is None:
+            out[name] = value
+        else:
+            pieces.setdefault(f"{head}/{piece['key']}", []).append((int(piece["lo"]), int(piece["hi"]), value))
+    for name, parts in pieces.items():
+        out[name] = rows_of(parts, 0, max(hi for _, hi, _ in parts), name)
+    return out
+
+
+def _join_pieces(per_param: dict[int, dict[str, Any]], params: list[torch.Tensor]) -> None:
+    """Whole tensors from the row pieces of a cut parameter's state (``dist.zero``), in place; UsageError when
+    pieces are missing."""
+    for index, values in per_param.items():
+        pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+        for key in [k for k in values if PIECE.match(k)]:
+            piece = PIECE.match(key)
+            assert piece is not None
+            pieces.setdefault(piece["key"], []).append((int(piece["lo"]), int(piece["hi"]), values.pop(key)))
+        if not pieces:
+            continue
+        if index >= len(params):
+            raise UsageError(f"checkpoint holds optimizer state for parameter {index}, the optimizer has "
+                             f"{len(params)}")
+        rows = params[index].shape[0] if params[index].dim() else 1
+        for key, parts in pieces.items():
+            try:
+                values[key] = rows_of(parts, 0, rows, f"optimizer state {index} {key}")
+            except ValueError as exc:
+                raise UsageError(f"checkpoint does not match the optimizer: {exc}") from None
 
 
 def rng_state() -> dict[str, Any]:
@@ -208,12 +235,12 @@ class TrainState:
 
     def save(self, step: int, loader_state: dict[str, Any]) -> Path:
         """Collective: checkpoint the state after ``step`` (blocks only for the snapshot when async)."""
-        tensors, state_meta = flatten_state(self.model, self.optimizer)
+        tensors, state_meta, holders = flatten_with_holders(self.model, self.optimizer)
         meta = {"state": state_meta, "sampler": loader_state, "config": to_dict(self.cfg), "step": step}
         plan = self.shards.plan_state() if self.shards is not None else None
         if plan is not None:
             meta["shards"] = plan
-        path = self.manager.save(step, tensors, meta, rng_state(), holders=state_holders(self.optimizer, list(tensors)))
+        path = self.manager.save(step, tensors, meta, rng_state(), holders=holders)
         self.last_saved_step = step
         timings = self.manager.last_timings
         log.info("checkpoint at step %d: %s (%s, blocked %.3f s)", step, path.name,

@@ -19,7 +19,8 @@ from torch import nn
 from hpcnet.comm.costmodel import (LinkCost, ShardPlan, auto_bucket_bytes, measured_speeds, plan_time_s,
                                    stage2_bucket_cap)
 from hpcnet.comm.reducer import Reducer, broadcast_buffers, broadcast_module
-from hpcnet.comm.zero import DEFAULT_LINK, UPDATE_S_PER_BYTE, ShardedOptimizer, measure_speed, plan_shards
+from hpcnet.comm.zero import (DEFAULT_LINK, UPDATE_S_PER_BYTE, ShardedOptimizer, ShardLayout, measure_speed,
+                              norm_order, plan_shards, split_units, unit_grad_norm)
 from hpcnet.layout import PLAN_FILE
 from hpcnet.phases import PhaseClock
 from hpcnet.config import DistConfig
@@ -97,8 +98,14 @@ class DataParallel:
         self.link = link
         self.shards: ShardPlan | None = None
         self.speeds: list[float] = []
+        self.layout: ShardLayout | None = None
         if cfg.zero:
-            self.shards, self.speeds = plan_shards(self.params, comm, mode=cfg.plan, link=link, device=device)
+            self.layout = ShardLayout(self.params, world.size)
+            self.shards, self.speeds = plan_shards(self.layout.tensors, comm, mode=cfg.plan, link=link,
+                                                   device=device)
+        units = self.layout.units if self.layout is not None else split_units(self.params, world.size)
+        self._norm_units = units if any(not u.whole for u in units) else None
+        self._norm_order = norm_order(self.params)
         self.optimizer: ShardedOptimizer | None = None
         self._run_dir: Path | None = None
         self._replanning = False
@@ -107,7 +114,8 @@ class DataParallel:
             list(model.named_parameters()), transport, comm,
             bucket_bytes=self.bucket_bytes(), first_bucket_bytes=int(cfg.first_bucket_mb * 2**20),
             compression=_DTYPES[cfg.compression], find_unused=cfg.find_unused, timeout_s=cfg.timeout_s,
-            recorder=recorder, owners=self.shards.owner if cfg.zero == 2 else None)
+            recorder=recorder, owners=self.shards.owner if cfg.zero == 2 else None,
+            units=self.layout if cfg.zero == 2 else None)
         self.step_count = 0
         self.compute_timer: Any = None  # data.balance: times each forward and backward (hpcnet.data.balance)
         self.clock = PhaseClock()  # the loop's (hpcnet.phases); marks are no-ops until it starts a step
@@ -151,8 +159,8 @@ class DataParallel:
         rank 0 logs and writes to ``plan.json`` in ``run_dir``; else ``optimizer`` itself."""
         if not self.cfg.zero:
             return optimizer
-        assert self.shards is not None
-        self.optimizer = ShardedOptimizer(optimizer, self.shards, self.params, self.comm, self.cfg.zero)
+        assert self.shards is not None and self.layout is not None
+        self.optimizer = ShardedOptimizer(optimizer, self.shards, self.layout, self.comm, self.cfg.zero)
         self.optimizer.clock = self.clock
         self._run_dir = run_dir
         self._replanning = self.cfg.plan == "auto" and self.cfg.replan_every > 0 and self.world.size > 1
@@ -186,10 +194,11 @@ class DataParallel:
             return False
         if max(abs(new / old - 1) for new, old in zip(speeds, self.speeds)) <= REPLAN_DRIFT:
             return False
-        sizes = [p.numel() * p.element_size() for p in self.params]
+        assert self.layout is not None
         link = self.link or DEFAULT_LINK
-        now = max(plan_time_s(sizes, self.shards.owner, speeds, compute_s_per_byte=UPDATE_S_PER_BYTE, link=link))
-        candidate, _ = plan_shards(self.params, self.comm, mode="auto", link=self.link, speeds=speeds)
+        now = max(plan_time_s(self.layout.sizes, self.shards.owner, speeds, compute_s_per_byte=UPDATE_S_PER_BYTE,
+                              link=link))
+        candidate, _ = plan_shards(self.layout.tensors, self.comm, mode="auto", link=self.link, speeds=speeds)
         if candidate.owner == self.shards.owner or candidate.max_time_s >= (1 - REPLAN_GAIN) * now:
             return False
         moved = self._adopt(candidate, speeds)
@@ -215,10 +224,10 @@ class DataParallel:
     def plan_state(self) -> dict[str, Any] | None:
         """The owners in force and the speeds they were planned with, for a checkpoint's meta (None at
         ``dist.zero=0``): a resume at the same world size goes on with them (``restore_plan``)."""
-        if self.shards is None:
+        if self.shards is None or self.layout is None:
             return None
         return {"world_size": self.world.size, "owner": list(self.shards.owner), "speeds": list(self.speeds),
-                "bytes": [p.numel() * p.element_size() for p in self.params]}
+                "bytes": list(self.layout.sizes), "units": self.layout.to_json()}
 
     def restore_plan(self, saved: Any) -> bool:
         """Go on with the owners a checkpoint was saved under (collective; every rank has the same meta).
@@ -231,11 +240,12 @@ class DataParallel:
         a checkpoint of the same world size and parameter sizes is followed;
         otherwise the fresh plan stays.  Returns whether the owners changed.
         """
-        if self.shards is None or self.optimizer is None or not isinstance(saved, dict):
+        if self.shards is None or self.optimizer is None or self.layout is None or not isinstance(saved, dict):
             return False
-        sizes = [p.numel() * p.element_size() for p in self.params]
+        sizes = self.layout.sizes
         owner, speeds = saved.get("owner"), saved.get("speeds")
         if (saved.get("world_size") != self.world.size or saved.get("bytes") != sizes
+                or saved.get("units", self.layout.to_json()) != self.layout.to_json()
                 or not isinstance(owner, list) or len(owner) != len(sizes)
                 or not all(isinstance(o, int) and 0 <= o < self.world.size for o in owner)
                 or not isinstance(speeds, list) or len(speeds) != self.world.size
@@ -259,14 +269,19 @@ class DataParallel:
 
     def plan_record(self) -> dict[str, Any]:
         """What plan.json holds: the stage, the mode, the inputs the cost model used and its assignment."""
-        assert self.shards is not None
+        assert self.shards is not None and self.layout is not None
         names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        units = []
+        for k, (unit, size, owner) in enumerate(zip(self.layout.units, self.layout.sizes, self.shards.owner)):
+            entry = {"name": names[unit.param], "bytes": size, "owner": owner}
+            if not unit.whole:
+                entry["rows"] = [unit.lo, unit.hi]
+            units.append(entry)
         return {"zero": self.cfg.zero, "plan": self.cfg.plan, "world_size": self.world.size,
                 "speeds": self.speeds,
                 "link": ({"latency_us": self.link.latency_s * 1e6, "bandwidth_GBps": self.link.bandwidth_Bps / 1e9}
                          if self.link else None),
-                "parameters": [{"name": n, "bytes": p.numel() * p.element_size(), "owner": o}
-                               for n, p, o in zip(names, self.params, self.shards.owner)],
+                "units": units, "cut": sorted({names[u.param] for u in self.layout.units if not u.whole}),
                 **self.shards.to_json()}
 
     def describe_shards(self) -> str:
@@ -281,12 +296,20 @@ class DataParallel:
         """``torch.nn.utils.clip_grad_norm_`` over the model (collective with ``dist.zero=2``)."""
         if self.optimizer is not None and self.cfg.zero == 2:
             return self.optimizer.clip_grad_norm_(max_norm)
-        return nn.utils.clip_grad_norm_(self.params, max_norm)
+        total = self.grad_norm()
+        grads = [p for p in self.params if p.grad is not None]
+        if grads:
+            nn.utils.clip_grads_with_norm_(grads, max_norm, total)
+        return total
 
     def grad_norm(self) -> torch.Tensor:
-        """The total gradient 2-norm (collective with ``dist.zero=2``)."""
+        """The total gradient 2-norm (collective with ``dist.zero=2``).  Where ``dist.zero=2`` would cut a parameter
+        at this world size, every stage takes the norm unit by unit as it does (``zero.unit_grad_norm``), so
+        the stages clip alike, bit for bit; otherwise it is ``torch.nn.utils.get_total_norm``'s."""
         if self.optimizer is not None and self.cfg.zero == 2:
             return self.optimizer.grad_norm()
+        if self._norm_units is not None:
+            return unit_grad_norm(self.params, self._norm_units, self._norm_order)
         return nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
 
     @property

@@ -80,12 +80,19 @@ class _Bucket:
     handle: Any = None
     wire: torch.Tensor | None = None
     token: int = 0  # its entry in the flight recorder while it runs
-    views: list[torch.Tensor] = field(default_factory=list)  # each parameter's gradient in ``buffer``
+    # The bucket's entries in layout order: a whole parameter, or (dist.zero=2) rows of one (a unit of
+    # hpcnet.comm.zero.ShardLayout).  ``offsets`` are the entries', in elements.
+    entry_param: list[int] = field(default_factory=list)  # the entry's parameter, by its place in ``params``
+    entry_tensor: list[torch.Tensor] = field(default_factory=list)  # what the entry's gradient belongs to
+    entry_rows: list[tuple[int, int] | None] = field(default_factory=list)  # rows of a cut parameter, or None
+    entry_unit: list[int] = field(default_factory=list)  # dist.zero=2: the entry's unit index
+    of_param: list[list[int]] = field(default_factory=list)  # each parameter's entries
+    views: list[torch.Tensor] = field(default_factory=list)  # each entry's gradient in ``buffer``
     counts: list[int] = field(default_factory=list)  # dist.zero=2: elements each rank owns, in rank order
     grouped: bool = False  # dist.zero=2: laid out owner by owner (reduce-scatter), else in dist.zero=0's order
     owned: torch.Tensor | None = None  # dist.zero=2: this rank's sums, from its collective to the next zero_grad
-    owned_views: list[torch.Tensor | None] = field(default_factory=list)  # its parameters' gradients in ``owned``
-    owner_of: list[int] = field(default_factory=list)  # dist.zero=2: each parameter's owner rank
+    owned_views: list[torch.Tensor | None] = field(default_factory=list)  # its entries' gradients in ``owned``
+    owner_of: list[int] = field(default_factory=list)  # dist.zero=2: each entry's owner rank
     scattered: bool = False  # dist.zero=2: the transport reduce-scattered into ``owned``
 
     @property
@@ -117,18 +124,22 @@ class Reducer:
             gradients instead of raising.
         timeout_s: how long ``finish`` waits for the collectives.
         recorder: the flight recorder (``hpcnet.fault.flightrec``) the collectives are logged to.
-        owners: ``dist.zero=2``: the owner rank of each trainable parameter (``named_params`` order, trainable
-            ones). Each bucket is laid out owner by owner and reduce-scattered (or all-reduced, where the
-            transport has no reduce-scatter, and its owned part kept); after ``finish`` a parameter has a
-            ``.grad`` on its owner only, and the buckets are dropped until the next backward (unless they live
-            in the transport's memory, shm's window), so between steps a rank holds its own sums only; and
-            those are dropped by the next ``zero_grad`` and made again bucket by bucket as the sums go out.
+        owners: ``dist.zero=2``: the owner rank of each unit (``units``; without them, of each trainable
+            parameter in ``named_params`` order). Each bucket is laid out owner by owner and reduce-scattered
+            (or all-reduced, where the transport has no reduce-scatter, and its owned part kept); after
+            ``finish`` a unit's tensor has a ``.grad`` on its owner only, and the buckets are dropped until the
+            next backward (unless they live in the transport's memory, shm's window), so between steps a rank
+            holds its own sums only; and those are dropped by the next ``zero_grad`` and made again bucket by
+            bucket as the sums go out.
+        units: ``dist.zero=2``: the units of ownership and their tensors (``hpcnet.comm.zero.ShardLayout``),
+            over the trainable parameters; a cut parameter's rows go to their owners apart, and the gradient of
+            its rows lands on the unit's tensor, never on the parameter.
     """
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], transport: Transport, control: Any, *,
                  bucket_bytes: int = 25 * 2**20, first_bucket_bytes: int = 2**20,
                  compression: torch.dtype | None = None, find_unused: bool = False, timeout_s: float = 600.0,
-                 recorder: Any = NULL_RECORDER, owners: list[int] | None = None):
+                 recorder: Any = NULL_RECORDER, owners: list[int] | None = None, units: Any = None):
         self.recorder = recorder
         self.control = control
         self.world_size = control.Get_size()
@@ -146,8 +157,9 @@ class Reducer:
         named = [(n, p) for n, p in named_params if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters")
-        if owners is not None and len(owners) != len(named):
-            raise ValueError(f"owners names {len(owners)} parameters, the model has {len(named)} trainable ones")
+        self._units = units
+        if owners is not None and len(owners) != self._n_units(len(named)):
+            raise ValueError(f"owners names {len(owners)} units, the model has {self._n_units(len(named))}")
         self.rank = control.Get_rank()
         self.sharded = owners is not None
         self._set_transport(transport)
@@ -161,6 +173,17 @@ class Reducer:
         self.zero_grad()
         self._reset()
 
+    def _n_units(self, n_params: int) -> int:
+        return n_params if self._units is None else len(self._units.units)
+
+    def _entries_of(self, i: int) -> list[tuple[int, torch.Tensor, tuple[int, int] | None]]:
+        """Trainable parameter ``i``'s entries: (unit index, tensor, rows or None when whole)."""
+        if self._units is None:
+            return [(i, self._named[i][1], None)]
+        units = self._units
+        return [(k, units.tensors[k], None if units.units[k].whole else (units.units[k].lo, units.units[k].hi))
+                for k in units.of_param[i]]
+
     def _build_buckets(self, owners: list[int] | None) -> None:
         """Lay the trainable parameters out in buckets (and, with ``owners``, each rank's owned sums)."""
         named = self._named
@@ -172,21 +195,29 @@ class Reducer:
         for members in groups.values():
             sizes = [named[i][1].numel() * named[i][1].element_size() for i in members]
             for plan in plan_buckets(sizes, self._bucket_bytes_cap, self._first_bucket_bytes):
+                params = [named[members[j]][1] for j in plan]
+                names = [named[members[j]][0] for j in plan]
+                entries = [(j, *entry) for j, m in enumerate(plan) for entry in self._entries_of(members[m])]
                 if owners is not None and self._reduce_scatter is not None:
                     # Owner by owner, so each rank's sums are one contiguous piece to reduce-scatter. Without
                     # a reduce-scatter the layout stays dist.zero=0's: an all-reduce sums each element in an
                     # order that depends on its place in the bucket, and the same place gives the same bits.
-                    plan = sorted(plan, key=lambda j: owners[members[j]])
-                params = [named[members[j]][1] for j in plan]
-                names = [named[members[j]][0] for j in plan]
-                offsets = np.cumsum([0] + [p.numel() for p in params]).tolist()
+                    entries = sorted(entries, key=lambda entry: owners[entry[1]])
+                offsets = np.cumsum([0] + [entry[2].numel() for entry in entries]).tolist()
                 # dist.zero=2 with buckets that are dropped: made by the first fold of each backward.
                 dropped = owners is not None and self._transient
                 buffer = params[0].new_empty(0) if dropped else self._new_buffer(offsets[-1], params[0])
                 bucket = _Bucket(len(self.buckets), params, names, buffer, offsets)
+                bucket.entry_param = [entry[0] for entry in entries]
+                bucket.entry_unit = [entry[1] for entry in entries]
+                bucket.entry_tensor = [entry[2] for entry in entries]
+                bucket.entry_rows = [entry[3] for entry in entries]
+                bucket.of_param = [[] for _ in params]
+                for e, j in enumerate(bucket.entry_param):
+                    bucket.of_param[j].append(e)
                 if owners is not None:
                     bucket.grouped = self._reduce_scatter is not None
-                    self._set_owners(bucket, [owners[members[j]] for j in plan])
+                    self._set_owners(bucket, [owners[k] for k in bucket.entry_unit])
                 self.buckets.append(bucket)
                 self._make_views(bucket)
         self._bucket_of: dict[nn.Parameter, tuple[_Bucket, int]] = {
@@ -194,8 +225,8 @@ class Reducer:
 
     def _set_owners(self, bucket: _Bucket, owner_of: list[int]) -> None:
         bucket.counts = [0] * self.world_size
-        for p, owner in zip(bucket.params, owner_of):
-            bucket.counts[owner] += p.numel()
+        for t, owner in zip(bucket.entry_tensor, owner_of):
+            bucket.counts[owner] += t.numel()
         bucket.owner_of = list(owner_of)
         bucket.owned, bucket.owned_views = None, []  # made when its collective starts (_ensure_owned)
 
@@ -207,15 +238,14 @@ class Reducer:
         """
         if not self.sharded:
             raise ValueError("reassign needs a reducer made with owners (dist.zero=2)")
-        if len(owners) != len(self._named):
-            raise ValueError(f"owners names {len(owners)} parameters, the model has {len(self._named)} trainable ones")
+        if len(owners) != self._n_units(len(self._named)):
+            raise ValueError(f"owners names {len(owners)} units, the model has {self._n_units(len(self._named))}")
         self.zero_grad()
         if getattr(self.transport, "allocate", None) is None:
             self._build_buckets(owners)
         else:
-            index = {id(p): i for i, (_, p) in enumerate(self._named)}
             for bucket in self.buckets:
-                self._set_owners(bucket, [owners[index[id(p)]] for p in bucket.params])
+                self._set_owners(bucket, [owners[k] for k in bucket.entry_unit])
         self._reset()
 
     def set_share(self, share: float) -> None:
@@ -247,12 +277,12 @@ class Reducer:
         bucket.owned = torch.empty(bucket.counts[self.rank], dtype=like.dtype, device=like.device)
         bucket.owned_views = []
         at = 0
-        for j, p in enumerate(bucket.params):
-            if bucket.owner_of[j] != self.rank:
+        for e, t in enumerate(bucket.entry_tensor):
+            if bucket.owner_of[e] != self.rank:
                 bucket.owned_views.append(None)
                 continue
-            bucket.owned_views.append(_grad_view(bucket.owned[at:at + p.numel()], p))
-            at += p.numel()
+            bucket.owned_views.append(_grad_view(bucket.owned[at:at + t.numel()], t))
+            at += t.numel()
 
     def _ensure_buffer(self, bucket: _Bucket) -> None:
         """dist.zero=2: a dropped bucket is made again (every element is written by the folds)."""
@@ -277,9 +307,9 @@ class Reducer:
             start, end = old.data_ptr(), old.data_ptr() + old.numel() * old.element_size()
             bucket.buffer = old.clone()
             self._make_views(bucket)
-            for j, p in enumerate(bucket.params):
-                if p.grad is not None and start <= p.grad.data_ptr() < end:
-                    p.grad = bucket.views[j]
+            for e, t in enumerate(bucket.entry_tensor):
+                if t.grad is not None and start <= t.grad.data_ptr() < end:
+                    t.grad = bucket.views[e]
 
     # -- gradient views ------------------------------------------------------
     @staticmethod
@@ -290,15 +320,20 @@ class Reducer:
         if bucket.buffer.numel() == 0:
             bucket.views = []  # a dropped bucket (dist.zero=2): made again with its buffer
             return
-        bucket.views = [_grad_view(bucket.buffer[bucket.offsets[j]:bucket.offsets[j + 1]], p)
-                        for j, p in enumerate(bucket.params)]
+        bucket.views = [_grad_view(bucket.buffer[bucket.offsets[e]:bucket.offsets[e + 1]], t)
+                        for e, t in enumerate(bucket.entry_tensor)]
 
     def _fold(self, bucket: _Bucket, j: int) -> None:
         """Write parameter j's gradient, times 1/world size, into its bucket view (one pass); ``.grad`` becomes
-        the view.  No gradient: zeros (an unused parameter)."""
+        the view.  No gradient: zeros (an unused parameter).  A cut parameter's rows go to their entries, and
+        its ``.grad`` is dropped (its units' tensors get their sums)."""
         if self.sharded and self._transient:
             self._ensure_buffer(bucket)
-        p, view = bucket.params[j], bucket.views[j]
+        p, entries = bucket.params[j], bucket.of_param[j]
+        if bucket.entry_rows[entries[0]] is not None:
+            self._fold_rows(bucket, p, entries)
+            return
+        view = bucket.views[entries[0]]
         grad = p.grad
         if grad is None:
             view.zero_()
@@ -311,12 +346,27 @@ class Reducer:
             view.copy_(grad)
         p.grad = view
 
+    def _fold_rows(self, bucket: _Bucket, p: nn.Parameter, entries: list[int]) -> None:
+        grad = p.grad
+        for e in entries:
+            lo, hi = bucket.entry_rows[e]  # type: ignore[misc]
+            view = bucket.views[e]
+            if grad is None:
+                view.zero_()
+            elif self._scale != 1.0:
+                torch.mul(grad[lo:hi], self._scale, out=view)
+            else:
+                view.copy_(grad[lo:hi])
+        p.grad = None
+
     def zero_grad(self) -> None:
         """Drop every gradient (``.grad = None``): the next backward hands its gradients over to the hooks, which
         fold them into the buckets (use instead of optimizer.zero_grad).  dist.zero=2: the owned sums too."""
         for bucket in self.buckets:
             for p in bucket.params:
                 p.grad = None
+            for t in bucket.entry_tensor:
+                t.grad = None
             bucket.owned, bucket.owned_views = None, []
 
     def _reset(self) -> None:
@@ -458,10 +508,10 @@ class Reducer:
         if bucket.grouped and not bucket.scattered:  # all-reduced (a compressed wire): one piece to keep
             lo = sum(bucket.counts[:self.rank])
             bucket.owned.copy_(bucket.buffer[lo:lo + bucket.counts[self.rank]])
-        for j, (p, view) in enumerate(zip(bucket.params, bucket.owned_views)):
+        for e, (t, view) in enumerate(zip(bucket.entry_tensor, bucket.owned_views)):
             if view is not None and not bucket.grouped:
-                view.copy_(bucket.views[j])
-            p.grad = view
+                view.copy_(bucket.views[e])
+            t.grad = view
         if self._transient:
             bucket.buffer = bucket.buffer.new_empty(0)
             bucket.views = []

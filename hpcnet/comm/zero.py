@@ -1,27 +1,34 @@
 """ZeRO-style sharded data parallelism (``dist.zero``): each parameter's optimizer state, and at stage 2 its
 averaged gradient, lives on one owner rank only (README: Memory: sharded data parallelism).
 
-- **Who owns what** (``plan_shards``): every trainable parameter, whole, gets one owner rank from the cost
-  model (``hpcnet.comm.costmodel.assign_shards``): ``dist.plan=uniform`` balances bytes over ranks taken as
+- **What is owned** (``ShardLayout``): the units of ownership are the trainable parameters, except that a
+  parameter larger than a quarter of a rank's even share is cut into row ranges (``split_units``), so one huge
+  matrix is spread over several owners as a flat buffer would be; every unit is a contiguous range of memory.
+- **Who owns what** (``plan_shards``): every unit gets one owner rank from the cost model
+  (``hpcnet.comm.costmodel.assign_shards``): ``dist.plan=uniform`` balances bytes over ranks taken as
   equally fast; ``auto`` also weighs each rank's measured speed (a timed matmul at start-up, the slowest
   rank's median, so ranks of unequal speed own less) and the measured link. Every rank computes the same plan
   from the same gathered inputs; rank 0 writes it to ``plan.json``.
 - **Stage 1**: gradients are all-reduced as at stage 0; each rank's optimizer holds and updates only the
-  parameters it owns (``ShardedOptimizer``), then every parameter is broadcast from its owner in place
-  (``ParamGather``: one ``MPI_Bcast`` per owner).
+  units it owns (``ShardedOptimizer``; a row range of a parameter is a tensor viewing those rows), then every
+  unit is broadcast from its owner in place (``ParamGather``: one ``MPI_Bcast`` per owner).
 - **Stage 2**: the reducer reduce-scatters each bucket so each rank receives only the sums it owns
   (``Reducer(owners=...)``); the buckets are dropped after the step, so between steps a rank holds 1/N of
-  the gradients, and from the next step's start until its buckets go out not even those. The global gradient norm for clipping is gathered as one float per parameter.
+  the gradients, and from the next step's start until its buckets go out not even those. The global gradient
+  norm for clipping is gathered as one float per unit.
 
-A sharded optimizer's ``state_dict`` has the layout of the unsharded optimizer's (state keyed by the global
-parameter index, every param group with every index), holding the owned entries only; ``load_state_dict``
-takes a full one and keeps the owned entries, so checkpoints move between ``dist.zero`` settings and world
-sizes unchanged.
+In a checkpoint (``checkpoint_state``) a sharded optimizer's state has the unsharded optimizer's names
+(``optim/<index>/<key>``, the index in the full optimizer's order), except that the row-shaped state of a cut
+parameter is saved piece by piece, ``optim/<index>/<key>:<lo>-<hi>`` (rows lo to hi), each piece by its owner:
+nothing is gathered.  ``load_state_dict`` takes the unsharded optimizer's state, pieces of any cut or whole
+tensors, and keeps the rows this rank owns, so checkpoints move between ``dist.zero`` settings and world sizes.
 """
 
 import inspect
+import re
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,6 +44,82 @@ a few tensors of the parameter's size at a few GB/s; only the ratio to the link 
 SPEED_PROBE_ROUNDS = 5
 DEFAULT_LINK = LinkCost(latency_s=10e-6, bandwidth_Bps=5e9)
 """The link the plan assumes without a probe (dist.probe=false)."""
+UNITS_PER_RANK = 4
+"""A parameter larger than 1/UNITS_PER_RANK of a rank's even share of the parameter bytes is cut into row ranges
+no larger than that: with equal speeds the greedy plan then gives no rank more than about (1 + 1/UNITS_PER_RANK)
+times the even share, however the bytes are spread over the parameters, while a model of many ordinary layers
+keeps its parameters whole (one optimizer tensor each)."""
+MIN_UNIT_BYTES = 4096
+"""No parameter is cut into pieces smaller than this."""
+PIECE = re.compile(r"^(?P<key>.+):(?P<lo>[0-9]+)-(?P<hi>[0-9]+)$")
+"""A checkpoint's name for rows lo to hi of a cut parameter's state: ``optim/<index>/<key>:<lo>-<hi>``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """What one owner owns: rows ``lo`` to ``hi`` of parameter ``param``, which has ``rows`` rows (dim 0)."""
+
+    param: int
+    lo: int
+    hi: int
+    rows: int
+
+    @property
+    def whole(self) -> bool:
+        return self.lo == 0 and self.hi == self.rows
+
+
+def split_units(params: list[torch.Tensor], world_size: int, *, per_rank: int = UNITS_PER_RANK,
+                min_bytes: int = MIN_UNIT_BYTES) -> list[Unit]:
+    """The units of ownership of ``params`` at ``world_size`` ranks, in parameter order (pure, deterministic).
+
+    A parameter of more than ``max(min_bytes, total bytes / (world_size * per_rank))`` bytes with at least two
+    rows, contiguous in memory, is cut along dim 0 into that many near-equal row ranges as keep each under the
+    cap; every other parameter is one unit.  One rank: no cuts.
+    """
+    sizes = [p.numel() * p.element_size() for p in params]
+    cap = max(min_bytes, sum(sizes) // max(1, world_size * per_rank))
+    units: list[Unit] = []
+    for i, (p, size) in enumerate(zip(params, sizes)):
+        rows = p.shape[0] if p.dim() else 1
+        if world_size > 1 and size > cap and rows >= 2 and p.is_contiguous():
+            m = min(rows, -(-size // cap))
+            cuts = [r * rows // m for r in range(m + 1)]
+            units.extend(Unit(i, cuts[r], cuts[r + 1], rows) for r in range(m))
+        else:
+            units.append(Unit(i, 0, rows, rows))
+    return units
+
+
+class ShardLayout:
+    """The units of ownership of a model's trainable ``params`` (``split_units``) and the tensor each unit is
+    updated through: the parameter itself when whole, else a leaf tensor viewing its rows (same memory, so an
+    update of the view is an update of the parameter, and a broadcast into it fills those rows)."""
+
+    def __init__(self, params: list[nn.Parameter], world_size: int, units: list[Unit] | None = None) -> None:
+        self.params = params
+        self.units = split_units(params, world_size) if units is None else units
+        self.tensors: list[torch.Tensor] = [
+            params[u.param] if u.whole else nn.Parameter(params[u.param].detach()[u.lo:u.hi])
+            for u in self.units]
+        self.sizes = [t.numel() * t.element_size() for t in self.tensors]
+        self.of_param: list[list[int]] = [[] for _ in params]
+        for k, u in enumerate(self.units):
+            self.of_param[u.param].append(k)
+
+    def is_split(self, param: int) -> bool:
+        return len(self.of_param[param]) > 1
+
+    def to_json(self) -> list[list[int]]:
+        """[param, lo, hi] per unit (a checkpoint's meta and plan.json)."""
+        return [[u.param, u.lo, u.hi] for u in self.units]
+
+    def label(self, k: int, names: list[str]) -> str:
+        """Unit ``k`` by name: the parameter's, with its rows when cut."""
+        u = self.units[k]
+        return names[u.param] if u.whole else f"{names[u.param]}[{u.lo}:{u.hi}]"
+
+
 
 
 def measure_speed(rounds: int = SPEED_PROBE_ROUNDS, size: int = 192, device: torch.device | None = None) -> float:
@@ -55,10 +138,11 @@ def measure_speed(rounds: int = SPEED_PROBE_ROUNDS, size: int = 192, device: tor
     return statistics.median(times)
 
 
-def plan_shards(params: list[nn.Parameter], comm: Any, *, mode: str, link: LinkCost | None = None,
+def plan_shards(params: list[torch.Tensor], comm: Any, *, mode: str, link: LinkCost | None = None,
                 speeds: list[float] | None = None, device: torch.device | None = None
                 ) -> tuple[ShardPlan, list[float]]:
-    """Owner ranks for ``params`` (collective when ``mode='auto'`` and ``speeds`` is None: gathers speeds).
+    """Owner ranks for the units ``params`` (a ``ShardLayout``'s tensors, or whole parameters) (collective when
+    ``mode='auto'`` and ``speeds`` is None: gathers speeds).
 
     Returns the plan and the relative rank speeds it used (1.0 = the fastest).
     """
@@ -131,43 +215,65 @@ class ParamGather:
 
 
 class ShardedOptimizer:
-    """A torch optimizer over the parameters this rank owns, with the full optimizer's interface and state layout.
+    """A torch optimizer over the units this rank owns, with the full optimizer's interface.
 
     Args:
         full: the optimizer over every parameter, as ``build_optimizer`` made it (holds no state yet); an
-            optimizer of its class over the owned parameters replaces it.
-        plan: the owners (by index in ``params``).
-        params: the model's trainable parameters, in model order (``plan``'s indices).
+            optimizer of its class over the owned units' tensors replaces it.  Its update must be elementwise
+            (SGD, Adam, AdamW, ...): a cut parameter's rows are updated apart.
+        plan: the owners (by unit index in ``layout``).
+        layout: the model's trainable parameters, in model order, and their units.
         comm: the ranks' communicator.
-        stage: 1 or 2 (2: the gradients of parameters owned elsewhere are None here).
+        stage: 1 or 2 (2: the gradients of units owned elsewhere are None here, those of owned cut units are
+            on the units' tensors).
     """
 
-    def __init__(self, full: torch.optim.Optimizer, plan: ShardPlan, params: list[nn.Parameter], comm: Any,
+    def __init__(self, full: torch.optim.Optimizer, plan: ShardPlan, layout: ShardLayout, comm: Any,
                  stage: int) -> None:
         if full.state:
             raise ValueError("a sharded optimizer starts from an optimizer without state")
-        self.plan, self.stage, self.comm = plan, stage, comm
+        if len(plan.owner) != len(layout.units):
+            raise ValueError(f"the plan names {len(plan.owner)} units, the layout has {len(layout.units)}")
+        self.stage, self.comm, self.layout = stage, comm, layout
         self.rank = comm.Get_rank()
-        self.params = params
-        index_of = {id(p): i for i, p in enumerate(params)}
+        self.params = layout.params
+        index_of = {id(p): i for i, p in enumerate(self.params)}
         # The full optimizer's order of parameters (its state_dict indices): group by group.
         self.full_order: list[int] = []
         self.group_sizes: list[int] = []
-        groups = []
+        self._hyper: list[dict[str, Any]] = []
         for group in full.param_groups:
             members = [index_of[id(p)] for p in group["params"]]
             self.full_order.extend(members)
             self.group_sizes.append(len(members))
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            groups.append({**hyper, "params": [params[i] for i in members if plan.owner[i] == self.rank]})
-        self.owned_full = [k for k, i in enumerate(self.full_order) if plan.owner[i] == self.rank]
-        """Full-optimizer indices of the owned parameters, in the inner optimizer's order."""
+            self._hyper.append({k: v for k, v in group.items() if k != "params"})
+        self.full_index = {i: k for k, i in enumerate(self.full_order)}
         accepted = inspect.signature(type(full).__init__).parameters
         self._options = {k: v for k, v in full.defaults.items() if k in accepted}
-        self.inner = type(full)(groups, **self._options)
-        self.gather = ParamGather(params, plan.owner, comm)
-        self._norm_order = _norm_order(params)
+        self._cls = type(full)
+        self.norm_order = norm_order(self.params)
         self.clock: Any = None  # the loop's PhaseClock: the update is 'optimizer', the broadcast 'comm'
+        self.gather: ParamGather | None = None
+        self._take(plan, self._hyper)
+
+    def _take(self, plan: ShardPlan, hyper: list[dict[str, Any]]) -> None:
+        """Own ``plan``'s units: a fresh inner optimizer over them (no state) and the broadcast that goes with it."""
+        self.plan = plan
+        owner, of_param = plan.owner, self.layout.of_param
+        groups = []
+        self.owned: list[int] = []  # the owned units, in the inner optimizer's order
+        start = 0
+        for n, group_hyper in zip(self.group_sizes, hyper):
+            members = self.full_order[start:start + n]
+            start += n
+            mine = [u for i in members for u in of_param[i] if owner[u] == self.rank]
+            self.owned.extend(mine)
+            groups.append({**group_hyper, "params": [self.layout.tensors[u] for u in mine]})
+        self._owned_cut = [u for u in self.owned if not self.layout.units[u].whole]
+        self.inner = self._cls(groups, **self._options)
+        if self.gather is not None:
+            self.gather.close()
+        self.gather = ParamGather(self.layout.tensors, owner, self.comm)
 
     # -- the optimizer interface the loop uses --------------------------------------
     @property
@@ -183,10 +289,16 @@ class ShardedOptimizer:
         return self.inner.state
 
     def step(self) -> None:
-        """Update the owned parameters, then all-gather every parameter from its owner (collective)."""
+        """Update the owned units, then all-gather every unit from its owner (collective)."""
+        if self.stage < 2:  # every rank has every gradient: a cut unit's is rows of its parameter's
+            for k in self._owned_cut:
+                u = self.layout.units[k]
+                grad = self.params[u.param].grad
+                self.layout.tensors[k].grad = None if grad is None else grad[u.lo:u.hi]
         self.inner.step()
         if self.clock is not None:
             self.clock.mark("optimizer")
+        assert self.gather is not None
         self.gather.run()
         if self.clock is not None:
             self.clock.mark("comm")
@@ -194,131 +306,274 @@ class ShardedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             p.grad = None
+        for k in self._owned_cut:
+            self.layout.tensors[k].grad = None
 
-    # -- state in the full optimizer's layout -------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """The owned state under the full optimizer's indices; every group lists every index."""
-        inner = self.inner.state_dict()
-        state = {self.owned_full[local]: value for local, value in inner["state"].items()}
+    # -- state --------------------------------------------------------------------------
+    def unit_state(self) -> dict[int, dict[str, Any]]:
+        """The owned state by unit index (the inner optimizer's tensors, not copied)."""
+        inner = self.inner.state_dict()["state"]
+        return {self.owned[local]: values for local, values in inner.items()}
+
+    def full_param_groups(self) -> list[dict[str, Any]]:
+        """The param groups in the full optimizer's layout: hyperparameters, and every index of every group."""
         groups, start = [], 0
-        for group, n in zip(inner["param_groups"], self.group_sizes):
+        for group, n in zip(self.inner.param_groups, self.group_sizes):
             groups.append({**{k: v for k, v in group.items() if k != "params"},
                            "params": list(range(start, start + n))})
             start += n
-        return {"state": state, "param_groups": groups}
+        return groups
+
+    def _names(self, k: int, values: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Unit ``k``'s state under checkpoint names, and its non-tensor values (those of a cut parameter's first
+        unit only; so is a tensor not shaped like the rows, Adam's step count: the units share it)."""
+        u = self.layout.units[k]
+        index = self.full_index[u.param]
+        shape = tuple(self.layout.tensors[k].shape)
+        tensors: dict[str, torch.Tensor] = {}
+        scalars: dict[str, Any] = {}
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor) and not u.whole and tuple(value.shape) == shape:
+                tensors[f"optim/{index}/{key}:{u.lo}-{u.hi}"] = value
+            elif u.lo == 0:
+                if isinstance(value, torch.Tensor):
+                    tensors[f"optim/{index}/{key}"] = value
+                else:
+                    scalars[key] = value
+        return tensors, scalars
+
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], dict[str, int]]:
+        """Every rank's state under checkpoint names (collective; see the module's doc): this rank's tensors, the
+        others' as ``meta``-device tensors of their shape and dtype (no memory); the non-tensor values by full
+        index; and who holds each name.  The same names in the same order on every rank."""
+        mine: dict[str, torch.Tensor] = {}
+        mine_scalars: dict[str, dict[str, Any]] = {}
+        for k, values in self.unit_state().items():
+            tensors, scalars = self._names(k, values)
+            mine.update(tensors)
+            if scalars:
+                mine_scalars[str(self.full_index[self.layout.units[k].param])] = scalars
+        described = {name: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in mine.items()}
+        found: dict[str, tuple[int, str, tuple[int, ...]]] = {}
+        scalars_all: dict[str, dict[str, Any]] = {}
+        for rank, (names, scalars) in enumerate(self.comm.allgather((described, mine_scalars))):
+            for name, (dtype, shape) in names.items():
+                found[name] = (rank, dtype, shape)
+            for index, values in scalars.items():
+                scalars_all.setdefault(index, {}).update(values)
+        tensors: dict[str, torch.Tensor] = {}
+        holders: dict[str, int] = {}
+        for name in sorted(found, key=_name_order):
+            rank, dtype, shape = found[name]
+            tensors[name] = (mine[name] if rank == self.rank
+                             else torch.empty(shape, dtype=getattr(torch, dtype), device="meta"))
+            holders[name] = rank
+        return tensors, dict(sorted(scalars_all.items(), key=lambda kv: int(kv[0]))), holders
+
+    def wants(self, name: str) -> bool:
+        """Whether a checkpoint tensor named ``name`` holds state this rank restores: the state of a parameter it
+        owns a unit of, and of a cut one only the pieces that overlap its rows (any checkpoint's cuts)."""
+        parts = name.split("/", 2)
+        if len(parts) != 3 or parts[0] != "optim" or not parts[1].isdigit():
+            return True
+        full = int(parts[1])
+        if full >= len(self.full_order):
+            return True  # not this optimizer's: the restore names the mismatch
+        piece = PIECE.match(parts[2])
+        for k in self.layout.of_param[self.full_order[full]]:
+            if self.plan.owner[k] != self.rank:
+                continue
+            u = self.layout.units[k]
+            if piece is None or (int(piece["lo"]) < u.hi and u.lo < int(piece["hi"])):
+                return True
+        return False
 
     def load_state_dict(self, full_state: dict[str, Any]) -> None:
-        """Keep the owned entries of a full optimizer state dict (any world size or ``dist.zero`` saved it)."""
+        """Take the owned units' state from a full optimizer state dict (any world size or ``dist.zero`` saved it):
+        state by full index, where a tensor may also come in row pieces (``"exp_avg:0-512"``); only the pieces
+        that hold the owned rows need be there."""
         groups = full_state["param_groups"]
         if [len(g["params"]) for g in groups] != self.group_sizes:
             raise ValueError(f"param groups of {[len(g['params']) for g in groups]} parameters, the optimizer "
                              f"has {self.group_sizes}")
         state = full_state["state"]
-        local_state = {local: state[k] for local, k in enumerate(self.owned_full) if k in state}
-        owned = set(self.owned_full)
-        local_groups, local = [], 0
-        for group in groups:
-            mine = [k for k in group["params"] if k in owned]
-            local_groups.append({**{k: v for k, v in group.items() if k != "params"},
-                                 "params": list(range(local, local + len(mine)))})
-            local += len(mine)
-        self.inner.load_state_dict({"state": local_state, "param_groups": local_groups})
+        local_state: dict[int, dict[str, Any]] = {}
+        for local, k in enumerate(self.owned):
+            u = self.layout.units[k]
+            values = state.get(self.full_index[u.param])
+            if values is not None:
+                local_state[local] = _unit_values(values, u, f"optimizer state {self.full_index[u.param]}")
+        hyper = [{key: v for key, v in group.items() if key != "params"} for group in groups]
+        self.inner.load_state_dict({"state": local_state, "param_groups": self._local_groups(hyper)})
+
+    def _local_groups(self, hyper: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The inner optimizer's param groups for a state dict: ``hyper`` with the local indices of each group's
+        owned units (``_take`` lists them group by group)."""
+        out, local = [], 0
+        for g, group in enumerate(hyper):
+            start = sum(self.group_sizes[:g])
+            units = {u for i in self.full_order[start:start + self.group_sizes[g]] for u in self.layout.of_param[i]}
+            count = sum(1 for k in self.owned if k in units)
+            out.append({**group, "params": list(range(local, local + count))})
+            local += count
+        return out
 
     def reshard(self, plan: ShardPlan) -> int:
-        """Move to new owners between steps (collective): each parameter's state goes from its old owner to its
-        new one, and an optimizer over the newly owned parameters takes over with the same hyperparameters.
+        """Move to new owners between steps (collective): each unit's state goes from its old owner to its new
+        one, and an optimizer over the newly owned units takes over with the same hyperparameters.
 
         The moved state travels as pickled CPU tensors (``alltoall``): a re-plan is rare, and every rank
         learns what it receives without a size exchange. Returns the bytes this rank sent.
         """
-        full = self.state_dict()
+        current = self.unit_state()
         outgoing: list[dict[int, Any]] = [{} for _ in range(self.comm.Get_size())]
         kept: dict[int, Any] = {}
         sent = 0
-        for k, values in full["state"].items():
-            new_owner = plan.owner[self.full_order[k]]
-            if new_owner == self.rank:
+        for k, values in current.items():
+            if plan.owner[k] == self.rank:
                 kept[k] = values
                 continue
-            outgoing[new_owner][k] = {key: v.detach().cpu() if isinstance(v, torch.Tensor) else v
-                                      for key, v in values.items()}
+            outgoing[plan.owner[k]][k] = {key: v.detach().cpu() if isinstance(v, torch.Tensor) else v
+                                          for key, v in values.items()}
             sent += sum(v.numel() * v.element_size() for v in values.values() if isinstance(v, torch.Tensor))
         for part in self.comm.alltoall(outgoing):
             kept.update(part)
-        groups, start = [], 0
-        for group, n in zip(self.inner.param_groups, self.group_sizes):
-            members = self.full_order[start:start + n]
-            start += n
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            groups.append({**hyper, "params": [self.params[i] for i in members if plan.owner[i] == self.rank]})
-        self.plan = plan
-        self.owned_full = [k for k, i in enumerate(self.full_order) if plan.owner[i] == self.rank]
-        self.inner = type(self.inner)(groups, **self._options)
-        self.load_state_dict({"state": kept, "param_groups": full["param_groups"]})
-        self.gather.close()
-        self.gather = ParamGather(self.params, plan.owner, self.comm)
+        hyper = [{k: v for k, v in group.items() if k != "params"} for group in self.inner.param_groups]
+        self._take(plan, hyper)
+        self.inner.load_state_dict({"state": {local: kept[k] for local, k in enumerate(self.owned) if k in kept},
+                                    "param_groups": self._local_groups(hyper)})
         return sent
-
-    def state_owners(self) -> dict[int, int]:
-        """Full-optimizer index -> owner rank."""
-        return {k: self.plan.owner[i] for k, i in enumerate(self.full_order)}
-
-    def gather_state_specs(self) -> dict[int, dict[str, Any]]:
-        """Every rank's owned state, described (collective): index -> key -> ('tensor', dtype, shape) or a value.
-
-        A checkpoint names every tensor on every rank; this is how a rank learns the shapes of state it does
-        not hold.
-        """
-        mine: dict[int, dict[str, Any]] = {}
-        for k, values in self.state_dict()["state"].items():
-            mine[k] = {key: (("tensor", str(v.dtype).removeprefix("torch."), tuple(v.shape))
-                             if isinstance(v, torch.Tensor) else ("value", v)) for key, v in values.items()}
-        every: dict[int, dict[str, Any]] = {}
-        for part in self.comm.allgather(mine):
-            every.update(part)
-        return dict(sorted(every.items()))
 
     # -- gradient norm and clipping with sharded gradients -----------------------------
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
-        """The 2-norm of every parameter's averaged gradient, as ``torch.nn.utils.get_total_norm`` computes it
-        over the full model (collective at stage 2: one float a parameter is gathered, then every rank
-        reduces the same vector in the same order, so the bits equal stage 0's)."""
+        """The 2-norm of every parameter's averaged gradient (``unit_grad_norm``; collective at stage 2: one float
+        a unit is gathered, then every rank combines the same vector in the same order, so the bits equal those
+        of stage 0 and 1, which take the same norms of the same rows)."""
         if self.stage < 2:
-            return nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+            return unit_grad_norm(self.params, self.layout.units, self.norm_order)
         from mpi4py import MPI
 
-        n = len(self.params)
-        mine = [i for i in range(n) if self.plan.owner[i] == self.rank and self.params[i].grad is not None]
+        tensors = self.layout.tensors
+        n = len(tensors)
         # [norms | present flags]: one owner a slot, so the sum adds zeros to each: exact, in one exchange.
         slots = np.zeros(2 * n, dtype=np.float64)
-        if mine:
-            for i, norm in zip(mine, torch._foreach_norm([self.params[i].grad for i in mine], 2.0)):
-                slots[i], slots[n + i] = float(norm), 1.0  # a float32 norm is exact in float64
+        _unit_norms({k: tensors[k].grad for k in self.owned if tensors[k].grad is not None}, slots)
         self.comm.Allreduce(MPI.IN_PLACE, slots, op=MPI.SUM)
-        norms, present = slots[:n], slots[n:]
-        device = self.params[0].device
-        picked = [i for i in self._norm_order if present[i]]
-        if not picked:
-            return torch.tensor(0.0)
-        dtypes = {i: self.params[i].dtype for i in picked}
-        vector = torch.stack([torch.tensor(norms[i], dtype=dtypes[i]) for i in picked]).to(device)
-        return torch.linalg.vector_norm(vector, 2.0)
+        return _combine(slots, self.layout.units, self.norm_order, self.params)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over every parameter, with gradients sharded (collective at stage 2)."""
         total = self.grad_norm()
-        grads = [p for p in self.params if p.grad is not None]
+        if self.stage < 2:
+            grads = [p for p in self.params if p.grad is not None]
+        else:
+            grads = [self.layout.tensors[k] for k in self.owned if self.layout.tensors[k].grad is not None]
         if grads:
             nn.utils.clip_grads_with_norm_(grads, max_norm, total)
         return total
 
     def close(self) -> None:
-        self.gather.close()
+        if self.gather is not None:
+            self.gather.close()
 
 
-def _norm_order(params: list[nn.Parameter]) -> list[int]:
+@torch.no_grad()
+def unit_grad_norm(params: list[torch.Tensor], units: list[Unit], order: list[int]) -> torch.Tensor:
+    """The 2-norm of ``params``' gradients taken unit by unit, as ``dist.zero=2`` takes it from the owners'
+    pieces: each unit's norm (``torch._foreach_norm``), then the norm of those, stacked by (device, dtype) group
+    in parameter order (``order``: ``norm_order``) as ``torch.nn.utils.get_total_norm`` stacks per-parameter
+    norms.  Without cut parameters it is ``get_total_norm``'s result, bit for bit; with them, equal to rounding."""
+    n = len(units)
+    slots = np.zeros(2 * n, dtype=np.float64)
+    grads = {}
+    for k, u in enumerate(units):
+        grad = params[u.param].grad
+        if grad is not None:
+            grads[k] = grad if u.whole else grad[u.lo:u.hi]
+    _unit_norms(grads, slots)
+    return _combine(slots, units, order, params)
+
+
+def _unit_norms(grads: dict[int, torch.Tensor], slots: np.ndarray) -> None:
+    """Write each unit's gradient norm and a present flag into ``slots`` ([norms | flags], one each a unit)."""
+    if not grads:
+        return
+    n = len(slots) // 2
+    keys = list(grads)
+    by_device: dict[Any, list[int]] = {}
+    for k in keys:
+        by_device.setdefault((grads[k].device, grads[k].dtype), []).append(k)
+    for members in by_device.values():
+        norms = torch._foreach_norm([grads[k] for k in members], 2.0)
+        # One copy to the host per group; a float32 (or lower) norm is exact in float64.
+        values = torch.stack(norms).to(torch.float64).cpu().numpy()
+        for k, value in zip(members, values):
+            slots[k], slots[n + k] = value, 1.0
+
+
+def _combine(slots: np.ndarray, units: list[Unit], order: list[int], params: list[torch.Tensor]) -> torch.Tensor:
+    """The total norm from per-unit ``slots`` ([norms | flags]), stacked in ``order``'s parameter order."""
+    n = len(units)
+    norms, present = slots[:n], slots[n:]
+    of_param: list[list[int]] = [[] for _ in params]
+    for k, u in enumerate(units):
+        of_param[u.param].append(k)
+    picked = [k for i in order for k in of_param[i] if present[k]]
+    if not picked:
+        return torch.tensor(0.0)
+    device = params[0].device
+    vector = torch.stack([torch.tensor(norms[k], dtype=params[units[k].param].dtype) for k in picked]).to(device)
+    return torch.linalg.vector_norm(vector, 2.0)
+
+
+def _name_order(name: str) -> tuple[int, int, str]:
+    """Checkpoint names of optimizer state by parameter index, then rows, then key."""
+    _, index, key = name.split("/", 2)
+    piece = PIECE.match(key)
+    return (int(index), int(piece["lo"]) if piece else -1, piece["key"] if piece else key)
+
+
+def _unit_values(values: dict[str, Any], u: Unit, what: str) -> dict[str, Any]:
+    """Unit ``u``'s share of one parameter's state: rows of the tensors shaped like the parameter (whole tensors
+    or pieces), the rest as it is (copied for a cut unit: each unit updates its own step count)."""
+    out: dict[str, Any] = {}
+    pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+    for key, value in values.items():
+        piece = PIECE.match(key)
+        if piece is not None:
+            pieces.setdefault(piece["key"], []).append((int(piece["lo"]), int(piece["hi"]), value))
+        elif u.whole or not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != u.rows:
+            out[key] = value.clone() if isinstance(value, torch.Tensor) and not u.whole else value
+        else:  # a copy: a view would keep the whole tensor alive
+            out[key] = value[u.lo:u.hi].clone()
+    for key, parts in pieces.items():
+        if key in out:
+            continue
+        out[key] = rows_of(parts, u.lo, u.hi, f"{what} {key}")
+    return out
+
+
+def rows_of(parts: list[tuple[int, int, torch.Tensor]], lo: int, hi: int, what: str) -> torch.Tensor:
+    """Rows ``lo`` to ``hi`` made of row pieces ``(lo, hi, tensor)``; ValueError naming ``what`` when they do not
+    cover them."""
+    chunks, at = [], lo
+    for p_lo, p_hi, tensor in sorted(parts, key=lambda part: part[0]):
+        if p_hi <= at or p_lo >= hi:
+            continue
+        if p_lo > at:
+            break
+        chunks.append(tensor[at - p_lo:min(hi, p_hi) - p_lo])
+        at = min(hi, p_hi)
+        if at == hi:
+            break
+    if at != hi:
+        raise ValueError(f"{what}: rows {at} to {hi} are in none of the checkpoint's pieces")
+    return chunks[0].clone() if len(chunks) == 1 else torch.cat(chunks)
+
+
+def norm_order(params: list[nn.Parameter]) -> list[int]:
     """The order in which ``get_total_norm`` stacks per-parameter norms: grouped by (device, dtype) in order of
     first appearance, parameter order inside a group."""
     keys: dict[tuple[Any, Any], int] = {}

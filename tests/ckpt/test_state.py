@@ -115,12 +115,43 @@ def test_a_sampler_state_that_fails_on_resume_fails_every_rank(comm, mpi_tmp_pat
 
 
 def test_a_sharded_optimizer_s_rank_wants_the_model_and_its_own_state_only():
-    from types import SimpleNamespace
-
     from hpcnet.ckpt.state import state_wanted
+    from hpcnet.comm.costmodel import ShardPlan
+    from hpcnet.comm.zero import ShardedOptimizer, ShardLayout
 
     assert state_wanted(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)) is None  # replicated: all
-    wanted = state_wanted(SimpleNamespace(owned_full=[1, 12]))
-    assert [name for name in ("model/w", "model/blocks/1/b", "optim/1/exp_avg", "optim/12/step", "optim/2/exp_avg",
-                              "optim/0/step", "optim/121/exp_avg") if wanted(name)] == [
-        "model/w", "model/blocks/1/b", "optim/1/exp_avg", "optim/12/step"]
+    # 8 KiB cut in two row ranges at 2 ranks (units of at most 4 KiB), and a bias; rank 1 owns rows 32-64 and the bias.
+    params = [torch.nn.Parameter(torch.zeros(64, 32)), torch.nn.Parameter(torch.zeros(3))]
+    layout = ShardLayout(params, 2)
+    assert [(u.param, u.lo, u.hi) for u in layout.units] == [(0, 0, 32), (0, 32, 64), (1, 0, 3)]
+    names = ("model/w", "model/blocks/1/b", "optim/0/exp_avg:0-32", "optim/0/exp_avg:32-64", "optim/0/exp_avg:16-40",
+             "optim/0/exp_avg", "optim/0/step", "optim/1/exp_avg", "optim/1/step")
+    wanted = {}
+    for rank in (0, 1):
+        sharded = ShardedOptimizer(torch.optim.AdamW(params, lr=0.1), ShardPlan([0, 1, 1], [4096, 4108], [1.0, 1.0]),
+                                   layout, _FakeComm(rank, 2), stage=1)
+        wanted[rank] = [name for name in names if state_wanted(sharded)(name)]
+        sharded.close()
+    assert wanted[0] == ["model/w", "model/blocks/1/b", "optim/0/exp_avg:0-32", "optim/0/exp_avg:16-40",
+                         "optim/0/exp_avg", "optim/0/step"]
+    assert wanted[1] == ["model/w", "model/blocks/1/b", "optim/0/exp_avg:32-64", "optim/0/exp_avg:16-40",
+                         "optim/0/exp_avg", "optim/0/step", "optim/1/exp_avg", "optim/1/step"]
+
+
+class _FakeComm:
+    """Enough of a communicator to build a sharded optimizer in one process."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+    def Get_rank(self):
+        return self.rank
+
+    def Get_size(self):
+        return self.size
+
+    def Dup(self):
+        return self
+
+    def Free(self):
+        pass

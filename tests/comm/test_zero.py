@@ -9,7 +9,7 @@ from mpi4py import MPI
 from torch import nn
 
 from hpcnet.comm.costmodel import LinkCost, assign_shards, plan_time_s
-from hpcnet.comm.zero import ParamGather, plan_shards
+from hpcnet.comm.zero import MIN_UNIT_BYTES, UNITS_PER_RANK, ParamGather, ShardLayout, plan_shards, rows_of, split_units
 from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.layout import PLAN_FILE
 from hpcnet.train import run
@@ -66,15 +66,20 @@ def test_zero_updates_equal_zero_0(comm, data_plane, mpi_tmp_path, zero, optim, 
     _assert_same(_params(replicated), _params(sharded), _exact_expected(comm, zero, backend))
     assert sharded.summary["final_loss"] == pytest.approx(replicated.summary["final_loss"], rel=1e-4)
 
-    # What each rank holds: the optimizer state of its own parameters only, all of them together once.
+    # What each rank holds: the optimizer state of its own units only, all of them together once; at 2 ranks and
+    # more the largest layer is cut into row ranges.
     owner = sharded.optimizer.plan.owner
-    params = list(sharded.model.parameters())
-    held = {i for i, p in enumerate(params) if p in sharded.optimizer.state}
-    assert held == {i for i, o in enumerate(owner) if o == comm.Get_rank()}
+    layout = sharded.optimizer.layout
+    held = {k for k, t in enumerate(layout.tensors) if t in sharded.optimizer.state}
+    assert held == {k for k, o in enumerate(owner) if o == comm.Get_rank()}
     every = comm.allgather(sorted(held))
-    assert sorted(i for part in every for i in part) == list(range(len(params)))
-    grads_here = {i for i, p in enumerate(params) if p.grad is not None}
-    assert grads_here == (held if zero == 2 else set(range(len(params))))  # stage 2: gradients sharded too
+    assert sorted(k for part in every for k in part) == list(range(len(layout.units)))
+    assert any(not u.whole for u in layout.units) == (comm.Get_size() > 1)
+    if zero == 2:  # gradients sharded too: on the owned units' tensors only
+        assert {k for k, t in enumerate(layout.tensors) if t.grad is not None} == held
+        assert all(p.grad is None for i, p in enumerate(layout.params) if layout.is_split(i))
+    else:
+        assert all(p.grad is not None for p in layout.params)
     comm.Barrier()
 
 
@@ -86,8 +91,14 @@ def test_plan_json_and_summary(comm, data_plane, mpi_tmp_path):
     if comm.Get_rank() == 0:
         plan = json.loads((run_dir / PLAN_FILE).read_text())
         assert plan["zero"] == 2 and plan["plan"] == "uniform" and plan["world_size"] == comm.Get_size()
-        names = [n for n, _ in result.model.named_parameters()]
-        assert [p["name"] for p in plan["parameters"]] == names
+        params = dict(result.model.named_parameters())
+        # Every parameter in order, whole or in row ranges that follow one another to its last row.
+        assert list(dict.fromkeys(u["name"] for u in plan["units"])) == list(params)
+        for name, p in params.items():
+            rows = [u.get("rows", [0, p.shape[0]]) for u in plan["units"] if u["name"] == name]
+            assert rows[0][0] == 0 and rows[-1][1] == p.shape[0] and all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
+        assert plan["cut"] == sorted({u["name"] for u in plan["units"] if "rows" in u})
+        assert (len(plan["cut"]) > 0) == (comm.Get_size() > 1)  # the 2048-element layer, at 2 ranks and more
         assert sum(plan["rank_bytes"]) == sum(p.numel() * 4 for p in result.model.parameters())
         assert result.summary["comm"]["zero"] == 2
     comm.Barrier()
@@ -114,6 +125,42 @@ def test_a_slower_rank_owns_less():
     assert sorted(set(slow.owner)) == [0, 1] and len(slow.owner) == len(params)
     with pytest.raises(ValueError, match="speeds has 3 entries for 2 ranks"):
         plan_shards(params, _Comm(2), mode="auto", speeds=[1.0, 1.0, 1.0])
+
+
+def test_one_huge_matrix_is_cut_so_the_owners_balance():
+    """A model that is mostly one matrix (bench memory's mlp): whole parameters would give one rank all of it;
+    cut into row ranges, no rank owns more than (1 + 1/UNITS_PER_RANK) of the even share."""
+    params = [nn.Parameter(torch.zeros(*shape)) for shape in [(4096, 784), (4096,), (4096, 4096), (4096,), (10, 4096),
+                                                             (10,)]]
+    total = sum(p.numel() * 4 for p in params)
+    for size in (2, 3, 4, 8):
+        units = split_units(params, size)
+        assert [(u.param, u.lo) for u in units] == sorted((u.param, u.lo) for u in units)
+        for i, p in enumerate(params):  # each parameter's rows exactly once, in order
+            rows = [(u.lo, u.hi) for u in units if u.param == i]
+            assert rows[0][0] == 0 and rows[-1][1] == p.shape[0] and all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
+        cap = max(MIN_UNIT_BYTES, total // (size * UNITS_PER_RANK))
+        layout = ShardLayout(params, size)
+        assert max(layout.sizes) <= cap + 4096 * 4  # near-equal row ranges: at most a row over
+        plan, _ = plan_shards(layout.tensors, _Comm(size), mode="uniform")
+        assert max(plan.rank_bytes) <= (1 + 1 / UNITS_PER_RANK) * total / size + 4096 * 4
+        whole, _ = plan_shards(params, _Comm(size), mode="uniform")
+        assert max(whole.rank_bytes) >= 4096 * 4096 * 4  # for contrast: one rank owns the big matrix whole
+        # A cut unit's tensor is its parameter's memory: an update of it is an update of those rows.
+        k = [k for k, u in enumerate(layout.units) if u.param == 2][1]
+        unit = layout.units[k]
+        layout.tensors[k].data.fill_(float(size))
+        assert unit.lo > 0 and torch.all(params[2][unit.lo:unit.hi] == size) and params[2][0, 0] == 0
+        params[2].data.zero_()
+    assert all(u.whole for u in split_units(params, 1))  # one rank: nothing cut
+
+
+def test_rows_of_joins_pieces_and_names_a_gap():
+    parts = [(4, 10, torch.arange(4, 10)), (0, 4, torch.arange(0, 4)), (10, 12, torch.arange(10, 12))]
+    assert torch.equal(rows_of(parts, 2, 11, "x"), torch.arange(2, 11))
+    assert torch.equal(rows_of(parts, 5, 7, "x"), torch.arange(5, 7))
+    with pytest.raises(ValueError, match="optimizer state 3 exp_avg: rows 4 to 12 are in none"):
+        rows_of([parts[1], parts[2]], 0, 12, "optimizer state 3 exp_avg")
 
 
 @pytest.mark.mpi
@@ -178,8 +225,8 @@ def test_a_resume_goes_on_with_the_owners_it_was_saved_under(comm, data_plane, m
     second = run(_cfg(mpi_tmp_path, dataset, "owners", *common, "checkpoint.resume=auto"), comm, plane=data_plane)
     assert second.summary["start_step"] == 3
     assert list(second.optimizer.plan.owner) == saved_owners
-    held = {i for i, p in enumerate(second.model.parameters()) if p in second.optimizer.state}
-    assert held == {i for i, o in enumerate(saved_owners) if o == rank}  # the state moved to them
+    held = {k for k, t in enumerate(second.optimizer.layout.tensors) if t in second.optimizer.state}
+    assert held == {k for k, o in enumerate(saved_owners) if o == rank}  # the state moved to them
     _assert_same(_params(straight), _params(second), True)
     if rank == 0:
         plan = json.loads((mpi_tmp_path / "runs" / "owners" / PLAN_FILE).read_text())
@@ -208,6 +255,22 @@ def test_resume_at_another_world_size_reshards(comm, data_plane, mpi_tmp_path):
         assert a.keys() == b.keys() == {"step", "exp_avg", "exp_avg_sq"}
         for key in a:
             assert torch.equal(a[key], b[key])
+    # At dist.zero=2 on one rank fewer (one alone at 2 ranks), which cuts the largest layer elsewhere or not at
+    # all: each rank's units hold the rows of the same state, read from the pieces that cover them.
+    fewer = comm.Split(0 if comm.Get_rank() < max(1, comm.Get_size() - 1) else 1, comm.Get_rank())
+    cfg = train_config(mpi_tmp_path / f"fewer-{fewer.Get_size()}-{comm.Get_rank() // max(1, comm.Get_size() - 1)}",
+                       dataset, "ws", *MODEL, *common, "dist.zero=2", "checkpoint.resume=auto",
+                       "dist.backend=mpi", "dist.fallback=none",  # MPI only: no second torch.distributed group
+                       f"checkpoint.dir={mpi_tmp_path / 'ckpt' / 'ws'}", "checkpoint.at_end=false")
+    result = run(cfg, fewer, plane=None)
+    assert result.summary["start_step"] == 3
+    layout = result.optimizer.layout
+    for k in result.optimizer.owned:
+        unit, state = layout.units[k], result.optimizer.state[layout.tensors[k]]
+        for key, value in state.items():
+            assert torch.equal(value, every[unit.param][key] if key == "step" else
+                               every[unit.param][key][unit.lo:unit.hi]), (k, key)
+    fewer.Free()
     comm.Barrier()
 
 
@@ -316,8 +379,8 @@ def test_replan_moves_state_and_keeps_the_updates(comm, data_plane, mpi_tmp_path
         if comm.Get_rank() == 0:
             plan = json.loads((mpi_tmp_path / "runs" / name / PLAN_FILE).read_text())
             assert plan["rank_bytes"] == owned and plan["speeds"][0] == pytest.approx(0.125)
-        held = {i for i, p in enumerate(sharded.model.parameters()) if p in sharded.optimizer.state}
-        assert held == {i for i, o in enumerate(sharded.optimizer.plan.owner) if o == comm.Get_rank()}
+        held = {k for k, t in enumerate(sharded.optimizer.layout.tensors) if t in sharded.optimizer.state}
+        assert held == {k for k, o in enumerate(sharded.optimizer.plan.owner) if o == comm.Get_rank()}
     # Saved after the re-plan (step 4), resumed with the start-up plan: the same end.
     run(_cfg(mpi_tmp_path, dataset, f"{name}-stop", *args, f"dist.zero={zero}"), comm, plane=data_plane,
         stop=StopAfter(4))
