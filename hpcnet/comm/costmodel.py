@@ -81,10 +81,10 @@ class LinkCost:
 
 @dataclass(frozen=True, slots=True)
 class ShardPlan:
-    """Who owns which parameter.
+    """Who owns which unit.
 
     Args:
-        owner: the owner rank of each parameter, by parameter index.
+        owner: the owner rank of each unit (a parameter or rows of one), by unit index.
         rank_bytes: the bytes each rank owns.
         rank_time_s: each rank's modelled time per step for what it owns (update and communication).
     """
@@ -117,7 +117,8 @@ class ShardPlan:
 
 def assign_shards(sizes_bytes: list[int], rank_speeds: list[float], *, compute_s_per_byte: list[float] | float,
                   link: LinkCost) -> ShardPlan:
-    """Give every parameter (whole, never split) an owner rank so that the slowest rank finishes early.
+    """Give every unit (a parameter, or rows of a cut one: ``hpcnet.comm.zero.split_units``) an owner rank so that
+    the slowest rank finishes early.
 
     A rank's time is the update of what it owns, ``bytes * compute_s_per_byte / speed``, plus its
     communication: gradients reduce-scattered and parameters all-gathered over a ring of shards padded to
@@ -130,7 +131,7 @@ def assign_shards(sizes_bytes: list[int], rank_speeds: list[float], *, compute_s
     optimum.  O(n log n + n log m) with one heap per distinct speed.
 
     Args:
-        sizes_bytes: each parameter's size in bytes.
+        sizes_bytes: each unit's size in bytes.
         rank_speeds: each rank's relative speed (``measured_speeds``; 1.0 = the fastest).
         compute_s_per_byte: update time per byte at speed 1.0, per parameter or one for all.
         link: the link the collectives run over (the slowest: inter-node when there are nodes).
