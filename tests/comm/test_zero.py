@@ -329,15 +329,16 @@ def test_bucket_size_must_be_a_number_or_auto():
 @pytest.mark.mpi
 def test_stage_2_on_virtual_nodes_in_bf16_equals_stage_0(comm, data_plane, mpi_tmp_path, monkeypatch):
     """Hierarchical all-reduce (HPCNET_RANKS_PER_NODE=2: two virtual nodes at 4 ranks) and a bf16 forward: stage 2
-    all-reduces its buckets in stage 0's layout there, so the bits are stage 0's at every size."""
+    all-reduces its buckets in stage 0's layout there, so the bits are stage 0's; at 3 ranks (nodes of 2 and 1:
+    not hierarchical) MPI's reduce-scatter sums in another order, as everywhere above 2 ranks."""
     monkeypatch.setenv("HPCNET_RANKS_PER_NODE", "2")
     dataset = _dataset(comm, mpi_tmp_path)
     args = ["train.precision=bf16", "dist.hierarchical=auto"]
     replicated = run(_cfg(mpi_tmp_path, dataset, "vn-0", *args), comm, plane=data_plane)
     sharded = run(_cfg(mpi_tmp_path, dataset, "vn-2", *args, "dist.zero=2"), comm, plane=data_plane)
     assert sharded.summary["comm"]["hierarchical"] == (comm.Get_size() >= 4)
-    a, b = _params(replicated), _params(sharded)
-    assert torch.equal(a, b), (a - b).abs().max()
+    exact = sharded.summary["comm"]["hierarchical"] or _exact_expected(comm, 2, "mpi")
+    _assert_same(_params(replicated), _params(sharded), exact)
     comm.Barrier()
 
 
