@@ -187,7 +187,7 @@ class DistConfig:
     first_bucket_mb: float = 1.0
     """Size of the first bucket (the last layers), small so communication starts early; 0 = bucket_mb."""
     hierarchical: str = "auto"
-    """Hierarchical all-reduce across nodes: 'auto' (when >1 node and >1 rank per node), 'on' or 'off'."""
+    """Hierarchical all-reduce across nodes: 'auto' (when >1 node and the same number >1 of ranks on every node), 'on' (an error on nodes of unequal sizes) or 'off'."""
     compression: str = "none"
     """Wire format of gradients: 'none', 'fp16' or 'bf16' (nccl and gloo only: on CPU set dist.backend=gloo)."""
     fallback: str = "auto"

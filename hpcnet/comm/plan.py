@@ -37,14 +37,17 @@ class Plan:
         return "nccl" if "nccl" in kinds else ("gloo" if kinds else None)
 
 
-def hierarchical_layout(num_nodes: int, min_local_size: int) -> bool:
-    """Hierarchical all-reduce pays when there are several nodes and every node has several ranks."""
-    return num_nodes > 1 and min_local_size > 1
+def hierarchical_layout(num_nodes: int, min_local_size: int, max_local_size: int | None = None) -> bool:
+    """Hierarchical all-reduce pays when there are several nodes and every node has several ranks; it works only
+    when every node has as many (``max_local_size``, default ``min_local_size``): each node's reduce-scatter cuts
+    a bucket into as many shards as it has ranks, and shard i of every node is summed across the nodes."""
+    max_local_size = min_local_size if max_local_size is None else max_local_size
+    return num_nodes > 1 and min_local_size > 1 and max_local_size == min_local_size
 
 
 def plan_transport(cfg: DistConfig, *, device_type: str, num_nodes: int, min_local_size: int,
                    cuda_aware: bool = False, hierarchical_hint: bool | None = None,
-                   shm_wins: bool = False) -> Plan:
+                   shm_wins: bool = False, max_local_size: int | None = None) -> Plan:
     """Decide the primary backend, flat or hierarchical, and the fallback (pure logic).
 
     The one place where ``dist.backend = 'auto'`` is resolved: the bootstrap
@@ -56,6 +59,8 @@ def plan_transport(cfg: DistConfig, *, device_type: str, num_nodes: int, min_loc
         device_type: 'cpu' or 'cuda'.
         num_nodes: nodes in the job (virtual nodes count).
         min_local_size: ranks on the node with the fewest.
+        max_local_size: ranks on the node with the most (default ``min_local_size``): hierarchical needs them
+            equal; ``dist.hierarchical=on`` on nodes of unequal sizes is a ``UsageError``.
         cuda_aware: the MPI library can read GPU memory.
         hierarchical_hint: a measured topology's advice, used when
             ``dist.hierarchical`` is 'auto' (None: ``hierarchical_layout``;
@@ -82,9 +87,14 @@ def plan_transport(cfg: DistConfig, *, device_type: str, num_nodes: int, min_loc
     if primary == "shm":
         hierarchical = False  # a node's ranks share memory, nodes use MPI: hierarchical by construction
     elif cfg.hierarchical == "auto":
-        hierarchical = hierarchical_layout(num_nodes, min_local_size) if hierarchical_hint is None else hierarchical_hint
+        even = max_local_size is None or max_local_size == min_local_size
+        hierarchical = (hierarchical_layout(num_nodes, min_local_size, max_local_size) if hierarchical_hint is None
+                        else hierarchical_hint and even)
     else:
         hierarchical = cfg.hierarchical == "on"
+        if hierarchical and max_local_size is not None and max_local_size != min_local_size:
+            raise UsageError(f"dist.hierarchical=on needs as many ranks on every node; these nodes have "
+                             f"{min_local_size} to {max_local_size}: set dist.hierarchical=auto or off")
     if cfg.fallback == "none":
         fallback = None
     elif cfg.fallback == "auto":
@@ -131,9 +141,10 @@ def decide_plan(comm: Any, world: World, cfg: DistConfig, *, device_type: str,
     from mpi4py import MPI
 
     min_local = comm.allreduce(world.local_size, op=MPI.MIN)
+    max_local = comm.allreduce(world.local_size, op=MPI.MAX)
     shm_wins = False
     if cfg.backend == "fastest" and device_type == "cpu" and cfg.compression == "none" and min_local > 1 \
-            and comm.allreduce(world.local_size, op=MPI.MAX) == min_local:
+            and max_local == min_local:
         from hpcnet.comm.shm import RACE_BYTES, race_shm_against_mpi
 
         mpi_s, shm_s = race_shm_against_mpi(comm, world, RACE_BYTES)
@@ -144,7 +155,7 @@ def decide_plan(comm: Any, world: World, cfg: DistConfig, *, device_type: str,
     with shared_errors(comm):
         plan = plan_transport(cfg, device_type=device_type, num_nodes=world.num_nodes, min_local_size=min_local,
                               cuda_aware=device_type == "cuda" and cuda_aware_mpi(),
-                              hierarchical_hint=hierarchical_hint, shm_wins=shm_wins)
+                              hierarchical_hint=hierarchical_hint, shm_wins=shm_wins, max_local_size=max_local)
     plans = comm.allgather((device_type, plan))
     odd = [r for r, p in enumerate(plans) if p != plans[0]]
     if odd:

@@ -238,8 +238,8 @@ def recommend(topology: Topology) -> dict[str, Any]:
         ``nccl_socket_ifname``: the fastest interface every node has (None if none);
         ``nccl_ib_disable``: True unless every node has an active InfiniBand/RDMA
         port (NCCL cannot mix its IB and socket transports, so "IB on some nodes"
-        disables it too); ``hierarchical``: more than one node and more than one
-        rank on every node; ``num_nodes``, ``ranks_per_node`` (the largest);
+        disables it too); ``hierarchical``: more than one node and as many ranks,
+        more than one, on every node; ``num_nodes``, ``ranks_per_node`` (the largest);
         measured ``intra_``/``inter_node_latency_us`` and
         ``intra_``/``inter_node_bandwidth_gbps`` (None where no such pair) for a
         cost model.
@@ -249,7 +249,7 @@ def recommend(topology: Topology) -> dict[str, Any]:
     return {
         "nccl_socket_ifname": common_interface(nodes),
         "nccl_ib_disable": not (nodes and all(n.has_ib for n in nodes)),
-        "hierarchical": hierarchical_layout(len(nodes), min(local_sizes, default=0)),
+        "hierarchical": hierarchical_layout(len(nodes), min(local_sizes, default=0), max(local_sizes, default=0)),
         "num_nodes": len(nodes),
         "ranks_per_node": max(local_sizes, default=0),
         "intra_node_latency_us": topology.intra_latency_us,

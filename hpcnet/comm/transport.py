@@ -28,6 +28,7 @@ import datetime
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -290,6 +291,14 @@ class HierarchicalTransport:
         self.local = comm.Split(color=node_index, key=local_rank)
         self.cross = comm.Split(color=local_rank, key=node_index)
         self.local_size = self.local.Get_size()
+        nodes = comm.allgather((node_index, local_rank))  # the same answer on every rank: the same error or none
+        sizes = list(Counter(node for node, _ in nodes).values())
+        if min(sizes) != max(sizes):
+            self.local.Free()
+            self.cross.Free()
+            raise ValueError(f"hierarchical all-reduce needs as many ranks on every node; these nodes have "
+                             f"{min(sizes)} to {max(sizes)} (each node cuts a bucket into one shard a rank, and "
+                             "the shards are summed across nodes)")
         # gloo's phases are sequenced by a worker thread too (see start); NCCL's are enqueued in order.
         self._progress = Progress(progress if kind == "mpi" else "thread", "hpcnet-hier-allreduce")
         self.synchronous = self.size == 1 or (kind == "mpi" and self._progress.synchronous)
@@ -299,7 +308,6 @@ class HierarchicalTransport:
 
             # new_group is collective over the default group: every rank
             # creates every subgroup, in the same order.
-            nodes = comm.allgather((node_index, local_rank))
             by_node: dict[int, list[int]] = {}
             by_local: dict[int, list[int]] = {}
             for rank, (node, local) in enumerate(nodes):

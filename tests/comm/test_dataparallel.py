@@ -10,7 +10,7 @@ from hpcnet.comm.world import discover
 from hpcnet.config import DistConfig
 from hpcnet.config_manager import load_config
 from hpcnet.errors import RestartableError, UsageError
-from tests.helpers import Net, reference_grads
+from tests.helpers import Net, even_nodes, reference_grads
 
 MPI_ONLY = Plan("mpi", False, None)
 
@@ -38,7 +38,7 @@ def _data(comm, n=8):
 @pytest.mark.mpi
 @pytest.mark.parametrize("plan", [MPI_ONLY, Plan("gloo", False, "mpi"), Plan("mpi", True, None)])
 def test_a_step_averages_the_gradients_of_equal_replicas(comm, data_plane, plan):
-    world = discover(comm, environ={"HPCNET_RANKS_PER_NODE": "2"} if plan.hierarchical else {})
+    world = discover(comm, environ=even_nodes(comm) if plan.hierarchical else {})
     torch.manual_seed(comm.Get_rank())  # replicas initialised differently: rank 0's weights win
     model = Net()
     dp = DataParallel(model, comm, world, DistConfig(bucket_mb=0.004), device=torch.device("cpu"), plan=plan)
@@ -126,7 +126,7 @@ def test_backends_train_alike(comm, data_plane, mpi_tmp_path, monkeypatch):
     base, summary = _run(comm, data_plane, mpi_tmp_path, "mpi", "dist.backend=mpi")
     assert summary["comm"]["backend"] == "mpi"
     for name, extra in [("gloo", ["dist.backend=gloo"]), ("hier", ["dist.hierarchical=on"])]:
-        monkeypatch.setenv("HPCNET_RANKS_PER_NODE", "2")
+        monkeypatch.setenv("HPCNET_RANKS_PER_NODE", even_nodes(comm)["HPCNET_RANKS_PER_NODE"])
         params, summary = _run(comm, data_plane, mpi_tmp_path, name, *extra)
         torch.testing.assert_close(params, base, rtol=1e-4, atol=1e-5)
     comm.Barrier()

@@ -23,6 +23,30 @@ def test_plan_transport(cfg, kw, expected):
     assert plan_transport(DistConfig(**cfg), **kw) == expected
 
 
+def test_hierarchical_on_nodes_of_unequal_sizes_is_an_error_naming_the_option():
+    """Nodes of 3 and 2 ranks: the nodes' shards would not line up across nodes (sums of unequal buffers, or a
+    hang); auto leaves it flat, on is refused."""
+    uneven = dict(device_type="cpu", num_nodes=2, min_local_size=2, max_local_size=3)
+    assert not plan_transport(DistConfig(), **uneven).hierarchical
+    assert not plan_transport(DistConfig(hierarchical="off"), **uneven).hierarchical
+    with pytest.raises(UsageError, match="dist.hierarchical=on needs as many ranks on every node; these nodes "
+                                         "have 2 to 3"):
+        plan_transport(DistConfig(hierarchical="on"), **uneven)
+    assert plan_transport(DistConfig(hierarchical="on"), **{**uneven, "min_local_size": 3}).hierarchical
+
+
+@pytest.mark.mpi(min_size=3)
+def test_a_hierarchical_transport_on_nodes_of_unequal_sizes_fails_on_every_rank(comm):
+    """Virtual nodes of 3 ranks at 4 ranks (3 and 1): a clear error on every rank, not a hang in the sums."""
+    from hpcnet.comm.transport import build_transport
+    from hpcnet.comm.world import discover
+
+    world = discover(comm, environ={"HPCNET_RANKS_PER_NODE": str(comm.Get_size() - 1)})
+    with pytest.raises(ValueError, match=f"as many ranks on every node; these nodes have 1 to {comm.Get_size() - 1}"):
+        build_transport("mpi", True, comm, world, timeout_s=60)
+    comm.Barrier()
+
+
 def test_plan_transport_errors():
     with pytest.raises(UsageError, match="dist.backend: 'nccl' needs a GPU"):
         plan_transport(DistConfig(backend="nccl"), device_type="cpu", num_nodes=1, min_local_size=1)
@@ -95,17 +119,21 @@ def test_the_layout_rule_is_the_topologys_advice():
     """The probe's 'hierarchical' advice is this rule, so deciding the plan before the probe changes nothing."""
     from hpcnet.comm.topology import Node, Topology, recommend
 
-    for local_sizes in ([1], [4], [1, 1], [2, 2], [2, 1], [3, 3, 3]):
+    for local_sizes in ([1], [4], [1, 1], [2, 2], [2, 1], [3, 3, 3], [3, 2], [4, 4, 2]):
         starts = [sum(local_sizes[:i]) for i in range(len(local_sizes))]
         nodes = [Node(index=i, host=f"n{i}", ranks=list(range(s, s + n)))
                  for i, (s, n) in enumerate(zip(starts, local_sizes))]
         topology = Topology(size=sum(local_sizes), num_nodes=len(nodes), virtual_nodes=False, nodes=nodes, ranks=[],
                             latency_us={}, bandwidth_gbps={}, small_bytes=8, large_bytes=8, rounds=0, budget_s=1.0,
                             probe_s=0.0)
-        layout = hierarchical_layout(len(local_sizes), min(local_sizes))
+        layout = hierarchical_layout(len(local_sizes), min(local_sizes), max(local_sizes))
+        assert layout == (len(local_sizes) > 1 and min(local_sizes) == max(local_sizes) > 1)
         assert recommend(topology)["hierarchical"] == layout
-        cpu = dict(device_type="cpu", num_nodes=len(local_sizes), min_local_size=min(local_sizes))
+        cpu = dict(device_type="cpu", num_nodes=len(local_sizes), min_local_size=min(local_sizes),
+                   max_local_size=max(local_sizes))
         assert plan_transport(DistConfig(), **cpu).hierarchical == layout
+        assert plan_transport(DistConfig(), **cpu, hierarchical_hint=True).hierarchical == (
+            min(local_sizes) == max(local_sizes))
 
 
 @pytest.mark.mpi

@@ -7,7 +7,7 @@ from torch import nn
 from hpcnet.comm.transport import build_transport
 from hpcnet.comm.reducer import Reducer, plan_buckets
 from hpcnet.comm.world import discover
-from tests.helpers import FakeComm, FakeWork, Net, reference_grads
+from tests.helpers import FakeComm, FakeWork, Net, even_nodes, reference_grads
 
 
 def test_plan_buckets_reverse_order_and_caps():
@@ -29,7 +29,7 @@ def test_plan_buckets_reverse_order_and_caps():
     ("gloo", False, torch.bfloat16),
 ])
 def test_bucketed_overlapped_equals_plain(comm, data_plane, kind, hierarchical, compression):
-    world = discover(comm, environ={"HPCNET_RANKS_PER_NODE": "2"} if hierarchical else {})
+    world = discover(comm, environ=even_nodes(comm) if hierarchical else {})
     torch.manual_seed(0)
     model = Net()
     torch.manual_seed(100 + comm.Get_rank())  # different data on every rank
@@ -59,7 +59,7 @@ def test_inline_and_threaded_mpi_give_the_same_bits(comm, hierarchical):
     as views of them; either way a step has one control exchange."""
     from hpcnet.fault.flightrec import FlightRecorder
 
-    world = discover(comm, environ={"HPCNET_RANKS_PER_NODE": "2"} if hierarchical else {})
+    world = discover(comm, environ=even_nodes(comm) if hierarchical else {})
     torch.manual_seed(100 + comm.Get_rank())
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
     grads, exchanges = {}, {}

@@ -8,7 +8,7 @@ import torch
 from hpcnet.comm.transport import (CommFailure, FaultyTransport, MpiTransport, TorchTransport, build_transport,
                                    enqueue_in_order, wait_all)
 from hpcnet.comm.world import discover
-from tests.helpers import PROGRAMS, FakeComm, FakeWork
+from tests.helpers import PROGRAMS, FakeComm, FakeWork, even_nodes
 
 
 @pytest.fixture
@@ -78,7 +78,7 @@ def test_only_gloo_works_are_waited_for_with_a_timeout(fake_nccl):
 @pytest.mark.parametrize("numel", [1, 11, 4096])
 def test_every_transport_sums_in_place(comm, data_plane, kind, hierarchical, numel):
     """Flat or hierarchical (virtual nodes of 2 ranks), with odd lengths that need a padded work buffer."""
-    world = discover(comm, environ={"HPCNET_RANKS_PER_NODE": "2"} if hierarchical else {})
+    world = discover(comm, environ=even_nodes(comm) if hierarchical else {})
     transport = build_transport(kind, hierarchical, comm, world, timeout_s=60)
     size, rank = comm.Get_size(), comm.Get_rank()
     flat = torch.arange(numel, dtype=torch.float32) + rank
