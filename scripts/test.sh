@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Set up (if needed), then run the whole test suite: a serial pass (every
 # test, MPI tests on one rank, plus the tests that launch mpirun or submit
-# SLURM jobs themselves), then the MPI tests on 2 and on 4 ranks.  setup.cfg
-# passes pytest-mpi's --with-mpi (without it every MPI test is skipped);
-# python -m mpi4py aborts the job when one rank fails instead of leaving the
-# others hanging.
+# SLURM jobs themselves), then the MPI tests on 2, 3 and 4 ranks (an odd
+# size finds what even ones hide: virtual nodes of unequal sizes, sums of
+# more than two in another order).  setup.cfg passes pytest-mpi's
+# --with-mpi (without it every MPI test is skipped); python -m mpi4py aborts
+# the job when one rank fails instead of leaving the others hanging.
 #
 # The serial pass runs beside a one-node SLURM on this machine
 # (scripts/slurm.sh, which installs slurm-wlm and munge when missing), started
@@ -27,7 +28,7 @@ if [ "$slurm_started" = 1 ]; then
     scripts/slurm.sh stop
     trap - EXIT
 fi
-for n in 2 4; do
+for n in 2 3 4; do
     echo "=== MPI tests on $n ranks ==="
     timeout 900 mpiexec -n "$n" python -m mpi4py -m pytest -m mpi -q "$@"
 done
