@@ -9,7 +9,8 @@ from mpi4py import MPI
 from torch import nn
 
 from hpcnet.comm.costmodel import LinkCost, assign_shards, plan_time_s
-from hpcnet.comm.zero import MIN_UNIT_BYTES, UNITS_PER_RANK, ParamGather, ShardLayout, plan_shards, rows_of, split_units
+from hpcnet.comm.zero import (MIN_UNIT_BYTES, UNITS_PER_RANK, ParamGather, ShardLayout, norm_order, plan_shards,
+                              rows_of, split_units, unit_grad_norm)
 from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.layout import PLAN_FILE
 from hpcnet.train import run
@@ -153,6 +154,22 @@ def test_one_huge_matrix_is_cut_so_the_owners_balance():
         assert unit.lo > 0 and torch.all(params[2][unit.lo:unit.hi] == size) and params[2][0, 0] == 0
         params[2].data.zero_()
     assert all(u.whole for u in split_units(params, 1))  # one rank: nothing cut
+
+
+def test_the_norm_taken_unit_by_unit_is_torch_s():
+    """Bit for bit without cut parameters; to rounding with them (stage 2 can only take a cut one's norm from
+    its pieces, so every stage does, and they agree with each other)."""
+    gen = torch.Generator().manual_seed(3)
+    params = [nn.Parameter(torch.zeros(*shape)) for shape in [(300, 40), (40,), (7, 3), (1,)]]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    params[2].grad = None  # a parameter without a gradient is left out, as get_total_norm leaves it
+    torch_norm = nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    whole = split_units(params, 1)
+    assert torch.equal(unit_grad_norm(params, whole, norm_order(params)), torch_norm)
+    cut = split_units(params, 4)
+    assert sum(1 for u in cut if u.param == 0) > 1
+    torch.testing.assert_close(unit_grad_norm(params, cut, norm_order(params)), torch_norm, rtol=1e-6, atol=0)
 
 
 def test_rows_of_joins_pieces_and_names_a_gap():
