@@ -20,7 +20,7 @@ from torch import nn
 from hpcnet.agree import shared_errors
 from hpcnet.ckpt.load import Loaded
 from hpcnet.ckpt.manager import CheckpointManager
-from hpcnet.comm.zero import PIECE, rows_of
+from hpcnet.comm.zero import rows_of, split_pieces
 from hpcnet.config import Config
 from hpcnet.config_manager import to_dict
 from hpcnet.errors import UsageError
@@ -136,15 +136,8 @@ def join_pieces(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``tensors`` (a loaded checkpoint's) with the row pieces of each cut parameter's optimizer state
     (``optim/<index>/<key>:<lo>-<hi>``, ``dist.zero``) joined into one tensor under the unsharded name: the
     names and values an unsharded run saves.  ValueError when a tensor's pieces leave rows out."""
-    out: dict[str, torch.Tensor] = {}
-    pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
-    for name, value in tensors.items():
-        head, _, key = name.rpartition("/")
-        piece = PIECE.match(key) if name.startswith("optim/") else None
-        if piece is None:
-            out[name] = value
-        else:
-            pieces.setdefault(f"{head}/{piece['key']}", []).append((int(piece["lo"]), int(piece["hi"]), value))
+    out, pieces = split_pieces({k: v for k, v in tensors.items() if k.startswith("optim/")})
+    out.update({k: v for k, v in tensors.items() if not k.startswith("optim/")})
     for name, parts in pieces.items():
         out[name] = rows_of(parts, 0, max(hi for _, hi, _ in parts), name)
     return out
@@ -154,13 +147,11 @@ def _join_pieces(per_param: dict[int, dict[str, Any]], params: list[torch.Tensor
     """Whole tensors from the row pieces of a cut parameter's state (``dist.zero``), in place; UsageError when
     pieces are missing."""
     for index, values in per_param.items():
-        pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
-        for key in [k for k in values if PIECE.match(k)]:
-            piece = PIECE.match(key)
-            assert piece is not None
-            pieces.setdefault(piece["key"], []).append((int(piece["lo"]), int(piece["hi"]), values.pop(key)))
+        plain, pieces = split_pieces(values)
         if not pieces:
             continue
+        values.clear()
+        values.update(plain)
         if index >= len(params):
             raise UsageError(f"checkpoint holds optimizer state for parameter {index}, the optimizer has "
                              f"{len(params)}")

@@ -551,12 +551,9 @@ def _unit_values(values: dict[str, Any], u: Unit, what: str) -> dict[str, Any]:
     """Unit ``u``'s share of one parameter's state: rows of the tensors shaped like the parameter (whole tensors
     or pieces), the rest as it is (copied for a cut unit: each unit updates its own step count)."""
     out: dict[str, Any] = {}
-    pieces: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
-    for key, value in values.items():
-        piece = PIECE.match(key)
-        if piece is not None:
-            pieces.setdefault(piece["key"], []).append((int(piece["lo"]), int(piece["hi"]), value))
-        elif u.whole or not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != u.rows:
+    plain, pieces = split_pieces(values)
+    for key, value in plain.items():
+        if u.whole or not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != u.rows:
             out[key] = value.clone() if isinstance(value, torch.Tensor) and not u.whole else value
         else:  # a copy: a view would keep the whole tensor alive
             out[key] = value[u.lo:u.hi].clone()
@@ -565,6 +562,20 @@ def _unit_values(values: dict[str, Any], u: Unit, what: str) -> dict[str, Any]:
             continue
         out[key] = rows_of(parts, u.lo, u.hi, f"{what} {key}")
     return out
+
+
+def split_pieces(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[tuple[int, int, Any]]]]:
+    """``values`` by name (or state key) into those that are not row pieces, and the pieces of each base name:
+    ``"<name>:<lo>-<hi>"`` -> ``{"<name>": [(lo, hi, value), ...]}``."""
+    plain: dict[str, Any] = {}
+    pieces: dict[str, list[tuple[int, int, Any]]] = {}
+    for key, value in values.items():
+        piece = PIECE.match(key)
+        if piece is None:
+            plain[key] = value
+        else:
+            pieces.setdefault(piece["key"], []).append((int(piece["lo"]), int(piece["hi"]), value))
+    return plain, pieces
 
 
 def rows_of(parts: list[tuple[int, int, torch.Tensor]], lo: int, hi: int, what: str) -> torch.Tensor:
