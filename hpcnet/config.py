@@ -365,11 +365,11 @@ class FaultConfig:
     write_error_at_step: int = 1
     """The first step whose save fault.write_error hits."""
     slow_save_s: float = 0.0
-    """Fault injection: the chosen rank's checkpoint writer sleeps this long before every collective file create (a slow peer)."""
+    """Fault injection: the chosen rank's checkpoint save sleeps this long before every collective file create (a slow peer)."""
     stuck_save_at_step: int = 0
-    """Fault injection: in the save of this step, the chosen rank's writer blocks for good (GIL released, as in a stuck write)."""
+    """Fault injection: in the save of this step, the chosen rank's save blocks for good (GIL released, as in a stuck write)."""
     stuck_fs_at_step: int = 0
-    """Fault injection: in the save of this step, every rank's writer blocks for good in the collective create, holding the GIL (a stuck file system)."""
+    """Fault injection: in the save of this step, every rank's save blocks for good in the collective create, holding the GIL (a stuck file system)."""
     rank: int = -1
     """The rank the fault hits; -1 = the last rank."""
     only_attempt: int = 0

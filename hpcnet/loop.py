@@ -329,14 +329,20 @@ class Loop:
 
     def _boundary(self, p: Progress, nonfinite: int) -> bool:
         """Every rank agrees on stopping and saving after this step; True: the loop ends here."""
+        manager = self.state.manager
         with self.monitor.collective("step_boundary"):
-            p.stopped_by, save, nonfinite = self.policy.agree(self.comm, p.step, self.stop.signum if self.stop else 0,
-                                                              nonfinite=nonfinite)
+            p.stopped_by, save, nonfinite, writing = self.policy.agree(
+                self.comm, p.step, self.stop.signum if self.stop else 0, nonfinite=nonfinite, writing=manager.busy())
         self.clock.mark("comm")
         if nonfinite:
             p.diverged = _nonfinite_message(p.step, nonfinite)
         elif save:
             self._save(p)
+        elif manager.in_flight and not writing:
+            # Every rank's background stretch of the save is done: its next collective stretch runs here, in
+            # the training thread, so the writer thread never enters MPI (hpcnet.ckpt.write).
+            manager.advance()  # guarded by the checkpoint deadlines, as a save is
+            self.clock.mark("checkpoint")
         if p.diverged:
             self._report_divergence(p)
             return True

@@ -1,17 +1,27 @@
-"""The collective parallel-HDF5 write of one checkpoint file's contents (README: Checkpoints).
+"""The parallel-HDF5 file of one checkpoint: its collective create, and the writes that need no communication.
 
-Every rank creates every dataset and attribute with the same arguments;
-collective writes only where every rank has at least one row to write (tensors
-split across all ranks, the per-rank RNG table); everything else is written
-independently by its one owner.  A failed write does not make a rank leave the
-sequence of collective calls early: errors are collected and returned, and
-``hpcnet.ckpt.write`` shares them, so a failure is an error on every rank,
-never a hang.
+Every rank creates every dataset and attribute with the same arguments
+(``create_file``, collective, over MPI-IO), then the file is closed again: the
+datasets are contiguous and allocated at create, so their bytes are written
+afterwards with ``pwrite`` at their offsets (``write_local``: each rank its
+pieces and its row of ``/rank_state``; ``write_tables``: rank 0 the index,
+meta and checksums), by code that calls neither MPI nor HDF5.  That split is
+what lets a save go on in a background thread while training runs: the
+thread never enters MPI, so a rank never has two threads inside blocking
+collectives at once (``hpcnet.ckpt.write``), and a full disk fails a
+``pwrite`` with its errno instead of an HDF5 write inside an open MPI-IO file.
+
+With ``job.direct_writes`` off (a benchmark's comparison) the tensors are
+written through h5py instead, collectively where every rank has rows, while
+the file is open.  A failed write never makes a rank leave the sequence of
+collective calls early: errors are collected and returned, and
+``hpcnet.ckpt.write`` shares them.
 """
 
 import os
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -88,18 +98,14 @@ class _Flusher(threading.Thread):
 
 
 
-def changed_blocks(comm: Any, job: "SaveJob") -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
-    """An increment's hashes and changed blocks, before anything is written (collective for errors)."""
-    hashes: dict[int, np.ndarray] = {}
-    changed: dict[int, np.ndarray] = {}
-    error: BaseException | None = None
+def changed_blocks(job: "SaveJob", errors: list[BaseException]) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+    """An increment's hashes and changed blocks, before anything is written (local; errors appended)."""
     try:
         hashes = _hash_owned(job)
-        changed = {i: np.flatnonzero(h != job.prev_hashes[i]) for i, h in hashes.items()}  # type: ignore[index]
-    except Exception as exc:  # noqa: BLE001 - shared below
-        error = exc
-    agree_on_error(comm, error)
-    return hashes, changed
+        return hashes, {i: np.flatnonzero(h != job.prev_hashes[i]) for i, h in hashes.items()}  # type: ignore[index]
+    except Exception as exc:  # noqa: BLE001 - shared by the next collective stretch
+        errors.append(exc)
+        return {}, {}
 
 
 def local_counts(job: "SaveJob", rank: int, changed: dict[int, np.ndarray]) -> np.ndarray:
@@ -115,7 +121,7 @@ def local_counts(job: "SaveJob", rank: int, changed: dict[int, np.ndarray]) -> n
     return local
 
 
-def _gather_tables(comm: Any, job: "SaveJob", counts: np.ndarray, hashes: dict[int, np.ndarray],
+def gather_tables(comm: Any, job: "SaveJob", counts: np.ndarray, hashes: dict[int, np.ndarray],
                    changed: dict[int, np.ndarray]) -> tuple[np.ndarray | None, np.ndarray | None]:
     """Collective: rank 0 gets /hashes (and an increment's /blocks) in file order; others get None."""
     owned = job.ownership.owned(comm.Get_rank())
@@ -168,30 +174,48 @@ def _create_collectively(comm: Any, job: "SaveJob", tmp: Path, create: Any, dead
                      alignment_interval=direct.ALIGN_BYTES)
 
 
-def write_file(comm: Any, job: "SaveJob", tmp: Path, counts: np.ndarray, index_bytes: bytes,
-               attrs: dict[str, Any], hashes: dict[int, np.ndarray], changed: dict[int, np.ndarray],
-               deadlines: Any = NULL_DEADLINES, timeout_s: float = 0.0
-               ) -> tuple[int, list[BaseException], dict[int, np.ndarray], dict[str, float]]:
-    """Create and fill ``tmp`` (collective); return bytes written, errors, this rank's block hashes, timings.
+@dataclass(slots=True)
+class FileLayout:
+    """Where the datasets of a created checkpoint file lie, and the rows of ``/rank_state``: what the writes
+    after ``create_file`` need."""
 
-    Errors are collected, never raised between collective calls.  A full
-    checkpoint with ``job.direct_writes`` (the default) has its data written
-    by ``_write_direct``: pwrite at the datasets' offsets, hashed in threads
-    while the disk writes.  Otherwise (h5py writes, collective or not) it is
-    hashed after its data are written, while a ``_Flusher`` thread fsyncs
-    them: hashing during collective writes would compete for the CPU with
-    MPI's busy-polling (measured: 5x slower writes with two ranks on two
-    cores), while during the fsync the CPU idles.
+    tensors: dict[int, int] = field(default_factory=dict)
+    """Tensor index -> byte offset of its dataset (the tensors this rank writes; ``direct_writes``)."""
+    rank_state: int | None = None
+    """Byte offset of ``/rank_state`` (``direct_writes``)."""
+    tables: dict[str, int] = field(default_factory=dict)
+    """Rank 0: table name -> byte offset (empty tables have no storage and none)."""
+    rank_row: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
+    """This rank's row of ``/rank_state``, padded to the widest rank's."""
+    rank_hashes: list[int] | None = None
+    """Rank 0: every rank's row hash."""
+    written: int = 0
+    """Bytes this rank wrote through h5py while the file was open (``direct_writes`` off)."""
 
-    The create and the structure calls after it hold the GIL (h5py): they run
-    in a quiet ``checkpoint.create`` guard of ``deadlines`` (``hpcnet.fault.watchdog``),
-    which the heartbeats announce; the data writes and the close release it.
+
+def table_sizes(job: "SaveJob", size: int, counts: np.ndarray, index_bytes: bytes) -> dict[str, tuple[str, int]]:
+    """The file's tables besides the tensors: name -> (dtype, elements) (pure); ``/rank_state`` is not one."""
+    n_hashes = int(counts[:, :, 0].sum())
+    tables: dict[str, tuple[str, int]] = {"meta": ("u1", len(job.meta_bytes)), "index": ("u1", len(index_bytes)),
+                                          "hashes": ("<u8", n_hashes), "rank_state_hashes": ("<u8", size)}
+    if job.kind == "incremental":
+        tables["blocks"] = ("<i8", n_hashes)
+    return tables
+
+
+def create_file(comm: Any, job: "SaveJob", tmp: Path, counts: np.ndarray, index_bytes: bytes,
+                attrs: dict[str, Any], changed: dict[int, np.ndarray], rank_row: np.ndarray,
+                errors: list[BaseException], deadlines: Any = NULL_DEADLINES, timeout_s: float = 0.0) -> FileLayout:
+    """Collective: create ``tmp`` over MPI-IO with every dataset, note where they lie, and close it.
+
+    With ``job.direct_writes`` off the tensors and ``/rank_state`` are written through h5py here, while the
+    file is open.  Errors after the create are appended to ``errors``, never raised between collective calls.
+
+    The create and the structure calls after it hold the GIL (h5py): they run in a quiet
+    ``checkpoint.create`` guard of ``deadlines`` (``hpcnet.fault.watchdog``), which the heartbeats announce.
     """
     rank = comm.Get_rank()
-    errors: list[BaseException] = []
-    rank_row, rank_hashes = _rank_table(comm, job)
-    t_open = time.perf_counter()
-    timings: dict[str, float] = {}
+    layout = FileLayout(rank_row=rank_row)
     create = deadlines.open("checkpoint.create", timeout_s, what=f"checkpoint.create (step {job.step})",
                             quiet=True)
     try:
@@ -201,37 +225,150 @@ def write_file(comm: Any, job: "SaveJob", tmp: Path, counts: np.ndarray, index_b
         raise
     try:
         d_tables, d_rank, d_tensors = _create_datasets(f, job, comm.Get_size(), counts, index_bytes, attrs,
-                                                       len(rank_row))
+                                                       len(layout.rank_row))
         deadlines.close(create)
-        if job.kind == "full" and job.direct_writes:
-            written, hashes = _write_direct(job, rank, tmp, d_tensors, d_rank, rank_row, errors)
-            timings["data_s"] = timings["hash_s"] = time.perf_counter() - t_open
+        if job.direct_writes:
+            layout.rank_state = _offset(d_rank, errors)
+            layout.tensors = {i: offset for i, _ in job.ownership.owned(rank) if i in d_tensors
+                              if (offset := _offset(d_tensors[i], errors)) is not None}
         else:
-            written = _write_data(job, rank, d_tensors, d_rank, rank_row, counts, changed, errors)
-            timings["data_s"] = time.perf_counter() - t_open
-            if job.kind == "full":
-                hashes = _hash_while_flushing(job, tmp, errors, timings)
-        all_hashes, all_blocks = _gather_tables(comm, job, counts, hashes, changed)
+            layout.written = _write_data(job, rank, d_tensors, d_rank, layout.rank_row, counts, changed, errors)
         if rank == 0:
-            _write_tables(d_tables, {"meta": np.frombuffer(job.meta_bytes, np.uint8),
-                                     "index": np.frombuffer(index_bytes, np.uint8), "hashes": all_hashes,
-                                     "rank_state_hashes": np.array(rank_hashes, dtype="<u8"), "blocks": all_blocks},
-                          errors)
+            layout.tables = {name: offset for name, d in d_tables.items() if d.shape[0]
+                             if (offset := _offset(d, errors)) is not None}
     finally:
         deadlines.close(create)
         try:
             f.close()
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)
+    return layout
+
+
+def _offset(dataset: Any, errors: list[BaseException]) -> int | None:
+    """The byte offset of a contiguous dataset's storage (MPI-IO allocates it at create), or None, noted."""
     try:
-        fsync_path(tmp)  # each rank flushes its own writes (it matters on parallel file systems)
+        offset = dataset.id.get_offset()
+        if offset is None:
+            raise OSError(f"dataset {dataset.name} has no contiguous storage to write into")
+        return offset
+    except Exception as exc:  # noqa: BLE001 - shared later
+        errors.append(exc)
+        return None
+
+
+def write_local(job: "SaveJob", rank: int, tmp: Path, layout: FileLayout, counts: np.ndarray,
+                changed: dict[int, np.ndarray], errors: list[BaseException], timings: dict[str, float]
+                ) -> tuple[int, dict[int, np.ndarray]]:
+    """This rank's bytes of a created file, fsync'd; no MPI, no HDF5 (what a background thread may run).
+
+    ``direct_writes``: this rank's pieces (a full checkpoint's, hashed in threads while the disk writes;
+    an increment's changed rows, hashed before) and its row of ``/rank_state`` with pwrite at their offsets
+    (``hpcnet.ckpt.direct``).  Otherwise h5py wrote them already: a full checkpoint is hashed while a
+    ``_Flusher`` fsyncs it (hashing during h5py's collective writes would compete for the CPU with MPI's
+    busy-polling, while during the fsync the CPU idles).  Returns the bytes written and, for a full
+    checkpoint, the block hashes of every piece written (a piece that failed has none: ``gather_tables``
+    sends zeros for it).  Errors are appended to ``errors``.
+    """
+    t0 = time.perf_counter()
+    hashes: dict[int, np.ndarray] = {}
+    written = 0
+    if not job.direct_writes:
+        if job.kind == "full":
+            hashes = _hash_while_flushing(job, tmp, errors, timings)
+        else:
+            _fsync_noted(tmp, errors)
+        timings["data_s"] = time.perf_counter() - t0
+        return written, hashes
+    if job.fault is not None:
+        try:
+            job.fault("write", job.step)
+        except OSError as exc:  # as a failing write would: noted, and the writes go on
+            errors.append(exc)
+    if layout.rank_state is None:
+        return 0, hashes  # the create failed here (noted): nothing to write into
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW)
     except OSError as exc:
         errors.append(exc)
-    timings["close_fsync_s"] = time.perf_counter() - t_open - timings["data_s"] - timings.get("flush_s", 0.0)
-    return written, errors, hashes, timings
+        return 0, hashes
+    try:
+        pieces = _local_pieces(job, rank, layout, counts, changed)
+        with direct.pool(job.io_threads) as pool:
+            futures = {i: direct.submit_write(pool, fd, data, offset, block_bytes, hashed=job.kind == "full")
+                       for i, data, offset, block_bytes in pieces}
+            futures[-1] = direct.submit_write(pool, fd, layout.rank_row, layout.rank_state  # type: ignore[operator]
+                                              + rank * len(layout.rank_row), len(layout.rank_row), hashed=False)
+            sizes = {i: data.nbytes for i, data, _, _ in pieces}
+            for i, chunks in futures.items():
+                try:
+                    piece_hashes = direct.collect(chunks)
+                except Exception as exc:  # noqa: BLE001 - shared later
+                    errors.append(exc)
+                    continue
+                if i >= 0:
+                    written += sizes[i]
+                    if job.kind == "full":
+                        hashes[i] = piece_hashes
+        timings["data_s"] = timings["hash_s"] = time.perf_counter() - t0
+        os.fsync(fd)  # each rank flushes its own writes (it matters on parallel file systems)
+    except OSError as exc:
+        errors.append(exc)
+    finally:
+        os.close(fd)
+    timings["close_fsync_s"] = time.perf_counter() - t0 - timings.get("data_s", 0.0)
+    return written, hashes
 
 
-def _rank_table(comm: Any, job: "SaveJob") -> tuple[np.ndarray, list[int] | None]:
+def _local_pieces(job: "SaveJob", rank: int, layout: FileLayout, counts: np.ndarray,
+                  changed: dict[int, np.ndarray]) -> list[tuple[int, np.ndarray, int, int]]:
+    """(tensor index, bytes to write, file offset, hash block bytes) of each piece this rank writes."""
+    out = []
+    for i, piece in job.ownership.owned(rank):
+        if i not in layout.tensors:
+            continue  # no storage: nothing of it changed, or its offset failed (noted)
+        spec, array = job.specs[i], job.arrays[i]
+        block_bytes = spec.block_rows * spec.row_bytes
+        if job.kind == "incremental":
+            if counts[rank, i, 1] == 0:
+                continue
+            data = array[_rows_of_blocks(spec, changed[i], piece.block_lo)] if spec.shape else array[None]
+            first = int(counts[:rank, i, 1].sum())
+        else:
+            data = array
+            first = spec.block_range_rows(piece.block_lo, piece.block_hi)[0]
+        out.append((i, data, layout.tensors[i] + first * spec.row_bytes, block_bytes))
+    return out
+
+
+def _fsync_noted(path: Path, errors: list[BaseException]) -> None:
+    try:
+        fsync_path(path)
+    except OSError as exc:
+        errors.append(exc)
+
+
+def write_tables(tmp: Path, layout: FileLayout, tables: dict[str, np.ndarray | None]) -> None:
+    """Rank 0: the tables (meta, index, hashes, blocks, rank hashes) with pwrite at their offsets, fsync'd.
+
+    No MPI, no HDF5.  Raises OSError.
+    """
+    fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW)
+    try:
+        for name, offset in layout.tables.items():
+            data = tables.get(name)
+            if data is None or not len(data):
+                continue
+            view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], offset + done)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rank_table(comm: Any, job: "SaveJob") -> tuple[np.ndarray, list[int] | None]:
     """Collective: this rank's row of /rank_state (padded to the widest rank's), and on rank 0 every row's hash."""
     width = max(comm.allgather(len(job.rank_state_bytes)))
     rank_row = np.frombuffer(job.rank_state_bytes.ljust(width, b" "), np.uint8)
@@ -243,13 +380,8 @@ def _create_datasets(f: Any, job: "SaveJob", size: int, counts: np.ndarray, inde
     """The file's structure: the same calls with the same arguments on every rank (collective)."""
     for key, value in attrs.items():
         f.attrs[key] = value
-    n_hashes = int(counts[:, :, 0].sum())
-    tables: dict[str, tuple[str, int]] = {"meta": ("u1", len(job.meta_bytes)), "index": ("u1", len(index_bytes)),
-                                          "hashes": ("<u8", n_hashes), "rank_state_hashes": ("<u8", size)}
-    if job.kind == "incremental":
-        tables["blocks"] = ("<i8", n_hashes)
     d_tables = {name: f.create_dataset(name, shape=(n,), dtype=dtype, fill_time="never")
-                for name, (dtype, n) in tables.items()}
+                for name, (dtype, n) in table_sizes(job, size, counts, index_bytes).items()}
     d_rank = f.create_dataset("rank_state", shape=(size, width), dtype="u1", fill_time="never")
     d_tensors: dict[int, Any] = {}
     for i, spec in enumerate(job.specs):
@@ -278,58 +410,6 @@ def _write_data(job: "SaveJob", rank: int, d_tensors: dict[int, Any], d_rank: An
     except Exception as exc:  # noqa: BLE001
         errors.append(exc)
     return written + _write_independent(job, rank, d_tensors, counts, changed, errors)
-
-
-def _write_direct(job: "SaveJob", rank: int, tmp: Path, d_tensors: dict[int, Any], d_rank: Any,
-                  rank_row: np.ndarray, errors: list[BaseException]) -> tuple[int, dict[int, np.ndarray]]:
-    """Collective: a full checkpoint's rank table (h5py), and this rank's tensor data by ``hpcnet.ckpt.direct``.
-
-    Returns the bytes written and the block hashes of every piece written
-    (a piece that failed has none: ``_gather_tables`` sends zeros for it).
-    Errors are noted, not raised.
-    """
-    if job.fault is not None:
-        try:
-            job.fault("write", job.step)
-        except OSError as exc:  # as a failing write would: noted, and the calls go on
-            errors.append(exc)
-    try:
-        with d_rank.collective:
-            d_rank[rank:rank + 1] = rank_row[None, :]
-    except Exception as exc:  # noqa: BLE001
-        errors.append(exc)
-    pieces = []
-    for i, piece in job.ownership.owned(rank):
-        spec = job.specs[i]
-        try:
-            offset = d_tensors[i].id.get_offset()  # contiguous and allocated at create (MPI-IO allocates early)
-            if offset is None:
-                raise OSError(f"dataset /tensors/{spec.name} has no contiguous storage to write into")
-        except Exception as exc:  # noqa: BLE001
-            errors.append(exc)
-            continue
-        lo, _ = spec.block_range_rows(piece.block_lo, piece.block_hi)
-        pieces.append((i, offset + lo * spec.row_bytes, spec.block_rows * spec.row_bytes))
-    hashes: dict[int, np.ndarray] = {}
-    written = 0
-    try:
-        fd = os.open(tmp, os.O_WRONLY)
-    except OSError as exc:
-        errors.append(exc)
-        return 0, hashes
-    try:
-        with direct.pool(job.io_threads) as pool:
-            futures = {i: direct.submit_write(pool, fd, job.arrays[i], offset, block_bytes)
-                       for i, offset, block_bytes in pieces}
-            for i, chunks in futures.items():
-                try:
-                    hashes[i] = direct.collect(chunks)
-                    written += job.arrays[i].nbytes
-                except Exception as exc:  # noqa: BLE001 - shared later
-                    errors.append(exc)
-    finally:
-        os.close(fd)
-    return written, hashes
 
 
 def _write_split(job: "SaveJob", rank: int, d_tensors: dict[int, Any], counts: np.ndarray,
@@ -390,7 +470,7 @@ def _hash_while_flushing(job: "SaveJob", tmp: Path, errors: list[BaseException],
     flusher.start()
     try:
         hashes = _hash_owned(job)
-    except Exception as exc:  # noqa: BLE001 - _gather_tables sends zeros for it
+    except Exception as exc:  # noqa: BLE001 - gather_tables sends zeros for it
         errors.append(exc)
     timings["hash_s"] = time.perf_counter() - t_hash
     flusher.join()
@@ -398,13 +478,3 @@ def _hash_while_flushing(job: "SaveJob", tmp: Path, errors: list[BaseException],
     if flusher.error is not None:
         errors.append(flusher.error)
     return hashes
-
-
-def _write_tables(d_tables: dict[str, Any], tables: dict[str, Any], errors: list[BaseException]) -> None:
-    """Rank 0's tables (meta, index, hashes, blocks), independently."""
-    for name, d in d_tables.items():
-        try:
-            if len(tables[name]):
-                d[...] = tables[name]
-        except Exception as exc:  # noqa: BLE001
-            errors.append(exc)

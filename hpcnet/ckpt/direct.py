@@ -67,12 +67,12 @@ def _as_bytes(array: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
 
 
-def _write_chunk(fd: int, view: memoryview, offset: int, block_bytes: int, hash_name: str) -> bytes:
+def _write_chunk(fd: int, view: memoryview, offset: int, block_bytes: int, hash_name: str | None) -> bytes:
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
     start_writeback(fd, offset, len(view))
-    return hash_view(view, block_bytes, hash_name)
+    return b"" if hash_name is None else hash_view(view, block_bytes, hash_name)
 
 
 def _read_chunk(fd: int, view: memoryview, offset: int, block_bytes: int, hash_name: str) -> bytes:
@@ -90,16 +90,17 @@ def _read_chunk(fd: int, view: memoryview, offset: int, block_bytes: int, hash_n
 
 
 def _submit(pool: ThreadPoolExecutor, fn: object, fd: int, data: np.ndarray, offset: int,
-            block_bytes: int, hash_name: str) -> list[Future]:
+            block_bytes: int, hash_name: str | None) -> list[Future]:
     view = _as_bytes(data)
     return [pool.submit(fn, fd, view[lo:hi], offset + lo, block_bytes, hash_name)  # type: ignore[arg-type]
             for lo, hi in chunk_bounds(len(view), block_bytes)]
 
 
-def submit_write(pool: ThreadPoolExecutor, fd: int, data: np.ndarray, offset: int, block_bytes: int) -> list[Future]:
-    """Queue ``data`` (C-contiguous) to be written at ``offset`` of ``fd`` and hashed (``format.HASH_NAME``);
-    ``collect`` the futures."""
-    return _submit(pool, _write_chunk, fd, data, offset, block_bytes, "")
+def submit_write(pool: ThreadPoolExecutor, fd: int, data: np.ndarray, offset: int, block_bytes: int,
+                 hashed: bool = True) -> list[Future]:
+    """Queue ``data`` to be written at ``offset`` of ``fd`` and, when ``hashed``, hashed (``format.HASH_NAME``);
+    ``collect`` the futures (no hashes when not ``hashed``)."""
+    return _submit(pool, _write_chunk, fd, data, offset, block_bytes, "" if hashed else None)
 
 
 def submit_read(pool: ThreadPoolExecutor, fd: int, target: np.ndarray, offset: int, block_bytes: int,

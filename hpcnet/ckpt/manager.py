@@ -6,16 +6,16 @@ start or a resume (another run's or abandoned checkpoints are moved aside,
 never deleted).  Saves, writes, waits and loads each run in a guard of
 ``deadlines`` (``hpcnet.fault.watchdog``).
 
-Threads: with ``async_save`` the write runs in one background thread on a
-duplicated communicator.  h5py serialises its calls with one process-wide
-lock, held for a whole call (the GIL is released during the I/O), so a data
-loader reading HDF5 meanwhile waits at most for one write call (a piece of at
-most ``WRITE_PIECE_BYTES`` per rank).  A deadlock would need a thread that
-holds that lock while waiting for another rank; only the writer does (inside
-collective calls), and the peer writer it waits for needs only its own
-process's lock, which serial readers always give back.  So the one rule is:
-no other *parallel* (``driver="mpio"``) HDF5 in the same process while a save
-is in flight; every method of the manager first finishes the save in flight.
+Threads: with ``async_save`` a save's stretches (``hpcnet.ckpt.write``) are
+split between two threads.  The collective ones run in the caller's thread:
+the first inside ``save``, the others in ``advance``, which the training loop
+calls at a step boundary once every rank's background stretch is done (the
+boundary's one all-reduce carries that), or in ``wait``.  The local ones
+(hashing, writing bytes with pwrite, fsync, rank 0's commit) run in one
+background thread, which calls neither MPI nor HDF5, so a rank never has two
+threads inside blocking collectives, and never h5py's process-wide lock while
+the data loader reads HDF5.  Every method of the manager first finishes the
+save in flight.
 """
 
 import contextlib
@@ -41,10 +41,10 @@ from hpcnet.ckpt import direct
 from hpcnet.ckpt.listing import listing, scan, set_aside
 from hpcnet.ckpt.load import Loaded, load_checkpoint, load_with_choice
 from hpcnet.ckpt.shared import check_same_listing, check_shared_directory
-from hpcnet.ckpt.write import IoFault, SaveJob, write_checkpoint
+from hpcnet.ckpt.write import COLLECTIVE, LOCAL, IoFault, SaveJob, SaveResult, run_stretches, save_stretches
 from hpcnet.errors import UsageError
 from hpcnet.fault.watchdog import NULL_DEADLINES, Guard, io_timeout_s
-from hpcnet.layout import ASIDE_PREFIX, CKPT_NAME_RE
+from hpcnet.layout import ASIDE_PREFIX, CKPT_NAME_RE, TMP_SUFFIX
 
 log = logging.getLogger("hpcnet.checkpoint")
 
@@ -59,6 +59,22 @@ class _Previous:
     ownership: Ownership
     hashes: dict[int, np.ndarray]
     saves_since_full: int
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A save being written: its stretches, the background thread of the local one, and what it becomes."""
+
+    job: SaveJob
+    stretches: Any
+    spec_digest: str
+    since_full: int
+    timeout_s: float
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+    """What a local stretch raised unexpectedly (an I/O error is noted by the stretch itself, not raised)."""
+    io_s: float = 0.0
+    """Seconds its stretches took, waits for step boundaries left out: what the next deadline scales with."""
 
 
 def _versions() -> dict[str, str]:
@@ -131,8 +147,7 @@ class CheckpointManager:
         # it deadlocks (3 runs in 21 of the async-save test at 2 ranks): done here, now, on every rank.
         for warmed in (comm, self._io_comm):
             warmed.allreduce(0)
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._flight: _InFlight | None = None
         self._previous: _Previous | None = None
         self._next_seq: int | None = None
         self.last_timings: dict[str, float] = {}
@@ -230,20 +245,98 @@ class CheckpointManager:
         return specs, spec_digest, kind, meta_bytes, rank_bytes
 
     def _start_write(self, job: SaveJob, spec_digest: str, since_full: int, t0: float, timeout_s: float) -> None:
-        """Write ``job``: in the background thread when async, else now."""
-        # Closed by _write, in the writer thread when async.
-        guard = self.deadlines.open("checkpoint.write", timeout_s, what=f"checkpoint.write (step {job.step})")
+        """Write ``job``: all of it now when not async; else its first collective stretch now, the rest later."""
+        self._previous = None  # a failed save must not become the base of an increment
+        flight = _InFlight(job, save_stretches(self._io_comm, job, deadlines=self.deadlines, timeout_s=timeout_s),
+                           spec_digest, since_full, timeout_s)
+        if not self.async_save:
+            with self.deadlines.guard("checkpoint.write", timeout_s, what=f"checkpoint.write (step {job.step})"):
+                self._finished(flight, run_stretches(flight.stretches), time.perf_counter() - t0)
+            return
+        self._flight = flight
+        self._collective_stretch(flight)
+
+    def _collective_stretch(self, flight: _InFlight, local_error: bool = False) -> None:
+        """Run the save's next collective stretch here (collective), then its local one in the background.
+
+        ``local_error``: first agree on ``flight.error``, what its last local stretch raised on some rank.
+        """
+        t = time.perf_counter()
         try:
-            if self.async_save:
-                self._thread = threading.Thread(target=self._write_in_background,
-                                                args=(job, spec_digest, since_full, t0, timeout_s, guard),
-                                                name="hpcnet-checkpoint", daemon=True)
-                self._thread.start()
-            else:
-                self._write(job, spec_digest, since_full, t0, timeout_s, guard)
+            with self.deadlines.guard("checkpoint.write", flight.timeout_s,
+                                      what=f"checkpoint.write (step {flight.job.step})"):
+                if local_error:
+                    agree_on_error(self._io_comm, flight.error)
+                marker = next(flight.stretches)
+        except StopIteration as done:
+            self._finished(flight, done.value, flight.io_s + time.perf_counter() - t)
+            return
         except BaseException:
-            self.deadlines.close(guard)
+            self._abandon(flight)
             raise
+        assert marker == LOCAL, marker
+        flight.io_s += time.perf_counter() - t
+        flight.thread = threading.Thread(target=self._local_stretch, args=(flight,), name="hpcnet-checkpoint",
+                                         daemon=True)
+        flight.thread.start()
+
+    def _local_stretch(self, flight: _InFlight) -> None:
+        """The background thread: the save's next local stretch (no MPI, no HDF5), until it wants the ranks."""
+        t = time.perf_counter()
+        try:
+            with self.deadlines.guard("checkpoint.write", flight.timeout_s,
+                                      what=f"checkpoint.write (step {flight.job.step})"):
+                marker = next(flight.stretches)
+            assert marker == COLLECTIVE, marker
+        except BaseException as exc:  # noqa: BLE001 - shared by advance() on every rank
+            flight.error = exc
+        flight.io_s += time.perf_counter() - t
+
+    def _finished(self, flight: _InFlight, result: SaveResult, io_s: float) -> None:
+        job = flight.job
+        base = result.info if job.kind == "full" else job.base
+        assert base is not None
+        self._previous = _Previous(result.info, base, flight.spec_digest, job.ownership, result.hashes,
+                                   flight.since_full)
+        self.last_timings.update(result.timings)
+        self.last_timings["bytes"] = result.bytes_written
+        self._last_save_s = io_s
+        self._flight = None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a save is being written (the same on every rank: it changes only in collective calls)."""
+        return self._flight is not None
+
+    def busy(self) -> bool:
+        """Whether this rank's background stretch of the save in flight is still running (local)."""
+        flight = self._flight
+        return flight is not None and flight.thread is not None and flight.thread.is_alive()
+
+    def advance(self) -> None:
+        """Collective: take the save in flight one collective stretch further, here; call it when no rank is
+        ``busy`` (the training loop learns that at its step boundary), or it waits for the background stretch.
+
+        A stretch's failure raises on every rank (agreed), as ``wait`` does.
+        """
+        flight = self._flight
+        if flight is None:
+            return
+        if flight.thread is not None:
+            flight.thread.join()
+            flight.thread = None
+        self._collective_stretch(flight, local_error=True)
+
+    def _abandon(self, flight: _InFlight) -> None:
+        """A save that failed (on every rank, or on this one alone): its stretches are dropped, rank 0 removes
+        its file."""
+        self._flight = None
+        with contextlib.suppress(BaseException):
+            flight.stretches.close()
+        if self.comm.Get_rank() == 0:
+            with contextlib.suppress(OSError):
+                tmp = flight.job.path.with_name(flight.job.path.name + TMP_SUFFIX)
+                tmp.unlink(missing_ok=True)
 
     def _deadline_s(self, nbytes: int = 0) -> float:
         return io_timeout_s(self.timeout_s, self._last_save_s, nbytes)
@@ -261,39 +354,15 @@ class CheckpointManager:
         host.copy_(source)
         return to_storage(host)
 
-    def _write(self, job: SaveJob, spec_digest: str, since_full: int, started: float, timeout_s: float,
-               guard: Guard | None) -> None:
-        try:
-            self._previous = None  # a failed save must not become the base of an increment
-            result = write_checkpoint(self._io_comm, job, deadlines=self.deadlines, timeout_s=timeout_s)
-            base = result.info if job.kind == "full" else job.base
-            assert base is not None
-            self._previous = _Previous(result.info, base, spec_digest, job.ownership, result.hashes, since_full)
-            self.last_timings.update(result.timings)
-            self.last_timings["bytes"] = result.bytes_written
-            self._last_save_s = time.perf_counter() - started
-        finally:
-            self.deadlines.close(guard)
-
-    def _write_in_background(self, *args: Any) -> None:
-        try:
-            self._write(*args)
-        except BaseException as exc:  # noqa: BLE001 - re-raised on every rank by wait()
-            self._error = exc
-
     def wait(self) -> None:
         """Collective: finish the save in flight; re-raise its error on every rank."""
-        if self._thread is None:
-            self._agree_on_write()
-            return
-        with self.deadlines.guard("checkpoint.wait", self._deadline_s(), what="checkpoint.wait (a background write)"):
-            self._thread.join()
-            self._thread = None
-            self._agree_on_write()
-
-    def _agree_on_write(self) -> None:
-        error, self._error = self._error, None
-        agree_on_error(self.comm, error)
+        while self._flight is not None:
+            flight = self._flight
+            if flight.thread is not None:
+                with self.deadlines.guard("checkpoint.wait", self._deadline_s(),
+                                          what="checkpoint.wait (a background write)"):
+                    flight.thread.join()
+            self.advance()
 
     # -- listing, starting and loading --
 

@@ -2,16 +2,17 @@
 
 ``SavePolicy.agree`` is the one control-plane collective of every step: the
 ranks share a stop request (a signal on any rank), a non-finite loss or
-gradient norm (``train.nonfinite``) and rank 0's clock for time-based saves in
-one small all-reduce, so every rank decides to save, and to stop, after the
-same step.  The stop and non-finite flags ride along because one all-reduce
-per step is the cost the loop pays for all three.
+gradient norm (``train.nonfinite``), rank 0's clock for time-based saves and
+whether any rank's checkpoint writer is still busy in one small all-reduce, so
+every rank decides to save, to stop, and to take a background save one
+collective stretch further, after the same step.  The other flags ride along
+because one all-reduce per step is the cost the loop pays for all of them.
 """
 
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -21,6 +22,19 @@ NONFINITE_LOSS = 1
 """``SavePolicy.agree``'s ``nonfinite`` bit: this rank's loss is NaN or infinite."""
 NONFINITE_GRAD = 2
 """``SavePolicy.agree``'s ``nonfinite`` bit: the (global) gradient norm is NaN or infinite."""
+
+
+class Boundary(NamedTuple):
+    """What the ranks agreed at a step boundary (``SavePolicy.agree``)."""
+
+    stopped_by: int
+    """The signal number any rank received, or 0."""
+    save: bool
+    """Whether to save after this step."""
+    nonfinite: int
+    """The ``NONFINITE_*`` bits of all ranks together."""
+    writing: bool
+    """Whether any rank's background checkpoint stretch is still running (``CheckpointManager.busy``)."""
 
 
 def should_save(step: int, *, every_steps: int, time_due: bool, stopping: bool, at_end: bool) -> bool:
@@ -61,23 +75,25 @@ class SavePolicy:
         """Whether ``every_s`` passed since the last save on this rank's clock."""
         return self.every_s > 0 and self.clock() - self.last_save >= self.every_s
 
-    def agree(self, comm: Any, step: int, signum: int, *, nonfinite: int = 0) -> tuple[int, bool, int]:
-        """Share this rank's flags after ``step``; return what any rank set and whether to save (collective).
+    def agree(self, comm: Any, step: int, signum: int, *, nonfinite: int = 0, writing: bool = False) -> Boundary:
+        """Share this rank's flags after ``step``; what any rank set, and whether to save (collective).
 
-        Returns:
-            (the signal number any rank received or 0, whether to save after
-            this step, the ``NONFINITE_*`` bits of all ranks together).
+        Args:
+            signum: the stop signal this rank received, or 0.
+            nonfinite: this rank's ``NONFINITE_*`` bits.
+            writing: whether this rank's checkpoint writer is still busy.
         """
         from mpi4py import MPI
 
         # Only rank 0's clock counts: ranks' clocks drift, their decisions must not.
         due = comm.Get_rank() == 0 and self.time_due()
-        flags = np.array([signum, int(due), nonfinite & NONFINITE_LOSS, nonfinite & NONFINITE_GRAD], dtype=np.int64)
+        flags = np.array([signum, int(due), nonfinite & NONFINITE_LOSS, nonfinite & NONFINITE_GRAD, int(writing)],
+                         dtype=np.int64)
         comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
         stopped_by = int(flags[0])
         save = should_save(step, every_steps=self.every_steps, time_due=bool(flags[1]), stopping=bool(stopped_by),
                            at_end=self.at_end and step == self.total_steps)
-        return stopped_by, save, int(flags[2] | flags[3])
+        return Boundary(stopped_by, save, int(flags[2] | flags[3]), bool(flags[4]))
 
     def saved(self) -> None:
         """Restart the clock: a save just finished."""

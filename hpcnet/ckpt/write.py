@@ -1,4 +1,14 @@
-"""One save on disk: the free-space check, the collective write (``hpcnet.ckpt.collective``), commit, prune.
+"""One save on disk, in stretches: collective ones (free space, the file's create, agreements, the commit's
+verdict) and local ones (hashing, writing bytes, fsync, rank 0's rename), which call neither MPI nor HDF5.
+
+``save_stretches`` is a generator that yields ``LOCAL`` before each local stretch and ``COLLECTIVE`` before
+each collective one, so whoever drives it decides which thread runs what: ``hpcnet.ckpt.manager`` runs the
+collective stretches in the training thread, at a step boundary where every rank's local stretch is done,
+and the local ones in a background thread.  A rank then never has two threads inside blocking MPI
+collectives at once: Open MPI 4.1 gives no progress guarantee between two threads' blocking collectives
+on different communicators, and a 32-rank job on 2 cores was seen to stop in exactly that state (the
+writer's first ``Allgather`` on every rank, rank 0's training thread in a ``Bcast`` it was the root of).
+``write_checkpoint`` runs every stretch in the calling thread.
 
 A checkpoint is written as ``ckpt-<step>.h5.tmp`` and committed by a rename
 on rank 0 once every rank's write succeeded; every error is shared
@@ -12,7 +22,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from hpcnet.agree import agree_on_error
-from hpcnet.ckpt.collective import changed_blocks, local_counts, write_file
+from hpcnet.ckpt.collective import (FileLayout, gather_tables, changed_blocks, create_file, local_counts,
+                                    rank_table, table_sizes, write_local, write_tables)
 from hpcnet.ckpt.format import (FORMAT, FORMAT_VERSION, HASH_NAME, CheckpointInfo, Ownership, TensorSpec,
                                 plan_retention, sha256_hex)
 from hpcnet.layout import TMP_SUFFIX, checkpoint_name
@@ -112,45 +123,119 @@ def _write_error(tmp: Path, errors: list[BaseException]) -> OSError | None:
     return os_error(errno_of(first), f"writing checkpoint {str(tmp)!r} failed: {error_text(first)}")
 
 
+LOCAL = "local"
+"""``save_stretches`` yields it before a stretch that calls neither MPI nor HDF5 (any thread may run it)."""
+COLLECTIVE = "collective"
+"""``save_stretches`` yields it before a stretch of collective calls (every rank runs it, in one thread)."""
+
+
 def write_checkpoint(comm: Any, job: SaveJob, *, deadlines: Any = NULL_DEADLINES, timeout_s: float = 0.0
                      ) -> SaveResult:
-    """Collective over ``comm``: hash, write, fsync, commit and prune one checkpoint.
+    """Collective over ``comm``: hash, write, fsync, commit and prune one checkpoint, in this thread.
 
     Any failure raises on every rank (agreed), and the temporary file is removed.
+    """
+    return run_stretches(save_stretches(comm, job, deadlines=deadlines, timeout_s=timeout_s))
+
+
+def run_stretches(stretches: Generator[str, None, SaveResult]) -> SaveResult:
+    """Every stretch of ``save_stretches`` in the calling thread; its result."""
+    try:
+        while True:
+            next(stretches)
+    except StopIteration as done:
+        return done.value
+
+
+def save_stretches(comm: Any, job: SaveJob, *, deadlines: Any = NULL_DEADLINES, timeout_s: float = 0.0
+                   ) -> Generator[str, None, SaveResult]:
+    """One save as alternating stretches (see the module's docstring); returns its ``SaveResult``.
+
+    The first stretch, before the first ``yield``, is collective.  A local stretch never raises for an I/O
+    error: errors are noted and the next collective stretch shares them, so a save fails on every rank alike
+    (and rank 0 removes the temporary file).
 
     Args:
         deadlines: where the collective create is guarded (``hpcnet.fault.watchdog``), with ``timeout_s``.
     """
     rank, size = comm.Get_rank(), comm.Get_size()
-    t0 = time.perf_counter()
+    tmp = job.path.with_name(job.path.name + TMP_SUFFIX)
+    timings: dict[str, float] = {}
+    errors: list[BaseException] = []
     hashes: dict[int, np.ndarray] = {}
     changed: dict[int, np.ndarray] = {}
     if job.kind == "incremental":  # what to write depends on the hashes; a full checkpoint hashes while writing
-        hashes, changed = changed_blocks(comm, job)
+        yield LOCAL
+        t = time.perf_counter()
+        hashes, changed = changed_blocks(job, errors)
+        timings["hash_s"] = time.perf_counter() - t
+        yield COLLECTIVE
+        agree_on_error(comm, errors[0] if errors else None)
+    t = time.perf_counter()
     counts = np.empty((size, len(job.specs), 2), dtype=np.int64)
     comm.Allgather(local_counts(job, rank, changed), counts)
     index_bytes = _index_bytes(job.specs, counts)
     attrs = _root_attrs(job, size, index_bytes)
-    tmp = job.path.with_name(job.path.name + TMP_SUFFIX)
-    data_bytes = sum(int(counts[:, i, 1].sum()) * s.row_bytes for i, s in enumerate(job.specs))
-    _create_plain(comm, job, tmp, data_bytes + len(job.meta_bytes) + len(index_bytes) + (1 << 20))
-    t1 = time.perf_counter()
-    written, errors, hashes, file_timings = write_file(comm, job, tmp, counts, index_bytes, attrs, hashes, changed,
-                                                       deadlines, timeout_s)
+    rank_row, rank_hashes = rank_table(comm, job)
+    _create_plain(comm, job, tmp, _file_bytes(job, size, counts, index_bytes, len(rank_row)))
+    layout = create_file(comm, job, tmp, counts, index_bytes, attrs, changed, rank_row, errors, deadlines, timeout_s)
+    layout.rank_hashes = rank_hashes
+    timings["create_s"] = time.perf_counter() - t
+    yield LOCAL
+    written, written_hashes = write_local(job, rank, tmp, layout, counts, changed, errors, timings)
+    if job.kind == "full":
+        hashes = written_hashes
+    yield COLLECTIVE
+    t = time.perf_counter()
     try:
         agree_on_error(comm, _write_error(tmp, errors))
     except BaseException:
         if rank == 0:
             tmp.unlink(missing_ok=True)
         raise
-    t2 = time.perf_counter()
-    _commit(comm, job, tmp)
+    all_hashes, all_blocks = gather_tables(comm, job, counts, hashes, changed)
+    written = comm.allreduce(written + layout.written)
+    timings["gather_s"] = time.perf_counter() - t
+    yield LOCAL
+    t = time.perf_counter()
+    error = _finish_file(job, tmp, layout, index_bytes, all_hashes, all_blocks) if rank == 0 else None
+    timings["commit_s"] = time.perf_counter() - t
+    yield COLLECTIVE
+    agree_on_error(comm, error)
     info = CheckpointInfo(step=job.step, path=str(job.path), kind=job.kind, uid=job.uid,
                           base=attrs["base"] or None, parent=attrs["parent"] or None, base_uid=attrs["base_uid"],
                           parent_uid=attrs["parent_uid"], world_size=size, seq=job.seq,
                           created_unix=job.created_unix)
-    timings = {"prepare_s": t1 - t0, "write_s": t2 - t1, "commit_s": time.perf_counter() - t2, **file_timings}
-    return SaveResult(info, hashes, timings, comm.allreduce(written))
+    return SaveResult(info, hashes, timings, written)
+
+
+def _file_bytes(job: SaveJob, size: int, counts: np.ndarray, index_bytes: bytes, rank_width: int) -> int:
+    """Every byte the file will hold: each tensor's data, each table, ``/rank_state``, and 1 MiB of HDF5's."""
+    data = sum(int(counts[:, i, 1].sum()) * s.row_bytes for i, s in enumerate(job.specs))
+    tables = sum(np.dtype(dtype).itemsize * n for dtype, n in table_sizes(job, size, counts, index_bytes).values())
+    return data + tables + size * rank_width + (1 << 20)
+
+
+def _finish_file(job: SaveJob, tmp: Path, layout: FileLayout, index_bytes: bytes, all_hashes: np.ndarray | None,
+                 all_blocks: np.ndarray | None) -> OSError | None:
+    """Rank 0, local: the tables written and fsync'd, then the commit (rename, ``latest``, prune); the error, if
+    any (and then ``tmp`` is removed)."""
+    try:
+        write_tables(tmp, layout, {"meta": np.frombuffer(job.meta_bytes, np.uint8),
+                                   "index": np.frombuffer(index_bytes, np.uint8), "hashes": all_hashes,
+                                   "rank_state_hashes": np.array(layout.rank_hashes, dtype="<u8"),
+                                   "blocks": all_blocks})
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        return os_error(errno_of(exc), f"writing checkpoint {str(tmp)!r} failed: {error_text(exc)}")
+    try:
+        os.replace(tmp, job.path)
+        fsync_path(job.directory)
+        write_latest(job.directory, job.path.name)
+    except OSError as exc:
+        return os_error(errno_of(exc), f"committing checkpoint {str(job.path)!r} failed: {error_text(exc)}")
+    prune(job.directory, job.keep)
+    return None
 
 
 def _index_bytes(specs: list[TensorSpec], counts: np.ndarray) -> bytes:
@@ -187,21 +272,6 @@ def _create_plain(comm: Any, job: SaveJob, tmp: Path, needed: int) -> None:
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
         except OSError as exc:
             error = os_error(errno_of(exc), f"cannot create checkpoint file {str(tmp)!r}: {error_text(exc)}")
-    agree_on_error(comm, error)
-
-
-def _commit(comm: Any, job: SaveJob, tmp: Path) -> None:
-    """Collective: rank 0 renames ``tmp`` to its committed name, points ``latest`` at it and prunes."""
-    error: BaseException | None = None
-    if comm.Get_rank() == 0:
-        try:
-            os.replace(tmp, job.path)
-            fsync_path(job.directory)
-            write_latest(job.directory, job.path.name)
-        except OSError as exc:
-            error = os_error(errno_of(exc), f"committing checkpoint {str(job.path)!r} failed: {error_text(exc)}")
-        else:
-            prune(job.directory, job.keep)
     agree_on_error(comm, error)
 
 

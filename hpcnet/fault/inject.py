@@ -35,11 +35,11 @@ The training loop calls three hooks, each one line:
   not worth restarting (status 2): the next attempt would fail at its first
   save, after recomputing everything since the last checkpoint; EIO is (75).
   With ``slow_save_s`` (every save) or ``stuck_save_at_step`` the chosen
-  rank's writer sleeps, or blocks for good with the GIL released (as a write
+  rank's save sleeps, or blocks for good with the GIL released (as a write
   or fsync to a stuck file system does: every monitor still runs and reports
-  the checkpoint deadline), where the writers meet before the collective
+  the checkpoint deadline), where the ranks meet before the collective
   file create (phase ``arrive``): a slow peer, which must not be a failure,
-  or a stuck one.  With ``stuck_fs_at_step`` every rank's writer blocks for
+  or a stuck one.  With ``stuck_fs_at_step`` every rank's save blocks for
   good inside the create (``create``), holding the GIL in a C call as h5py
   does on a stuck file system: no Python runs anywhere, and only the native
   watchdog (``hpcnet.fault.native``) can end the job.
@@ -138,11 +138,11 @@ class FaultInjector:
         if c.write_error:
             parts.append(f"{who}'s checkpoint writes from step {c.write_error_at_step} on fail with {c.write_error}")
         if c.slow_save_s:
-            parts.append(f"{who}'s checkpoint writer sleeps {c.slow_save_s:g} s before every collective create")
+            parts.append(f"{who}'s checkpoint save sleeps {c.slow_save_s:g} s before every collective create")
         if c.stuck_save_at_step:
-            parts.append(f"{who}'s checkpoint writer blocks for good in the save of step {c.stuck_save_at_step}")
+            parts.append(f"{who}'s checkpoint save blocks for good in the save of step {c.stuck_save_at_step}")
         if c.stuck_fs_at_step:
-            parts.append(f"every rank's checkpoint writer blocks for good, holding the GIL, in the collective "
+            parts.append(f"every rank's checkpoint save blocks for good, holding the GIL, in the collective "
                          f"create of step {c.stuck_fs_at_step} (a stuck file system)")
         return "; ".join(parts)
 
@@ -199,14 +199,14 @@ class FaultInjector:
             code = getattr(errno, c.write_error)
             raise OSError(code, f"{os.strerror(code)} (injected: fault.write_error={c.write_error})")
         if phase == "arrive" and self.mine and c.slow_save_s:
-            log.warning("fault injection: rank %d's checkpoint writer sleeps %g s (step %d)", self.rank,
+            log.warning("fault injection: rank %d's checkpoint save sleeps %g s (step %d)", self.rank,
                         c.slow_save_s, step)
             time.sleep(c.slow_save_s)
         if phase == "arrive" and self.mine and step == c.stuck_save_at_step:
-            log.error("fault injection: rank %d's checkpoint writer blocks for good (step %d)", self.rank, step)
+            log.error("fault injection: rank %d's checkpoint save blocks for good (step %d)", self.rank, step)
             threading.Event().wait()
         if phase == "create" and step == c.stuck_fs_at_step:
-            log.error("fault injection: rank %d's checkpoint writer blocks for good in the create, holding the GIL "
+            log.error("fault injection: rank %d's checkpoint save blocks for good in the create, holding the GIL "
                       "(step %d)", self.rank, step)
             block_holding_the_gil()
 

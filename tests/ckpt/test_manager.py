@@ -184,6 +184,71 @@ def test_async_save_equals_sync_while_other_threads_use_hdf5_and_mpi(comm, mpi_t
     assert a.rank_state == b.rank_state == {"r": comm.Get_rank()}
 
 
+_COLLECTIVES = ("Allgather", "allgather", "Allreduce", "allreduce", "Bcast", "bcast", "Gatherv", "gather",
+                "Barrier", "Ibarrier", "alltoall", "Dup", "Free", "Split_type")
+
+
+class _ThreadRecordingComm(MPI.Intracomm):
+    """The communicator a manager gets: notes every MPI call made by a thread other than the main one.
+    ``Dup`` keeps the class, so the manager's own communicator (and h5py's) records too."""
+
+    calls: list = []
+
+
+def _recording(name):
+    def call(self, *args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            _ThreadRecordingComm.calls.append((threading.current_thread().name, name))
+        return getattr(MPI.Intracomm, name)(self, *args, **kwargs)
+    return call
+
+
+for _name in _COLLECTIVES:
+    setattr(_ThreadRecordingComm, _name, _recording(_name))
+
+
+@pytest.mark.mpi
+def test_a_background_save_leaves_mpi_and_hdf5_to_the_training_thread(comm, mpi_tmp_path):
+    """Issue 27 item 12: a rank with two threads inside blocking collectives (the writer's, the training
+    loop's) stopped progressing in Open MPI 4.1.  The writer thread now makes no MPI call and opens no parallel
+    HDF5 file:
+    its collective stretches run in the training thread, at a boundary that every rank's writer has reached."""
+    directory = fresh_dir(comm, mpi_tmp_path / "one-thread")
+    recording = _ThreadRecordingComm(comm)
+    _ThreadRecordingComm.calls = []
+    h5py_calls = []
+
+    def profile(frame, event, arg):  # a parallel HDF5 file opened (rank 0's pruning reads attributes serially)
+        if event == "call" and threading.current_thread() is not threading.main_thread() \
+                and frame.f_code.co_filename.endswith(f"h5py{os.sep}_hl{os.sep}files.py") \
+                and frame.f_code.co_name == "__init__" and frame.f_locals.get("driver") == "mpio":
+            h5py_calls.append((threading.current_thread().name, frame.f_code.co_name))
+
+    torch.manual_seed(0)
+    tensors = {"model/big": torch.randn(1536, 512), "model/small": torch.randn(10), "optim/0/step": torch.tensor(5.0)}
+    saved = {}
+    threading.setprofile(profile)  # the threads started from here on: the writer's and its I/O pool's
+    try:
+        with CheckpointManager(recording, directory, full_every=2, async_save=True) as manager:
+            for step in range(1, 5):  # full, incremental, full, incremental
+                tensors["model/big"][step] += 1
+                manager.save(step, tensors, {"k": step}, {"r": comm.Get_rank()})
+                saved[step] = {k: v.clone() for k, v in tensors.items()}
+                for _ in range(50):  # the training loop's own collectives, and its step boundaries
+                    recording.Bcast(np.zeros(4096, np.uint8), root=0)
+                    busy = recording.allreduce(int(manager.busy()), op=MPI.MAX)
+                    if manager.in_flight and not busy:
+                        manager.advance()
+            manager.wait()
+            loaded = {step: manager.load(str(directory / f"ckpt-{step:010d}.h5")) for step in (3, 4)}
+    finally:
+        threading.setprofile(None)
+    assert _ThreadRecordingComm.calls == [] and h5py_calls == []
+    for step in (3, 4):
+        assert_same_tensors(saved[step], loaded[step].tensors)
+        assert loaded[step].rank_state == {"r": comm.Get_rank()}
+
+
 @pytest.mark.mpi
 def test_a_fresh_run_into_a_used_directory_is_refused_or_moves_the_old_run_aside(comm, mpi_tmp_path):
     directory = fresh_dir(comm, mpi_tmp_path / "used")

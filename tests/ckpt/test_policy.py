@@ -51,16 +51,18 @@ def test_every_rank_decides_alike_on_rank_0s_clock(comm):
     rank, size = comm.Get_rank(), comm.Get_size()
     clock = FakeClock()
     policy = SavePolicy(every_steps=5, every_s=60.0, at_end=True, total_steps=20, clock=clock)
-    assert policy.agree(comm, 1, 0) == (0, False, 0)
-    assert policy.agree(comm, 5, 0) == (0, True, 0)  # every_steps
-    assert policy.agree(comm, 20, 0) == (0, True, 0)  # at the end
+    assert policy.agree(comm, 1, 0)[:3] == (0, False, 0)
+    assert policy.agree(comm, 5, 0)[:3] == (0, True, 0)  # every_steps
+    assert policy.agree(comm, 20, 0)[:3] == (0, True, 0)  # at the end
     clock.now += 0 if rank == 0 else 1000  # only rank 0's clock counts
-    assert policy.agree(comm, 6, 0) == (0, False, 0)
+    assert policy.agree(comm, 6, 0)[:3] == (0, False, 0)
     clock.now += 60 if rank == 0 else 0
-    assert policy.agree(comm, 6, 0) == (0, True, 0)
+    assert policy.agree(comm, 6, 0)[:3] == (0, True, 0)
     policy.saved()
     signum = 15 if rank == size - 1 else 0  # a stop on one rank is a stop, and a save, on all
-    assert policy.agree(comm, 7, signum) == (15, True, 0)
+    assert policy.agree(comm, 7, signum)[:3] == (15, True, 0)
     bits = NONFINITE_LOSS if rank == 0 else 0
     bits |= NONFINITE_GRAD if rank == size - 1 else 0
-    assert policy.agree(comm, 8, 0, nonfinite=bits) == (0, False, NONFINITE_LOSS | NONFINITE_GRAD)
+    assert policy.agree(comm, 8, 0, nonfinite=bits)[:3] == (0, False, NONFINITE_LOSS | NONFINITE_GRAD)
+    assert policy.agree(comm, 9, 0).writing is False
+    assert policy.agree(comm, 9, 0, writing=rank == size - 1).writing is True  # one busy writer holds every rank
