@@ -57,7 +57,8 @@ def exchange(comm: Any, outgoing: list[dict[Hashable, dict[str, Any]]]) -> dict[
             described[key] = {}
             for name, value in values.items():
                 if isinstance(value, torch.Tensor):
-                    data = value.detach().cpu().resolve_conj().resolve_neg().contiguous()  # a CPU tensor: its own memory
+                    # A contiguous CPU tensor goes from its own memory; others are copied (to the host) first.
+                    data = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
                     described[key][name] = _Bytes(str(data.dtype).removeprefix("torch."), tuple(data.shape))
                     sends.append((dest, data))
                 else:
