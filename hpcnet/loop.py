@@ -170,6 +170,9 @@ class Progress:
     skipped_steps: int = 0
     stopped_by: int = 0
     diverged: str = ""
+    shares: list[float] | None = None
+    """data.balance: each rank's fraction of the global batch in the last step computed; a re-split after it
+    changes the balancer's, not these, so the step's loss is weighted as it was computed."""
 
     def __post_init__(self) -> None:
         self.t_last, self.last_step = self.t_loop, self.step
@@ -218,7 +221,7 @@ class Loop:
             self.tracer.close(p.step)
         self.clock.end()
         if loss is not None and p.step % self.cfg.run.log_every and p.step != self.total:  # stopped between logs
-            p.loss_value = self._gather_log(loss.item(), [])[0]
+            p.loss_value = self._gather_log(loss.item(), p.shares, [])[0]
         self.dp.sync_buffers()
         step_stats = self._step_stats()
         elapsed = time.perf_counter() - p.t_loop
@@ -250,6 +253,7 @@ class Loop:
         self.clock.mark("optimizer")
         p.step += 1
         if self.balancer is not None:
+            p.shares = self.balancer.shares
             self.balancer.after_step(p.step)  # data.balance=auto: every data.balance_every steps, collective
         self.dp.after_step(p.step)  # dist.replan_every with dist.zero > 0: every that many steps, collective
         self.monitor.step(p.step)  # heartbeats carry it; step times set the stall timeout; memory samples
@@ -261,16 +265,15 @@ class Loop:
                             p.step, p.skipped_steps)
         return loss, nonfinite
 
-    def _gather_log(self, local_loss: float, step_s: list[float], comm_s: float = 0.0
+    def _gather_log(self, local_loss: float, shares: list[float] | None, step_s: list[float], comm_s: float = 0.0
                     ) -> tuple[float, list[tuple[float, float, float]]]:
-        """The global loss, and every rank's (loss, median step seconds, exposed-communication share) of the
-        interval (collective)."""
+        """The global loss of a step computed with batch ``shares`` (None: equal), and every rank's (loss, median
+        step seconds, exposed-communication share) of the interval (collective)."""
         median = statistics.median(step_s) if step_s else 0.0
         with self.monitor.collective("loss.allreduce"):
             every = self.comm.allgather((local_loss, median, comm_s / sum(step_s) if step_s else 0.0))
-        if self.balancer is not None and self.balancer.unequal:
+        if shares is not None and len(set(shares)) > 1:
             # Slices of unequal size: each rank's mean counts by its share of the global batch.
-            shares = self.balancer.shares
             return math.fsum(loss * share for (loss, _, _), share in zip(every, shares)), every
         return math.fsum(loss for loss, _, _ in every) / self.world.size, every
 
@@ -280,7 +283,7 @@ class Loop:
         self.clock.split()  # the interval's steps end here; what follows is the next step's
         step_s, phases = self.clock.take_interval()
         local_loss = loss.item()
-        p.loss_value, every = self._gather_log(local_loss, step_s, phases["comm"])
+        p.loss_value, every = self._gather_log(local_loss, p.shares, step_s, phases["comm"])
         self.clock.mark("comm")
         now = time.perf_counter()
         rate = (p.step - p.last_step) * self.global_batch / max(now - p.t_last, 1e-9)

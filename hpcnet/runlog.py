@@ -2,10 +2,20 @@
 
 Rank 0 talks to the console; every rank logs to ``rank<r>.log`` in the run
 directory; metrics go to ``metrics.rank<r>.jsonl``, one JSON object a line.
+
+The files that describe a run (metrics, ``plan.json``, ``trace.json``,
+``topology.json``, ``summary.json``) are best effort (``OptionalFile``,
+``MetricsWriter``): where one cannot be written (a full disk, a quota, no
+permission, a directory in the way) the rank that writes it logs one warning
+naming the file and the error and trains on.  Only that rank writes it and
+nothing waits for it, so a failure stays local and needs no agreement; the
+checkpoints, which the run cannot do without, are not held up by it.
 """
 
+import contextlib
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -16,6 +26,7 @@ from hpcnet.agree import agree_on_error
 from hpcnet.layout import rank_log, run_dir_path
 
 _FORMAT = "%(asctime)s rank %(rank)s %(levelname)s %(name)s: %(message)s"
+log = logging.getLogger(__name__)
 
 
 def make_run_dir(comm: Any, parent: str, name: str, *, exact: bool = False) -> Path:
@@ -95,22 +106,91 @@ def close_logging() -> None:
         handler.close()
 
 
+def _warn_unwritten(path: Path, error: OSError) -> None:
+    log.warning("cannot write %s: %s; training goes on without it (no further warning for this file)", path,
+                error.strerror or error)
+
+
+class OptionalFile:
+    """A file of the run directory that training can do without, written whole: through ``<name>.tmp`` and a
+    rename, so a reader never sees half of it.  A write that fails logs one warning (the first) and returns False.
+
+    Args:
+        path: where the file goes.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.warned = False
+
+    def write_text(self, text: str) -> bool:
+        """Replace the file with ``text``; whether it was written."""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            tmp.write_text(text)
+            tmp.replace(self.path)
+            return True
+        except OSError as exc:
+            with contextlib.suppress(OSError):  # a half-written temporary file; a directory in the way stays
+                tmp.unlink(missing_ok=True)
+            if not self.warned:
+                self.warned = True
+                _warn_unwritten(self.path, exc)
+            return False
+
+
 class MetricsWriter:
-    """Append metrics as JSON lines; a writer for a rank that does not write is a no-op."""
+    """Append metrics as JSON lines; a writer for a rank that does not write is a no-op.
+
+    Best effort: a line that cannot be written is dropped, with one warning for the file (the first failure),
+    and any part of it that reached the file is cut off again, so the file stays whole lines; each later line is
+    tried again (a full disk may be freed).
+    """
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
-        self._file = open(path, "a", buffering=1) if path is not None else None
+        self._fd: int | None = None
+        self.warned = False
+        if path is not None:
+            self._open()
+
+    def _open(self) -> None:
+        assert self.path is not None
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:
+            self._failed(exc)
+
+    def _failed(self, error: OSError) -> None:
+        if not self.warned and self.path is not None:
+            self.warned = True
+            _warn_unwritten(self.path, error)
 
     def write(self, **record: Any) -> None:
-        if self._file is not None:
-            record.setdefault("time", round(time.time(), 3))
-            self._file.write(json.dumps(record) + "\n")
+        if self.path is None:
+            return
+        if self._fd is None:
+            self._open()
+            if self._fd is None:
+                return
+        record.setdefault("time", round(time.time(), 3))
+        line = memoryview((json.dumps(record) + "\n").encode())
+        size = None
+        try:
+            size = os.fstat(self._fd).st_size
+            while line:  # a short write (the disk filling up) leaves the rest to write
+                line = line[os.write(self._fd, line):]
+        except OSError as exc:
+            if size is not None:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, size)
+            self._failed(exc)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
 
 
 def format_duration(seconds: float) -> str:

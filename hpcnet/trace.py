@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from hpcnet.layout import TRACE_FILE
+from hpcnet.runlog import OptionalFile
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +221,8 @@ class StepTracer:
 
     # -- merging -----------------------------------------------------------------------------
     def finish(self, last_step: int) -> None:
-        """Gather every rank's events and write ``trace.json`` on rank 0 (collective)."""
+        """Gather every rank's events and write ``trace.json`` on rank 0 (collective; best effort, the write: a
+        failure is a warning on rank 0, which trains on with the others)."""
         self.active, self.done = False, True
         self.clock.tracing = False
         events = self._local_events(last_step) + self._profiler_events()
@@ -246,9 +248,8 @@ class StepTracer:
                                  "clock_error_us": [round(e * 1e6, 3) for _, _, e, _ in every],
                                  "clock": "perf_counter of rank 0, in microseconds"}}
         path = self.run_dir / TRACE_FILE
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(payload))
-        tmp.replace(path)
+        if not OptionalFile(path).write_text(json.dumps(payload)):  # warned; the run goes on without it
+            return
         log.info("trace of steps %d-%d written to %s (%d events from %d ranks; clocks aligned to within %.0f us)",
                  self.start, min(self.end, last_step), path, len(merged), len(every),
                  1e6 * max(e for _, _, e, _ in every))

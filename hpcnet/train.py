@@ -49,7 +49,7 @@ from hpcnet.layout import CONFIG_FILE, SUMMARY_FILE, checkpoint_dir, metrics_fil
 from hpcnet.loop import Loop
 from hpcnet.models import build_model, count_parameters
 from hpcnet.optim import build_optimizer
-from hpcnet.runlog import MetricsWriter, close_logging, format_duration, make_run_dir, setup_logging
+from hpcnet.runlog import MetricsWriter, OptionalFile, close_logging, format_duration, make_run_dir, setup_logging
 from hpcnet.trace import StepTracer, parse_steps
 
 log = logging.getLogger("hpcnet.train")
@@ -170,7 +170,7 @@ def _probe(cfg: Config, comm: Any, world: World, device: torch.device, run_dir: 
     topology = probe(comm, world, budget_s=2.0)
     advice = recommend(topology)
     if world.is_main:
-        topology.write(run_dir / "topology.json")
+        OptionalFile(run_dir / "topology.json").write_text(topology.to_json() + "\n")
         log.info("%s", topology.summary())
     if not interface and world.num_nodes > 1 and advice["nccl_socket_ifname"]:
         interface = advice["nccl_socket_ifname"]
@@ -263,7 +263,7 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any
 
 
 def _finish(result: TrainResult, world: World, run_dir: Path) -> None:
-    """The exit status, ``summary.json`` and the last line."""
+    """The exit status, ``summary.json`` (best effort: the checkpoints are committed by now) and the last line."""
     summary = result.summary
     if summary.get("diverged"):
         result.exit_code = ExitCode.DIVERGED  # before a signal: a restart would diverge again
@@ -271,7 +271,7 @@ def _finish(result: TrainResult, world: World, run_dir: Path) -> None:
         result.exit_code = (ExitCode.INTERRUPTED if summary["stopped_by_signal"] == signal.SIGINT
                             else ExitCode.PREEMPTED)
     if world.is_main:
-        (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        OptionalFile(run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
         if summary["steps"] > summary["start_step"]:
             log.info("%s: %d steps in %s, final loss %.4f%s", "stopped" if summary.get("diverged") else "done",
                      summary["steps"], format_duration(summary["wall_s"]), summary["final_loss"],

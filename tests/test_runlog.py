@@ -1,13 +1,16 @@
 """hpcnet.runlog: the run directory, each rank's log, metrics lines."""
 
+import errno
 import io
 import json
 import logging
+import os
 
 import pytest
 
+from hpcnet import runlog
 from hpcnet.errors import UsageError
-from hpcnet.runlog import MetricsWriter, close_logging, format_duration, make_run_dir, setup_logging
+from hpcnet.runlog import MetricsWriter, OptionalFile, close_logging, format_duration, make_run_dir, setup_logging
 
 
 @pytest.mark.mpi
@@ -67,6 +70,90 @@ def test_metrics_are_json_lines_and_a_writer_without_a_path_writes_nothing(tmp_p
     silent.write(step=1)
     silent.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.rank0.jsonl"]
+
+
+def _unwritten(caplog, path):
+    return [r for r in caplog.records if r.levelno == logging.WARNING and f"cannot write {path}" in r.getMessage()]
+
+
+def test_a_full_disk_under_the_metrics_drops_lines_with_one_warning_and_leaves_whole_lines(tmp_path, caplog,
+                                                                                          monkeypatch):
+    full = tmp_path / "metrics.rank0.jsonl"
+    full.symlink_to("/dev/full")  # every write: ENOSPC
+    writer = MetricsWriter(full)
+    with caplog.at_level(logging.WARNING, logger="hpcnet"):
+        for step in range(3):
+            writer.write(step=step, loss=1.0)
+    writer.close()
+    (warning,) = _unwritten(caplog, full)
+    assert "No space left on device" in warning.getMessage()
+    # A disk that fills in the middle of a line: the part written is cut off; the next line is tried again.
+    path = tmp_path / "metrics.rank1.jsonl"
+    writer = MetricsWriter(path)
+    writer.write(step=1)
+    real_write, calls = os.write, []
+
+    def short_then_full(fd, data):
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real_write(fd, bytes(data[:5]))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(runlog.os, "write", short_then_full)
+    with caplog.at_level(logging.WARNING, logger="hpcnet"):
+        writer.write(step=2)
+    monkeypatch.setattr(runlog.os, "write", real_write)
+    writer.write(step=3)
+    writer.close()
+    assert calls[1] == calls[0] - 5 and len(_unwritten(caplog, path)) == 1
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 3]
+
+
+def test_an_optional_file_in_the_way_is_one_warning_and_written_once_the_way_is_clear(tmp_path, caplog):
+    path = tmp_path / "plan.json"
+    (tmp_path / "plan.json.tmp").mkdir()  # a directory where the temporary file goes
+    optional = OptionalFile(path)
+    with caplog.at_level(logging.WARNING, logger="hpcnet"):
+        assert not optional.write_text("1\n") and not optional.write_text("2\n")
+    assert len(_unwritten(caplog, path)) == 1 and not path.exists()
+    (tmp_path / "plan.json.tmp").rmdir()
+    assert optional.write_text("3\n") and path.read_text() == "3\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
+# What stands in the way of each file that describes a run, and the options that make the run write it.
+BLOCKED = {
+    "trace": ("trace.json.tmp", "directory", ["train.trace_steps=9:10"]),  # merged right after step 10's save
+    "plan": ("plan.json", "directory", ["dist.zero=1"]),
+    "metrics": ("metrics.rank0.jsonl", "full disk", []),
+    "topology": ("topology.json", "directory", ["dist.probe=true"]),
+    "summary": ("summary.json", "directory", []),
+}
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("name", sorted(BLOCKED))
+def test_a_descriptive_file_that_cannot_be_written_is_a_warning_not_a_failure(launch, tmp_path, name):
+    """mpirun -np 2: the run trains to the end with status 0, rank 0 warns once naming the file, and every
+    checkpoint is committed."""
+    blocked, how, extra = BLOCKED[name]
+    run_dir, ckpt_dir = tmp_path / "run", tmp_path / "ckpt"
+    run_dir.mkdir()
+    if how == "directory":
+        (run_dir / blocked).mkdir()
+    else:
+        (run_dir / blocked).symlink_to("/dev/full")  # every write: ENOSPC
+    out = launch(2, f"data.dir={tmp_path / 'data'}", f"run.dir={run_dir}", "run.dir_exact=true",
+                 f"checkpoint.dir={ckpt_dir}", "train.steps=12", "checkpoint.every_steps=5", "run.log_every=1",
+                 "train.eval_every=0", "model.name=mlp", "train.batch_size=16", *extra, timeout=240)
+    assert out.returncode == 0, out.stderr[-4000:]
+    target = run_dir / blocked.removesuffix(".tmp")
+    warnings = [line for line in (run_dir / "rank0.log").read_text().splitlines() if "cannot write" in line]
+    assert len(warnings) == 1 and f"cannot write {target}" in warnings[0], warnings
+    assert f"cannot write {target}" in out.stderr
+    assert sorted(p.name for p in ckpt_dir.iterdir() if p.name.startswith("ckpt-")) == [
+        "ckpt-0000000005.h5", "ckpt-0000000010.h5", "ckpt-0000000012.h5"]
+    assert (ckpt_dir / "latest").read_text().strip() == "ckpt-0000000012.h5"
 
 
 def test_durations_read_as_hours_minutes_seconds():

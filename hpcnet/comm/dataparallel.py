@@ -22,6 +22,7 @@ from hpcnet.comm.reducer import Reducer, broadcast_buffers, broadcast_module
 from hpcnet.comm.zero import (DEFAULT_LINK, UPDATE_S_PER_BYTE, ShardedOptimizer, ShardLayout, measure_speed,
                               norm_order, plan_shards, split_units, unit_grad_norm)
 from hpcnet.layout import PLAN_FILE
+from hpcnet.runlog import OptionalFile
 from hpcnet.phases import PhaseClock
 from hpcnet.config import DistConfig
 from hpcnet.errors import RestartableError, UsageError
@@ -107,7 +108,7 @@ class DataParallel:
         self._norm_units = units if any(not u.whole for u in units) else None
         self._norm_order = norm_order(self.params)
         self.optimizer: ShardedOptimizer | None = None
-        self._run_dir: Path | None = None
+        self._plan_file: OptionalFile | None = None
         self._replanning = False
         self.replans = 0
         self.reducer = Reducer(
@@ -162,7 +163,7 @@ class DataParallel:
         assert self.shards is not None and self.layout is not None
         self.optimizer = ShardedOptimizer(optimizer, self.shards, self.layout, self.comm, self.cfg.zero)
         self.optimizer.clock = self.clock
-        self._run_dir = run_dir
+        self._plan_file = OptionalFile(run_dir / PLAN_FILE) if run_dir is not None and self.world.is_main else None
         self._replanning = self.cfg.plan == "auto" and self.cfg.replan_every > 0 and self.world.size > 1
         if self.world.is_main:
             log.info("%s", self.describe_shards())
@@ -170,8 +171,9 @@ class DataParallel:
         return self.optimizer
 
     def _write_plan(self) -> None:
-        if self.world.is_main and self._run_dir is not None:
-            (self._run_dir / PLAN_FILE).write_text(json.dumps(self.plan_record(), indent=1) + "\n")
+        """Rank 0 (re)writes plan.json; best effort (``OptionalFile``): the other ranks do not wait for it."""
+        if self._plan_file is not None:
+            self._plan_file.write_text(json.dumps(self.plan_record(), indent=1) + "\n")
 
     def after_step(self, step: int) -> None:
         """Called by every rank after each optimizer step: every ``dist.replan_every`` steps, with

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from hpcnet.comm.costmodel import LinkCost, ShardPlan, assign_shards, measured_speeds
+from hpcnet.comm.exchange import exchange, pieces
 from hpcnet.comm.reducer import _dense
 
 UPDATE_S_PER_BYTE = 1.0 / 2e9
@@ -120,8 +121,6 @@ class ShardLayout:
         return names[u.param] if u.whole else f"{names[u.param]}[{u.lo}:{u.hi}]"
 
 
-
-
 def measure_speed(rounds: int = SPEED_PROBE_ROUNDS, size: int = 192, device: torch.device | None = None) -> float:
     """Seconds for one ``size``-square float32 matmul on ``device`` (default this rank's CPU), median of
     ``rounds`` (about 10 ms on a CPU; on a GPU each timed matmul is synchronised, so call it at a boundary)."""
@@ -164,8 +163,9 @@ class ParamGather:
     """Give every rank every parameter after each owner updated its own (collective).
 
     CPU parameters: one ``MPI_Bcast`` per owner rank of an MPI datatype that lists that rank's parameters at
-    their own addresses (``hindexed`` from ``MPI_BOTTOM``), so nothing is staged through a buffer of the
-    parameters' size: a full-size staging buffer would cost as much memory as the optimizer state stage 1 saves.
+    their own addresses (``hindexed`` from ``MPI_BOTTOM``, a parameter of 2 GiB or more in blocks below MPI's
+    int limit), so nothing is staged through a buffer of the parameters' size: a full-size staging buffer would
+    cost as much memory as the optimizer state stage 1 saves.
     CUDA parameters: ``torch.distributed.broadcast`` of each from its owner (NCCL, in stream order).
     """
 
@@ -184,8 +184,9 @@ class ParamGather:
             for p in mine:
                 if not p.is_contiguous() and not _dense(p):
                     raise ValueError("a sharded parameter must be dense in memory")
-            dtype = MPI.BYTE.Create_hindexed([p.numel() * p.element_size() for p in mine],
-                                             [p.data_ptr() for p in mine]).Commit()
+            # A block length is a C int: a tensor of 2 GiB or more is listed in pieces.
+            blocks = [(p.data_ptr() + lo, hi - lo) for p in mine for lo, hi in pieces(p.numel() * p.element_size())]
+            dtype = MPI.BYTE.Create_hindexed([n for _, n in blocks], [a for a, _ in blocks]).Commit()
             self.types.append(dtype)
         self.devices = [i for i, p in enumerate(params) if p.device.type != "cpu"]
 
@@ -422,8 +423,9 @@ class ShardedOptimizer:
         """Move to new owners between steps (collective): each unit's state goes from its old owner to its new
         one, and an optimizer over the newly owned units takes over with the same hyperparameters.
 
-        The moved state travels as pickled CPU tensors (``alltoall``): a re-plan is rare, and every rank
-        learns what it receives without a size exchange. Returns the bytes this rank sent.
+        The moved state travels as raw bytes, in messages below MPI's count limit, after a small pickled
+        description (``hpcnet.comm.exchange``): the state of a large model may exceed 2 GiB per rank, and
+        arrives bit for bit as it left.  Returns the bytes this rank sent.
         """
         current = self.unit_state()
         outgoing: list[dict[int, Any]] = [{} for _ in range(self.comm.Get_size())]
@@ -433,11 +435,9 @@ class ShardedOptimizer:
             if plan.owner[k] == self.rank:
                 kept[k] = values
                 continue
-            outgoing[plan.owner[k]][k] = {key: v.detach().cpu() if isinstance(v, torch.Tensor) else v
-                                          for key, v in values.items()}
+            outgoing[plan.owner[k]][k] = values
             sent += sum(v.numel() * v.element_size() for v in values.values() if isinstance(v, torch.Tensor))
-        for part in self.comm.alltoall(outgoing):
-            kept.update(part)
+        kept.update(exchange(self.comm, outgoing))
         hyper = [{k: v for k, v in group.items() if k != "params"} for group in self.inner.param_groups]
         self._take(plan, hyper)
         self.inner.load_state_dict({"state": {local: kept[k] for local, k in enumerate(self.owned) if k in kept},

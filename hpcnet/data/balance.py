@@ -95,11 +95,6 @@ class Balancer:
         sizes = self.sizes
         return [b / sum(sizes) for b in sizes]
 
-    @property
-    def unequal(self) -> bool:
-        """Whether the ranks take slices of unequal size now."""
-        return len(set(self.sizes)) > 1
-
     def after_step(self, step: int) -> None:
         """Called by every rank after each step; every ``every`` steps, the ranks agree on new sizes."""
         if self.size == 1 or step % self.every:

@@ -8,6 +8,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
+from hpcnet.comm import exchange
 from hpcnet.comm.costmodel import LinkCost, assign_shards, plan_time_s
 from hpcnet.comm.zero import (MIN_UNIT_BYTES, UNITS_PER_RANK, ParamGather, ShardLayout, norm_order, plan_shards,
                               rows_of, split_units, unit_grad_norm)
@@ -383,6 +384,7 @@ def test_replan_moves_state_and_keeps_the_updates(comm, data_plane, mpi_tmp_path
             self.replan(step, [0.125 if r == 0 else 1.0 for r in range(size)])
 
     monkeypatch.setattr(DataParallel, "after_step", after_step)
+    monkeypatch.setattr(exchange, "MAX_MESSAGE_BYTES", 100)  # the moved state in pieces, as over 2 GiB it goes
     dataset = _dataset(comm, mpi_tmp_path)
     # The start-up plan balances bytes (uniform), so a rank 8x slower makes the planner's gain certain.
     args = ["optim.name=adamw", "optim.lr=0.003", f"dist.backend={backend}", "dist.plan=uniform"]

@@ -1,6 +1,8 @@
 """data.balance=auto: per-rank batch sizes by measured speed; the same global batches and the same update; the
 sizes kept in checkpoints (pure parts in one process, the trainer under MPI)."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from hpcnet.data.h5 import open_split
 from hpcnet.data.loader import BatchLoader
 from hpcnet.data.sampler import GlobalBatchSampler
 from hpcnet.errors import ConfigError
+from hpcnet.layout import metrics_file
 from hpcnet.train import run
 from tests.helpers import StopAfter, tiny_images, train_config
 
@@ -140,4 +143,35 @@ def test_resume_goes_on_with_the_saved_sizes_bit_for_bit(comm, data_plane, mpi_t
     assert straight.summary["balance"]["sizes"] == resumed.summary["balance"]["sizes"] == expected
     assert resumed.summary["balance"]["changes"] == 0  # taken up from the checkpoint, not decided again
     assert torch.equal(_params(straight), _params(resumed))
+    comm.Barrier()
+
+
+def _logged_losses(run_dir):
+    lines = [json.loads(line) for line in (run_dir / metrics_file(0)).read_text().splitlines()]
+    return {r["step"]: r["global_loss"] for r in lines if "global_loss" in r}
+
+
+@pytest.mark.mpi
+def test_the_logged_loss_at_a_re_split_step_is_that_step_s_global_batch_mean(comm, data_plane, mpi_tmp_path,
+                                                                              monkeypatch):
+    """Measured speeds fixed (rank r: r + 1 ms a sample): the ranks re-split after step 3. The loss logged at every
+    step, step 3 among them (computed on equal slices, logged after the re-split), is the mean over that step's
+    global batch: data.balance=off's on the same batches, to rounding."""
+    monkeypatch.setattr(balance.Balancer, "seconds_per_sample", lambda self: 1e-3 * (self.rank + 1))
+    size = comm.Get_size()
+    dataset = tiny_images(comm, mpi_tmp_path, "balance.h5", num_train=256, num_eval=16, seed=4)
+    extra = [*MODEL, "train.steps=8", "run.log_every=1", "data.balance_every=3"]
+    balanced = run(train_config(mpi_tmp_path, dataset, "logged-auto", *extra, "data.balance=auto"), comm,
+                   plane=data_plane)
+    off = run(train_config(mpi_tmp_path, dataset, "logged-off", *extra, "data.balance=off"), comm, plane=data_plane)
+    if size > 1:
+        assert [h["step"] for h in balanced.summary["balance"]["history"]] == [3]
+    # The premise: the same global batches give the same updates (summed in another order).
+    torch.testing.assert_close(_params(balanced), _params(off), rtol=1e-5, atol=1e-6)
+    if comm.Get_rank() == 0:
+        logged, expected = (_logged_losses(mpi_tmp_path / "runs" / name) for name in ("logged-auto", "logged-off"))
+        assert sorted(logged) == sorted(expected) == list(range(1, 9))
+        for step in expected:
+            assert logged[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6), step
+    assert balanced.summary["final_loss"] == pytest.approx(off.summary["final_loss"], rel=1e-5)
     comm.Barrier()
