@@ -18,7 +18,7 @@ from torch import nn
 
 from hpcnet.comm.costmodel import (LinkCost, ShardPlan, auto_bucket_bytes, measured_speeds, plan_time_s,
                                    stage2_bucket_cap)
-from hpcnet.comm.reducer import Reducer, broadcast_buffers, broadcast_module
+from hpcnet.comm.reducer import LateGradient, Reducer, broadcast_buffers, broadcast_module
 from hpcnet.comm.zero import (DEFAULT_LINK, UPDATE_S_PER_BYTE, ShardedOptimizer, ShardLayout, measure_speed,
                               norm_order, plan_shards, split_units, unit_grad_norm)
 from hpcnet.layout import PLAN_FILE
@@ -337,19 +337,42 @@ class DataParallel:
         counts on from the previous call.  Returns the mean loss over the
         micro-batches (a tensor on the device).  Raises RestartableError on
         every rank when the transport failed and no fallback is left.
+
+        A parameter's gradient that arrives again after its bucket went out
+        (reentrant activation checkpointing of a shared layer, in the first
+        step that shows it: ``LateGradient``) voids the step's gradients: every
+        rank redoes the step once from the same batch, RNG state and buffers,
+        and the reducer then waits for every arrival.  Where the step cannot be
+        redone (no snapshot: the count grew after steps without repeated
+        arrivals; or it grew again on the same batch) every rank raises a
+        UsageError naming the parameters: the model's structure, not the
+        machine, is what a rerun would meet again.
         """
         self.step_count = self.step_count + 1 if step is None else step
         self.sync_buffers()  # replicas start every step bit-identical, as with DDP's broadcast_buffers
         self.clock.mark("comm")
         self.reducer.arm_fault(self.step_count == self.cfg.fail_at_step)
         # What the step may change besides gradients: a retry restores them.
-        saved = self._snapshot() if self.plan.fallback else None
+        saved = self._snapshot() if self.plan.fallback or self.reducer.may_redo else None
+        redone = False
         while True:
             loss = self._forward_backward(batches, loss_fn)
             try:
                 self.reducer.finish()
                 self.clock.mark("comm")  # what backward did not hide
                 return loss
+            except LateGradient as exc:
+                if saved is None or redone:
+                    raise agreed(UsageError(
+                        f"step {self.step_count}: {exc}; the step cannot be redone ("
+                        + ("the count differs between two passes over the same batch" if redone else
+                           "it first grew after steps without repeated arrivals")
+                        + "): use torch.utils.checkpoint.checkpoint(..., use_reentrant=False), whose recomputed "
+                        "uses add up in one backward")) from exc
+                if self.world.is_main:
+                    log.info("step %d: redone: %s", self.step_count, exc)
+                redone = True
+                self._restore(saved)
             except CommFailure as exc:
                 if self.plan.fallback is None or saved is None:
                     raise agreed(RestartableError(f"step {self.step_count}: {exc}; no fallback left")) from exc

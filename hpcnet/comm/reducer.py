@@ -11,10 +11,26 @@ Gradients are handed over, not accumulated: ``zero_grad`` sets every
 (no zeroing pass, no read-modify-write), and the post-accumulate-grad hook
 writes it, times 1/world size, into the parameter's place in its bucket in
 one pass (DDP divides before the sum as well; for a world size that is a
-power of two the result is the same bits as dividing after).  The bucket
-view becomes the parameter's ``.grad``.  When a bucket is complete it is
-handed to an asynchronous transport (a worker thread, NCCL, gloo) at once,
-in bucket order on every rank, while autograd goes on with earlier layers.
+power of two the result is the same bits as dividing after) and sets
+``.grad`` to None again; the bucket view becomes the parameter's ``.grad``
+when the sum is in (``finish``).  When a bucket is complete it is handed to
+an asynchronous transport (a worker thread, NCCL, gloo) at once, in bucket
+order on every rank, while autograd goes on with earlier layers.
+
+A parameter's gradient can arrive more than once in one backward: reentrant
+activation checkpointing (``checkpoint(..., use_reentrant=True)``) runs a
+backward per segment, so a layer shared by several segments (ALBERT) gets
+its hook once per segment. (Uses within one graph, weight tying or a layer
+applied twice, and non-reentrant checkpointing arrive once: autograd adds
+them up before the hook.)  As ``.grad`` is None after each fold, a later
+arrival is a fresh tensor, and is added, times 1/world size, into the
+bucket view: with scaling exact (a power-of-two world size) that is the
+bits of folding autograd's own sum once.  A parameter is complete after as
+many arrivals as it had in earlier backwards (learned, the most seen), and
+its bucket goes out only then.  An arrival after its bucket went out (the
+first backward that shows it) cannot be added to a sum in flight: it is
+dropped, the count learned, and ``finish`` raises ``LateGradient`` on every
+rank; ``DataParallel`` redoes the step, which then waits for it.
 
 With a synchronous transport (inline MPI, shm: the collective runs in the
 caller) the buckets are summed in ``finish``, one after the other.
@@ -74,8 +90,9 @@ class _Bucket:
     names: list[str]
     buffer: torch.Tensor
     offsets: list[int]
-    pending: int = 0
-    ready: list[bool] = field(default_factory=list)
+    pending: int = 0  # parameters not yet complete
+    arrived: list[int] = field(default_factory=list)  # each parameter's gradients this backward
+    expected: list[int] = field(default_factory=list)  # and how many make it complete (Reducer._uses)
     launched: bool = False
     handle: Any = None
     wire: torch.Tensor | None = None
@@ -99,6 +116,13 @@ class _Bucket:
     def nbytes(self) -> int:
         """The bucket's size (its buffer is empty between steps at dist.zero=2)."""
         return self.offsets[-1] * self.params[0].element_size()
+
+
+class LateGradient(RuntimeError):
+    """A parameter's gradient arrived again after its bucket had been sent (agreed: raised on every rank).
+
+    The step's gradients are wrong; the reducer has learned the count and waits for it from the next backward
+    on, so a redone step is right (``DataParallel.step`` redoes it)."""
 
 
 @dataclass
@@ -150,10 +174,16 @@ class Reducer:
         from mpi4py import MPI
 
         self._max_op, self._in_place = MPI.MAX, MPI.IN_PLACE  # looked up once: finish runs every step
-        self._outcome = np.zeros(2, dtype=np.int8)  # finish's one control exchange, reused
+        # finish's one control exchange, reused: [failed, lacked a gradient, a late arrival, a repeated arrival]
+        self._outcome = np.zeros(4, dtype=np.int8)
         self._sync = True
         self._next_launch = 0
         self._hooks: list[Any] = []
+        self._uses: dict[nn.Parameter, int] = {}  # arrivals that complete a parameter, where more than one
+        self._late: list[str] = []  # parameters whose gradient arrived after their bucket went out, this backward
+        self._repeated = False  # a parameter's gradient arrived more than once here this backward
+        self._repeats = False  # ... on some rank in some step (agreed): such a model may vary the count
+        self._completed = False  # a step has completed
         named = [(n, p) for n, p in named_params if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters")
@@ -208,6 +238,7 @@ class Reducer:
                 dropped = owners is not None and self._transient
                 buffer = params[0].new_empty(0) if dropped else self._new_buffer(offsets[-1], params[0])
                 bucket = _Bucket(len(self.buckets), params, names, buffer, offsets)
+                bucket.expected = [self._uses.get(p, 1) for p in params]
                 bucket.entry_param = [entry[0] for entry in entries]
                 bucket.entry_unit = [entry[1] for entry in entries]
                 bucket.entry_tensor = [entry[2] for entry in entries]
@@ -265,6 +296,15 @@ class Reducer:
         # synchronous transport, and is dropped once its sum is in, so the whole gradient is never alive at
         # once (the stage's memory saving); see ``_launch_ready``.
         self._eager = self.sharded and self._transient
+        # Whether the hooks send buckets before backward ends (else finish sends them all).
+        self._early = not self._synchronous or self.world_size == 1 or self._eager
+
+    @property
+    def may_redo(self) -> bool:
+        """Whether the next step may end in ``LateGradient`` (the same on every rank): the hooks send buckets before
+        backward ends, and no step has completed yet or some parameter has been seen to get its gradient more
+        than once in one backward (such a model may vary the count)."""
+        return self._early and (not self._completed or self._repeats)
 
     def _ensure_owned(self, bucket: _Bucket) -> None:
         """dist.zero=2: this rank's sums of the bucket, its parameters' in bucket order, and their gradient views,
@@ -324,9 +364,10 @@ class Reducer:
                         for e, t in enumerate(bucket.entry_tensor)]
 
     def _fold(self, bucket: _Bucket, j: int) -> None:
-        """Write parameter j's gradient, times 1/world size, into its bucket view (one pass); ``.grad`` becomes
-        the view.  No gradient: zeros (an unused parameter).  A cut parameter's rows go to their entries, and
-        its ``.grad`` is dropped (its units' tensors get their sums)."""
+        """Write parameter j's gradient, times 1/world size, into its bucket view (one pass) and drop ``.grad``
+        (the view becomes it when the sum is in, ``_release``; a later arrival in this backward is then a tensor
+        of its own, ``_fold_more``).  No gradient: zeros (an unused parameter).  A cut parameter's rows go to
+        their entries (its units' tensors get their sums)."""
         if self.sharded and self._transient:
             self._ensure_buffer(bucket)
         p, entries = bucket.params[j], bucket.of_param[j]
@@ -344,7 +385,22 @@ class Reducer:
             torch.mul(grad, self._scale, out=view)
         else:
             view.copy_(grad)
-        p.grad = view
+        p.grad = None
+
+    def _fold_more(self, bucket: _Bucket, j: int) -> None:
+        """A later arrival of parameter j's gradient in this backward (reentrant checkpointing: one backward per
+        segment): added, times 1/world size, to what its bucket view holds.  Scaling by a power of two is exact,
+        so the view then holds the bits of autograd's own sum of the arrivals, folded once."""
+        p = bucket.params[j]
+        grad = p.grad
+        for e in bucket.of_param[j]:
+            rows = bucket.entry_rows[e]
+            part = grad if rows is None else grad[rows[0]:rows[1]]
+            if self._scale != 1.0:
+                bucket.views[e].add_(part, alpha=self._scale)
+            else:
+                bucket.views[e].add_(part)
+        p.grad = None
 
     def _fold_rows(self, bucket: _Bucket, p: nn.Parameter, entries: list[int]) -> None:
         grad = p.grad
@@ -372,11 +428,13 @@ class Reducer:
     def _reset(self) -> None:
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
-            bucket.ready = [False] * len(bucket.params)
+            bucket.arrived = [0] * len(bucket.params)
             bucket.launched = False
             bucket.handle = None
             self.recorder.end(bucket.token)  # no-op unless an error left it open
         self._next_launch = self._next_release = 0  # buckets before _next_release are released (in order)
+        self._late.clear()
+        self._repeated = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -393,13 +451,33 @@ class Reducer:
         if not self._sync:
             return  # micro-batches: autograd accumulates in .grad; the last one folds the sum
         bucket, j = self._bucket_of[p]
-        if bucket.ready[j]:
-            return  # the parameter is used twice in the graph: its hook fires once per use
+        n = bucket.arrived[j] = bucket.arrived[j] + 1
+        if n > 1:
+            self._again(bucket, j, n)
+            return
         self._fold(bucket, j)
-        bucket.ready[j] = True
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            self._launch_ready()
+        if bucket.expected[j] == 1:
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._launch_ready()
+
+    def _again(self, bucket: _Bucket, j: int, n: int) -> None:
+        """Arrival ``n`` > 1 of parameter j's gradient in this backward (see the module's doc): added into its
+        bucket unless the bucket went out already; the most arrivals seen is what completes it from now on."""
+        self._repeated = True
+        completes = n == bucket.expected[j]  # an arrival past the count learned: complete since that one
+        if n > bucket.expected[j]:
+            bucket.expected[j] = self._uses[bucket.params[j]] = n
+        if bucket.launched:  # its sum is in flight or done: this step is redone (finish raises LateGradient)
+            bucket.params[j].grad = None
+            if bucket.names[j] not in self._late:
+                self._late.append(bucket.names[j])
+            return
+        self._fold_more(bucket, j)
+        if completes:
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
         """Launch the complete buckets, strictly in bucket order, so every rank issues the same collectives in
@@ -412,7 +490,7 @@ class Reducer:
         that lacks a gradient in it completes it in ``finish``, where its backward ends without a collective,
         so the others wait for it but never for each other in another order (the same argument as ``finish``'s).
         """
-        if self._synchronous and not force and self.world_size > 1 and not self._eager:
+        if not self._early and not force:
             return
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
             self._launch(self.buckets[self._next_launch])
@@ -456,53 +534,65 @@ class Reducer:
 
         A parameter without a gradient here (unused in this step's graph, or
         only in earlier micro-batches) is folded in now (zeros, or what the
-        micro-batches accumulated), and every bucket not yet launched goes out
+        micro-batches accumulated), one with fewer arrivals than learned is
+        complete with those, and every bucket not yet launched goes out
         in bucket order: every rank issues the same collectives in the same
         order whatever it lacked, so none waits for a bucket another never
         sends.  A synchronous transport (inline MPI, shm) runs them all here:
         from the hooks, a rank whose bucket is complete would block in its sum
         while a rank still computing others' gradients had not started it;
         here the order is the same on every rank.  Then one small exchange,
-        ``reducer.outcome``, agrees on whether a collective failed anywhere and
-        whether any rank lacked a gradient.
+        ``reducer.outcome``, agrees on whether a collective failed anywhere,
+        whether any rank lacked a gradient, and whether any rank had a
+        gradient arrive after its bucket went out.
 
         Raises:
             CommFailure: on every rank, when the transport failed on any rank.
+            LateGradient: on every rank, when a gradient arrived after its
+                bucket went out on any rank (see the module's doc).
             RuntimeError: on every rank, when parameters got no gradient and
                 ``find_unused`` is off.
         """
-        lacking = [b.index for b in self.buckets if b.pending > 0]
-        for index in lacking:
-            bucket = self.buckets[index]
-            for j in range(len(bucket.params)):
-                if not bucket.ready[j]:
-                    self._fold(bucket, j)  # a gradient from earlier micro-batches, or zeros
-            bucket.pending = 0
+        lacking = []
+        for bucket in self.buckets:
+            if bucket.pending > 0:
+                for j, n in enumerate(bucket.arrived):
+                    if n == 0:
+                        self._fold(bucket, j)  # a gradient from earlier micro-batches, or zeros
+                        lacking.append(bucket.index)
+                bucket.pending = 0
         self._launch_ready(force=True)
         error = self._wait(self.buckets)
         outcome = self._outcome
-        outcome[0], outcome[1] = error is not None, bool(lacking)
+        outcome[0], outcome[1], outcome[2], outcome[3] = error is not None, bool(lacking), bool(self._late), \
+            self._repeated
         with self.recorder.op("reducer.outcome"):
             self.control.Allreduce(self._in_place, outcome, op=self._max_op)
         self.stats.steps += 1
+        self._repeats = self._repeats or bool(outcome[3])
         if outcome[0]:
             self._reset()
             raise agreed(CommFailure(f"{self.transport.name} all-reduce failed"
                                      + (f" here: {error}" if error else " on another rank")))
+        if outcome[2]:
+            self._raise_late()
         if outcome[1] and not self.find_unused:
-            self._raise_unused(lacking)
+            self._raise_unused(sorted(set(lacking)))
         for bucket in self.buckets[self._next_release:]:
             self._release(bucket)
         self.stats.bytes_reduced += self._bucket_bytes
+        self._completed = True
         self._reset()
 
     def _release(self, bucket: _Bucket) -> None:
-        """A bucket whose sum is complete here: a compressed wire copied back; dist.zero=2: the owned
-        gradients kept in ``owned``, the others None, a transient bucket dropped."""
+        """A bucket whose sum is complete here: a compressed wire copied back; its views become the gradients;
+        dist.zero=2: the owned gradients kept in ``owned``, the others None, a transient bucket dropped."""
         if bucket.wire is not None:
             bucket.buffer.copy_(bucket.wire)
             bucket.wire = None
-        if not self.sharded:
+        if not self.sharded:  # every entry a whole parameter
+            for t, view in zip(bucket.entry_tensor, bucket.views):
+                t.grad = view
             return
         self._ensure_owned(bucket)
         if bucket.grouped and not bucket.scattered:  # all-reduced (a compressed wire): one piece to keep
@@ -518,12 +608,23 @@ class Reducer:
 
     def _raise_unused(self, lacking: list[int]) -> None:
         """``lacking``: this rank's buckets that lacked a gradient (empty when only another rank's did)."""
-        names = [name for i in lacking for name, ok in zip(self.buckets[i].names, self.buckets[i].ready) if not ok]
+        names = [name for i in lacking for name, n in zip(self.buckets[i].names, self.buckets[i].arrived) if n == 0]
         shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
         self._reset()
         raise agreed(RuntimeError(
             f"parameters received no gradient this step ({shown or 'on another rank'}); make every parameter "
             "take part in the loss, or set dist.find_unused=true"))
+
+    def _raise_late(self) -> None:
+        """Agreed: some rank had a gradient arrive after its bucket went out; the counts are learned (``_again``)."""
+        uses = {name: self._uses[p] for b in self.buckets for name, p in zip(b.names, b.params) if name in self._late}
+        shown = ", ".join(f"{name} ({uses[name]} times)" for name in self._late[:5])
+        shown += " ..." if len(self._late) > 5 else ""
+        self._reset()
+        raise agreed(LateGradient(
+            f"a parameter's gradient arrived again in one backward after its bucket had been sent "
+            f"({shown or 'on another rank'}; reentrant activation checkpointing runs a backward per segment); "
+            "this step's gradients are void, and from the next backward on the reducer waits for them all"))
 
     # -- switching transport ---------------------------------------------------
     def switch(self, transport: Transport, cause: str, step: int) -> None:
