@@ -251,7 +251,8 @@ def convert(out: str | Path, train: Arrays, eval_arrays: Arrays | None = None, *
         eval_arrays: the evaluation rows; None takes the last ``eval_fraction`` of ``train``'s rows.
         eval_fraction: the share of ``train``'s rows held out, in (0, 1); only without ``eval_arrays``.
         kind: ``"image"`` or ``"tokens"``; None infers it (``infer_kind``).
-        num_classes: classes (vocabulary size for tokens); None takes the largest label + 1.
+        num_classes: classes (vocabulary size for tokens); None takes the largest label + 1, which must
+            then be at most ``MAX_INFERRED_CLASSES``.
         shuffle: shuffle the rows before the eval rows are taken, so the held-out rows are a random
             sample (the trainer shuffles the training rows itself); only without ``eval_arrays``.
         seed: the shuffle's seed.
@@ -353,7 +354,8 @@ def add_convert_command(commands: Any) -> None:
                            "inputs [N, T], targets [N, T]. Default: tokens for integer [N, T] inputs with "
                            "targets of the same shape, else image")
     what.add_argument("--num-classes", type=int, metavar="N",
-                      help="classes (vocabulary size for tokens); default: the largest label + 1")
+                      help="classes (vocabulary size for tokens); default: the largest label + 1, "
+                           f"up to {MAX_INFERRED_CLASSES:,} (a larger label needs --num-classes)")
     what.add_argument("--channels-last", action="store_true",
                       help="image inputs are [N, H, W, C]: store them as [N, C, H, W]")
     cmd.set_defaults(handler=_run)
