@@ -5,6 +5,7 @@ errors.  Building a Config from defaults, a TOML file and command-line
 overrides, and writing it back, is ``hpcnet.config_manager``'s.
 """
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -13,6 +14,42 @@ from typing import Any
 from hpcnet.errors import ConfigError
 from hpcnet.trace import parse_steps
 from hpcnet.importing import is_import_path
+
+MAX_DURATION_S = 30 * 24 * 3600
+"""The longest any duration option (every ``*_s`` field) may be: 30 days.
+
+A month is past any single wait a cluster job needs (job time limits are commonly a few days, the
+longest rarely 30), so a larger value is a typo or a stand-in for 'never'; the options that mean
+'never' say so with 0. The bound keeps every deadline built from a duration far inside what its
+clock accepts: faulthandler and POSIX timers, ``time.sleep`` and sockets overflow past about 9.2e9 s
+(292 years), ``datetime.timedelta`` (torch.distributed's timeouts) past 8.6e13 s, and the watchdog
+adds a few multiples of these options to a deadline."""
+
+MAX_SEED = 2**63 - 1
+"""The largest ``run.seed``: it is written to config.toml, whose integers are 64-bit signed, and the
+per-rank seeds derived from it (``seed + 1 + rank`` for torch, an unsigned 64-bit seed) stay in range."""
+
+
+def check_durations(section: Any, prefix: str) -> None:
+    """Every ``*_s`` field of a config section is a finite number of seconds in [0, ``MAX_DURATION_S``].
+
+    Sections call it after their own checks (which say more where 0 is not allowed), so every duration
+    option, present and future, is bounded in one place.
+
+    Args:
+        section: a config dataclass.
+        prefix: its name in dotted options, e.g. ``"monitor"``.
+    """
+    for f in dataclasses.fields(section):
+        if not f.name.endswith("_s"):
+            continue
+        value = getattr(section, f.name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{prefix}.{f.name} must be a finite number of seconds, got {value!r}")
+        if value < 0:
+            raise ConfigError(f"{prefix}.{f.name} must be >= 0 s, got {value:.10g}")
+        if value > MAX_DURATION_S:
+            raise ConfigError(f"{prefix}.{f.name} must be at most {MAX_DURATION_S} s (30 days), got {value:.10g}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -24,7 +61,7 @@ class RunConfig:
     dir_exact: bool = False
     """Use ``run.dir`` itself as the run directory instead of a new timestamped one inside it."""
     seed: int = 0
-    """Seed for model initialisation, data order and every rank's RNG."""
+    """Seed for model initialisation, data order and every rank's RNG: an integer in [0, 2**63 - 1]."""
     log_every: int = 10
     """Print a progress line on rank 0 every this many steps."""
     metrics: str = "rank0"
@@ -33,6 +70,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
             raise ConfigError(f"run.name: {self.name!r} must be a non-empty name without '/'")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"run.seed must be an integer in [0, 2**63 - 1], got {self.seed!r}")
         if self.log_every < 1:
             raise ConfigError("run.log_every must be at least 1")
         if self.metrics not in ("rank0", "all", "none"):
@@ -90,7 +129,7 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """AdamW betas."""
     eps: float = 1e-8
-    """AdamW epsilon."""
+    """AdamW epsilon, > 0: added to the denominator so an update never divides by zero."""
     weight_decay: float = 5e-4
     """Weight decay (decoupled for AdamW)."""
     warmup_steps: int = 20
@@ -111,7 +150,10 @@ class OptimConfig:
             raise ConfigError(f"optim.momentum must be in [0, 1), got {self.momentum}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {self.betas}")
-        if self.weight_decay < 0:
+        if not (self.eps > 0 and math.isfinite(self.eps)):
+            raise ConfigError(f"optim.eps must be a positive number (it keeps AdamW's division by the root of its "
+                              f"second moment finite), got {self.eps}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
             raise ConfigError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
         if self.warmup_steps < 0:
             raise ConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
@@ -119,7 +161,7 @@ class OptimConfig:
             raise ConfigError(f"optim.decay: {self.decay!r} is not one of 'cosine', 'linear', 'constant'")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.grad_clip < 0:
+        if not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
             raise ConfigError(f"optim.grad_clip must be >= 0, got {self.grad_clip}")
 
 
@@ -240,6 +282,7 @@ class DistConfig:
             raise ConfigError(f"dist.zero: {self.zero!r} is not one of 0, 1, 2")
         if self.plan not in ("auto", "uniform"):
             raise ConfigError(f"dist.plan: {self.plan!r} is not one of 'auto', 'uniform'")
+        check_durations(self, "dist")
 
 
 SWITCHES = ("auto", "on", "off")
@@ -302,6 +345,7 @@ class CheckpointConfig:
         if not (math.isfinite(self.timeout_s) and self.timeout_s >= 0):
             raise ConfigError(f"checkpoint.timeout_s must be a number of seconds >= 0 (0 = derived), "
                               f"got {self.timeout_s}")
+        check_durations(self, "checkpoint")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -340,6 +384,11 @@ class MonitorConfig:
             raise ConfigError(f"monitor.memory_every_steps must be >= 0, got {self.memory_every_steps}")
         if self.memory_window < 2:
             raise ConfigError(f"monitor.memory_window must be at least 2, got {self.memory_window}")
+        check_durations(self, "monitor")
+        if self.heartbeat_misses * self.heartbeat_interval_s > MAX_DURATION_S:  # a duration too: the silence allowed
+            raise ConfigError(f"monitor.heartbeat_misses x monitor.heartbeat_interval_s (how long a rank may be "
+                              f"silent) must be at most {MAX_DURATION_S} s (30 days), got {self.heartbeat_misses} x "
+                              f"{self.heartbeat_interval_s:.10g} s")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -389,6 +438,7 @@ class FaultConfig:
                               f"got {self.slow_per_sample_s}")
         if not (math.isfinite(self.slow_save_s) and self.slow_save_s >= 0):
             raise ConfigError(f"fault.slow_save_s must be a number of seconds >= 0, got {self.slow_save_s}")
+        check_durations(self, "fault")
 
 
 @dataclass(kw_only=True, slots=True)

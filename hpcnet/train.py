@@ -207,7 +207,13 @@ def _model(cfg: Config, comm: Any, world: World, device: torch.device, info: Any
     settings = device_settings(cfg.cuda, device, model)
     model = apply_settings(settings, model)
     dp = DataParallel(model, comm, world, cfg.dist, device=device, plan=plan, recorder=monitor.recorder, link=link)
-    optimizer = dp.shard_optimizer(build_optimizer(model, cfg.optim, fused=settings.fused_optimizer), run_dir)
+    try:
+        with shared_errors(comm):  # what torch refuses (optim.*) stops every rank alike, before any collective
+            optimizer = build_optimizer(model, cfg.optim, fused=settings.fused_optimizer)
+    except BaseException:
+        dp.close(collective=_may_communicate())  # its transport (shm's shared window) is freed on every rank
+        raise
+    optimizer = dp.shard_optimizer(optimizer, run_dir)
     torch.manual_seed(cfg.run.seed + 1 + world.rank)  # dropout etc. differ per rank
     random.seed(cfg.run.seed + world.rank)
     return dp, optimizer, settings

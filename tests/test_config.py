@@ -144,3 +144,58 @@ def test_the_train_command_line():
     assert line.overrides == ["train.steps=3", "--run.name", "x"]
     assert parse_command_line(["--resume=/c/ckpt-5.h5"]).resume == "/c/ckpt-5.h5"
     assert parse_command_line(["-h"]).help and parse_command_line(["--print-config"]).print_config
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["monitor.startup_timeout_s=1e12"], "monitor.startup_timeout_s must be at most 2592000 s (30 days), got 1e+12"),
+    (["checkpoint.timeout_s=1e12"], "checkpoint.timeout_s must be at most 2592000 s (30 days), got 1e+12"),
+    (["dist.timeout_s=1e18"], "dist.timeout_s must be at most 2592000 s (30 days), got 1e+18"),
+    (["fault.sleep_s=1e10"], "fault.sleep_s must be at most 2592000 s (30 days), got 1e+10"),
+    (["checkpoint.every_s=2592001"], "checkpoint.every_s must be at most 2592000 s (30 days), got 2592001"),
+    (["monitor.heartbeat_misses=1000000000000"],
+     "monitor.heartbeat_misses x monitor.heartbeat_interval_s (how long a rank may be silent) must be at most "
+     "2592000 s (30 days), got 1000000000000 x 2 s"),
+    (["run.seed=-1"], "run.seed must be an integer in [0, 2**63 - 1], got -1"),
+    (["run.seed=9223372036854775808"], "run.seed must be an integer in [0, 2**63 - 1], got 9223372036854775808"),
+    (["optim.eps=-1"], "optim.eps must be a positive number"),
+    (["optim.eps=0"], "optim.eps must be a positive number"),
+])
+def test_out_of_range_values_name_the_option(args, needle):
+    """Values that used to end in a traceback (OverflowError in a timer, a deadline or a timedelta; numpy's
+    refusal of a negative seed; torch's of a negative epsilon) are refused where the config is read."""
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=args)
+    assert needle in str(info.value)
+
+
+def test_every_duration_option_is_bounded_in_one_place():
+    """Every ``*_s`` option, including ones added later, accepts 0..30 days and names itself beyond."""
+    import dataclasses
+    import typing
+
+    from hpcnet.config import MAX_DURATION_S
+
+    hints = typing.get_type_hints(Config)
+    durations = [f"{section.name}.{f.name}" for section in dataclasses.fields(Config)
+                 for f in dataclasses.fields(hints[section.name]) if f.name.endswith("_s")]
+    assert {"dist.timeout_s", "checkpoint.timeout_s", "monitor.startup_timeout_s", "fault.slow_s"} <= set(durations)
+    for option in durations:
+        misses = ["monitor.heartbeat_misses=1"] if option == "monitor.heartbeat_interval_s" else []
+        cfg = load_config(overrides=[f"{option}={MAX_DURATION_S}", *misses])
+        section, name = option.split(".")
+        assert getattr(getattr(cfg, section), name) == MAX_DURATION_S
+        with pytest.raises(ConfigError, match=rf"^{option} must be at most 2592000 s \(30 days\), got 2592000\.5$"):
+            load_config(overrides=[f"{option}={MAX_DURATION_S + 0.5}", *misses])
+
+
+def test_the_largest_seed_seeds_everything():
+    """run.seed's bound is what torch and numpy take, with the per-rank offsets train.py adds."""
+    import numpy as np
+    import torch
+
+    from hpcnet.config import MAX_SEED
+
+    seed = load_config(overrides=[f"run.seed={MAX_SEED}"]).run.seed
+    torch.manual_seed(seed + 1 + 4095)  # train.py: seed + 1 + rank
+    np.random.default_rng([seed, 0])  # synthetic data, the sampler's permutation
+    torch.manual_seed(0)

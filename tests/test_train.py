@@ -135,6 +135,30 @@ def test_rank_0_failing_to_write_config_toml_stops_every_rank(comm, data_plane, 
     assert [t.name for t in threading.enumerate() if t.name == "hpcnet-monitor"] == []
 
 
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_an_optimizer_torch_refuses_on_one_rank_stops_every_rank(comm, data_plane, mpi_tmp_path, monkeypatch):
+    """The optimizer is built inside shared_errors: torch refusing it on one rank only is the same error,
+    naming optim.*, on every rank (status 2), not a ValueError that leaves the other ranks in a collective."""
+    import threading
+
+    from hpcnet.errors import UsageError
+
+    real = torch.optim.SGD
+
+    def sgd(*args, **kwargs):
+        if comm.Get_rank() == comm.Get_size() - 1:
+            raise ValueError("Invalid momentum value: -1")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.optim, "SGD", sgd)
+    dataset = _shared_dataset(comm, mpi_tmp_path)
+    with pytest.raises(UsageError, match=r"optim\.\* \(sgd\): torch refuses the optimizer: Invalid momentum value"):
+        run(_config(dataset, mpi_tmp_path / "no-optimizer", 4), comm, plane=data_plane)
+    comm.Barrier()
+    assert [t.name for t in threading.enumerate() if t.name == "hpcnet-monitor"] == []
+
+
 # --- launches: the real entry point under mpirun -----------------------------
 
 def _tiny_args(tmp_path: Path, *extra: str) -> list[str]:
@@ -175,6 +199,11 @@ def test_plain_python_single_process(tmp_path):
     (["model.name=resnet19"], "model.name: unknown model 'resnet19'"),
     (["--config", "/nonexistent.toml"], "--config: file '/nonexistent.toml' not found"),
     (["run.dir=/proc/hpcnet-cannot-write"], "run.dir: cannot create run directory"),
+    (["monitor.startup_timeout_s=1e12"], "hpcnet: error: monitor.startup_timeout_s must be at most 2592000 s"),
+    (["checkpoint.timeout_s=1e12"], "hpcnet: error: checkpoint.timeout_s must be at most 2592000 s"),
+    (["dist.timeout_s=1e18"], "hpcnet: error: dist.timeout_s must be at most 2592000 s"),
+    (["run.seed=-1"], "hpcnet: error: run.seed must be an integer in [0, 2**63 - 1], got -1"),
+    (["optim.name=adamw", "optim.eps=-1"], "hpcnet: error: optim.eps must be a positive number"),
 ])
 def test_bad_input_fails_cleanly_on_every_rank(launch, tmp_path, args, needle):
     started = time.monotonic()
@@ -182,7 +211,42 @@ def test_bad_input_fails_cleanly_on_every_rank(launch, tmp_path, args, needle):
     assert out.returncode == ExitCode.USAGE_ERROR, out.stdout + out.stderr
     assert needle in out.stderr
     assert "MPI_ABORT" not in out.stderr  # every rank agreed and exited; nothing was aborted
+    assert "Traceback" not in out.stderr
     assert time.monotonic() - started < 60
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("args, needle", [
+    (["monitor.startup_timeout_s=1e12"], "monitor.startup_timeout_s must be at most 2592000 s (30 days), got 1e+12"),
+    (["checkpoint.timeout_s=1e12"], "checkpoint.timeout_s must be at most 2592000 s (30 days), got 1e+12"),
+    (["dist.timeout_s=1e18"], "dist.timeout_s must be at most 2592000 s (30 days), got 1e+18"),
+    (["run.seed=-1"], "run.seed must be an integer in [0, 2**63 - 1], got -1"),
+    (["optim.name=adamw", "optim.eps=-1"], "optim.eps must be a positive number"),
+])
+def test_bad_option_in_a_single_process_is_one_line(tmp_path, args, needle):
+    """``python -m hpcnet.train <option>`` as a user runs it: status 2 and one line naming the option."""
+    import subprocess
+
+    from tests.helpers import clean_env
+
+    out = subprocess.run([sys.executable, "-m", "hpcnet.train", *_tiny_args(tmp_path), *args], env=clean_env(),
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == ExitCode.USAGE_ERROR, out.stderr
+    assert out.stderr == f"hpcnet: error: {needle}" + out.stderr.split(needle, 1)[1], out.stderr
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+
+
+@pytest.mark.launch
+def test_durations_at_their_bound_train(launch, tmp_path):
+    """Every timeout at 30 days, the bound: each deadline built from them (faulthandler and POSIX timers, the
+    watchdog's grace on top, gloo's timedelta) is still in range, so training runs and saves."""
+    out = launch(2, *_tiny_args(tmp_path, "train.steps=6", "train.eval_every=0", "dist.backend=gloo",
+                                "monitor.startup_timeout_s=2592000", "checkpoint.timeout_s=2592000",
+                                "dist.timeout_s=2592000", "monitor.heartbeat_interval_s=864000",
+                                "monitor.stall_floor_s=2592000", "checkpoint.every_s=2592000",
+                                "checkpoint.every_steps=3", "run.seed=9223372036854775807"), timeout=240)
+    assert out.returncode == 0, out.stderr
+    assert "checkpoint at step 6" in out.stderr and "Traceback" not in out.stderr
 
 
 @pytest.mark.launch

@@ -1,22 +1,21 @@
-"""Convert the user's own arrays into an hpcnet HDF5 dataset file.
+"""Convert the user's arrays into an hpcnet HDF5 dataset file.
 
     python -m hpcnet.data convert --npz data.npz --inputs x --targets y --out data.h5
     python -m hpcnet.data convert --inputs-npy X.npy --targets-npy Y.npy --out data.h5 --eval-fraction 0.2
 
 The arrays are checked before they are trusted (numeric dtypes, matching row counts, the shapes of
 the kind, whole non-negative labels below ``num_classes``, finite image inputs), converted a block of
-rows at a time from memory-mapped ``.npy`` files (and the uncompressed members of an ``.npz``), so
-memory stays bounded, and written through ``hpcnet.data.h5`` (the format's one home) to a
-temporary name that is renamed into place only when everything succeeded. Every bad input raises
-``DatasetError`` naming the file, the array or the option; the command line prints it on one line and
-exits with status 2. README: Datasets.
-"""
+rows at a time from memory-mapped ``.npy`` files (and the stored members of an ``.npz``, whose sizes
+and CRC-32 are checked against the archive: ``hpcnet.data.arrays``), so memory stays bounded, and
+written through ``hpcnet.data.h5`` (the format's one home) to a temporary name that is renamed into
+place only when everything succeeded. Every bad input raises ``DatasetError`` naming the file, the
+member, the array or the option; the command line prints it on one line and exits with status 2.
+README: Datasets."""
 
 import argparse
-import math
+import dataclasses
 import sys
 import time
-import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from hpcnet.data.arrays import Arrays, MemberCheck, load_npy_pair, load_npz
 from hpcnet.data.h5 import atomic_h5, create_split, set_root_attributes
 from hpcnet.data.info import DATASET_KINDS
 from hpcnet.errors import DatasetError
@@ -38,125 +38,13 @@ BLOCK_BYTES = 32 << 20
 """About how many bytes of input rows are converted at a time: bounds the memory a conversion uses."""
 PROGRESS_INTERVAL_S = 5.0
 """How often a long conversion says how far it is, on stderr."""
+MAX_INFERRED_CLASSES = 1_000_000
+"""The most classes (vocabulary) inferred from the largest label without ``--num-classes``: above every
+tokenizer's vocabulary (under 300,000) and every class count of public classification sets (ImageNet-21k:
+about 22,000), so a larger label is far more likely a stray value (an id, a timestamp) than a class,
+and it would make the model's output layer that wide. ``--num-classes`` says it is meant."""
 
-
-@dataclass(frozen=True, slots=True)
-class Arrays:
-    """An (inputs, targets) pair to convert and the names that locate each in error messages."""
-
-    inputs: np.ndarray
-    targets: np.ndarray
-    inputs_name: str
-    """E.g. ``"data.npz: array 'x'"`` or ``"X.npy"``."""
-    targets_name: str
-
-    def __len__(self) -> int:
-        return len(self.inputs)
-
-
-# ---------------------------------------------------------------------------
-# reading the user's files
-
-
-def _npz_member_memmap(path: Path, member: zipfile.ZipInfo) -> np.ndarray | None:
-    """Map an uncompressed ``.npy`` member of a zip in place; None where it cannot be (compressed, object)."""
-    if member.compress_type != zipfile.ZIP_STORED:
-        return None
-    with open(path, "rb") as fh:
-        # The local file header: 30 bytes, then the name and the extra field, whose lengths sit at 26 and 28.
-        fh.seek(member.header_offset)
-        header = fh.read(30)
-        if len(header) != 30 or header[:4] != b"PK\x03\x04":
-            return None
-        data_start = member.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(
-            header[28:30], "little")
-        fh.seek(data_start)
-        version = np.lib.format.read_magic(fh)
-        if version == (1, 0):
-            shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(fh)
-        elif version == (2, 0):
-            shape, fortran_order, dtype = np.lib.format.read_array_header_2_0(fh)
-        else:
-            return None
-        offset = fh.tell()
-    if dtype.hasobject or math.prod(shape) == 0:
-        return None  # np.load says what is wrong with these
-    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran_order else "C")
-
-
-def load_npz(path: str | Path, inputs: str, targets: str) -> Arrays:
-    """The arrays named ``inputs`` and ``targets`` of an ``.npz`` archive.
-
-    Members written by ``np.savez`` are memory-mapped; those of ``np.savez_compressed`` are read
-    whole (they cannot be mapped).
-
-    Args:
-        path: the archive.
-        inputs: the name of the inputs array (``--inputs``).
-        targets: the name of the targets array (``--targets``).
-
-    Raises:
-        DatasetError: the file is missing or not an .npz, or an array is missing (the names present are listed).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise DatasetError(f"{path}: no such file" if not path.exists() else f"{path}: not a regular file")
-    try:
-        archive = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError) as exc:
-        raise DatasetError(f"{path}: not an .npz archive ({exc})") from exc
-    with archive:
-        members = {info.filename.removesuffix(".npy"): info for info in archive.infolist()
-                   if info.filename.endswith(".npy")}
-        found = []
-        for option, name in (("--inputs", inputs), ("--targets", targets)):
-            if name not in members:
-                present = ", ".join(repr(n) for n in sorted(members)) or "no arrays"
-                raise DatasetError(f"{path}: no array named {name!r} ({option}); the file holds {present}")
-            label = f"{path}: array {name!r}"
-            array = _npz_member_memmap(path, members[name])
-            if array is None:
-                try:
-                    with np.load(path, allow_pickle=False) as npz:
-                        array = npz[name]
-                except ValueError as exc:  # object arrays: they need pickle, which is not safe to load
-                    raise DatasetError(f"{label} cannot be read without pickle ({exc}); "
-                                       "store numbers, not Python objects") from exc
-            found.append((array, label))
-    return Arrays(found[0][0], found[1][0], found[0][1], found[1][1])
-
-
-def _load_npy(path: Path, option: str) -> np.ndarray:
-    if not path.is_file():
-        raise DatasetError(f"{path} ({option}): no such file" if not path.exists()
-                           else f"{path} ({option}): not a regular file")
-    try:
-        array = np.load(path, mmap_mode="r", allow_pickle=False)
-    except ValueError as exc:
-        # Object arrays, and any file that is not .npy (np.load then takes it for a pickle).
-        raise DatasetError(f"{path} ({option}): not a .npy file of numbers ({exc})") from exc
-    except OSError as exc:
-        raise DatasetError(f"{path} ({option}): cannot read it ({exc})") from exc
-    if isinstance(array, np.lib.npyio.NpzFile):
-        array.close()
-        raise DatasetError(f"{path} ({option}) is an .npz archive; pass it as --npz with --inputs and --targets")
-    return array
-
-
-def load_npy_pair(inputs: str | Path, targets: str | Path, *, options: tuple[str, str] = (
-        "--inputs-npy", "--targets-npy")) -> Arrays:
-    """Two ``.npy`` files, memory-mapped.
-
-    Args:
-        inputs: the inputs file.
-        targets: the targets file.
-        options: the command-line options that named them, for messages.
-
-    Raises:
-        DatasetError: a file is missing or not a .npy file of numbers.
-    """
-    inputs, targets = Path(inputs), Path(targets)
-    return Arrays(_load_npy(inputs, options[0]), _load_npy(targets, options[1]), str(inputs), str(targets))
+__all__ = ["Arrays", "Converted", "convert", "load_npy_pair", "load_npz", "main"]
 
 
 # ---------------------------------------------------------------------------
@@ -238,6 +126,9 @@ class _Labels:
     def check(self, values: np.ndarray, name: str, source_rows: np.ndarray) -> np.ndarray:
         """``values`` as integers, after checking they are whole, >= 0 and < num_classes.
 
+        Float labels are checked as floats, before the cast, so a value beyond the integers (1e20) is
+        named as it is written.
+
         Args:
             values: a block of rows.
             name: the array, for messages.
@@ -250,7 +141,6 @@ class _Labels:
                 bad = values[i][~whole[i]] if values.ndim > 1 else values[i]
                 raise DatasetError(f"{name} holds {np.ravel(bad)[0]} at row {source_rows[i]}; labels must be "
                                    "whole numbers")
-            values = values.astype(np.int64)
         low, high = values.min(), values.max()
         if low < 0:
             raise DatasetError(f"{name} holds {low} (row {source_rows[_first_bad(values < 0)]}); labels must "
@@ -258,13 +148,23 @@ class _Labels:
         if self.num_classes is not None and high >= self.num_classes:
             raise DatasetError(f"{name} holds {high} (row {source_rows[_first_bad(values >= self.num_classes)]}), "
                                f"outside [0, {self.num_classes}) given by --num-classes")
+        if self.num_classes is None and high >= MAX_INFERRED_CLASSES:
+            row = source_rows[_first_bad(values >= MAX_INFERRED_CLASSES)]
+            if high >= 2**63 - 1:  # no --num-classes could hold it
+                raise DatasetError(f"{name} holds {high} (row {row}); labels must be below 2**63 - 1 "
+                                   "(num_classes is stored as an int64)")
+            raise DatasetError(f"{name} holds {high} (row {row}); num_classes would be {int(high) + 1}: give "
+                               f"--num-classes {int(high) + 1} if that is meant (without it labels must be below "
+                               f"{MAX_INFERRED_CLASSES:,})")
         self.max_seen = max(self.max_seen, int(high))
-        return values
+        return values.astype(np.int64) if values.dtype.kind == "f" else values
 
 
-def _rows(array: np.ndarray, rows: np.ndarray | slice) -> np.ndarray:
+def _rows(array: np.ndarray, rows: np.ndarray | slice, check: MemberCheck | None) -> np.ndarray:
+    """The rows of a block; those of an ``.npz`` member are copied once into memory and that copy is
+    what its CRC-32 check sees and the conversion converts."""
     if isinstance(rows, slice):
-        return np.asarray(array[rows])
+        return np.asarray(array[rows]) if check is None else np.array(array[rows])
     # A memory map reads fastest front to back: gather in sorted order, then put the rows back in order.
     order = np.argsort(rows, kind="stable")
     out = np.empty((len(rows), *array.shape[1:]), dtype=array.dtype)
@@ -272,11 +172,16 @@ def _rows(array: np.ndarray, rows: np.ndarray | slice) -> np.ndarray:
     return out
 
 
+def _channels_first_shape(arrays: Arrays) -> tuple[int, ...]:
+    shape = arrays.inputs.shape[1:]
+    return (shape[2], shape[0], shape[1]) if arrays.channels_last else shape
+
+
 def _write_split(f: h5py.File, split: str, arrays: Arrays, rows: np.ndarray | slice, count: int, kind: str,
                  labels: _Labels, progress: "_Progress") -> None:
     x_dtype, y_dtype = _stored_dtypes(arrays, kind)
     x_src, y_src = arrays.inputs, arrays.targets
-    inputs, targets = create_split(f, split, ((count, *x_src.shape[1:]), x_dtype),
+    inputs, targets = create_split(f, split, ((count, *_channels_first_shape(arrays)), x_dtype),
                                    ((count, *y_src.shape[1:]), y_dtype), chunk_bytes=CHUNK_BYTES)
     row_bytes = x_src[0].nbytes + y_src[0].nbytes
     chunk_rows = inputs.chunks[0]
@@ -287,7 +192,12 @@ def _write_split(f: h5py.File, split: str, arrays: Arrays, rows: np.ndarray | sl
         source = slice(rows.start + lo, rows.start + hi) if isinstance(rows, slice) else rows[lo:hi]
         # Messages name a row by its number in the user's array, shuffled or not.
         source_rows = np.arange(source.start, source.stop) if isinstance(source, slice) else source
-        x, y = _rows(x_src, source), _rows(y_src, source)
+        x, y = _rows(x_src, source, arrays.checks[0]), _rows(y_src, source, arrays.checks[1])
+        for check, read in zip(arrays.checks, (x, y)):
+            if check is not None:
+                check.see(read, source)
+        if arrays.channels_last:
+            x = x.transpose(0, 3, 1, 2)  # [N, H, W, C] -> [N, C, H, W], as it is copied below
         if kind == "image":
             x = np.ascontiguousarray(x, dtype=x_dtype)
             finite = np.isfinite(x)
@@ -341,7 +251,8 @@ def convert(out: str | Path, train: Arrays, eval_arrays: Arrays | None = None, *
         eval_arrays: the evaluation rows; None takes the last ``eval_fraction`` of ``train``'s rows.
         eval_fraction: the share of ``train``'s rows held out, in (0, 1); only without ``eval_arrays``.
         kind: ``"image"`` or ``"tokens"``; None infers it (``infer_kind``).
-        num_classes: classes (vocabulary size for tokens); None takes the largest label + 1.
+        num_classes: classes (vocabulary size for tokens); None takes the largest label + 1, which must
+            then be at most ``MAX_INFERRED_CLASSES``.
         shuffle: shuffle the rows before the eval rows are taken, so the held-out rows are a random
             sample (the trainer shuffles the training rows itself); only without ``eval_arrays``.
         seed: the shuffle's seed.
@@ -359,8 +270,8 @@ def convert(out: str | Path, train: Arrays, eval_arrays: Arrays | None = None, *
     if kind is not None and kind not in DATASET_KINDS:
         raise DatasetError(f"--kind must be one of {', '.join(DATASET_KINDS)}, got {kind!r}")
     if num_classes is not None and (isinstance(num_classes, bool) or not isinstance(num_classes, int)
-                                    or num_classes < 1):
-        raise DatasetError(f"--num-classes must be a positive integer, got {num_classes!r}")
+                                    or not 1 <= num_classes < 2**63):  # stored as an int64 attribute
+        raise DatasetError(f"--num-classes must be a positive integer below 2**63, got {num_classes!r}")
     kind = kind or infer_kind(train)
     _check_arrays(train, kind)
     total = len(train)
@@ -387,9 +298,17 @@ def convert(out: str | Path, train: Arrays, eval_arrays: Arrays | None = None, *
     labels = _Labels(num_classes)
     progress = _Progress(sum(count for *_, count in plan), quiet)
     sources = sorted({f"{a.inputs_name}, {a.targets_name}" for _, a, _, _ in plan})
+    checks = [check for arrays in {id(a): a for _, a, _, _ in plan}.values() for check in arrays.checks if check]
     with atomic_h5(out) as f:
-        for split, arrays, rows, count in plan:
-            _write_split(f, split, arrays, rows, count, kind, labels, progress)
+        try:
+            for split, arrays, rows, count in plan:
+                _write_split(f, split, arrays, rows, count, kind, labels, progress)
+        except DatasetError:
+            for check in checks:  # a value made by damage is named as the damage: finish reading, then verify
+                check.verify(complete=True)
+            raise
+        for check in checks:  # before anything is committed
+            check.verify()
         found = num_classes if num_classes is not None else labels.max_seen + 1
         set_root_attributes(f, kind, found, generator="hpcnet.data.convert", source="; ".join(sources),
                             shuffled=bool(shuffle), seed=seed)
@@ -435,7 +354,8 @@ def add_convert_command(commands: Any) -> None:
                            "inputs [N, T], targets [N, T]. Default: tokens for integer [N, T] inputs with "
                            "targets of the same shape, else image")
     what.add_argument("--num-classes", type=int, metavar="N",
-                      help="classes (vocabulary size for tokens); default: the largest label + 1")
+                      help="classes (vocabulary size for tokens); default: the largest label + 1, "
+                           f"up to {MAX_INFERRED_CLASSES:,} (a larger label needs --num-classes)")
     what.add_argument("--channels-last", action="store_true",
                       help="image inputs are [N, H, W, C]: store them as [N, C, H, W]")
     cmd.set_defaults(handler=_run)
@@ -482,8 +402,8 @@ def _channels_first(arrays: Arrays) -> Arrays:
     x = arrays.inputs
     if x.ndim != 4:
         raise DatasetError(f"{arrays.inputs_name} has shape {list(x.shape)}; --channels-last needs [N, H, W, C]")
-    # A view: the blocks are transposed as they are copied, so memory stays bounded.
-    return Arrays(x.transpose(0, 3, 1, 2), arrays.targets, arrays.inputs_name, arrays.targets_name)
+    # The blocks are transposed as they are copied, so memory stays bounded.
+    return dataclasses.replace(arrays, channels_last=True)
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

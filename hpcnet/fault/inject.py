@@ -63,7 +63,7 @@ from typing import Any
 from hpcnet.ckpt.listing import scan
 from hpcnet.ckpt.validate import open_read
 from hpcnet.ckpt.write import IoFault
-from hpcnet.config import FaultConfig
+from hpcnet.config import MAX_DURATION_S, FaultConfig
 from hpcnet.errors import ConfigError
 from hpcnet.comm.world import World
 from hpcnet.agree import agreed, shared_errors
@@ -150,7 +150,9 @@ class FaultInjector:
         """Called in every forward with its micro-batch's sample count: ``fault.slow_per_sample_s`` on the chosen
         rank (a slower device, whose time grows with its share of the batch)."""
         if self.mine and self.cfg.slow_per_sample_s:
-            time.sleep(self.cfg.slow_per_sample_s * samples)
+            # The product is not an option, so it is bounded here: longer than MAX_DURATION_S is a hang anyway,
+            # and time.sleep overflows past about 9.2e9 s.
+            time.sleep(min(self.cfg.slow_per_sample_s * samples, MAX_DURATION_S))
 
     def at_step(self, step: int) -> None:
         """Called by every rank after optimizer step ``step``; acts on the chosen rank only."""

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from hpcnet.config import MAX_DURATION_S
 from hpcnet.config_manager import load_config, parse_command_line
 from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.launch.command import attempt_command, is_openmpi, launcher_env, launcher_kind, train_args_start
@@ -595,8 +596,11 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no command: python -m hpcnet.launch [options] -- mpirun ... python -m mpi4py -m hpcnet.train ...")
-    if args.max_restarts < 0 or args.backoff_s < 0 or args.max_backoff_s < 0:
-        parser.error("--max-restarts, --backoff-s and --max-backoff-s must be >= 0")
+    if args.max_restarts < 0:
+        parser.error("--max-restarts must be >= 0")
+    for flag, seconds in (("--backoff-s", args.backoff_s), ("--max-backoff-s", args.max_backoff_s)):
+        if not 0 <= seconds <= MAX_DURATION_S:  # nan too; a longer wait overflows the clock it waits on
+            parser.error(f"{flag} must be a number of seconds in [0, {MAX_DURATION_S}] (30 days), got {seconds:g}")
     return supervise(command, max_restarts=args.max_restarts, backoff_base_s=args.backoff_s,
                      backoff_cap_s=args.max_backoff_s, exclude_failed_hosts=args.exclude_failed_hosts,
                      standby=args.standby)

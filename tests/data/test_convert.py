@@ -92,6 +92,23 @@ def test_shuffled_split_in_many_blocks_is_a_seeded_permutation(tmp_path, monkeyp
     assert info.num_classes == 6
     assert np.array_equal(xt, x[perm[:225]]) and np.array_equal(yt, y[perm[:225]])
     assert np.array_equal(xe, x[perm[225:]]) and np.array_equal(ye, y[perm[225:]])
+    # The same from np.savez: memory-mapped members, each row's CRC-32 taken as it is gathered.
+    np.savez(tmp_path / "u.npz", x=x, y=y)
+    stored = convert(tmp_path / "u.h5", load_npz(tmp_path / "u.npz", "x", "y"), eval_fraction=0.25, shuffle=True,
+                     seed=7, num_classes=6)
+    assert np.array_equal(_read_all(stored.path, "train")[0], xt)
+    assert np.array_equal(_read_all(stored.path, "eval")[1], ye)
+
+
+def test_fortran_order_members_are_read_whole_and_checked(tmp_path):
+    """A Fortran-order member cannot be read a block of rows at a time in file order: it is read whole, like a
+    compressed one, and zipfile checks its CRC-32."""
+    x, y = _blobs(50)
+    np.savez(tmp_path / "f.npz", x=np.asfortranarray(x), y=y)
+    arrays = load_npz(tmp_path / "f.npz", "x", "y")
+    assert not isinstance(arrays.inputs, np.memmap) and arrays.checks[0] is None
+    done = convert(tmp_path / "f.h5", arrays)
+    assert np.array_equal(_read_all(done.path, "train")[0], x[:45])
 
 
 def test_uncompressed_npz_is_memory_mapped_and_conversions_follow_the_rules(tmp_path):
@@ -142,6 +159,8 @@ def _write_bad(tmp_path):
     np.savez(tmp_path / "short.npz", x=x, y=y[:19])
     np.savez(tmp_path / "frac.npz", x=x, y=np.where(np.arange(20) == 5, 1.5, y))
     np.savez(tmp_path / "neg.npz", x=x, y=np.where(np.arange(20) == 3, -1, y))
+    np.savez(tmp_path / "huge.npz", x=x, y=np.where(np.arange(20) == 3, 1e20, y))
+    np.savez(tmp_path / "far.npz", x=x, y=np.where(np.arange(20) == 7, 10**9, y))
     np.savez(tmp_path / "bool.npz", x=x > 0, y=y)
     np.savez(tmp_path / "text.npz", x=x, y=np.array(["cat"] * 20))
     np.savez(tmp_path / "empty.npz", x=x[:0], y=y[:0])
@@ -168,11 +187,20 @@ BAD = [
      "frac.npz: array 'y' holds 1.5 at row 5; labels must be whole numbers"),
     (["--npz", "neg.npz", "--inputs", "x", "--targets", "y"],
      "neg.npz: array 'y' holds -1 (row 3); labels must be >= 0"),
+    (["--npz", "huge.npz", "--inputs", "x", "--targets", "y"],
+     "huge.npz: array 'y' holds 1e+20 (row 3); labels must be below 2**63 - 1"),
+    (["--npz", "huge.npz", "--inputs", "x", "--targets", "y", "--num-classes", str(2**62)],
+     "huge.npz: array 'y' holds 1e+20 (row 3), outside [0, 4611686018427387904) given by --num-classes"),
+    (["--npz", "far.npz", "--inputs", "x", "--targets", "y"],
+     "far.npz: array 'y' holds 1000000000 (row 7)", "give --num-classes 1000000001 if that is meant"),
+    (["--npz", "ok.npz", "--inputs", "x", "--targets", "y", "--num-classes", str(2**63)],
+     "--num-classes must be a positive integer below 2**63, got 9223372036854775808"),
     (["--npz", "ok.npz", "--inputs", "x", "--targets", "y", "--num-classes", "2"],
      "ok.npz: array 'y' holds 3 (row", "outside [0, 2) given by --num-classes"),
     (["--npz", "bool.npz", "--inputs", "x", "--targets", "y"], "bool.npz: array 'x' has dtype bool; expected numbers"),
     (["--npz", "text.npz", "--inputs", "x", "--targets", "y"], "text.npz: array 'y' has dtype <U3; expected numbers"),
-    (["--npz", "obj.npz", "--inputs", "x", "--targets", "y"], "obj.npz: array 'x' cannot be read without pickle"),
+    (["--npz", "obj.npz", "--inputs", "x", "--targets", "y"],
+     "obj.npz: member 'x.npy' (array 'x') cannot be read without pickle"),
     (["--npz", "empty.npz", "--inputs", "x", "--targets", "y"], "empty.npz: array 'x' is empty (shape [0, 1, 4, 4])"),
     (["--npz", "col.npz", "--inputs", "x", "--targets", "y"],
      "col.npz: array 'y' has shape [20, 1]; image targets must be one class per row, [N]"),
@@ -193,7 +221,7 @@ BAD = [
     (["--npz", "ok.npz", "--inputs", "x", "--targets", "y", "--shuffle", "--eval-npz", "ok.npz"],
      "--shuffle only decides which rows --eval-fraction holds out"),
     (["--npz", "ok.npz", "--inputs", "x", "--targets", "y", "--num-classes", "0"],
-     "--num-classes must be a positive integer, got 0"),
+     "--num-classes must be a positive integer below 2**63, got 0"),
     (["--npz", "missing.npz", "--inputs", "x", "--targets", "y"], "missing.npz: no such file"),
     (["--npz", "junk.npz", "--inputs", "x", "--targets", "y"], "junk.npz: not an .npz archive"),
     (["--inputs-npy", "junk.npy", "--targets-npy", "y.npy"], "junk.npy (--inputs-npy): not a .npy file of numbers"),
@@ -225,6 +253,99 @@ def test_each_bad_input_is_one_line_naming_it(args, tmp_path, capsys, monkeypatc
     for part in expected:
         assert part in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written, no temporary left
+
+
+def _refused(args, capsys):
+    """Run the converter on ``args`` (with ``--out out.h5``): its one-line error, after checking status 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["convert", *args, "--out", "out.h5"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert err.startswith("python -m hpcnet.data convert: error: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize("shuffle", [[], ["--shuffle"]], ids=["in-order", "shuffled"])
+@pytest.mark.parametrize("member,byte,bit", [("x", 0, 0), ("y", 7, 7)], ids=["input-mantissa", "label-sign"])
+def test_a_flipped_bit_in_a_member_is_refused_naming_it(member, byte, bit, shuffle, tmp_path, capsys, monkeypatch):
+    """One bit of a stored member flipped (numpy's np.load refuses it: "Bad CRC-32"): the CRC-32 the archive
+    records is checked as the rows are converted, read in order or shuffled, in one or many blocks; a label
+    turned negative by the flip is reported as the damage it is, not as a bad label."""
+    monkeypatch.setattr(convert_module, "BLOCK_BYTES", 1)  # many blocks
+    monkeypatch.chdir(tmp_path)
+    x, y = _blobs(300)
+    np.savez("d.npz", x=x, y=y)
+    raw = bytearray((tmp_path / "d.npz").read_bytes())
+    array = {"x": x, "y": y}[member]
+    at = raw.index(array.tobytes()) + 5 * array[0].nbytes + byte  # row 5 of the member
+    raw[at] ^= 1 << bit
+    (tmp_path / "d.npz").write_bytes(bytes(raw))
+    with pytest.raises(zipfile.BadZipFile, match="Bad CRC-32"):
+        np.load("d.npz")[member]  # numpy's verdict on the same file
+    err = _refused(["--npz", "d.npz", "--inputs", "x", "--targets", "y", *shuffle], capsys)
+    assert f"d.npz: member '{member}.npy' (array '{member}') is damaged: CRC-32" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.npz"]
+
+
+@pytest.mark.parametrize("member,old,new,says", [
+    ("y", b"(300,)", b"(900,)", "its .npy header says [900] int64"),  # more rows: past the end of the file
+    ("x", b"(300, 1, 4, 4)", b"(300, 1, 4, 5)", "its .npy header says [300, 1, 4, 5] float32"),  # wider rows
+    ("x", b"(300, 1, 4, 4)", b"(100, 1, 4, 4)", "its .npy header says [100, 1, 4, 4] float32"),  # fewer rows
+], ids=["more-rows", "wider-rows", "fewer-rows"])
+def test_a_header_that_disagrees_with_the_member_size_is_refused(member, old, new, says, tmp_path, capsys,
+                                                                monkeypatch):
+    """An .npy header edited to claim more rows, wider rows or fewer rows than its member holds is refused
+    before anything is mapped (it used to read into the next member, or past the end of the file)."""
+    monkeypatch.chdir(tmp_path)
+    x, y = _blobs(300)
+    np.savez("d.npz", x=x, y=y)
+    raw = (tmp_path / "d.npz").read_bytes()
+    assert raw.count(old) == 1
+    (tmp_path / "d.npz").write_bytes(raw.replace(old, new))
+    err = _refused(["--npz", "d.npz", "--inputs", "x", "--targets", "y"], capsys)
+    assert f"d.npz: member '{member}.npy' (array '{member}') is damaged: {says}" in err, err
+    assert "bytes with the header), but the archive holds" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.npz"]
+
+
+def test_compressed_members_are_checked_and_bounded(tmp_path, capsys, monkeypatch):
+    """``np.savez_compressed`` members are read whole: up to a bound on what they inflate to, checked against
+    the CRC-32 the archive records (a damaged deflate stream is a message naming the member, not zlib's
+    traceback)."""
+    from hpcnet.data import arrays as arrays_module
+
+    monkeypatch.chdir(tmp_path)
+    x, y = _blobs(300)
+    np.savez_compressed("z.npz", x=x, y=y)
+    raw = bytearray((tmp_path / "z.npz").read_bytes())
+    with zipfile.ZipFile("z.npz") as z:
+        info = z.getinfo("x.npy")
+    raw[info.header_offset + 30 + len("x.npy") + info.compress_size // 2] ^= 0x10  # inside x's deflate stream
+    (tmp_path / "bad.npz").write_bytes(bytes(raw))
+    err = _refused(["--npz", "bad.npz", "--inputs", "x", "--targets", "y"], capsys)
+    assert "bad.npz: member 'x.npy' (array 'x') is damaged" in err, err
+    # A bomb: 64 MiB of zeros compress to a few KiB; a member may inflate to at most the bound.
+    np.savez_compressed("bomb.npz", x=np.zeros((4096, 1, 64, 64), np.float32), y=np.zeros(4096, np.int64))
+    assert (tmp_path / "bomb.npz").stat().st_size < 1 << 20
+    monkeypatch.setattr(arrays_module, "whole_member_limit_bytes", lambda: 16 << 20)
+    err = _refused(["--npz", "bomb.npz", "--inputs", "x", "--targets", "y"], capsys)
+    assert ("bomb.npz: member 'x.npy' (array 'x') is compressed and inflates to 64.0 MiB, more than the "
+            "16.0 MiB a compressed member may take") in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.npz", "bomb.npz", "z.npz"]
+    monkeypatch.setattr(arrays_module, "whole_member_limit_bytes", lambda: 64 << 20)
+    assert main(["convert", "--npz", "bomb.npz", "--inputs", "x", "--targets", "y", "--out", "b.h5",
+                 "--num-classes", "2"]) == 0
+
+
+def test_far_labels_need_num_classes_given(tmp_path):
+    """A label of 1e9 makes ``num_classes`` 1,000,000,001 only when asked for with ``--num-classes``."""
+    x, y = _blobs(20)
+    y[7] = 10**9
+    np.savez(tmp_path / "far.npz", x=x, y=y)
+    with pytest.raises(DatasetError, match=r"holds 1000000000 \(row 7\); num_classes would be 1000000001"):
+        convert(tmp_path / "a.h5", load_npz(tmp_path / "far.npz", "x", "y"))
+    done = convert(tmp_path / "b.h5", load_npz(tmp_path / "far.npz", "x", "y"), num_classes=10**9 + 1)
+    assert done.num_classes == 10**9 + 1 and _read_all(done.path, "train")[1][7] == 10**9
 
 
 def test_existing_out_needs_force(tmp_path, capsys):

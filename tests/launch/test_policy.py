@@ -22,6 +22,25 @@ def test_signal_deaths_of_the_launcher_read_like_a_shell():
     assert is_restartable(normalise_status(-signal.SIGKILL)) and not is_restartable(normalise_status(-signal.SIGINT))
 
 
+@pytest.mark.launch
+@pytest.mark.parametrize("flag, value", [("--backoff-s", "1e12"), ("--max-backoff-s", "1e12"), ("--backoff-s", "nan")])
+def test_backoff_flags_are_bounded(tmp_path, flag, value):
+    """A wait beyond 30 days (or nan) is refused up front, naming the flag, not an OverflowError traceback from
+    the wait before the first restart."""
+    import subprocess
+    import sys
+
+    from tests.helpers import clean_env
+
+    other = "--max-backoff-s" if flag == "--backoff-s" else "--backoff-s"
+    out = subprocess.run([sys.executable, "-m", "hpcnet.launch", "--max-restarts", "1", flag, value, other, "1",
+                          "--", "sh", "-c", "exit 75"], cwd=tmp_path, env=clean_env(), capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert f"error: {flag} must be a number of seconds in [0, 2592000] (30 days), got {value.replace('1e12', '1e+12')}" \
+        in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
 def test_backoff_doubles_up_to_the_cap():
     assert [backoff_s(k, 1.0, 10.0) for k in range(1, 7)] == [1, 2, 4, 8, 10, 10]
     assert backoff_s(100, 0.5, 60) == 60 and backoff_s(3, 0.0, 60) == 0
