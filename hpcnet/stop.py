@@ -4,15 +4,16 @@ SIGTERM and SIGUSR2 (preemption, ``scancel``, ``hpcnet.launch`` passing on its o
 run to save and stop at the next step boundary.  Their default action ends the process, so a signal that comes
 before the handler is installed or after it is removed kills the rank (status 140, 143) instead: the job is not
 requeued and the steps since the last checkpoint are lost.  So ``python -m hpcnet.train`` installs
-``StopRequest`` as its first statement, before it imports torch (seconds), and keeps it until the process exits;
-a stop that comes during start-up, a resume or a standby's parking takes effect at the first step boundary, and
-one that comes after the last step is recorded and changes nothing (the run finished: status 0).
+``StopRequest`` as its first statement, before it imports torch (seconds), keeps it until its status is decided
+and ignores the signals from then to the exit (``StopRequest.ignore``): a stop that comes during start-up, a resume
+or a standby's parking takes effect at the first step boundary, and one that comes after the last step changes
+nothing (the run finished: status 0).
 
 What no Python code can cover is the interpreter's own start before that first statement, and, under a
 launcher, the launcher's start and the time before it has started every rank.  ``hpcnet.launch`` therefore
 passes a stop signal on to the job only once every rank has said that its handler is installed: each rank
 writes ``ready.<rank>`` into the directory named by ``HPCNET_READY`` right after installing it
-(``hpcnet.launch.supervisor``).  Stdlib only: it runs before anything heavy is imported.
+(``hpcnet.launch.forward``).  Stdlib only: it runs before anything heavy is imported.
 """
 
 import os

@@ -244,8 +244,8 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any
 def _finish(result: TrainResult, world: World, run_dir: Path, total_steps: int) -> None:
     """The exit status, ``summary.json`` and the last line.
 
-    A stop signal that took effect after the last step (``total_steps``) leaves a finished run: status 0, as one
-    that came after the loop; a requeue would only find nothing to train.
+    A stop that the ranks agreed on at the last step boundary (``total_steps``) leaves a finished run, saved:
+    status 0, as a stop signal that comes after the loop does; a requeue would only find nothing to train.
     """
     summary = result.summary
     if summary.get("diverged"):

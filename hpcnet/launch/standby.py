@@ -16,6 +16,7 @@ module from outside the standard library and site-packages (the model and datase
 itself in a checkout) and the version of every package installed on their ``sys.path`` (torch among them).
 """
 
+import contextlib
 import importlib.metadata
 import os
 import re
@@ -105,8 +106,12 @@ def _names(items: list[str], limit: int = 3) -> str:
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
+_ABSENT = object()
+
+
 def _changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    return sorted(key for key in old.keys() | new.keys() if old.get(key, ...) != new.get(key, ...))
+    """The keys whose values differ, or that only one of the two has."""
+    return sorted(key for key in old.keys() | new.keys() if old.get(key, _ABSENT) != new.get(key, _ABSENT))
 
 
 def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> str:
@@ -198,3 +203,11 @@ def parked_ranks(directory: Path, kind: str = PARKED) -> tuple[int, int | None]:
     except (OSError, IndexError):
         pass
     return len(names), size
+
+
+def clear_reports(directory: Path, *patterns: str) -> None:
+    """Remove the files of ``directory`` that match ``patterns`` (reports of processes that are gone)."""
+    for pattern in patterns:
+        with contextlib.suppress(OSError):
+            for old in directory.glob(pattern):
+                old.unlink(missing_ok=True)

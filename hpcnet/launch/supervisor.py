@@ -15,11 +15,8 @@ This module runs the attempts: each in a session of its own, its output teed
 (a launcher's line about a dead rank is recorded), whatever is left of the
 session killed when the launcher ends (``reap_session``: a session, not the
 process group, because Open MPI's mpirun gives every rank a process group of
-its own), stop signals forwarded (``_Forwarder``), and ``launch.json`` written.
-A stop signal ends the restarts whenever it comes: it is held from the first
-line of ``python -m hpcnet.launch`` until the handlers are installed, reaches
-an attempt only once its ranks handle it, starts no attempt after it, and
-still finds the handlers as the supervisor exits.
+its own), stop signals forwarded (``hpcnet.launch.forward``: whenever one
+comes, no attempt starts after it), and ``launch.json`` written.
 What each attempt runs is ``hpcnet.launch.command``; whether to run another,
 ``hpcnet.launch.policy``; which hosts to leave out, ``hpcnet.launch.hosts``.
 The README ("Automatic restart") describes the behaviour and the exit status.
@@ -39,24 +36,25 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any, TextIO
 
 from hpcnet.config_manager import load_config, parse_command_line
 from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.launch.command import attempt_command, is_openmpi, launcher_env, launcher_kind, train_args_start
+from hpcnet.launch.forward import Forwarder, ranks_ready, stop_status
 from hpcnet.launch.hosts import exclude_hosts, slurm_allocation
 from hpcnet.launch.park import RELEASE_SIGNAL
-from hpcnet.launch.standby import (IMPORTED_FILE, PARK_WAIT_S, TRIGGER, TRIGGER_TIMEOUT_S, fingerprint,
+from hpcnet.launch.standby import (IMPORTED_FILE, PARK_WAIT_S, TRIGGER, TRIGGER_TIMEOUT_S, clear_reports, fingerprint,
                                    fingerprint_changes, imported_changes, parked_ranks, standby_command)
 from hpcnet.launch.policy import (RestartBudget, backoff_s, committed_checkpoints, describe_failure, describe_status,
                                   failed_where, failure_from_line, is_restartable, new_checkpoints, normalise_status,
                                   read_failure)
 from hpcnet.layout import (ATTEMPT_ENV, LAUNCH_FILE, READY_ENV, STANDBY_ENV, STANDBY_OWNER_ENV, attempt_dir,
                            checkpoint_dir, ready_dir, run_dir_path)
-from hpcnet.stop import READY, SUPERVISOR_SIGNALS
+from hpcnet.stop import READY
 
 
 @dataclass(slots=True)
@@ -90,88 +88,6 @@ class Attempt:
     """Why no standby was used (none was ready, or it was discarded and why)."""
     standby_started_unix: float | None = None
     """When the standby that ran this attempt was started."""
-
-
-class _Forwarder:
-    """Signal handlers that pass SIGTERM/SIGUSR2/SIGINT/SIGHUP on to the running launcher (and end the restarts).
-
-    A first signal waits while ``ready`` says that the attempt's ranks are still starting: until a rank has
-    installed its stop handler (``hpcnet.stop``) the signal's default action would kill it, and a launcher that
-    is starting would die of it or start ranks after it passed it on; ``run_attempt`` passes it on once they are
-    ready. A second signal is passed on at once (stop now).
-    """
-
-    SIGNALS = SUPERVISOR_SIGNALS
-
-    def __init__(self, mpirun: bool) -> None:
-        self.mpirun = mpirun
-        self.received = 0
-        self.count = 0
-        self.sent = 0
-        """How many of the signals received were passed on to ``proc``."""
-        self.held = False
-        self.proc: subprocess.Popen | None = None
-        self.ready: Callable[[], bool] | None = None
-        self.wake = threading.Event()
-        self._previous: dict[int, Any] = {}
-        self._mask: set[int] | None = None
-
-    def install(self) -> "_Forwarder":
-        for sig in self.SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        # python -m hpcnet.launch blocks them from its first line: one that came meanwhile is handled now.
-        self._mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)
-        return self
-
-    def restore(self) -> None:
-        if self._mask is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.received = self.received or signum
-        self.count += 1
-        self.wake.set()
-        self.pass_on()
-
-    @property
-    def pending(self) -> bool:
-        """A signal was received and not yet passed on to the running launcher."""
-        return self.proc is not None and self.sent < self.count
-
-    def attach(self, proc: subprocess.Popen, ready: Callable[[], bool] | None) -> None:
-        """``proc`` is the running launcher; ``ready`` says whether its ranks handle stop signals (None: always)."""
-        self.proc, self.ready, self.sent, self.held = proc, ready, 0, False
-        self.pass_on()  # a signal came as it started
-
-    def detach(self) -> None:
-        self.proc, self.ready = None, None
-
-    def pass_on(self) -> None:
-        """Send what was received to the running launcher, unless it is a first signal and its ranks are not
-        ready (then it stays pending: ``run_attempt`` calls this again)."""
-        proc = self.proc
-        if proc is None or self.sent >= self.count or proc.poll() is not None:
-            return
-        name = signal.Signals(self.received).name
-        if self.count == 1 and self.ready is not None and not self.ready():
-            if not self.held:
-                self.held = True
-                print(f"hpcnet.launch: got {name}; the job's ranks are still starting: it reaches them once every "
-                      "rank handles it; no restart after it", file=sys.stderr, flush=True)
-            return
-        # A hang-up is a request to stop, as SIGTERM is (which the ranks save on).
-        forward = signal.SIGTERM if self.received == signal.SIGHUP else self.received
-        # mpirun kills the ranks ~1 s after SIGTERM/SIGINT (no time to save)
-        # but forwards SIGUSR2; a second signal means "now".
-        if self.mpirun:
-            forward = signal.SIGUSR2 if self.count == 1 else signal.SIGTERM
-        self.sent = self.count
-        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
-            os.kill(proc.pid, forward)
-        print(f"hpcnet.launch: got {name}, sent {signal.Signals(forward).name} to the job; no restart after it",
-              file=sys.stderr, flush=True)
 
 
 def _die_with_parent() -> None:
@@ -224,21 +140,6 @@ def reap_session(sid: int, timeout_s: float = 30.0) -> tuple[list[int], list[int
         time.sleep(0.05)
 
 
-def _clear_reports(directory: Path, *patterns: str) -> None:
-    """Remove the files of ``directory`` that match ``patterns`` (reports of processes that are gone)."""
-    for pattern in patterns:
-        with contextlib.suppress(OSError):
-            for old in directory.glob(pattern):
-                old.unlink(missing_ok=True)
-
-
-def _ranks_ready(directory: Path, started_up: threading.Event) -> bool:
-    """Whether every rank of an attempt has reported that it handles stop signals (``hpcnet.stop``), or, for
-    ranks that cannot say how many they are, the attempt has logged its first step (they are all past start-up)."""
-    count, size = parked_ranks(directory, READY)
-    return (size is not None and count >= size) or started_up.is_set()
-
-
 def _tee(stream: Any, out: TextIO, on_line: Any) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace")
@@ -269,7 +170,7 @@ class _Started:
             hook(line)
 
 
-def run_attempt(command: list[str], env: dict[str, str], forwarder: _Forwarder, record: Attempt,
+def run_attempt(command: list[str], env: dict[str, str], forwarder: Forwarder, record: Attempt,
                 started: "_Started | None" = None, on_line: Any = None, ready: Callable[[], bool] | None = None
                 ) -> None:
     """Run one attempt to its end (``started``: already running, a released standby), teeing its output; fill in
@@ -328,9 +229,9 @@ class Standby:
                  fingerprint: dict[str, Any], *, launcher: str, openmpi: bool) -> None:
         self.attempt, self.directory, self.fingerprint = attempt, directory, fingerprint
         directory.mkdir(parents=True, exist_ok=True)
-        _clear_reports(directory, "parked.*", IMPORTED_FILE)
+        clear_reports(directory, "parked.*", IMPORTED_FILE)
         if env.get(READY_ENV):  # its ranks report there as those of a cold start of the attempt would
-            _clear_reports(Path(env[READY_ENV]), f"{READY}.*")
+            clear_reports(Path(env[READY_ENV]), f"{READY}.*")
         command = standby_command(command, launcher)
         if openmpi and launcher == "mpirun":
             command = [command[0], "-x", STANDBY_ENV, "-x", STANDBY_OWNER_ENV, *command[1:]]  # other nodes too
@@ -506,7 +407,7 @@ def _standby_watcher(job: _Job, attempt: int, environ: dict[str, str], started: 
          "starts")
 
 
-def _run_next(job: _Job, budget: RestartBudget, forwarder: _Forwarder, environ: dict[str, str]) -> Attempt | None:
+def _run_next(job: _Job, budget: RestartBudget, forwarder: Forwarder, environ: dict[str, str]) -> Attempt | None:
     """Run the next attempt of ``job`` (through its standby when one is ready) and record it in launch.json; None
     when a stop signal came first (before it, or while its standby's ranks were parking): none is started."""
     attempt = len(job.attempts) + 1
@@ -530,8 +431,8 @@ def _run_next(job: _Job, budget: RestartBudget, forwarder: _Forwarder, environ: 
     if run_dir:
         reports = ready_dir(job.launch_dir, attempt)
         if standby is None:
-            _clear_reports(reports, f"{READY}.*")  # those of a discarded standby's ranks, which are gone
-        ready = functools.partial(_ranks_ready, reports, started_up)
+            clear_reports(reports, f"{READY}.*")  # those of a discarded standby's ranks, which are gone
+        ready = functools.partial(ranks_ready, reports, started_up)
     watcher = None
     if job.standby_on:
         watcher = threading.Thread(target=_standby_watcher, args=(job, attempt, environ, started_up, ended, stopping),
@@ -597,12 +498,6 @@ def _exclude_failed_hosts(job: _Job, record: Attempt) -> None:
     _say(f"excluding {', '.join(hosts)}: {exclusion.note}")
 
 
-def _stop_status(received: int) -> int:
-    """The status of a job that a stop signal ended before an attempt could stop and save: 130 for Ctrl-C,
-    else 76 (preempted: requeue; nothing was lost, no attempt ran since the last one's checkpoints)."""
-    return ExitCode.INTERRUPTED if received == signal.SIGINT else ExitCode.PREEMPTED
-
-
 def supervise(command: list[str], *, max_restarts: int = 3, backoff_base_s: float = 1.0,
               backoff_cap_s: float = 60.0, exclude_failed_hosts: bool = False, standby: str = "auto",
               environ: dict[str, str] | None = None, keep_signal_handlers: bool = False) -> int:
@@ -624,7 +519,7 @@ def supervise(command: list[str], *, max_restarts: int = 3, backoff_base_s: floa
     job.standby_on = standby != "off" and possible
     if job.standby_on:
         job.spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcnet-standby")
-    forwarder = _Forwarder(mpirun=job.openmpi).install()
+    forwarder = Forwarder(mpirun=job.openmpi).install()
     budget = RestartBudget(max_restarts)
     since = " since the last new checkpoint" if job.checkpoint_dir else ""
     status, message = ExitCode.CODE_ERROR, ""
@@ -633,7 +528,7 @@ def supervise(command: list[str], *, max_restarts: int = 3, backoff_base_s: floa
             record = _run_next(job, budget, forwarder, environ)
             if record is None:
                 name = signal.Signals(forwarder.received).name
-                status = _stop_status(forwarder.received)
+                status = stop_status(forwarder.received)
                 message = (f"stopped by {name} before restarting" if job.attempts
                            else f"stopped by {name} before the first attempt: nothing was started")
                 return status
