@@ -83,8 +83,10 @@ def env_int(names: tuple[str, ...]) -> int | None:
 def report_rank(directory: Path, kind: str) -> None:
     """Write ``<kind>.<rank>`` into ``directory``: "<number of ranks> <pid> <time>" (the number, on rank 0 at
     least, tells the reader how many reports to expect); best effort, a report that cannot be written only makes
-    its reader wait longer."""
+    its reader wait longer. A process that no launcher numbered is a job of one."""
     rank, size = env_int(RANK_ENVS), env_int(SIZE_ENVS)
+    if rank is None and size is None:
+        rank, size = 0, 1
     try:
         directory.mkdir(parents=True, exist_ok=True)
         name = f"{kind}.{rank if rank is not None else os.getpid()}"

@@ -218,7 +218,7 @@ def test_python_m_hpcnet_train_handles_stop_signals_first_and_an_import_does_not
     out = subprocess.run([sys.executable, "-m", "hpcnet.train", "--help"], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    assert [p.name.split(".")[0] for p in (tmp_path / "ready").iterdir()] == ["ready"]
+    assert [(p.name, p.read_text().split()[0]) for p in (tmp_path / "ready").iterdir()] == [("ready.0", "1")]
     code = "import signal, hpcnet.train; print(signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["True"], out.stderr
