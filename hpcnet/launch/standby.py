@@ -172,16 +172,16 @@ def imported_manifest() -> dict[str, Any]:
             "packages": installed_packages(sys.path)}
 
 
-def imported_changes(recorded: dict[str, Any], packages: Any = installed_packages) -> str:
+def imported_changes(recorded: dict[str, Any], packages: Any = None) -> str:
     """What changed since a standby recorded ``recorded`` (``imported_manifest``), in words; '' if nothing.
 
-    ``packages``: reads the versions installed on a ``sys.path`` now (``installed_packages``).
+    ``packages``: reads the versions installed on a ``sys.path`` now (default ``installed_packages``).
     """
     changes = []
     edited = [path for path, stat in recorded["modules"].items() if _file_stat(Path(path)) != stat]
     if edited:
         changes.append(f"code it imported changed ({_names(edited)})")
-    before, now = recorded["packages"], packages(recorded["path"])
+    before, now = recorded["packages"], (packages or installed_packages)(recorded["path"])
     versions = [f"{name} {before.get(name, 'not installed')} -> {now.get(name, 'removed')}"
                 for name in sorted(before.keys() | now.keys()) if before.get(name) != now.get(name)]
     if versions:

@@ -126,6 +126,43 @@ def test_standby_commands_parked_counts_and_the_trigger(tmp_path):
     assert not TRIGGER.match("model mlp: 1,000 parameters")
 
 
+def test_launch_json_says_which_host_file_or_package_changed_since_the_standby_started(tmp_path, monkeypatch):
+    """The supervisor's decision on a parked standby: a host file given as ``--hostfile=PATH`` edited since the
+    standby started, or a package version changed since its rank 0 recorded them, discards it, and the attempt's
+    record (launch.json's ``standby_note``) says which."""
+    import hpcnet.launch.standby as standby_module
+    from hpcnet.launch.supervisor import Attempt, _Job, _take_standby
+
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=2\n")
+    manifest = tmp_path / "imported.json"
+    manifest.write_text(json.dumps(imported_manifest()))
+    # The standby's ranks as a shell plays them: rank 0 of 1 records what it imported and parks; the host file
+    # option is only there for the fingerprint ($0 of the script).
+    park = f'cp {manifest} "$HPCNET_STANDBY/imported.json"; echo "1 $$ 0" > "$HPCNET_STANDBY/parked.0"; sleep 60'
+    cmd, env = ["sh", "-c", park, f"--hostfile={hosts}"], clean_env()
+
+    def decide(name, change):
+        job = _Job(cmd, cmd, False, None, tmp_path, None, None, standby_on=True)
+        job.standby = Standby(2, cmd, env, tmp_path / f"standby-{name}", fingerprint(cmd, env, None), launcher="other",
+                              openmpi=False)
+        change()
+        record = Attempt(attempt=2, command=cmd, run_dir=None, start_unix=time.time())
+        used = _take_standby(job, 2, cmd, env, record, lambda: False)
+        if used is not None:
+            used.discard()
+        return record.standby_note
+
+    assert decide("unchanged", lambda: None).startswith("released with 1/1 ranks parked")
+    assert decide("hosts", lambda: hosts.write_text("localhost slots=4\n")) == (
+        f"standby discarded: the host file changed ({hosts}) since it started; cold start")
+    torch_now = installed_packages(sys.path)["torch"]
+    upgrade = lambda: monkeypatch.setattr(standby_module, "installed_packages",  # noqa: E731
+                                          lambda path: {**installed_packages(path), "torch": "99.0"})
+    assert decide("packages", upgrade) == (f"standby discarded: installed packages changed (torch {torch_now} -> 99.0)"
+                                           " since its ranks imported it; cold start")
+
+
 # -- under mpirun --------------------------------------------------------------------------------------------------
 def test_a_standby_is_released_only_once_every_rank_has_parked(tmp_path):
     """At a failure the supervisor waits for the standby's ranks that still import (a release signal would end a
