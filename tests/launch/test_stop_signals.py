@@ -5,7 +5,8 @@ no attempt is started after it, and no process is left.
 Each moment is reached by waiting for a marker, not for a time: a slow step of the job (``sitecustomize`` in the
 job's ``PYTHONPATH``: a rank's interpreter that starts slowly or exits slowly; a fake ``mpirun --version`` that
 answers slowly; a model module that a standby imports slowly) writes a file, and the signal is sent while the job
-is inside that step.
+is inside that step. The sweep over the times of the report (0.5 to 9 s after the start) waits first for the
+supervisor to take charge of SIGUSR2, which it does on its first line: before it, no Python code can.
 """
 
 import json
@@ -92,7 +93,7 @@ def test_a_stop_signal_while_the_supervisor_starts_ends_it_before_any_attempt(tm
     _serial_only()
     fake = tmp_path / "bin" / "mpirun"
     fake.parent.mkdir()
-    fake.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then touch "{tmp_path}/asked"; sleep 3; '
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then touch "{tmp_path}/asked"; sleep 6; '
                     f'echo "mpirun (Open MPI) 4.1.4"; exit 0; fi\nexec {shutil.which("mpirun")} "$@"\n')
     fake.chmod(0o755)
     command = _train_command(tmp_path, "early")
@@ -115,7 +116,7 @@ def test_a_stop_signal_while_the_ranks_start_reaches_them_once_they_handle_it(tm
     after their first step and the job ends with 76."""
     _serial_only()
     command = _train_command(tmp_path, "starting", "train.steps=100000", "checkpoint.every_steps=0")
-    proc = _start(tmp_path, command, _env(tmp_path, TEST_SLOW_START_S="4"), "--standby", "off")
+    proc = _start(tmp_path, command, _env(tmp_path, TEST_SLOW_START_S="8"), "--standby", "off")
     _wait_for(proc, tmp_path, lambda: (tmp_path / "starting.0").exists() and (tmp_path / "starting.1").exists())
     proc.send_signal(sig)
     assert _finish(proc) == ExitCode.PREEMPTED, _err(tmp_path)
@@ -133,7 +134,7 @@ def test_a_stop_signal_after_training_finished_and_committed_leaves_status_0(tmp
     line; they put back the default action and died of the signal): the job is complete, status 0."""
     _serial_only()
     command = _train_command(tmp_path, "finished", "train.steps=6")
-    proc = _start(tmp_path, command, _env(tmp_path, TEST_SLOW_EXIT_S="3"), "--standby", "off")
+    proc = _start(tmp_path, command, _env(tmp_path, TEST_SLOW_EXIT_S="5"), "--standby", "off")
     _wait_for(proc, tmp_path, lambda: (tmp_path / "exiting.0").exists() and (tmp_path / "exiting.1").exists())
     assert _checkpoints(tmp_path, "finished")[-1] == "ckpt-0000000006.h5"
     proc.send_signal(signal.SIGUSR2)
@@ -141,6 +142,42 @@ def test_a_stop_signal_after_training_finished_and_committed_leaves_status_0(tmp
     record = _record(tmp_path, "finished")
     assert [a["status"] for a in record["attempts"]] == [0] and record["final_status"] == 0
     assert _checkpoints(tmp_path, "finished")[-1] == "ckpt-0000000006.h5"
+
+
+def _takes_charge_of_sigusr2(pid: int) -> bool:
+    """Whether process ``pid`` blocks or catches SIGUSR2 (``/proc/<pid>/status``): before that, in the first
+    milliseconds of an interpreter, no Python code can keep a signal from killing it."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    masks = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("SigBlk:", "SigCgt:"))]
+    return any(mask >> (signal.SIGUSR2 - 1) & 1 for mask in masks)
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("after_s", [0.5, 1.0, 2.0, 3.0, 4.5, 9.0])
+def test_a_stop_signal_at_any_time_ends_with_76_and_loses_nothing(tmp_path, after_s):
+    """The times of the report (140 at 0.5, 1, 2 and 4.5 s, 0 at 3 s): whatever the job is doing then (the
+    supervisor preparing, mpirun starting, the ranks importing, MPI starting, training), it ends with 76 and either
+    nothing was started or the one attempt saved the step it stopped after."""
+    _serial_only()
+    command = _train_command(tmp_path, "sweep", "train.steps=100000", "checkpoint.every_steps=0")
+    t0 = time.monotonic()
+    proc = _start(tmp_path, command, _env(tmp_path), "--standby", "off")
+    _wait_for(proc, tmp_path, lambda: _takes_charge_of_sigusr2(proc.pid), timeout_s=30)
+    time.sleep(max(0.0, after_s - (time.monotonic() - t0)))
+    proc.send_signal(signal.SIGUSR2)
+    assert _finish(proc) == ExitCode.PREEMPTED, _err(tmp_path)
+    attempts = _record(tmp_path, "sweep")["attempts"]
+    saved = _checkpoints(tmp_path, "sweep")
+    if not attempts:
+        assert saved == [] and "before the first attempt: nothing was started" in _err(tmp_path)
+    else:
+        assert [a["status"] for a in attempts] == [ExitCode.PREEMPTED], attempts
+        step = int(_err(tmp_path).split("stopping after step ")[1].split("/")[0])
+        assert saved == [f"ckpt-{step:010d}.h5"]
 
 
 SLOW_IMPORT = '''
