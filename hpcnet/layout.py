@@ -16,6 +16,9 @@ STANDBY_OWNER_ENV = "HPCNET_STANDBY_OWNER"  # "host pid" of the supervisor that 
 """Set by ``hpcnet.launch`` on a warm standby attempt: the directory where its ranks report that they are parked.
 Such a rank imports everything, then waits for SIGUSR1 before MPI initialisation (``hpcnet.launch.park``)."""
 """Set by ``hpcnet.launch`` for every attempt: 1, 2, ... (absent: 1)."""
+READY_ENV = "HPCNET_READY"
+"""Set by ``hpcnet.launch`` for every attempt of ``hpcnet.train``: the directory where each rank reports that its
+stop-signal handler is installed (``hpcnet.stop``); the supervisor passes a stop signal on only after that."""
 RANKS_PER_NODE_ENV = "HPCNET_RANKS_PER_NODE"
 """Splits one machine into virtual nodes of this many ranks each, so multi-node code paths run on one host."""
 
@@ -63,6 +66,11 @@ def run_dir_path(parent: str | Path, name: str, *, exact: bool) -> Path:
 def attempt_dir(launch_dir: Path, attempt: int) -> Path:
     """The run directory of attempt ``attempt`` (1, 2, ...) under ``hpcnet.launch``."""
     return launch_dir / f"attempt-{attempt}"
+
+
+def ready_dir(launch_dir: Path, attempt: int) -> Path:
+    """Where the ranks of attempt ``attempt`` report that they handle stop signals (``READY_ENV``)."""
+    return launch_dir / f"ready-{attempt}"
 
 
 def checkpoint_dir(run_dir: str, run_name: str, checkpoint_dir: str) -> Path:

@@ -10,6 +10,13 @@ gradients are averaged across ranks, so N ranks with batch B train exactly as
 one rank with batch N*B would.
 """
 
+if __name__ == "__main__":
+    # First, before the seconds of importing torch: a stop signal (preemption) from here to the exit is a request
+    # to save and stop, never the default action that kills the rank (hpcnet.stop says why).
+    from hpcnet.stop import hold_stop_signals
+
+    _STOP = hold_stop_signals()
+
 import json
 import logging
 import os
@@ -50,38 +57,10 @@ from hpcnet.loop import Loop
 from hpcnet.models import build_model, count_parameters
 from hpcnet.optim import build_optimizer
 from hpcnet.runlog import MetricsWriter, OptionalFile, close_logging, format_duration, make_run_dir, setup_logging
+from hpcnet.stop import StopRequest
 from hpcnet.trace import StepTracer, parse_steps
 
 log = logging.getLogger("hpcnet.train")
-
-
-class StopRequest:
-    """Remember a SIGINT/SIGTERM/SIGUSR2 so the loop can stop at a step boundary.
-
-    The signal handler only sets a flag; the ranks agree on it once per step,
-    so all of them stop after the same step even when only one was signalled.
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
-
-    def __init__(self) -> None:
-        self.signum = 0
-        self._previous: dict[int, Any] = {}
-
-    def install(self) -> "StopRequest":
-        for sig in self.SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now
-        self.signum = signum
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
 
 
 @dataclass
@@ -122,7 +101,7 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
             own_plane = True
         result = _train(cfg, comm, world, device, plan, run_dir, monitor, stop, link)
         result.summary.update(wall_s=time.perf_counter() - t_start)
-        _finish(result, world, run_dir)
+        _finish(result, world, run_dir, cfg.train.steps)
         return result
     finally:
         if monitor is not None:
@@ -268,12 +247,16 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any
     return result
 
 
-def _finish(result: TrainResult, world: World, run_dir: Path) -> None:
-    """The exit status, ``summary.json`` (best effort: the checkpoints are committed by now) and the last line."""
+def _finish(result: TrainResult, world: World, run_dir: Path, total_steps: int) -> None:
+    """The exit status, ``summary.json`` (best effort: the checkpoints are committed by now) and the last line.
+
+    A stop that the ranks agreed on at the last step boundary (``total_steps``) leaves a finished run, saved:
+    status 0, as a stop signal that comes after the loop does; a requeue would only find nothing to train.
+    """
     summary = result.summary
     if summary.get("diverged"):
         result.exit_code = ExitCode.DIVERGED  # before a signal: a restart would diverge again
-    elif summary.get("stopped_by_signal"):
+    elif summary.get("stopped_by_signal") and summary["steps"] < total_steps:
         result.exit_code = (ExitCode.INTERRUPTED if summary["stopped_by_signal"] == signal.SIGINT
                             else ExitCode.PREEMPTED)
     if world.is_main:
@@ -294,8 +277,14 @@ def _may_communicate() -> bool:
     return error is None or is_agreed(error)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m hpcnet.train``; the only place that uses COMM_WORLD."""
+def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
+    """Entry point of ``python -m hpcnet.train``; the only place that uses COMM_WORLD.
+
+    Args:
+        argv: the options (default ``sys.argv[1:]``).
+        stop: the stop-signal handler, installed by the caller for the life of the process (``python -m
+            hpcnet.train`` does so first thing); None: installed here and restored on return.
+    """
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -305,7 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(__doc__.strip() + "\n\nOptions (defaults shown):\n" + describe_options())
         return ExitCode.OK
-    stop = StopRequest().install()
+    own_stop = stop is None
+    if stop is None:
+        stop = StopRequest().install()
     try:
         with shared_errors(comm):  # a config file missing on one node fails everywhere
             cfg = load_config(args.config, args.overrides + ([f"checkpoint.resume={args.resume}"] if args.resume else []))
@@ -331,13 +322,17 @@ def main(argv: list[str] | None = None) -> int:
         comm.Abort(code)
         return code
     finally:
-        stop.restore()
+        if own_stop:
+            stop.restore()
         close_logging()
 
 
 if __name__ == "__main__":
     park(sys.argv[1:])  # a warm standby of hpcnet.launch waits here, imported, before MPI starts
-    code = main()
+    # The handler stays to the exit: a stop signal after the loop (the final save, MPI_Finalize, the exit) changes
+    # nothing, where the default action would turn a finished run into a death by signal.
+    code = main(stop=_STOP)
+    _STOP.ignore()  # the status is decided
     sys.stdout.flush()
     sys.stderr.flush()
     if code:

@@ -51,28 +51,61 @@ hpcnet_verdict() {
     esac
 }
 
-# Run "$@" in the background and wait for it, forwarding SIGUSR2 to it.
-# --signal=B:USR2@90 signals only this shell, and bash runs a trap only once the
-# foreground command has ended: the training must be waited for in the background
-# to hear the warning in time.  hpcnet.launch, srun and mpirun each pass SIGUSR2 on
-# to the ranks.  Sets hpcnet_status.
-hpcnet_supervise() {
-    local pid
-    hpcnet_terminated=0
-    "$@" &
-    pid=$!
-    trap 'hpcnet_log "SIGUSR2: preemption warning, asking the ranks to save and stop"; kill -USR2 $pid 2>/dev/null' USR2
+# Stop signals from the start of the job to its end.  --signal=B:USR2@90 signals
+# only this shell, and bash runs a trap only once the foreground command has ended:
+# the training is waited for in the background to hear the warning in time.  The
+# traps are set first thing (without them SIGUSR2 kills the shell: status 140, no
+# requeue) and stay to the exit; a SIGUSR2 is held until hpcnet.launch handles it.
+hpcnet_stop_pending=0
+hpcnet_terminated=0
+hpcnet_hold_signals() {
+    trap 'hpcnet_log "SIGUSR2: preemption warning, asking the ranks to save and stop"; hpcnet_stop_pending=1' USR2
     # SLURM sends SIGTERM to every process of the job itself; only remember it.
     trap 'hpcnet_terminated=1; hpcnet_log "SIGTERM from SLURM: the ranks save and stop"' TERM
+}
+
+# Whether process $1 blocks or catches SIGUSR2 (hpcnet.launch blocks it from its
+# first line): sent sooner, while its interpreter starts, the signal would kill it.
+hpcnet_handles_usr2() {
+    local key mask
+    while read -r key mask; do
+        case "$key" in
+            SigBlk: | SigCgt:) if (( (0x$mask >> 11) & 1 )); then return 0; fi ;;
+        esac
+    done <"/proc/$1/status" 2>/dev/null
+    return 1
+}
+
+# Run "$@" in the background and wait for it, passing SIGUSR2 on to it; hpcnet.launch,
+# srun and mpirun each pass it on to the ranks.  A stop that came before it started
+# starts nothing (status 76: requeue, unless SLURM is ending the job).  Sets hpcnet_status.
+hpcnet_supervise() {
+    local pid
+    if [ "$hpcnet_stop_pending" = 1 ] || [ "$hpcnet_terminated" = 1 ]; then
+        hpcnet_log "stopped before the training started: not starting it"
+        hpcnet_status=76
+        return
+    fi
+    "$@" &
+    pid=$!
     while :; do
+        if [ "$hpcnet_stop_pending" = 1 ]; then
+            if hpcnet_handles_usr2 "$pid"; then
+                hpcnet_stop_pending=0
+                kill -USR2 "$pid" 2>/dev/null
+            elif kill -0 "$pid" 2>/dev/null; then
+                sleep 0.05  # still starting: ask again
+                continue
+            fi
+        fi
         wait "$pid"
         hpcnet_status=$?
         kill -0 "$pid" 2>/dev/null || break  # else the wait was cut short by a signal
     done
-    trap - USR2 TERM
 }
 
 hpcnet_job() {
+    hpcnet_hold_signals
     set -u
     local root="${HPCNET_ROOT:-${SLURM_SUBMIT_DIR:-$PWD}}"
     if [ ! -d "$root/hpcnet" ]; then

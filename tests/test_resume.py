@@ -60,6 +60,23 @@ def test_stop_and_resume_is_bit_identical(comm, data_plane, mpi_tmp_path, model)
 
 
 @pytest.mark.mpi
+def test_a_stop_at_the_last_step_is_a_finished_run(comm, data_plane, mpi_tmp_path):
+    """Stopped after the last step, the run saved it and has nothing left to train: status 0, not 76 (a requeue
+    would only find nothing to train); a stop one step sooner is a preemption."""
+    dataset = _dataset(comm, mpi_tmp_path)
+    extra = [*MODELS["mlp-dropout-adamw"][:2], "train.steps=6", "checkpoint.every_steps=0", "checkpoint.at_end=false"]
+    last = run(_cfg(mpi_tmp_path, dataset, "stop-last", *extra), comm, plane=data_plane, stop=StopAfter(6))
+    assert last.summary["steps"] == 6 and last.summary["stopped_by_signal"] == signal.SIGUSR2
+    assert last.exit_code == ExitCode.OK
+    sooner = run(_cfg(mpi_tmp_path, dataset, "stop-sooner", *extra), comm, plane=data_plane, stop=StopAfter(5))
+    assert sooner.summary["steps"] == 5 and sooner.exit_code == ExitCode.PREEMPTED
+    if comm.Get_rank() == 0:
+        for name, step in (("stop-last", 6), ("stop-sooner", 5)):  # each saved where it stopped
+            assert sorted(p.name for p in (mpi_tmp_path / "ckpt" / name).glob("ckpt-*.h5")) == [f"ckpt-{step:010d}.h5"]
+    comm.Barrier()
+
+
+@pytest.mark.mpi
 def test_resume_on_one_rank_what_n_ranks_saved(comm, data_plane, mpi_tmp_path):
     """N ranks save at step 10; every rank alone (batch N*B) resumes and matches the N-rank run."""
     size, rank = comm.Get_size(), comm.Get_rank()

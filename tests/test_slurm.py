@@ -266,3 +266,48 @@ def test_requeue_verdict_matches_the_supervisor():
         expected = "done" if status == 0 else "requeue" if launch.is_restartable(status) or status == 76 else "fail"
         assert verdict == expected, status
     assert signal.SIGUSR2 not in launch.RESTART_SIGNALS
+
+
+SUPERVISOR_STAND_IN = """
+import pathlib, signal, sys, time
+pathlib.Path("started").write_text("")
+while not pathlib.Path("go").exists():  # an interpreter still starting: SIGUSR2's default action would kill it
+    time.sleep(0.02)
+signal.signal(signal.SIGUSR2, lambda *_: sys.exit(76))  # what hpcnet.launch ends with after the ranks saved
+time.sleep(60)
+sys.exit(1)
+"""
+
+
+def test_a_preemption_warning_while_the_supervisor_starts_waits_until_it_handles_it(tmp_path):
+    """SIGUSR2 reaches the batch shell while the supervisor is still starting: the shell passes it on once the
+    supervisor handles it (passed on at once, it died of it: 140, not requeued)."""
+    (tmp_path / "supervisor.py").write_text(SUPERVISOR_STAND_IN)
+    script = (f"source {ROOT / 'jobscripts' / 'hpcnet-job.sh'}; hpcnet_hold_signals; "
+              f"hpcnet_supervise {sys.executable} supervisor.py; echo status=$hpcnet_status")
+    with open(tmp_path / "err.txt", "w") as err:
+        proc = subprocess.Popen(["bash", "-c", script], cwd=tmp_path, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGUSR2)
+        while "preemption warning" not in (tmp_path / "err.txt").read_text() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.5)  # a shell that passes the signal on at once has done so by now
+        (tmp_path / "go").write_text("")
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert out.split() == ["status=76"], (tmp_path / "err.txt").read_text()
+
+
+def test_a_preemption_warning_before_the_supervisor_starts_it_not_and_one_after_it_ended_is_harmless(tmp_path):
+    """Before: nothing is started, status 76 (requeue). After the supervisor ended: the shell lives on to act on
+    its status (without the trap, SIGUSR2 killed it)."""
+    script = (f"source {ROOT / 'jobscripts' / 'hpcnet-job.sh'}; hpcnet_hold_signals; kill -USR2 $$; "
+              "hpcnet_supervise touch started; echo status=$hpcnet_status; "
+              "hpcnet_stop_pending=0; hpcnet_supervise true; kill -USR2 $$; echo status=$hpcnet_status")
+    out = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["status=76", "status=0"], out.stderr
+    assert not (tmp_path / "started").exists()

@@ -266,6 +266,29 @@ def test_code_error_on_one_rank_ends_the_job(launch, tmp_path):
     assert "rank 1: ZeroDivisionError: model bug on rank 1" in out.stderr
 
 
+def test_python_m_hpcnet_train_handles_stop_signals_first_and_an_import_does_not(tmp_path):
+    """The entry point installs its stop handler before anything else (torch takes seconds to import, and the
+    default action of a signal meanwhile kills the rank) and reports it where HPCNET_READY says; importing
+    hpcnet.train, as the tests and a user's program do, leaves the process's signals alone."""
+    import ast
+    import subprocess
+
+    from tests.helpers import clean_env
+
+    first = ast.parse((ROOT / "hpcnet" / "train.py").read_text()).body[1]  # after the docstring
+    assert isinstance(first, ast.If) and "__main__" in ast.unparse(first.test)
+    assert "hold_stop_signals()" in ast.unparse(first)
+    env = clean_env(HPCNET_READY=str(tmp_path / "ready"))
+    out = subprocess.run([sys.executable, "-m", "hpcnet.train", "--help"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert [(p.name, p.read_text().split()[0]) for p in (tmp_path / "ready").iterdir()] == [("ready.0", "1")]
+    code = "import signal, hpcnet.train; print(signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["True"], out.stderr
+    assert len(list((tmp_path / "ready").iterdir())) == 1
+
+
 @pytest.mark.launch
 def test_sigterm_to_one_rank_stops_all(launch, tmp_path):
     """SIGTERM (what SLURM sends) to one rank: every rank stops after the same step."""

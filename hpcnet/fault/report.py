@@ -7,7 +7,7 @@ stack to stderr from a C signal handler, so it works even when a thread holds
 the GIL in C code (the case where the monitor thread itself cannot run).  The
 handler stays registered until the process exits: unregistered, the signal's
 default action would kill the process.  SIGUSR1 is left to NCCL and SIGUSR2 to
-preemption notices (``train.StopRequest``); real-time signals are used by
+preemption notices (``hpcnet.stop.StopRequest``); real-time signals are used by
 neither nor by Open MPI.  A SIGSTOPped rank cannot run any handler: its stack
 is not available, the report says where it was from its last beat.
 """

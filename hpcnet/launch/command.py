@@ -1,15 +1,17 @@
 """The command of each attempt: which launcher runs it, where hpcnet.train's arguments start, what is added.
 
 Every attempt runs the user's command with its run and checkpoint directories
-pinned, ``--resume auto`` from the second attempt on, and the attempt number
-in ``HPCNET_ATTEMPT`` (the README's "Automatic restart" says why).
+pinned, ``--resume auto`` from the second attempt on, the attempt number
+in ``HPCNET_ATTEMPT`` (the README's "Automatic restart" says why) and, for
+hpcnet.train, where its ranks report that they handle stop signals in
+``HPCNET_READY`` (``hpcnet.stop``).
 """
 
 import subprocess
 from pathlib import Path
 
 from hpcnet.config_manager import parse_command_line
-from hpcnet.layout import ATTEMPT_ENV
+from hpcnet.layout import ATTEMPT_ENV, READY_ENV
 
 MPIRUN_NAMES = ("mpirun", "mpiexec", "orterun", "prterun")
 SIGKILL_TIMEOUT_ENV = "OMPI_MCA_odls_base_sigkill_timeout"
@@ -80,11 +82,13 @@ def attempt_command(base: list[str], attempt: int, *, train_start: int | None, p
             remote ranks only when told (``-x``).
     """
     command = list(base)
+    exported = [ATTEMPT_ENV]
     if train_start is not None:
         train_args = command[train_start:] + pinned
         if attempt > 1:
             train_args += resume_args(train_args)
         command = command[:train_start] + train_args
+        exported.append(READY_ENV)
     if openmpi and launcher_kind(command) == "mpirun":
-        command = [command[0], "-x", ATTEMPT_ENV, *command[1:]]
+        command = [command[0], *(arg for name in exported for arg in ("-x", name)), *command[1:]]
     return command

@@ -11,7 +11,7 @@ from typing import Any
 from hpcnet.launch.command import launcher_kind
 
 _MPIRUN_HOST_OPTS = ("--host", "-host", "-H", "--H")
-_MPIRUN_HOSTFILE_OPTS = ("--hostfile", "-hostfile", "--machinefile", "-machinefile", "--default-hostfile")
+MPIRUN_HOSTFILE_OPTIONS = ("--hostfile", "-hostfile", "--machinefile", "-machinefile", "--default-hostfile")
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -116,7 +116,7 @@ def exclude_hosts(command: list[str], hosts: list[str], *, allocation: list[tupl
         if not kept:
             return Exclusion(list(command), note=f"not excluding {', '.join(hosts)}: no host would be left")
         return Exclusion(_set_value(command, found, ",".join(kept)), note=f"mpirun --host {','.join(kept)}")
-    found = _option_value(command, _MPIRUN_HOSTFILE_OPTS)
+    found = _option_value(command, MPIRUN_HOSTFILE_OPTIONS)
     if found:
         if read_file is None:
             return Exclusion(list(command), note="cannot read the hostfile")

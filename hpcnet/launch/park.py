@@ -9,11 +9,15 @@ attempt does. SIGUSR1 is blocked as soon as the ``hpcnet`` package is imported (
 release that comes before a rank has parked waits for it instead of killing it. A standby rank asks for SIGKILL when its
 parent (the launcher or its daemon) dies, as soon as ``hpcnet`` is imported; while parked it also wakes every
 ``WATCH_S`` seconds (microseconds of CPU) and leaves when its parent changed (it died before the request took
-effect) or, on the supervisor's host, the supervisor is gone: no parked process outlives its job.
+effect) or, on the supervisor's host, the supervisor is gone: no parked process outlives its job. Before it parks,
+rank 0 writes ``imported.json``: the files of the modules it imported from outside the standard library and
+site-packages, and the installed packages' versions, so the supervisor can tell whether what it would run is still
+what a cold start would run (``hpcnet.launch.standby.imported_changes``).
 """
 
 import contextlib
 import importlib
+import json
 import os
 import signal
 import socket
@@ -21,11 +25,11 @@ import time
 from pathlib import Path
 
 import hpcnet
+from hpcnet.launch.standby import IMPORTED_FILE, PARKED, imported_manifest
 from hpcnet.layout import STANDBY_ENV, STANDBY_OWNER_ENV
+from hpcnet.stop import RANK_ENVS, env_int, report_rank
 
 RELEASE_SIGNAL = signal.SIGUSR1
-RANK_ENVS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID", "PMI_RANK")
-SIZE_ENVS = ("OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", "PMI_SIZE")
 WATCH_S = 2.0
 ORPHAN_EXIT = 3
 
@@ -34,14 +38,6 @@ def standby_dir() -> Path | None:
     """Where this process reports that it is parked; None unless it is a standby."""
     value = os.environ.get(STANDBY_ENV, "")
     return Path(value) if value else None
-
-
-def _env_int(names: tuple[str, ...]) -> int | None:
-    for name in names:
-        value = os.environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return None
 
 
 def _preimport(argv: list[str]) -> None:
@@ -67,12 +63,13 @@ def park(argv: list[str]) -> float:
     if directory is None:
         return 0.0
     _preimport(argv)
-    rank = _env_int(RANK_ENVS)
-    size = _env_int(SIZE_ENVS)
-    with contextlib.suppress(OSError):
-        directory.mkdir(parents=True, exist_ok=True)
-        name = f"parked.{rank if rank is not None else os.getpid()}"
-        (directory / name).write_text(f"{size if size is not None else ''} {os.getpid()} {time.time():.3f}\n")
+    if env_int(RANK_ENVS) in (0, None):  # before its parked report: the supervisor reads it once all have parked
+        with contextlib.suppress(OSError):
+            directory.mkdir(parents=True, exist_ok=True)
+            tmp = directory / f"{IMPORTED_FILE}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(imported_manifest()) + "\n")
+            os.replace(tmp, directory / IMPORTED_FILE)
+    report_rank(directory, PARKED)
     t0 = time.monotonic()
     while signal.sigtimedwait({RELEASE_SIGNAL}, WATCH_S) is None:
         if orphaned(hpcnet._STANDBY_PARENT, os.environ.get(STANDBY_OWNER_ENV, "")):

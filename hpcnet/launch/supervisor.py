@@ -15,7 +15,8 @@ This module runs the attempts: each in a session of its own, its output teed
 (a launcher's line about a dead rank is recorded), whatever is left of the
 session killed when the launcher ends (``reap_session``: a session, not the
 process group, because Open MPI's mpirun gives every rank a process group of
-its own), stop signals forwarded (``_Forwarder``), and ``launch.json`` written.
+its own), stop signals forwarded (``hpcnet.launch.forward``: whenever one
+comes, no attempt starts after it), and ``launch.json`` written.
 What each attempt runs is ``hpcnet.launch.command``; whether to run another,
 ``hpcnet.launch.policy``; which hosts to leave out, ``hpcnet.launch.hosts``.
 The README ("Automatic restart") describes the behaviour and the exit status.
@@ -25,6 +26,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import shlex
@@ -34,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -42,15 +45,17 @@ from hpcnet.config import MAX_DURATION_S
 from hpcnet.config_manager import load_config, parse_command_line
 from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.launch.command import attempt_command, is_openmpi, launcher_env, launcher_kind, train_args_start
+from hpcnet.launch.forward import Forwarder, ranks_ready, stop_status
 from hpcnet.launch.hosts import exclude_hosts, slurm_allocation
 from hpcnet.launch.park import RELEASE_SIGNAL
-from hpcnet.launch.standby import (PARK_WAIT_S, TRIGGER, TRIGGER_TIMEOUT_S, fingerprint, parked_ranks,
-                                  standby_command)
+from hpcnet.launch.standby import (IMPORTED_FILE, PARK_WAIT_S, TRIGGER, TRIGGER_TIMEOUT_S, clear_reports, fingerprint,
+                                   fingerprint_changes, imported_changes, parked_ranks, standby_command)
 from hpcnet.launch.policy import (RestartBudget, backoff_s, committed_checkpoints, describe_failure, describe_status,
                                   failed_where, failure_from_line, is_restartable, new_checkpoints, normalise_status,
                                   read_failure)
-from hpcnet.layout import (ATTEMPT_ENV, LAUNCH_FILE, STANDBY_ENV, STANDBY_OWNER_ENV, attempt_dir, checkpoint_dir,
-                           run_dir_path)
+from hpcnet.layout import (ATTEMPT_ENV, LAUNCH_FILE, READY_ENV, STANDBY_ENV, STANDBY_OWNER_ENV, attempt_dir,
+                           checkpoint_dir, ready_dir, run_dir_path)
+from hpcnet.stop import READY
 
 
 @dataclass(slots=True)
@@ -84,46 +89,6 @@ class Attempt:
     """Why no standby was used (none was ready, or it was discarded and why)."""
     standby_started_unix: float | None = None
     """When the standby that ran this attempt was started."""
-
-
-class _Forwarder:
-    """Signal handlers that pass SIGTERM/SIGUSR2/SIGINT/SIGHUP on to the running launcher (and end the restarts)."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP)
-
-    def __init__(self, mpirun: bool) -> None:
-        self.mpirun = mpirun
-        self.received = 0
-        self.count = 0
-        self.proc: subprocess.Popen | None = None
-        self.wake = threading.Event()
-        self._previous: dict[int, Any] = {}
-
-    def install(self) -> "_Forwarder":
-        for sig in self.SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.received = self.received or signum
-        self.count += 1
-        self.wake.set()
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            # A hang-up is a request to stop, as SIGTERM is (which the ranks save on).
-            forward = signal.SIGTERM if signum == signal.SIGHUP else signum
-            # mpirun kills the ranks ~1 s after SIGTERM/SIGINT (no time to save)
-            # but forwards SIGUSR2; a second signal means "now".
-            if self.mpirun:
-                forward = signal.SIGUSR2 if self.count == 1 else signal.SIGTERM
-            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
-                os.kill(proc.pid, forward)
-            print(f"hpcnet.launch: got {signal.Signals(signum).name}, sent {signal.Signals(forward).name} to the "
-                  "job; no restart after it", file=sys.stderr, flush=True)
 
 
 def _die_with_parent() -> None:
@@ -206,10 +171,11 @@ class _Started:
             hook(line)
 
 
-def run_attempt(command: list[str], env: dict[str, str], forwarder: _Forwarder, record: Attempt,
-                started: "_Started | None" = None, on_line: Any = None) -> None:
+def run_attempt(command: list[str], env: dict[str, str], forwarder: Forwarder, record: Attempt,
+                started: "_Started | None" = None, on_line: Any = None, ready: Callable[[], bool] | None = None
+                ) -> None:
     """Run one attempt to its end (``started``: already running, a released standby), teeing its output; fill in
-    ``record``."""
+    ``record``. ``ready``: whether its ranks handle stop signals yet (None: pass them on at once)."""
     def seen(line: str) -> None:
         if record.launcher_report_unix is None:
             found = failure_from_line(line)
@@ -231,14 +197,16 @@ def run_attempt(command: list[str], env: dict[str, str], forwarder: _Forwarder, 
             return
     started.on_line = seen
     proc = started.proc
-    forwarder.proc = proc
-    if forwarder.received:  # a signal came between attempts: pass it on at once
-        forwarder.count -= 1
-        forwarder._handle(forwarder.received, None)
-    returncode = proc.wait()
+    forwarder.attach(proc, ready)
+    while True:
+        try:
+            returncode = proc.wait(timeout=0.05 if forwarder.pending else 1.0)
+            break
+        except subprocess.TimeoutExpired:
+            forwarder.pass_on()  # a signal held until the ranks are ready
     record.end_unix = time.time()
     record.duration_s = time.monotonic() - t0
-    forwarder.proc = None
+    forwarder.detach()
     record.reaped, record.survivors = reap_session(proc.pid)  # before the tees: survivors hold the pipes
     if record.reaped:
         _say(f"killed {len(record.reaped)} process(es) the attempt left running: {record.reaped[:10]}")
@@ -254,16 +222,17 @@ class Standby:
         attempt: the attempt it would run.
         command: that attempt's command; ``launcher`` and ``openmpi`` say how to make it a standby's.
         env: that attempt's environment.
-        directory: where its ranks report that they are parked.
-        fingerprint: what must be unchanged for it to be used.
+        directory: where its ranks report that they are parked, and rank 0 what it imported.
+        fingerprint: what must be unchanged for it to be used (``hpcnet.launch.standby.fingerprint``).
     """
 
-    def __init__(self, attempt: int, command: list[str], env: dict[str, str], directory: Path, fingerprint: str, *,
-                 launcher: str, openmpi: bool) -> None:
+    def __init__(self, attempt: int, command: list[str], env: dict[str, str], directory: Path,
+                 fingerprint: dict[str, Any], *, launcher: str, openmpi: bool) -> None:
         self.attempt, self.directory, self.fingerprint = attempt, directory, fingerprint
         directory.mkdir(parents=True, exist_ok=True)
-        for old in directory.glob("parked.*"):
-            old.unlink(missing_ok=True)
+        clear_reports(directory, "parked.*", IMPORTED_FILE)
+        if env.get(READY_ENV):  # its ranks report there as those of a cold start of the attempt would
+            clear_reports(Path(env[READY_ENV]), f"{READY}.*")
         command = standby_command(command, launcher)
         if openmpi and launcher == "mpirun":
             command = [command[0], "-x", STANDBY_ENV, "-x", STANDBY_OWNER_ENV, *command[1:]]  # other nodes too
@@ -292,6 +261,14 @@ class Standby:
             if not self.alive() or time.monotonic() >= deadline or (stopping is not None and stopping()):
                 return False
             time.sleep(0.01)
+
+    def imported_changes(self) -> str:
+        """What changed, in words, in the code and packages that its rank 0 imported before it parked ('' if
+        nothing; ``hpcnet.launch.standby.imported_changes``)."""
+        try:
+            return imported_changes(json.loads((self.directory / IMPORTED_FILE).read_text()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return f"its rank 0 did not record what it imported ({self.directory / IMPORTED_FILE})"
 
     def release(self) -> None:
         """Let its ranks go on (the launcher forwards the signal to every rank)."""
@@ -369,14 +346,17 @@ def _attempt_plan(job: _Job, attempt: int, environ: dict[str, str]) -> tuple[lis
     run_dir = str(attempt_dir(job.launch_dir, attempt)) if job.train_start is not None else None
     pinned = [f"run.dir={run_dir}", "run.dir_exact=true", f"checkpoint.dir={job.checkpoint_dir}"] if run_dir else []
     cmd = attempt_command(job.base, attempt, train_start=job.train_start, pinned=pinned, openmpi=job.openmpi)
-    return cmd, {**launcher_env(environ, job.openmpi), ATTEMPT_ENV: str(attempt)}, run_dir
+    env = {**launcher_env(environ, job.openmpi), ATTEMPT_ENV: str(attempt)}
+    if run_dir:
+        env[READY_ENV] = str(ready_dir(job.launch_dir, attempt))
+    return cmd, env, run_dir
 
 
 def _take_standby(job: _Job, attempt: int, cmd: list[str], env: dict[str, str], record: Attempt,
-                  stopping: Any = None) -> Standby | None:
+                  stopping: Callable[[], bool]) -> Standby | None:
     """The standby for ``attempt`` if it is alive, what it runs is what a cold start would run now and its ranks
     have all parked (waiting for them up to ``PARK_WAIT_S``: they are further on than a cold start would be);
-    else it is discarded and ``record`` says why."""
+    else it is discarded and ``record`` says why. None too when ``stopping()`` (a stop signal) becomes true."""
     standby, job.standby = job.standby, None
     if standby is None:
         if job.standby_on and attempt > 1:
@@ -385,18 +365,23 @@ def _take_standby(job: _Job, attempt: int, cmd: list[str], env: dict[str, str], 
     note = ""
     if standby.attempt != attempt:
         note = f"it was made for attempt {standby.attempt}"
-    elif standby.fingerprint != fingerprint(cmd, env, job.config_file):
-        note = "the command, environment, hosts, code or config file changed since it started"
-    elif not standby.wait_parked(PARK_WAIT_S, stopping):
-        if not standby.alive():
-            note = f"it ended with status {normalise_status(standby.started.proc.returncode)}"
-        elif stopping is not None and stopping():
-            note = "a stop signal came while its ranks were parking"
-        else:
-            note = f"its ranks had not all parked within {PARK_WAIT_S:.0f} s ({standby.parked()})"
+    elif changes := fingerprint_changes(standby.fingerprint, fingerprint(cmd, env, job.config_file)):
+        note = f"{changes} since it started"
+    else:
+        if not stopping() and not standby.wait_parked(0.0):
+            _say(f"waiting for the standby's ranks to park ({standby.parked()})")
+        if not standby.wait_parked(PARK_WAIT_S, stopping):
+            if not standby.alive():
+                note = f"it ended with status {normalise_status(standby.started.proc.returncode)}"
+            elif stopping():
+                note = "a stop signal came while its ranks were parking"
+            else:
+                note = f"its ranks had not all parked within {PARK_WAIT_S:.0f} s ({standby.parked()})"
+        elif changes := standby.imported_changes():
+            note = f"{changes} since its ranks imported it"
     if note:
         standby.discard()
-        record.standby_note = f"standby discarded: {note}; cold start"
+        record.standby_note = f"standby discarded: {note}{'' if stopping() else '; cold start'}"
         _say(record.standby_note)
         return None
     record.standby, record.standby_started_unix = True, standby.started_unix
@@ -405,10 +390,11 @@ def _take_standby(job: _Job, attempt: int, cmd: list[str], env: dict[str, str], 
 
 
 def _standby_watcher(job: _Job, attempt: int, environ: dict[str, str], started: threading.Event,
-                     ended: threading.Event) -> None:
-    """Start the standby for attempt ``attempt`` + 1 once this attempt's start-up is over (``TRIGGER``)."""
+                     ended: threading.Event, stopping: Callable[[], bool]) -> None:
+    """Start the standby for attempt ``attempt`` + 1 once this attempt's start-up is over (``TRIGGER``), unless
+    the attempt ended or a stop signal came (no attempt follows it)."""
     started.wait(TRIGGER_TIMEOUT_S)
-    if ended.is_set():
+    if ended.is_set() or stopping():
         return
     cmd, env, _ = _attempt_plan(job, attempt + 1, environ)
     try:
@@ -422,20 +408,35 @@ def _standby_watcher(job: _Job, attempt: int, environ: dict[str, str], started: 
          "starts")
 
 
-def _run_next(job: _Job, budget: RestartBudget, forwarder: _Forwarder, environ: dict[str, str]) -> Attempt:
-    """Run the next attempt of ``job`` (through its standby when one is ready) and record it in launch.json."""
+def _run_next(job: _Job, budget: RestartBudget, forwarder: Forwarder, environ: dict[str, str]) -> Attempt | None:
+    """Run the next attempt of ``job`` (through its standby when one is ready) and record it in launch.json; None
+    when a stop signal came first (before it, or while its standby's ranks were parking): none is started."""
     attempt = len(job.attempts) + 1
     cmd, env, run_dir = _attempt_plan(job, attempt, environ)
     record = Attempt(attempt=attempt, command=cmd, run_dir=run_dir, start_unix=time.time(),
                      excluded_hosts=list(job.excluded))
+
+    def stopping() -> bool:
+        return bool(forwarder.received)
+
+    standby = None if stopping() else _take_standby(job, attempt, cmd, env, record, stopping)
+    if stopping():
+        if standby is not None:
+            standby.discard()
+        return None
     job.attempts.append(record)
-    standby = _take_standby(job, attempt, cmd, env, record, stopping=lambda: bool(forwarder.received))
     _say(f"attempt {attempt}/{budget.last_attempt(attempt)}{' (warm standby)' if standby else ''}: {shlex.join(cmd)}")
     before = committed_checkpoints(job.checkpoint_dir)
     started_up, ended = threading.Event(), threading.Event()
+    ready = None
+    if run_dir:
+        reports = ready_dir(job.launch_dir, attempt)
+        if standby is None:
+            clear_reports(reports, f"{READY}.*")  # those of a discarded standby's ranks, which are gone
+        ready = functools.partial(ranks_ready, reports, started_up)
     watcher = None
     if job.standby_on:
-        watcher = threading.Thread(target=_standby_watcher, args=(job, attempt, environ, started_up, ended),
+        watcher = threading.Thread(target=_standby_watcher, args=(job, attempt, environ, started_up, ended, stopping),
                                    daemon=True)
         watcher.start()
 
@@ -446,7 +447,8 @@ def _run_next(job: _Job, budget: RestartBudget, forwarder: _Forwarder, environ: 
     if standby is not None:
         standby.release()
     try:
-        run_attempt(cmd, env, forwarder, record, started=standby.started if standby else None, on_line=on_line)
+        run_attempt(cmd, env, forwarder, record, started=standby.started if standby else None, on_line=on_line,
+                    ready=ready)
     finally:
         ended.set()
         started_up.set()
@@ -499,11 +501,13 @@ def _exclude_failed_hosts(job: _Job, record: Attempt) -> None:
 
 def supervise(command: list[str], *, max_restarts: int = 3, backoff_base_s: float = 1.0,
               backoff_cap_s: float = 60.0, exclude_failed_hosts: bool = False, standby: str = "auto",
-              environ: dict[str, str] | None = None) -> int:
+              environ: dict[str, str] | None = None, keep_signal_handlers: bool = False) -> int:
     """Run ``command`` until it succeeds, fails for good, or uses up ``max_restarts``; return its status.
 
     ``standby``: 'auto' (a warm standby when the launcher is mpirun or srun, the command runs hpcnet.train and a
-    restart is allowed), 'on' (the same, an error where it cannot be), 'off'.
+    restart is allowed), 'on' (the same, an error where it cannot be), 'off'. ``keep_signal_handlers``: leave the
+    stop-signal handlers installed on return (``python -m hpcnet.launch``: a signal as it exits then changes
+    nothing, where the default action would end it with a death by signal instead of the job's status).
     """
     environ = dict(os.environ if environ is None else environ)
     job = _prepare(command, environ)
@@ -516,13 +520,19 @@ def supervise(command: list[str], *, max_restarts: int = 3, backoff_base_s: floa
     job.standby_on = standby != "off" and possible
     if job.standby_on:
         job.spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcnet-standby")
-    forwarder = _Forwarder(mpirun=job.openmpi).install()
+    forwarder = Forwarder(mpirun=job.openmpi).install()
     budget = RestartBudget(max_restarts)
     since = " since the last new checkpoint" if job.checkpoint_dir else ""
     status, message = ExitCode.CODE_ERROR, ""
     try:
         while True:
             record = _run_next(job, budget, forwarder, environ)
+            if record is None:
+                name = signal.Signals(forwarder.received).name
+                status = stop_status(forwarder.received)
+                message = (f"stopped by {name} before restarting" if job.attempts
+                           else f"stopped by {name} before the first attempt: nothing was started")
+                return status
             status = record.status
             final = _why_final(record, forwarder.received)
             if final is not None:
@@ -538,10 +548,7 @@ def supervise(command: list[str], *, max_restarts: int = 3, backoff_base_s: floa
                 _exclude_failed_hosts(job, record)
             delay = backoff_s(restart, backoff_base_s, backoff_cap_s)
             _say(f"restarting from the newest checkpoint in {delay:.1f} s (restart {restart} of {max_restarts}{since})")
-            if forwarder.wake.wait(delay) or forwarder.received:
-                message = f"stopped by {signal.Signals(forwarder.received).name} before restarting"
-                status = ExitCode.INTERRUPTED if forwarder.received == signal.SIGINT else ExitCode.PREEMPTED
-                return status
+            forwarder.wake.wait(delay)  # a stop signal ends it: the next _run_next starts nothing
         message = (f"giving up after {len(job.attempts)} attempts ({max_restarts} restarts"
                    f"{' without a new checkpoint' if job.checkpoint_dir else ''}): last status {status}, "
                    f"{describe_status(status)}{_cause(record)}")
@@ -552,7 +559,8 @@ def supervise(command: list[str], *, max_restarts: int = 3, backoff_base_s: floa
             job.standby = None
         if job.spawner is not None:
             job.spawner.shutdown(wait=True)
-        forwarder.restore()
+        if not keep_signal_handlers:
+            forwarder.restore()
         if message:
             _say(message)
         _write_json(job, status, message)
@@ -603,4 +611,4 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{flag} must be a number of seconds in [0, {MAX_DURATION_S}] (30 days), got {seconds:g}")
     return supervise(command, max_restarts=args.max_restarts, backoff_base_s=args.backoff_s,
                      backoff_cap_s=args.max_backoff_s, exclude_failed_hosts=args.exclude_failed_hosts,
-                     standby=args.standby)
+                     standby=args.standby, keep_signal_handlers=True)

@@ -1,6 +1,7 @@
 """Warm standby in hpcnet.launch: the next attempt parked before MPI starts, released at a failure; a changed
 configuration discards it; no parked process outlives the supervisor, however it ends."""
 
+import importlib.metadata
 import json
 import os
 import re
@@ -16,7 +17,8 @@ import torch
 from mpi4py import MPI
 
 from hpcnet.launch.park import ORPHAN_EXIT, WATCH_S, orphaned
-from hpcnet.launch.standby import TRIGGER, fingerprint, parked_ranks, standby_command
+from hpcnet.launch.standby import (TRIGGER, fingerprint, fingerprint_changes, imported_changes, imported_manifest,
+                                   installed_packages, parked_ranks, standby_command, user_module_files)
 from hpcnet.layout import STANDBY_ENV, STANDBY_OWNER_ENV
 from hpcnet.launch.supervisor import Standby
 from tests.helpers import clean_env
@@ -43,6 +45,65 @@ def test_the_fingerprint_follows_command_environment_hostfile_and_config(tmp_pat
     assert fingerprint(command, env, str(config)) != base
 
 
+def test_what_changed_names_the_host_file_in_either_form_or_the_environment(tmp_path):
+    """``--hostfile=PATH`` and a host file named by the environment (Open MPI's default host file, SLURM's,
+    PBS's) count as well as ``--hostfile PATH``; the reason names the file or the variable, never its value."""
+    named, by_env = tmp_path / "named", tmp_path / "by-env"
+    named.write_text("a slots=2\n")
+    by_env.write_text("b slots=2\n")
+    command = ["mpirun", f"--hostfile={named}", "python", "-m", "hpcnet.train"]
+    env = {"OMPI_MCA_orte_default_hostfile": str(by_env), "SECRET": "s1"}
+    base = fingerprint(command, env, None)
+    assert fingerprint_changes(base, fingerprint(command, env, None)) == ""
+    named.write_text("a slots=4\n")
+    assert fingerprint_changes(base, fingerprint(command, env, None)) == f"the host file changed ({named})"
+    named.write_text("a slots=2\n")
+    by_env.write_text("c slots=2\n")
+    assert fingerprint_changes(base, fingerprint(command, env, None)) == f"the host file changed ({by_env})"
+    by_env.write_text("b slots=2\n")
+    for variable in ("SLURM_HOSTFILE", "PBS_NODEFILE", "HYDRA_HOST_FILE"):
+        assert fingerprint(command, {**env, variable: str(named)}, None)["hostfiles"][str(named)] == "a slots=2\n"
+    changed = fingerprint_changes(base, fingerprint(command + ["train.steps=3"], {**env, "SECRET": "s2"}, None))
+    assert changed == "the command changed; the environment changed (SECRET)" and "s2" not in changed
+
+
+def test_user_module_files_leave_out_the_standard_library_and_site_packages(tmp_path, monkeypatch):
+    (tmp_path / "mine.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import json as stdlib_module
+
+    import mine
+
+    files = user_module_files({"mine": mine, "json": stdlib_module, "torch": torch, "builtins": __builtins__})
+    assert files == [str((tmp_path / "mine.py").resolve())]
+    everything = user_module_files()  # this process: hpcnet of this checkout, the tests; no torch, no json
+    assert str(Path(sys.modules["hpcnet.launch.standby"].__file__).resolve()) in everything
+    assert not [f for f in everything if "site-packages" in f or f.startswith(sys.base_prefix)]
+
+
+def test_what_a_standby_imported_changes_when_its_module_or_a_package_version_does(tmp_path, monkeypatch):
+    module = tmp_path / "factory_module.py"
+    module.write_text("def build(info):\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    __import__("factory_module")
+    recorded = json.loads(json.dumps(imported_manifest()))  # as the standby writes it and the supervisor reads it
+    assert str(module.resolve()) in recorded["modules"] and recorded["path"] == sys.path
+    assert recorded["packages"]["torch"] == installed_packages(sys.path)["torch"] == importlib.metadata.version("torch")
+    assert imported_changes(recorded) == ""
+    module.write_text("def build(info):\n    return 'new code'\n")
+    assert imported_changes(recorded) == f"code it imported changed ({module.resolve()})"
+    module.unlink()
+    assert imported_changes(recorded) == f"code it imported changed ({module.resolve()})"
+    del recorded["modules"][str(module.resolve())]
+
+    def upgraded(path):
+        assert path == recorded["path"]  # the standby's sys.path, which may not be the supervisor's
+        return {**installed_packages(path), "torch": "99.0", "newpkg": "1.0"}
+
+    assert imported_changes(recorded, packages=upgraded) == (
+        f"installed packages changed (newpkg not installed -> 1.0, torch {recorded['packages']['torch']} -> 99.0)")
+
+
 def test_a_standby_has_imported_what_training_imports_and_a_bare_import_has_not():
     """torch._dynamo (2 s of CPU, imported by every optimizer step) is paid by the parked standby, not after the
     release; importing hpcnet.train alone (--help, a bad option) does without it."""
@@ -63,6 +124,43 @@ def test_standby_commands_parked_counts_and_the_trigger(tmp_path):
     assert parked_ranks(tmp_path) == (2, 2)
     assert TRIGGER.match("step  5/10 | loss 1.0 | lr") and not TRIGGER.match("gradients: mpi all-reduce (inline)")
     assert not TRIGGER.match("model mlp: 1,000 parameters")
+
+
+def test_launch_json_says_which_host_file_or_package_changed_since_the_standby_started(tmp_path, monkeypatch):
+    """The supervisor's decision on a parked standby: a host file given as ``--hostfile=PATH`` edited since the
+    standby started, or a package version changed since its rank 0 recorded them, discards it, and the attempt's
+    record (launch.json's ``standby_note``) says which."""
+    import hpcnet.launch.standby as standby_module
+    from hpcnet.launch.supervisor import Attempt, _Job, _take_standby
+
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=2\n")
+    manifest = tmp_path / "imported.json"
+    manifest.write_text(json.dumps(imported_manifest()))
+    # The standby's ranks as a shell plays them: rank 0 of 1 records what it imported and parks; the host file
+    # option is only there for the fingerprint ($0 of the script).
+    park = f'cp {manifest} "$HPCNET_STANDBY/imported.json"; echo "1 $$ 0" > "$HPCNET_STANDBY/parked.0"; sleep 60'
+    cmd, env = ["sh", "-c", park, f"--hostfile={hosts}"], clean_env()
+
+    def decide(name, change):
+        job = _Job(cmd, cmd, False, None, tmp_path, None, None, standby_on=True)
+        job.standby = Standby(2, cmd, env, tmp_path / f"standby-{name}", fingerprint(cmd, env, None), launcher="other",
+                              openmpi=False)
+        change()
+        record = Attempt(attempt=2, command=cmd, run_dir=None, start_unix=time.time())
+        used = _take_standby(job, 2, cmd, env, record, lambda: False)
+        if used is not None:
+            used.discard()
+        return record.standby_note
+
+    assert decide("unchanged", lambda: None).startswith("released with 1/1 ranks parked")
+    assert decide("hosts", lambda: hosts.write_text("localhost slots=4\n")) == (
+        f"standby discarded: the host file changed ({hosts}) since it started; cold start")
+    torch_now = installed_packages(sys.path)["torch"]
+    upgrade = lambda: monkeypatch.setattr(standby_module, "installed_packages",  # noqa: E731
+                                          lambda path: {**installed_packages(path), "torch": "99.0"})
+    assert decide("packages", upgrade) == (f"standby discarded: installed packages changed (torch {torch_now} -> 99.0)"
+                                           " since its ranks imported it; cold start")
 
 
 # -- under mpirun --------------------------------------------------------------------------------------------------
@@ -219,7 +317,7 @@ def test_a_changed_config_file_discards_the_standby(tmp_path, reference):  # noq
 
 @pytest.mark.launch
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL", "failure"])  # SIGINT takes SIGTERM's path (_Forwarder)
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL", "failure"])  # SIGINT takes SIGTERM's path (Forwarder)
 def test_no_parked_process_outlives_the_supervisor(tmp_path, how):
     """However the supervisor ends (a stop signal, kill -9 of it, a failure it does not restart), the standby's
     processes end too: the supervisor reaps them, or the parent-death signal reaches them."""

@@ -17,13 +17,13 @@ from mpi4py import MPI
 
 from hpcnet.errors import ExitCode
 from hpcnet.launch.policy import failed_where
-from hpcnet.launch.supervisor import _Forwarder
+from hpcnet.launch.forward import Forwarder
 from tests.helpers import PROGRAMS, clean_env
 
 
 def test_forwarder_turns_sigterm_into_sigusr2_for_mpirun():
     """Open MPI's mpirun kills the ranks a second after SIGTERM, but forwards SIGUSR2 (they save and stop)."""
-    forwarder = _Forwarder(mpirun=True)
+    forwarder = Forwarder(mpirun=True)
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         forwarder.proc = proc
@@ -31,6 +31,31 @@ def test_forwarder_turns_sigterm_into_sigusr2_for_mpirun():
         assert proc.wait(timeout=20) == -signal.SIGUSR2 and forwarder.received == signal.SIGTERM
     finally:
         proc.kill()
+
+
+def test_forwarder_holds_a_first_signal_until_the_ranks_handle_it_and_passes_a_second_at_once():
+    """Before the ranks have installed their handler (``ready``), a stop signal's default action would kill them:
+    a first signal waits for them; a second one means "now" (SIGTERM: mpirun ends the ranks)."""
+    for second in (False, True):
+        ready: list[bool] = []
+        forwarder = Forwarder(mpirun=True)
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            forwarder.attach(proc, lambda: bool(ready))
+            forwarder._handle(signal.SIGUSR2, None)
+            assert forwarder.pending and forwarder.sent == 0 and proc.poll() is None
+            forwarder.pass_on()
+            assert forwarder.pending and forwarder.sent == 0
+            if second:
+                forwarder._handle(signal.SIGUSR2, None)
+                assert proc.wait(timeout=20) == -signal.SIGTERM
+            else:
+                ready.append(True)
+                forwarder.pass_on()
+                assert proc.wait(timeout=20) == -signal.SIGUSR2
+            assert not forwarder.pending and forwarder.received == signal.SIGUSR2
+        finally:
+            proc.kill()
 
 
 # --- the supervisor running jobs ----------------------------------------------------------
