@@ -226,8 +226,9 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any
                  len(train_split), len(eval_split), cfg.train.batch_size * cfg.train.grad_accumulation * world.size)
         log.info("%s", dp.describe())
         log.info("device settings (cuda.*): %s", settings.describe())
-    faults = FaultInjector(cfg.fault, world)  # fault.*: off unless testing recovery
-    manager = CheckpointManager(comm, checkpoint_dir(cfg.run.dir, cfg.run.name, cfg.checkpoint.dir),
+    directory = checkpoint_dir(cfg.run.dir, cfg.run.name, cfg.checkpoint.dir)
+    faults = FaultInjector(cfg.fault, world, checkpoint_dir=directory)  # fault.*: off unless testing recovery
+    manager = CheckpointManager(comm, directory,
                                 keep=cfg.checkpoint.keep, full_every=cfg.checkpoint.full_every,
                                 async_save=cfg.checkpoint.async_save, move_aside=cfg.checkpoint.move_aside,
                                 fault=faults.io_fault, deadlines=monitor.deadlines, timeout_s=cfg.checkpoint.timeout_s)
@@ -340,6 +341,10 @@ if __name__ == "__main__":
         # on any non-zero SystemExit).
         from mpi4py import MPI
 
+        from hpcnet.ckpt.collective import unclosed_files
+
+        if unclosed_files():
+            os._exit(code)  # HDF5's teardown (at MPI_Finalize, at exit) would crash on a file it failed to close
         if not MPI.Is_finalized():
             MPI.Finalize()
     sys.exit(code)

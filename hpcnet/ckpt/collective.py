@@ -9,6 +9,9 @@ sequence of collective calls early: errors are collected and returned, and
 never a hang.
 """
 
+import contextlib
+import logging
+import math
 import os
 import threading
 import time
@@ -22,10 +25,13 @@ from hpcnet.ckpt import direct
 from hpcnet.ckpt.format import DTYPES, WRITE_PIECE_BYTES, TensorSpec, block_hashes, write_pieces
 from hpcnet.ckpt.listing import fsync_path
 from hpcnet.comm.world import wait_sleeping
+from hpcnet.errors import errno_of, error_text, os_error
 from hpcnet.fault.watchdog import NULL_DEADLINES
 
 if TYPE_CHECKING:
     from hpcnet.ckpt.write import SaveJob  # the write imports this module
+
+log = logging.getLogger("hpcnet.checkpoint")
 
 PEER_POLL_S = 0.005
 """How often a writer waiting for its peers before a collective file create checks whether they came."""
@@ -170,6 +176,7 @@ def _create_collectively(comm: Any, job: "SaveJob", tmp: Path, create: Any, dead
 
 def write_file(comm: Any, job: "SaveJob", tmp: Path, counts: np.ndarray, index_bytes: bytes,
                attrs: dict[str, Any], hashes: dict[int, np.ndarray], changed: dict[int, np.ndarray],
+               layout: dict[str, tuple[tuple[int, ...], np.dtype]], rank_rows: tuple[np.ndarray, list[int] | None],
                deadlines: Any = NULL_DEADLINES, timeout_s: float = 0.0
                ) -> tuple[int, list[BaseException], dict[int, np.ndarray], dict[str, float]]:
     """Create and fill ``tmp`` (collective); return bytes written, errors, this rank's block hashes, timings.
@@ -181,15 +188,22 @@ def write_file(comm: Any, job: "SaveJob", tmp: Path, counts: np.ndarray, index_b
     hashed after its data are written, while a ``_Flusher`` thread fsyncs
     them: hashing during collective writes would compete for the CPU with
     MPI's busy-polling (measured: 5x slower writes with two ranks on two
-    cores), while during the fsync the CPU idles.
+    cores), while during the fsync the CPU idles.  Before anything is
+    written, ``_reserve`` allocates the whole file; a write that failed on
+    any rank makes the file worthless, and ``_abandon`` frees its space
+    before the close, which must not fail (see there).
 
     The create and the structure calls after it hold the GIL (h5py): they run
     in a quiet ``checkpoint.create`` guard of ``deadlines`` (``hpcnet.fault.watchdog``),
     which the heartbeats announce; the data writes and the close release it.
+
+    Args:
+        layout: the file's datasets (``file_layout``).
+        rank_rows: this rank's /rank_state row and, on rank 0, every row's hash (``rank_table``).
     """
     rank = comm.Get_rank()
     errors: list[BaseException] = []
-    rank_row, rank_hashes = _rank_table(comm, job)
+    rank_row, rank_hashes = rank_rows
     t_open = time.perf_counter()
     timings: dict[str, float] = {}
     create = deadlines.open("checkpoint.create", timeout_s, what=f"checkpoint.create (step {job.step})",
@@ -199,30 +213,40 @@ def write_file(comm: Any, job: "SaveJob", tmp: Path, counts: np.ndarray, index_b
     except BaseException:
         deadlines.close(create)
         raise
+    datasets: tuple = ()
+    written = 0
     try:
-        d_tables, d_rank, d_tensors = _create_datasets(f, job, comm.Get_size(), counts, index_bytes, attrs,
-                                                       len(rank_row))
+        d_tables, d_rank, d_tensors = datasets = _create_datasets(f, job, layout, attrs)
         deadlines.close(create)
-        if job.kind == "full" and job.direct_writes:
-            written, hashes = _write_direct(job, rank, tmp, d_tensors, d_rank, rank_row, errors)
-            timings["data_s"] = timings["hash_s"] = time.perf_counter() - t_open
-        else:
-            written = _write_data(job, rank, d_tensors, d_rank, rank_row, counts, changed, errors)
-            timings["data_s"] = time.perf_counter() - t_open
-            if job.kind == "full":
-                hashes = _hash_while_flushing(job, tmp, errors, timings)
-        all_hashes, all_blocks = _gather_tables(comm, job, counts, hashes, changed)
-        if rank == 0:
-            _write_tables(d_tables, {"meta": np.frombuffer(job.meta_bytes, np.uint8),
-                                     "index": np.frombuffer(index_bytes, np.uint8), "hashes": all_hashes,
-                                     "rank_state_hashes": np.array(rank_hashes, dtype="<u8"), "blocks": all_blocks},
-                          errors)
+        reserved = _reserve(comm, job, tmp, f, [*d_tables.values(), d_rank, *d_tensors.values()], errors)
+        if reserved != "failed":  # agreed: every rank writes, or none
+            if job.kind == "full" and job.direct_writes:
+                written, hashes = _write_direct(job, rank, tmp, d_tensors, d_rank, rank_row, errors)
+                timings["data_s"] = timings["hash_s"] = time.perf_counter() - t_open
+            else:
+                written = _write_data(job, rank, d_tensors, d_rank, rank_row, counts, changed, errors)
+                timings["data_s"] = time.perf_counter() - t_open
+                if job.kind == "full":
+                    hashes = _hash_while_flushing(job, tmp, errors, timings)
+            all_hashes, all_blocks = _gather_tables(comm, job, counts, hashes, changed)
+            if rank == 0:
+                _write_tables(d_tables, {"meta": np.frombuffer(job.meta_bytes, np.uint8),
+                                         "index": np.frombuffer(index_bytes, np.uint8), "hashes": all_hashes,
+                                         "rank_state_hashes": np.array(rank_hashes, dtype="<u8"),
+                                         "blocks": all_blocks}, errors)
+        timings.setdefault("data_s", time.perf_counter() - t_open)
+        _abandon(comm, tmp, errors, free_space=reserved != "failed")
     finally:
         deadlines.close(create)
         try:
             f.close()
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)
+            # HDF5 leaves a file whose close failed half torn down: releasing any
+            # of its objects, or HDF5's own teardown at exit, crashes (SIGSEGV).
+            _UNCLOSED.append((f, datasets))
+            log.error("cannot close %s (%s): it stays open, and this process must end without HDF5's teardown",
+                      tmp, exc)
     try:
         fsync_path(tmp)  # each rank flushes its own writes (it matters on parallel file systems)
     except OSError as exc:
@@ -231,35 +255,187 @@ def write_file(comm: Any, job: "SaveJob", tmp: Path, counts: np.ndarray, index_b
     return written, errors, hashes, timings
 
 
-def _rank_table(comm: Any, job: "SaveJob") -> tuple[np.ndarray, list[int] | None]:
+_UNCLOSED: list[tuple[Any, tuple]] = []
+"""Files (and their datasets) whose HDF5 close failed: held for the life of the process, never released."""
+
+
+def unclosed_files() -> int:
+    """How many checkpoint files this process could not close: if any, it must end without HDF5's and MPI's
+    teardown (``os._exit``), which would crash in them."""
+    return len(_UNCLOSED)
+
+
+def _reserve(comm: Any, job: "SaveJob", tmp: Path, f: Any, datasets: list[Any], errors: list[BaseException]
+             ) -> str:
+    """Collective, once the structure is created and before anything is written: rank 0 allocates every
+    block of the file, so that no write, and no close, can run out of space.
+
+    A full disk or quota then fails here, with its errno, on every rank alike,
+    before any data are written; and a disk that fills meanwhile cannot fail
+    the writes.  Should the file not fit, rank 0 still allocates what lies
+    between the datasets (HDF5's structures, a few KiB per dataset), which the
+    close must write: an HDF5 close that cannot write leaves the library half
+    torn down (see ``_abandon``).  Returns ``"reserved"``, ``"unsupported"``
+    (the file system cannot allocate ahead: the writes go on, and may still
+    fail inside) or ``"failed"`` (every rank then has the error in ``errors``).
+    """
+    outcome: tuple[str, int | None, str] = ("reserved", None, "")
+    if comm.Get_rank() == 0:
+        try:
+            outcome = _allocate_file(job, tmp, f, datasets)
+        except Exception as exc:  # noqa: BLE001 - shared below
+            outcome = ("failed", errno_of(exc), f"cannot allocate its space: {error_text(exc)}")
+    status, code, text = comm.bcast(outcome, root=0)
+    if status == "failed":
+        errors.append(os_error(code, text))
+    return status
+
+
+def _allocate_file(job: "SaveJob", tmp: Path, f: Any, datasets: list[Any]) -> tuple[str, int | None, str]:
+    """Rank 0's part of ``_reserve``: its outcome, errno and message."""
+    eoa = f.id.get_filesize()
+    stored = sorted((d.id.get_offset(), d.id.get_storage_size()) for d in datasets if d.id.get_offset() is not None)
+    fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW)
+    try:
+        if job.fault is not None:
+            job.fault("reserve", job.step)
+        return ("reserved" if direct.allocate(fd, 0, eoa) else "unsupported", None, "")
+    except OSError as exc:
+        with contextlib.suppress(OSError):  # room for the close at least: see _abandon
+            start = 0
+            for offset, size in [*stored, (eoa, 0)]:
+                direct.allocate(fd, start, offset - start)
+                start = max(start, offset + size)
+        return ("failed", exc.errno, f"allocating its {eoa / 2**20:.1f} MiB failed: {error_text(exc)}")
+    finally:
+        os.close(fd)
+
+
+PROBE_BYTES = 1 << 20
+"""What ``_abandon`` writes past a failed file's end to ask the file system why the write failed."""
+
+
+def _abandon(comm: Any, tmp: Path, errors: list[BaseException], free_space: bool) -> None:
+    """Collective, before the close: if a write failed on any rank, learn its errno and free the file's space.
+
+    HDF5 1.10 over MPI-IO cannot abandon a file: its close still flushes what
+    it holds, and a close whose flush fails (a full disk or quota) leaves the
+    library half torn down, so that the next touch of the file, or of its
+    objects by the garbage collector, crashes (SIGSEGV).  ``_reserve``
+    prevents that where the file system allocates ahead; elsewhere, once
+    every rank knows that some write failed, and none writes any more, rank
+    0 truncates the worthless file to nothing (``free_space``): its space is
+    free again and the close has room for its few metadata writes.
+
+    HDF5 and MPI-IO drop the errno of a failed write ("Can't write data (file
+    write failed)"), which decides the exit status (a full disk or quota is
+    not restarted).  When no rank's error kept one, rank 0 asks the file
+    system first, with a write of ``PROBE_BYTES`` past the file's end: a
+    full disk or quota answers ENOSPC or EDQUOT.  Every rank whose errors
+    have no errno adds that one.
+    """
+    own = next((errno_of(e) for e in errors if errno_of(e)), None)
+    reports = comm.allgather((bool(errors), own))
+    if not any(failed for failed, _ in reports):
+        return
+    code = next((c for _, c in reports if c), None)
+    if comm.Get_rank() == 0:
+        if code is None:
+            code = _probe_errno(tmp)
+        if free_space:
+            try:
+                os.truncate(tmp, 0)
+            except OSError as exc:
+                errors.append(exc)
+    code = comm.bcast(code, root=0)
+    if code and own is None:
+        text = f"{error_text(errors[0])}: " if errors else "the write failed on another rank: "
+        errors.insert(0, os_error(code, text + os.strerror(code)))
+
+
+def _probe_errno(tmp: Path) -> int | None:
+    """The errno of a write of ``PROBE_BYTES`` past the end of ``tmp``, where no block is allocated yet (None if
+    it succeeds)."""
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        return exc.errno
+    try:
+        offset = -(-os.fstat(fd).st_size // PROBE_BYTES) * PROBE_BYTES
+        view = memoryview(bytes(PROBE_BYTES))
+        while view:
+            written = os.pwrite(fd, view, offset)
+            view, offset = view[written:], offset + written
+    except OSError as exc:
+        return exc.errno
+    finally:
+        os.close(fd)
+    return None
+
+
+def rank_table(comm: Any, job: "SaveJob") -> tuple[np.ndarray, list[int] | None]:
     """Collective: this rank's row of /rank_state (padded to the widest rank's), and on rank 0 every row's hash."""
     width = max(comm.allgather(len(job.rank_state_bytes)))
     rank_row = np.frombuffer(job.rank_state_bytes.ljust(width, b" "), np.uint8)
     return rank_row, comm.gather(int(block_hashes(rank_row, width)[0]), root=0)
 
 
-def _create_datasets(f: Any, job: "SaveJob", size: int, counts: np.ndarray, index_bytes: bytes,
-                     attrs: dict[str, Any], width: int) -> tuple[dict[str, Any], Any, dict[int, Any]]:
-    """The file's structure: the same calls with the same arguments on every rank (collective)."""
-    for key, value in attrs.items():
-        f.attrs[key] = value
+METADATA_BYTES = 1 << 20
+"""Room for HDF5's own structures (superblock, object headers, the heap of names) besides the datasets."""
+METADATA_BYTES_PER_DATASET = 4096
+"""And per dataset: its object header, its link and its attributes."""
+
+
+def file_layout(job: "SaveJob", size: int, counts: np.ndarray, index_bytes: int, width: int
+                ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Every dataset of one checkpoint file, in the order it is created: path -> (shape, storage dtype) (pure).
+
+    The one description of the file: ``_create_datasets`` creates exactly
+    these, and the free-space check before a save (``file_bytes``) counts them.
+    ``width`` is the widest rank's /rank_state row (``rank_table``).
+    """
     n_hashes = int(counts[:, :, 0].sum())
-    tables: dict[str, tuple[str, int]] = {"meta": ("u1", len(job.meta_bytes)), "index": ("u1", len(index_bytes)),
-                                          "hashes": ("<u8", n_hashes), "rank_state_hashes": ("<u8", size)}
+    u1, u8 = np.dtype("u1"), np.dtype("<u8")
+    layout = {"meta": ((len(job.meta_bytes),), u1), "index": ((index_bytes,), u1), "hashes": ((n_hashes,), u8),
+              "rank_state_hashes": ((size,), u8)}
     if job.kind == "incremental":
-        tables["blocks"] = ("<i8", n_hashes)
-    d_tables = {name: f.create_dataset(name, shape=(n,), dtype=dtype, fill_time="never")
-                for name, (dtype, n) in tables.items()}
-    d_rank = f.create_dataset("rank_state", shape=(size, width), dtype="u1", fill_time="never")
-    d_tensors: dict[int, Any] = {}
+        layout["blocks"] = ((n_hashes,), np.dtype("<i8"))
+    layout["rank_state"] = ((size, width), u1)
     for i, spec in enumerate(job.specs):
         rows = int(counts[:, i, 1].sum())
         if job.kind == "incremental" and rows == 0:
             continue  # nothing changed: no dataset
         shape = (rows, *spec.row_shape) if job.kind == "incremental" else spec.shape
-        d_tensors[i] = f.create_dataset(f"tensors/{spec.name}", shape=shape, dtype=spec.storage, fill_time="never")
-        if DTYPES[spec.dtype][1]:
-            d_tensors[i].attrs["dtype"] = spec.dtype
+        layout[f"tensors/{spec.name}"] = (shape, spec.storage)
+    return layout
+
+
+def file_bytes(layout: dict[str, tuple[tuple[int, ...], np.dtype]]) -> int:
+    """The bytes a file of ``layout`` takes at most on disk: every dataset, and HDF5's own structures."""
+    data = sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout.values())
+    return data + METADATA_BYTES + METADATA_BYTES_PER_DATASET * len(layout)
+
+
+def _create_datasets(f: Any, job: "SaveJob", layout: dict[str, tuple[tuple[int, ...], np.dtype]],
+                     attrs: dict[str, Any]) -> tuple[dict[str, Any], Any, dict[int, Any]]:
+    """The file's structure: the same calls with the same arguments on every rank (collective)."""
+    for key, value in attrs.items():
+        f.attrs[key] = value
+    tensors = {f"tensors/{spec.name}": i for i, spec in enumerate(job.specs)}
+    d_tables: dict[str, Any] = {}
+    d_rank = None
+    d_tensors: dict[int, Any] = {}
+    for name, (shape, dtype) in layout.items():
+        d = f.create_dataset(name, shape=shape, dtype=dtype, fill_time="never")
+        if name in tensors:
+            i = tensors[name]
+            d_tensors[i] = d
+            if DTYPES[job.specs[i].dtype][1]:
+                d.attrs["dtype"] = job.specs[i].dtype
+        elif name == "rank_state":
+            d_rank = d
+        else:
+            d_tables[name] = d
     return d_tables, d_rank, d_tensors
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from hpcnet.agree import agree_on_error
-from hpcnet.ckpt.collective import changed_blocks, local_counts, write_file
+from hpcnet.ckpt.collective import changed_blocks, file_bytes, file_layout, local_counts, rank_table, write_file
 from hpcnet.ckpt.format import (FORMAT, FORMAT_VERSION, HASH_NAME, CheckpointInfo, Ownership, TensorSpec,
                                 plan_retention, sha256_hex)
 from hpcnet.layout import TMP_SUFFIX, checkpoint_name
@@ -36,7 +36,8 @@ IoFault = Callable[[str, int], None]
 its data, ``"read"`` on every rank before it opens each file of a load); an OSError it raises fails
 the operation as the file system would.  Every rank's writer also calls it at the collective file
 create, with ``"arrive"`` before the ranks meet there and ``"create"`` once they met and the create is
-announced, just before h5py's create: where a slow or stuck writer is injected."""
+announced, just before h5py's create: where a slow or stuck writer is injected; and rank 0 calls it with
+``"reserve"`` once the file's structure exists, just before it allocates the file's space."""
 
 
 @dataclass(slots=True)
@@ -87,11 +88,11 @@ class SaveResult:
 def check_free_space(directory: Path, needed: int) -> None:
     """Raise OSError(ENOSPC) unless the file system of ``directory`` has ``needed`` bytes free.
 
-    Checked before writing, because running out of space inside the file is
-    worse than an error: HDF5 1.10.8 over MPI-IO then fails to close the file
-    and the process crashes (SIGSEGV) when the file object is released
-    (checked on a full tmpfs).  Quotas (EDQUOT) are invisible to statvfs and
-    still fail inside the write.
+    Checked before writing, with ``needed`` counted from the file's layout
+    (``hpcnet.ckpt.collective.file_bytes``: every dataset), so that a save
+    that cannot fit fails here, with one clear message, rather than inside
+    HDF5.  Quotas (EDQUOT), and a disk that fills meanwhile, are invisible
+    here and still fail inside the write (``hpcnet.ckpt.collective._abandon``).
     """
     free = shutil.disk_usage(directory).free
     if free < needed:
@@ -132,11 +133,12 @@ def write_checkpoint(comm: Any, job: SaveJob, *, deadlines: Any = NULL_DEADLINES
     index_bytes = _index_bytes(job.specs, counts)
     attrs = _root_attrs(job, size, index_bytes)
     tmp = job.path.with_name(job.path.name + TMP_SUFFIX)
-    data_bytes = sum(int(counts[:, i, 1].sum()) * s.row_bytes for i, s in enumerate(job.specs))
-    _create_plain(comm, job, tmp, data_bytes + len(job.meta_bytes) + len(index_bytes) + (1 << 20))
+    rank_rows = rank_table(comm, job)
+    layout = file_layout(job, size, counts, len(index_bytes), len(rank_rows[0]))
+    _create_plain(comm, job, tmp, file_bytes(layout))
     t1 = time.perf_counter()
     written, errors, hashes, file_timings = write_file(comm, job, tmp, counts, index_bytes, attrs, hashes, changed,
-                                                       deadlines, timeout_s)
+                                                       layout, rank_rows, deadlines, timeout_s)
     try:
         agree_on_error(comm, _write_error(tmp, errors))
     except BaseException:
