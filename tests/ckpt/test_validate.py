@@ -120,7 +120,8 @@ def _rename(renames):
 
 
 @pytest.mark.parametrize("renames, expected", [
-    ([(":0-32", ":0-40"), (":32-64", ":40-64")], "'optim/0/exp_avg:0-40': shape [32, 4] does not hold the rows 0 to 40"),
+    ([(":0-32", ":0-40"), (":32-64", ":40-64")],
+     "'optim/0/exp_avg:0-40': shape [32, 4] does not hold the rows 0 to 40"),
     ([(":32-64", ":33-65")], "the row pieces of 'optim/0/exp_avg' leave out rows at 32 to 33"),
     ([(":32-64", ":16-48")], "the row pieces of 'optim/0/exp_avg' repeat rows at 16 to 32"),
     ([(":32-64", "")], "'optim/0/exp_avg' is stored both whole and in row pieces"),
