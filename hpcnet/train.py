@@ -49,7 +49,7 @@ from hpcnet.layout import CONFIG_FILE, SUMMARY_FILE, checkpoint_dir, metrics_fil
 from hpcnet.loop import Loop
 from hpcnet.models import build_model, count_parameters
 from hpcnet.optim import build_optimizer
-from hpcnet.runlog import MetricsWriter, close_logging, format_duration, make_run_dir, setup_logging
+from hpcnet.runlog import MetricsWriter, close_logging, format_duration, make_run_dir, setup_logging, strict_json
 from hpcnet.trace import StepTracer, parse_steps
 
 log = logging.getLogger("hpcnet.train")
@@ -272,7 +272,7 @@ def _finish(result: TrainResult, world: World, run_dir: Path) -> None:
         result.exit_code = (ExitCode.INTERRUPTED if summary["stopped_by_signal"] == signal.SIGINT
                             else ExitCode.PREEMPTED)
     if world.is_main:
-        (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        (run_dir / SUMMARY_FILE).write_text(json.dumps(strict_json(summary), indent=2, allow_nan=False) + "\n")
         if summary["steps"] > summary["start_step"]:
             log.info("%s: %d steps in %s, final loss %.4f%s", "stopped" if summary.get("diverged") else "done",
                      summary["steps"], format_duration(summary["wall_s"]), summary["final_loss"],

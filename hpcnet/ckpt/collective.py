@@ -489,7 +489,7 @@ def _write_direct(job: "SaveJob", rank: int, tmp: Path, d_tensors: dict[int, Any
     hashes: dict[int, np.ndarray] = {}
     written = 0
     try:
-        fd = os.open(tmp, os.O_WRONLY)
+        fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW)
     except OSError as exc:
         errors.append(exc)
         return 0, hashes

@@ -1,6 +1,6 @@
 """One save on disk: the free-space check, the collective write (``hpcnet.ckpt.collective``), commit, prune.
 
-A checkpoint is written as ``ckpt-<step>.h5.tmp`` and committed by a rename
+A checkpoint is written as ``ckpt-<step>.h5.<token>.tmp`` and committed by a rename
 on rank 0 once every rank's write succeeded; every error is shared
 (``hpcnet.agree``), so a save fails on every rank alike and leaves no
 half-written file under a committed name (README: Checkpoints).
@@ -23,7 +23,7 @@ from hpcnet.agree import agree_on_error
 from hpcnet.ckpt.collective import changed_blocks, file_bytes, file_layout, local_counts, rank_table, write_file
 from hpcnet.ckpt.format import (FORMAT, FORMAT_VERSION, HASH_NAME, CheckpointInfo, Ownership, TensorSpec,
                                 plan_retention, sha256_hex)
-from hpcnet.layout import TMP_SUFFIX, checkpoint_name
+from hpcnet.layout import checkpoint_name, checkpoint_tmp_name
 from hpcnet.ckpt.listing import fsync_path, scan, write_latest
 from hpcnet.errors import errno_of, error_text, os_error
 from hpcnet.fault.watchdog import NULL_DEADLINES
@@ -132,7 +132,7 @@ def write_checkpoint(comm: Any, job: SaveJob, *, deadlines: Any = NULL_DEADLINES
     comm.Allgather(local_counts(job, rank, changed), counts)
     index_bytes = _index_bytes(job.specs, counts)
     attrs = _root_attrs(job, size, index_bytes)
-    tmp = job.path.with_name(job.path.name + TMP_SUFFIX)
+    tmp = job.directory / checkpoint_tmp_name(job.step, job.uid[:16])  # the uid: the same on every rank
     rank_rows = rank_table(comm, job)
     layout = file_layout(job, size, counts, len(index_bytes), len(rank_rows[0]))
     _create_plain(comm, job, tmp, file_bytes(layout))
@@ -178,7 +178,9 @@ def _root_attrs(job: SaveJob, size: int, index_bytes: bytes) -> dict[str, Any]:
 def _create_plain(comm: Any, job: SaveJob, tmp: Path, needed: int) -> None:
     """Collective: rank 0 checks the free space and creates ``tmp`` plainly, before the collective create.
 
-    One clear error rather than MPI-IO errors on some ranks.
+    One clear error rather than MPI-IO errors on some ranks.  Created
+    exclusively and never through a link: in a directory others can write
+    to, a link at the name would make the create truncate the file it names.
     """
     error: BaseException | None = None
     if comm.Get_rank() == 0:
@@ -186,7 +188,7 @@ def _create_plain(comm: Any, job: SaveJob, tmp: Path, needed: int) -> None:
             if job.fault is not None:
                 job.fault("precheck", job.step)
             check_free_space(job.directory, needed)
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
         except OSError as exc:
             error = os_error(errno_of(exc), f"cannot create checkpoint file {str(tmp)!r}: {error_text(exc)}")
     agree_on_error(comm, error)

@@ -2,6 +2,7 @@
 
 import errno
 import os
+import re
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ def test_an_error_inside_the_write_keeps_its_errno_on_every_rank(comm, mpi_tmp_p
             loaded_step = manager.load("auto").step
             assert info.value.errno == getattr(errno, code)
             assert exit_code_of(info.value) == (75 if code == "EIO" else 2)
-            assert "ckpt-0000000002.h5.tmp" in str(info.value)
+            assert re.search(r"ckpt-0000000002\.h5\.[0-9a-f]{16}\.tmp", str(info.value))
             assert names == ["ckpt-0000000001.h5", "latest"]
             assert loaded_step == 1
     comm.Barrier()
@@ -74,6 +75,58 @@ def test_independent_writes_store_what_collective_writes_store(comm, mpi_tmp_pat
     for name, tensor in tensors.items():
         assert torch.equal(loaded[True].tensors[name], tensor) and torch.equal(loaded[False].tensors[name], tensor)
     assert loaded[False].rank_state == {"rank": comm.Get_rank()}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_follows_no_link_planted_at_a_temporary_name(comm, mpi_tmp_path, async_save):
+    """Issue 27, item 13: ``ckpt-<step>.h5.tmp`` (opened with O_TRUNC) and ``latest.tmp`` were fixed names,
+    written through any link found there: another user of a group-writable checkpoint directory could make a
+    save truncate (and fill with HDF5) a file of their choosing.  Now each save's names are its own."""
+    from hpcnet.ckpt.load import load_checkpoint
+
+    directory = fresh_dir(comm, mpi_tmp_path / f"links-{async_save}")
+    victims = {name: mpi_tmp_path / f"victim-{async_save}-{name}" for name in ("ckpt-0000000001.h5.tmp", "latest.tmp")}
+    if comm.Get_rank() == 0:
+        directory.mkdir()
+        for name, victim in victims.items():
+            victim.write_text("precious")
+            (directory / name).symlink_to(victim)
+    comm.Barrier()
+    tensors = {"model/w": torch.ones(1024, 300), "model/b": torch.ones(3)}
+    with CheckpointManager(comm, directory, full_every=1, async_save=async_save) as manager:
+        path = manager.save(1, tensors, {}, {})
+        manager.wait()
+    comm.Barrier()
+    loaded = load_checkpoint(comm, str(path))
+    assert torch.equal(loaded.tensors["model/w"], tensors["model/w"])
+    assert all(victim.read_text() == "precious" for victim in victims.values())
+    assert not path.is_symlink() and not (directory / "latest").is_symlink()
+    assert (directory / "latest").read_text() == "ckpt-0000000001.h5\n"
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+def test_a_save_refuses_a_link_at_its_own_temporary_name(comm, mpi_tmp_path, monkeypatch):
+    """The temporary file is created exclusively, never through a link: one planted at its very name (here made
+    known in advance) fails the save on every rank, and the file it names stays untouched."""
+    import uuid
+
+    monkeypatch.setattr(uuid, "uuid4", lambda: uuid.UUID(int=0xABCDEF))
+    directory = fresh_dir(comm, mpi_tmp_path / "own-name")
+    victim = mpi_tmp_path / "victim-own-name"
+    if comm.Get_rank() == 0:
+        directory.mkdir()
+        victim.write_text("precious")
+        (directory / f"ckpt-0000000001.h5.{uuid.UUID(int=0xABCDEF).hex[:16]}.tmp").symlink_to(victim)
+    comm.Barrier()
+    with CheckpointManager(comm, directory, full_every=1, async_save=False) as manager:
+        with pytest.raises(OSError) as info:
+            manager.save(1, {"model/w": torch.ones(4, 3)}, {}, {})
+    comm.Barrier()
+    assert info.value.errno == errno.EEXIST, info.value
+    assert "cannot create checkpoint file" in str(info.value) and victim.read_text() == "precious"
+    comm.Barrier()
 
 
 @pytest.fixture
@@ -145,7 +198,7 @@ def test_a_save_that_finds_no_room_for_its_file_fails_with_enospc_before_writing
 
     error, names, latest = _fill_and_fail(comm, small_fs, "reserve", full_every=full_every)
     assert error.errno == errno.ENOSPC and exit_code_of(error) == 2, error
-    assert "ckpt-0000000002.h5.tmp" in str(error) and "allocating" in str(error)
+    assert re.search(r"ckpt-0000000002\.h5\.[0-9a-f]{16}\.tmp", str(error)) and "allocating" in str(error)
     assert names == ["ckpt-0000000001.h5", "latest"] and latest == "ckpt-0000000001.h5"
 
 
@@ -163,7 +216,7 @@ def test_a_disk_that_fills_inside_the_write_fails_it_on_every_rank_and_the_proce
     error, names, latest = _fill_and_fail(comm, small_fs, "write", full_every=full_every,
                                           direct_writes=direct_writes)
     assert error.errno == errno.ENOSPC and exit_code_of(error) == 2, error
-    assert "ckpt-0000000002.h5.tmp" in str(error)
+    assert re.search(r"ckpt-0000000002\.h5\.[0-9a-f]{16}\.tmp", str(error))
     assert names == ["ckpt-0000000001.h5", "latest"] and latest == "ckpt-0000000001.h5"
 
 
