@@ -92,7 +92,8 @@ def check_free_space(directory: Path, needed: int) -> None:
     (``hpcnet.ckpt.collective.file_bytes``: every dataset), so that a save
     that cannot fit fails here, with one clear message, rather than inside
     HDF5.  Quotas (EDQUOT), and a disk that fills meanwhile, are invisible
-    here and still fail inside the write (``hpcnet.ckpt.collective._abandon``).
+    here: the allocation of the file's space before any write catches them
+    (``hpcnet.ckpt.collective._reserve``).
     """
     free = shutil.disk_usage(directory).free
     if free < needed:
