@@ -410,7 +410,7 @@ class FaultConfig:
     fill_disk_at_step: int = 0
     """Fault injection: checkpoint writes from this step on fail with ENOSPC (a full file system)."""
     write_error: str = ""
-    """Fault injection: the chosen rank's checkpoint writes fail inside the write with 'ENOSPC', 'EDQUOT' or 'EIO'."""
+    """Fault injection: the chosen rank's checkpoint writes fail inside the write with 'ENOSPC', 'EDQUOT' or 'EIO'; 'fill' fills the checkpoint file system for real (a file fill-disk.fault in checkpoint.dir, left there) in the save, before its space is allocated, so that even the file's close cannot write."""
     write_error_at_step: int = 1
     """The first step whose save fault.write_error hits."""
     slow_save_s: float = 0.0
@@ -425,8 +425,9 @@ class FaultConfig:
     """Inject only in this attempt of hpcnet.launch (1 = the first); 0 = every attempt."""
 
     def __post_init__(self) -> None:
-        if self.write_error not in ("", "ENOSPC", "EDQUOT", "EIO"):
-            raise ConfigError(f"fault.write_error: {self.write_error!r} is not one of 'ENOSPC', 'EDQUOT', 'EIO'")
+        if self.write_error not in ("", "ENOSPC", "EDQUOT", "EIO", "fill"):
+            raise ConfigError(f"fault.write_error: {self.write_error!r} is not one of 'ENOSPC', 'EDQUOT', 'EIO', "
+                              "'fill'")
         for name in ("kill_at_step", "hang_at_step", "sleep_at_step", "fill_disk_at_step", "only_attempt",
                      "write_error_at_step", "stuck_save_at_step", "stuck_fs_at_step"):
             if getattr(self, name) < 0:

@@ -81,7 +81,10 @@ def checkpoint_dir(run_dir: str, run_name: str, checkpoint_dir: str) -> Path:
 CKPT_NAME_RE = re.compile(r"^ckpt-(\d{10,19})\.h5$")
 """A committed checkpoint file; group 1 is its step."""
 TMP_SUFFIX = ".tmp"
-"""Appended to a checkpoint (or ``latest``) while it is written; committing is the rename that drops it."""
+"""Ends the name of a checkpoint (or ``latest``) while it is written; committing is the rename to its name."""
+CKPT_TMP_RE = re.compile(r"^(ckpt-\d{10,19}\.h5)(\.[0-9a-f]{1,64})?\.tmp$")
+"""An uncommitted checkpoint (``checkpoint_tmp_name``, or ``ckpt-<step>.h5.tmp`` as earlier versions named it);
+group 1 is the name it would have been committed under."""
 LATEST_NAME = "latest"
 """A text file naming the newest committed checkpoint."""
 ASIDE_PREFIX = "aside-"
@@ -93,3 +96,12 @@ def checkpoint_name(step: int) -> str:
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     return f"ckpt-{step:010d}.h5"
+
+
+def checkpoint_tmp_name(step: int, token: str) -> str:
+    """The name the checkpoint of ``step`` is written under until its commit: ``ckpt-<step>.h5.<token>.tmp``.
+
+    ``token`` (hex) is the save's own (its uid): in a directory others can write
+    to, a link planted at a name known in advance would redirect the write.
+    """
+    return f"{checkpoint_name(step)}.{token}{TMP_SUFFIX}"

@@ -15,8 +15,10 @@ checkpoints, which the run cannot do without, are not held up by it.
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -45,9 +47,10 @@ def make_run_dir(comm: Any, parent: str, name: str, *, exact: bool = False) -> P
         try:
             path = run_dir_path(parent, name, exact=exact)
             path.mkdir(parents=True, exist_ok=True)
-            probe = path / ".write-test"
-            probe.write_text("")
-            probe.unlink()
+            # A fresh name, created exclusively: a shared run.dir may hold a link planted at a fixed one.
+            fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=path)
+            os.close(fd)
+            os.unlink(probe)
         except OSError as exc:
             error = UsageError(f"run.dir: cannot create run directory {str(path)!r}: {exc.strerror or exc}")
     agree_on_error(comm, error)
@@ -191,6 +194,21 @@ class MetricsWriter:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, infinities) as None: JSON that strict readers take.
+
+    Python's ``json`` writes a bare ``NaN``, which the JSON standard has no
+    place for (a final loss of a run with nothing to train, a diverged one).
+    """
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
 
 
 def format_duration(seconds: float) -> str:

@@ -56,7 +56,8 @@ from hpcnet.layout import CONFIG_FILE, SUMMARY_FILE, checkpoint_dir, metrics_fil
 from hpcnet.loop import Loop
 from hpcnet.models import build_model, count_parameters
 from hpcnet.optim import build_optimizer
-from hpcnet.runlog import MetricsWriter, OptionalFile, close_logging, format_duration, make_run_dir, setup_logging
+from hpcnet.runlog import (MetricsWriter, OptionalFile, close_logging, format_duration, make_run_dir,
+                           setup_logging, strict_json)
 from hpcnet.stop import StopRequest
 from hpcnet.trace import StepTracer, parse_steps
 
@@ -211,8 +212,9 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any
                  len(train_split), len(eval_split), cfg.train.batch_size * cfg.train.grad_accumulation * world.size)
         log.info("%s", dp.describe())
         log.info("device settings (cuda.*): %s", settings.describe())
-    faults = FaultInjector(cfg.fault, world)  # fault.*: off unless testing recovery
-    manager = CheckpointManager(comm, checkpoint_dir(cfg.run.dir, cfg.run.name, cfg.checkpoint.dir),
+    directory = checkpoint_dir(cfg.run.dir, cfg.run.name, cfg.checkpoint.dir)
+    faults = FaultInjector(cfg.fault, world, checkpoint_dir=directory)  # fault.*: off unless testing recovery
+    manager = CheckpointManager(comm, directory,
                                 keep=cfg.checkpoint.keep, full_every=cfg.checkpoint.full_every,
                                 async_save=cfg.checkpoint.async_save, move_aside=cfg.checkpoint.move_aside,
                                 fault=faults.io_fault, deadlines=monitor.deadlines, timeout_s=cfg.checkpoint.timeout_s)
@@ -260,7 +262,7 @@ def _finish(result: TrainResult, world: World, run_dir: Path, total_steps: int) 
         result.exit_code = (ExitCode.INTERRUPTED if summary["stopped_by_signal"] == signal.SIGINT
                             else ExitCode.PREEMPTED)
     if world.is_main:
-        OptionalFile(run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        OptionalFile(run_dir / SUMMARY_FILE).write_text(json.dumps(strict_json(summary), indent=2, allow_nan=False) + "\n")
         if summary["steps"] > summary["start_step"]:
             log.info("%s: %d steps in %s, final loss %.4f%s", "stopped" if summary.get("diverged") else "done",
                      summary["steps"], format_duration(summary["wall_s"]), summary["final_loss"],
@@ -341,6 +343,10 @@ if __name__ == "__main__":
         # on any non-zero SystemExit).
         from mpi4py import MPI
 
+        from hpcnet.ckpt.collective import unclosed_files
+
+        if unclosed_files():
+            os._exit(code)  # HDF5's teardown (at MPI_Finalize, at exit) would crash on a file it failed to close
         if not MPI.Is_finalized():
             MPI.Finalize()
     sys.exit(code)

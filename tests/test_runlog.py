@@ -35,6 +35,29 @@ def test_an_uncreatable_run_directory_fails_on_every_rank(comm, mpi_tmp_path):
         make_run_dir(comm, parent, "exp", exact=True)
 
 
+def test_the_write_test_of_a_shared_run_directory_follows_no_link_planted_there(tmp_path):
+    """Issue 27, item 13: the probe was a fixed name, ``.write-test``, written through any link found there:
+    another user of a shared run.dir could make a run truncate a file of theirs' choosing."""
+    from mpi4py import MPI
+
+    run_dir = tmp_path / "shared"
+    run_dir.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (run_dir / ".write-test").symlink_to(victim)
+    assert make_run_dir(MPI.COMM_SELF, str(run_dir), "x", exact=True) == run_dir
+    assert victim.read_text() == "precious" and (run_dir / ".write-test").is_symlink()
+    assert sorted(p.name for p in run_dir.iterdir()) == [".write-test"]  # its own probe is gone
+
+
+def test_strict_json_writes_no_bare_nan():
+    from hpcnet.runlog import strict_json
+
+    value = {"loss": float("nan"), "rates": [1.5, float("inf")], "nested": {"x": -float("inf"), "n": 3}}
+    assert json.loads(json.dumps(strict_json(value), allow_nan=False)) == {
+        "loss": None, "rates": [1.5, None], "nested": {"x": None, "n": 3}}
+
+
 def _log_as(rank, run_dir):
     """What rank ``rank``'s console shows of one record of each level; its file is in ``run_dir``."""
     console = io.StringIO()

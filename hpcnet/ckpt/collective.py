@@ -18,6 +18,9 @@ collective calls early: errors are collected and returned, and
 ``hpcnet.ckpt.write`` shares them.
 """
 
+import contextlib
+import logging
+import math
 import os
 import threading
 import time
@@ -32,10 +35,13 @@ from hpcnet.ckpt import direct
 from hpcnet.ckpt.format import DTYPES, WRITE_PIECE_BYTES, TensorSpec, block_hashes, write_pieces
 from hpcnet.ckpt.listing import fsync_path
 from hpcnet.comm.world import wait_sleeping
+from hpcnet.errors import errno_of, error_text, os_error
 from hpcnet.fault.watchdog import NULL_DEADLINES
 
 if TYPE_CHECKING:
     from hpcnet.ckpt.write import SaveJob  # the write imports this module
+
+log = logging.getLogger("hpcnet.checkpoint")
 
 PEER_POLL_S = 0.005
 """How often a writer waiting for its peers before a collective file create checks whether they came."""
@@ -175,9 +181,9 @@ def _create_collectively(comm: Any, job: "SaveJob", tmp: Path, create: Any, dead
 
 
 @dataclass(slots=True)
-class FileLayout:
+class Offsets:
     """Where the datasets of a created checkpoint file lie, and the rows of ``/rank_state``: what the writes
-    after ``create_file`` need."""
+    after ``create_file`` need (a save whose file could not be allocated has none: nothing is written)."""
 
     tensors: dict[int, int] = field(default_factory=dict)
     """Tensor index -> byte offset of its dataset (the tensors this rank writes; ``direct_writes``)."""
@@ -191,22 +197,15 @@ class FileLayout:
     """Rank 0: every rank's row hash."""
     written: int = 0
     """Bytes this rank wrote through h5py while the file was open (``direct_writes`` off)."""
+    usable: bool = False
+    """Whether the file's space was allocated, or could not be allocated ahead (``_reserve``): the writes go on."""
 
 
-def table_sizes(job: "SaveJob", size: int, counts: np.ndarray, index_bytes: bytes) -> dict[str, tuple[str, int]]:
-    """The file's tables besides the tensors: name -> (dtype, elements) (pure); ``/rank_state`` is not one."""
-    n_hashes = int(counts[:, :, 0].sum())
-    tables: dict[str, tuple[str, int]] = {"meta": ("u1", len(job.meta_bytes)), "index": ("u1", len(index_bytes)),
-                                          "hashes": ("<u8", n_hashes), "rank_state_hashes": ("<u8", size)}
-    if job.kind == "incremental":
-        tables["blocks"] = ("<i8", n_hashes)
-    return tables
-
-
-def create_file(comm: Any, job: "SaveJob", tmp: Path, counts: np.ndarray, index_bytes: bytes,
-                attrs: dict[str, Any], changed: dict[int, np.ndarray], rank_row: np.ndarray,
-                errors: list[BaseException], deadlines: Any = NULL_DEADLINES, timeout_s: float = 0.0) -> FileLayout:
-    """Collective: create ``tmp`` over MPI-IO with every dataset, note where they lie, and close it.
+def create_file(comm: Any, job: "SaveJob", tmp: Path, datasets: dict[str, tuple[tuple[int, ...], np.dtype]],
+                attrs: dict[str, Any], counts: np.ndarray, changed: dict[int, np.ndarray], rank_row: np.ndarray,
+                errors: list[BaseException], deadlines: Any = NULL_DEADLINES, timeout_s: float = 0.0) -> Offsets:
+    """Collective: create ``tmp`` over MPI-IO with every dataset (``file_layout``), allocate its space
+    (``_reserve``), note where the datasets lie, and close it.
 
     With ``job.direct_writes`` off the tensors and ``/rank_state`` are written through h5py here, while the
     file is open.  Errors after the create are appended to ``errors``, never raised between collective calls.
@@ -215,7 +214,7 @@ def create_file(comm: Any, job: "SaveJob", tmp: Path, counts: np.ndarray, index_
     ``checkpoint.create`` guard of ``deadlines`` (``hpcnet.fault.watchdog``), which the heartbeats announce.
     """
     rank = comm.Get_rank()
-    layout = FileLayout(rank_row=rank_row)
+    offsets = Offsets(rank_row=rank_row)
     create = deadlines.open("checkpoint.create", timeout_s, what=f"checkpoint.create (step {job.step})",
                             quiet=True)
     try:
@@ -223,26 +222,36 @@ def create_file(comm: Any, job: "SaveJob", tmp: Path, counts: np.ndarray, index_
     except BaseException:
         deadlines.close(create)
         raise
+    created: tuple = ()
     try:
-        d_tables, d_rank, d_tensors = _create_datasets(f, job, comm.Get_size(), counts, index_bytes, attrs,
-                                                       len(layout.rank_row))
+        d_tables, d_rank, d_tensors = created = _create_datasets(f, job, datasets, attrs)
         deadlines.close(create)
+        reserved = _reserve(comm, job, tmp, f, [*d_tables.values(), d_rank, *d_tensors.values()], errors)
+        if reserved == "failed":  # agreed: nothing is written
+            return offsets
+        offsets.usable = True
         if job.direct_writes:
-            layout.rank_state = _offset(d_rank, errors)
-            layout.tensors = {i: offset for i, _ in job.ownership.owned(rank) if i in d_tensors
-                              if (offset := _offset(d_tensors[i], errors)) is not None}
+            offsets.rank_state = _offset(d_rank, errors)
+            offsets.tensors = {i: offset for i, _ in job.ownership.owned(rank) if i in d_tensors
+                               if (offset := _offset(d_tensors[i], errors)) is not None}
         else:
-            layout.written = _write_data(job, rank, d_tensors, d_rank, layout.rank_row, counts, changed, errors)
+            offsets.written = _write_data(job, rank, d_tensors, d_rank, rank_row, counts, changed, errors)
+            _abandon(comm, tmp, errors, free_space=True)
         if rank == 0:
-            layout.tables = {name: offset for name, d in d_tables.items() if d.shape[0]
-                             if (offset := _offset(d, errors)) is not None}
+            offsets.tables = {name: offset for name, d in d_tables.items() if d.shape[0]
+                              if (offset := _offset(d, errors)) is not None}
     finally:
         deadlines.close(create)
         try:
             f.close()
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)
-    return layout
+            # HDF5 leaves a file whose close failed half torn down: releasing any
+            # of its objects, or HDF5's own teardown at exit, crashes (SIGSEGV).
+            _UNCLOSED.append((f, created))
+            log.error("cannot close %s (%s): it stays open, and this process must end without HDF5's teardown",
+                      tmp, exc)
+    return offsets
 
 
 def _offset(dataset: Any, errors: list[BaseException]) -> int | None:
@@ -257,7 +266,7 @@ def _offset(dataset: Any, errors: list[BaseException]) -> int | None:
         return None
 
 
-def write_local(job: "SaveJob", rank: int, tmp: Path, layout: FileLayout, counts: np.ndarray,
+def write_local(job: "SaveJob", rank: int, tmp: Path, offsets: Offsets, counts: np.ndarray,
                 changed: dict[int, np.ndarray], errors: list[BaseException], timings: dict[str, float]
                 ) -> tuple[int, dict[int, np.ndarray]]:
     """This rank's bytes of a created file, fsync'd; no MPI, no HDF5 (what a background thread may run).
@@ -273,6 +282,8 @@ def write_local(job: "SaveJob", rank: int, tmp: Path, layout: FileLayout, counts
     t0 = time.perf_counter()
     hashes: dict[int, np.ndarray] = {}
     written = 0
+    if not offsets.usable:
+        return written, hashes  # the space could not be allocated (every rank has the error): nothing to write
     if not job.direct_writes:
         if job.kind == "full":
             hashes = _hash_while_flushing(job, tmp, errors, timings)
@@ -285,20 +296,20 @@ def write_local(job: "SaveJob", rank: int, tmp: Path, layout: FileLayout, counts
             job.fault("write", job.step)
         except OSError as exc:  # as a failing write would: noted, and the writes go on
             errors.append(exc)
-    if layout.rank_state is None:
-        return 0, hashes  # the create failed here (noted): nothing to write into
+    if offsets.rank_state is None:
+        return 0, hashes  # its offset failed here (noted): nothing to write into
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW)
     except OSError as exc:
         errors.append(exc)
         return 0, hashes
     try:
-        pieces = _local_pieces(job, rank, layout, counts, changed)
+        pieces = _local_pieces(job, rank, offsets, counts, changed)
         with direct.pool(job.io_threads) as pool:
             futures = {i: direct.submit_write(pool, fd, data, offset, block_bytes, hashed=job.kind == "full")
                        for i, data, offset, block_bytes in pieces}
-            futures[-1] = direct.submit_write(pool, fd, layout.rank_row, layout.rank_state  # type: ignore[operator]
-                                              + rank * len(layout.rank_row), len(layout.rank_row), hashed=False)
+            futures[-1] = direct.submit_write(pool, fd, offsets.rank_row, offsets.rank_state  # type: ignore[operator]
+                                              + rank * len(offsets.rank_row), len(offsets.rank_row), hashed=False)
             sizes = {i: data.nbytes for i, data, _, _ in pieces}
             for i, chunks in futures.items():
                 try:
@@ -320,12 +331,12 @@ def write_local(job: "SaveJob", rank: int, tmp: Path, layout: FileLayout, counts
     return written, hashes
 
 
-def _local_pieces(job: "SaveJob", rank: int, layout: FileLayout, counts: np.ndarray,
+def _local_pieces(job: "SaveJob", rank: int, offsets: Offsets, counts: np.ndarray,
                   changed: dict[int, np.ndarray]) -> list[tuple[int, np.ndarray, int, int]]:
     """(tensor index, bytes to write, file offset, hash block bytes) of each piece this rank writes."""
     out = []
     for i, piece in job.ownership.owned(rank):
-        if i not in layout.tensors:
+        if i not in offsets.tensors:
             continue  # no storage: nothing of it changed, or its offset failed (noted)
         spec, array = job.specs[i], job.arrays[i]
         block_bytes = spec.block_rows * spec.row_bytes
@@ -337,7 +348,7 @@ def _local_pieces(job: "SaveJob", rank: int, layout: FileLayout, counts: np.ndar
         else:
             data = array
             first = spec.block_range_rows(piece.block_lo, piece.block_hi)[0]
-        out.append((i, data, layout.tensors[i] + first * spec.row_bytes, block_bytes))
+        out.append((i, data, offsets.tensors[i] + first * spec.row_bytes, block_bytes))
     return out
 
 
@@ -348,14 +359,14 @@ def _fsync_noted(path: Path, errors: list[BaseException]) -> None:
         errors.append(exc)
 
 
-def write_tables(tmp: Path, layout: FileLayout, tables: dict[str, np.ndarray | None]) -> None:
+def write_tables(tmp: Path, offsets: Offsets, tables: dict[str, np.ndarray | None]) -> None:
     """Rank 0: the tables (meta, index, hashes, blocks, rank hashes) with pwrite at their offsets, fsync'd.
 
     No MPI, no HDF5.  Raises OSError.
     """
     fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW)
     try:
-        for name, offset in layout.tables.items():
+        for name, offset in offsets.tables.items():
             data = tables.get(name)
             if data is None or not len(data):
                 continue
@@ -368,6 +379,126 @@ def write_tables(tmp: Path, layout: FileLayout, tables: dict[str, np.ndarray | N
         os.close(fd)
 
 
+_UNCLOSED: list[tuple[Any, tuple]] = []
+"""Files (and their datasets) whose HDF5 close failed: held for the life of the process, never released."""
+
+
+def unclosed_files() -> int:
+    """How many checkpoint files this process could not close: if any, it must end without HDF5's and MPI's
+    teardown (``os._exit``), which would crash in them."""
+    return len(_UNCLOSED)
+
+
+def _reserve(comm: Any, job: "SaveJob", tmp: Path, f: Any, datasets: list[Any], errors: list[BaseException]
+             ) -> str:
+    """Collective, once the structure is created and before anything is written: rank 0 allocates every
+    block of the file, so that no write, and no close, can run out of space.
+
+    A full disk or quota then fails here, with its errno, on every rank alike,
+    before any data are written; and a disk that fills meanwhile cannot fail
+    the writes.  Should the file not fit, rank 0 still allocates what lies
+    between the datasets (HDF5's structures, a few KiB per dataset), which the
+    close must write: an HDF5 close that cannot write leaves the library half
+    torn down (see ``_abandon``).  Returns ``"reserved"``, ``"unsupported"``
+    (the file system cannot allocate ahead: the writes go on, and may still
+    fail inside) or ``"failed"`` (every rank then has the error in ``errors``).
+    """
+    outcome: tuple[str, int | None, str] = ("reserved", None, "")
+    if comm.Get_rank() == 0:
+        try:
+            outcome = _allocate_file(job, tmp, f, datasets)
+        except Exception as exc:  # noqa: BLE001 - shared below
+            outcome = ("failed", errno_of(exc), f"cannot allocate its space: {error_text(exc)}")
+    status, code, text = comm.bcast(outcome, root=0)
+    if status == "failed":
+        errors.append(os_error(code, text))
+    return status
+
+
+def _allocate_file(job: "SaveJob", tmp: Path, f: Any, datasets: list[Any]) -> tuple[str, int | None, str]:
+    """Rank 0's part of ``_reserve``: its outcome, errno and message."""
+    eoa = f.id.get_filesize()
+    stored = sorted((d.id.get_offset(), d.id.get_storage_size()) for d in datasets if d.id.get_offset() is not None)
+    fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW)
+    try:
+        if job.fault is not None:
+            job.fault("reserve", job.step)
+        return ("reserved" if direct.allocate(fd, 0, eoa) else "unsupported", None, "")
+    except OSError as exc:
+        with contextlib.suppress(OSError):  # room for the close at least: see _abandon
+            start = 0
+            for offset, size in [*stored, (eoa, 0)]:
+                direct.allocate(fd, start, offset - start)
+                start = max(start, offset + size)
+        return ("failed", exc.errno, f"allocating its {eoa / 2**20:.1f} MiB failed: {error_text(exc)}")
+    finally:
+        os.close(fd)
+
+
+PROBE_BYTES = 1 << 20
+"""What ``_abandon`` writes past a failed file's end to ask the file system why the write failed."""
+
+
+def _abandon(comm: Any, tmp: Path, errors: list[BaseException], free_space: bool) -> None:
+    """Collective, before the close of a file written through h5py (``direct_writes`` off): if a write failed on
+    any rank, learn its errno and free the file's space.  (With ``direct_writes`` the file is closed before
+    anything is written into it.)
+
+    HDF5 1.10 over MPI-IO cannot abandon a file: its close still flushes what
+    it holds, and a close whose flush fails (a full disk or quota) leaves the
+    library half torn down, so that the next touch of the file, or of its
+    objects by the garbage collector, crashes (SIGSEGV).  ``_reserve``
+    prevents that where the file system allocates ahead; elsewhere, once
+    every rank knows that some write failed, and none writes any more, rank
+    0 truncates the worthless file to nothing (``free_space``): its space is
+    free again and the close has room for its few metadata writes.
+
+    HDF5 and MPI-IO drop the errno of a failed write ("Can't write data (file
+    write failed)"), which decides the exit status (a full disk or quota is
+    not restarted).  When no rank's error kept one, rank 0 asks the file
+    system first, with a write of ``PROBE_BYTES`` past the file's end: a
+    full disk or quota answers ENOSPC or EDQUOT.  Every rank whose errors
+    have no errno adds that one.
+    """
+    own = next((errno_of(e) for e in errors if errno_of(e)), None)
+    reports = comm.allgather((bool(errors), own))
+    if not any(failed for failed, _ in reports):
+        return
+    code = next((c for _, c in reports if c), None)
+    if comm.Get_rank() == 0:
+        if code is None:
+            code = _probe_errno(tmp)
+        if free_space:
+            try:
+                os.truncate(tmp, 0)
+            except OSError as exc:
+                errors.append(exc)
+    code = comm.bcast(code, root=0)
+    if code and own is None:
+        text = f"{error_text(errors[0])}: " if errors else "the write failed on another rank: "
+        errors.insert(0, os_error(code, text + os.strerror(code)))
+
+
+def _probe_errno(tmp: Path) -> int | None:
+    """The errno of a write of ``PROBE_BYTES`` past the end of ``tmp``, where no block is allocated yet (None if
+    it succeeds)."""
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        return exc.errno
+    try:
+        offset = -(-os.fstat(fd).st_size // PROBE_BYTES) * PROBE_BYTES
+        view = memoryview(bytes(PROBE_BYTES))
+        while view:
+            written = os.pwrite(fd, view, offset)
+            view, offset = view[written:], offset + written
+    except OSError as exc:
+        return exc.errno
+    finally:
+        os.close(fd)
+    return None
+
+
 def rank_table(comm: Any, job: "SaveJob") -> tuple[np.ndarray, list[int] | None]:
     """Collective: this rank's row of /rank_state (padded to the widest rank's), and on rank 0 every row's hash."""
     width = max(comm.allgather(len(job.rank_state_bytes)))
@@ -375,23 +506,62 @@ def rank_table(comm: Any, job: "SaveJob") -> tuple[np.ndarray, list[int] | None]
     return rank_row, comm.gather(int(block_hashes(rank_row, width)[0]), root=0)
 
 
-def _create_datasets(f: Any, job: "SaveJob", size: int, counts: np.ndarray, index_bytes: bytes,
-                     attrs: dict[str, Any], width: int) -> tuple[dict[str, Any], Any, dict[int, Any]]:
-    """The file's structure: the same calls with the same arguments on every rank (collective)."""
-    for key, value in attrs.items():
-        f.attrs[key] = value
-    d_tables = {name: f.create_dataset(name, shape=(n,), dtype=dtype, fill_time="never")
-                for name, (dtype, n) in table_sizes(job, size, counts, index_bytes).items()}
-    d_rank = f.create_dataset("rank_state", shape=(size, width), dtype="u1", fill_time="never")
-    d_tensors: dict[int, Any] = {}
+METADATA_BYTES = 1 << 20
+"""Room for HDF5's own structures (superblock, object headers, the heap of names) besides the datasets."""
+METADATA_BYTES_PER_DATASET = 4096
+"""And per dataset: its object header, its link and its attributes."""
+
+
+def file_layout(job: "SaveJob", size: int, counts: np.ndarray, index_bytes: int, width: int
+                ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Every dataset of one checkpoint file, in the order it is created: path -> (shape, storage dtype) (pure).
+
+    The one description of the file: ``_create_datasets`` creates exactly
+    these, and the free-space check before a save (``file_bytes``) counts them.
+    ``width`` is the widest rank's /rank_state row (``rank_table``).
+    """
+    n_hashes = int(counts[:, :, 0].sum())
+    u1, u8 = np.dtype("u1"), np.dtype("<u8")
+    layout = {"meta": ((len(job.meta_bytes),), u1), "index": ((index_bytes,), u1), "hashes": ((n_hashes,), u8),
+              "rank_state_hashes": ((size,), u8)}
+    if job.kind == "incremental":
+        layout["blocks"] = ((n_hashes,), np.dtype("<i8"))
+    layout["rank_state"] = ((size, width), u1)
     for i, spec in enumerate(job.specs):
         rows = int(counts[:, i, 1].sum())
         if job.kind == "incremental" and rows == 0:
             continue  # nothing changed: no dataset
         shape = (rows, *spec.row_shape) if job.kind == "incremental" else spec.shape
-        d_tensors[i] = f.create_dataset(f"tensors/{spec.name}", shape=shape, dtype=spec.storage, fill_time="never")
-        if DTYPES[spec.dtype][1]:
-            d_tensors[i].attrs["dtype"] = spec.dtype
+        layout[f"tensors/{spec.name}"] = (shape, spec.storage)
+    return layout
+
+
+def file_bytes(layout: dict[str, tuple[tuple[int, ...], np.dtype]]) -> int:
+    """The bytes a file of ``layout`` takes at most on disk: every dataset, and HDF5's own structures."""
+    data = sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout.values())
+    return data + METADATA_BYTES + METADATA_BYTES_PER_DATASET * len(layout)
+
+
+def _create_datasets(f: Any, job: "SaveJob", layout: dict[str, tuple[tuple[int, ...], np.dtype]],
+                     attrs: dict[str, Any]) -> tuple[dict[str, Any], Any, dict[int, Any]]:
+    """The file's structure: the same calls with the same arguments on every rank (collective)."""
+    for key, value in attrs.items():
+        f.attrs[key] = value
+    tensors = {f"tensors/{spec.name}": i for i, spec in enumerate(job.specs)}
+    d_tables: dict[str, Any] = {}
+    d_rank = None
+    d_tensors: dict[int, Any] = {}
+    for name, (shape, dtype) in layout.items():
+        d = f.create_dataset(name, shape=shape, dtype=dtype, fill_time="never")
+        if name in tensors:
+            i = tensors[name]
+            d_tensors[i] = d
+            if DTYPES[job.specs[i].dtype][1]:
+                d.attrs["dtype"] = job.specs[i].dtype
+        elif name == "rank_state":
+            d_rank = d
+        else:
+            d_tables[name] = d
     return d_tables, d_rank, d_tensors
 
 

@@ -14,6 +14,7 @@ plain HDF5 file: HDF5 and h5py read it as if h5py had written the data.
 
 import ctypes
 import ctypes.util
+import errno
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -53,6 +54,38 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     """Ask the kernel to start writing these dirty pages now (no wait; nothing where unsupported)."""
     if _START_WRITEBACK is not None:
         _START_WRITEBACK(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # a hint: an error shows at the fsync
+
+
+def _fallocate() -> object | None:
+    """libc's ``fallocate`` (Linux), or None where there is none."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = libc.fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_FALLOCATE = _fallocate()
+
+
+def allocate(fd: int, offset: int, nbytes: int) -> bool:
+    """Allocate the blocks of ``[offset, offset + nbytes)`` of ``fd`` now, so that no later write there can
+    run out of space: True once done, False where the file system cannot (nothing is written to emulate it,
+    unlike ``posix_fallocate``).  Raises OSError (ENOSPC, EDQUOT) when there is no room."""
+    if _FALLOCATE is None:
+        return False
+    if nbytes <= 0:
+        return True
+    while _FALLOCATE(fd, 0, offset, nbytes) != 0:
+        code = ctypes.get_errno()
+        if code in (errno.EOPNOTSUPP, errno.ENOSYS):
+            return False
+        if code != errno.EINTR:
+            raise OSError(code, os.strerror(code))
+    return True
 
 
 def chunk_bounds(nbytes: int, block_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int]]:

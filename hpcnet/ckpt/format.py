@@ -74,6 +74,9 @@ MAX_NAME_CHARS = 1024
 MAX_JSON_BYTES = 256 << 20
 
 _COMPONENT_RE = re.compile(r"^[A-Za-z0-9_.:+\-]+$")
+ROW_PIECE = re.compile(r"^(?P<key>.+):(?P<lo>[0-9]+)-(?P<hi>[0-9]+)$")
+"""The name of rows lo to hi of a tensor stored in row pieces: ``optim/<index>/<key>:<lo>-<hi>`` holds those rows
+of the optimizer state ``optim/<index>/<key>`` of a parameter cut into row ranges (``dist.zero``)."""
 UID_RE = re.compile(r"^[0-9a-f]{32}$")
 
 # torch dtype name -> (numpy storage dtype, raw).  ``raw`` dtypes have no HDF5
@@ -380,7 +383,38 @@ def parse_index(text: Any, kind: str) -> list[dict[str, Any]]:
         names.append(name)
         entries.append({"spec": spec, "hash_offset": entry["hash_offset"], "n_hashes": entry["n_hashes"]})
     check_names_nest(names)
+    check_row_pieces([e["spec"] for e in entries])
     return entries
+
+
+def check_row_pieces(specs: list[TensorSpec]) -> None:
+    """Raise ValueError unless each row piece of optimizer state (``ROW_PIECE``) holds the rows its name says,
+    and the pieces of each state, in one dtype and row shape, cover its rows from 0 once each, with no whole
+    tensor of that name beside them: a reader joins them by their names."""
+    names = {spec.name for spec in specs}
+    pieces: dict[str, list[tuple[int, int, TensorSpec]]] = {}
+    for spec in specs:
+        piece = ROW_PIECE.match(spec.name) if spec.name.startswith("optim/") else None
+        if piece is None:
+            continue
+        lo, hi = int(piece["lo"]), int(piece["hi"])
+        if not spec.shape or lo >= hi or spec.shape[0] != hi - lo:
+            raise ValueError(f"/index entry {spec.name!r}: shape {list(spec.shape)} does not hold the rows {lo} to "
+                             f"{hi} its name says")
+        pieces.setdefault(piece["key"], []).append((lo, hi, spec))
+    for key, parts in pieces.items():
+        if key in names:
+            raise ValueError(f"/index: {key!r} is stored both whole and in row pieces")
+        parts.sort(key=lambda part: part[0])
+        at, first = 0, parts[0][2]
+        for lo, hi, spec in parts:
+            if lo != at:
+                raise ValueError(f"/index entry {spec.name!r}: the row pieces of {key!r} "
+                                 f"{'leave out' if lo > at else 'repeat'} rows at {min(lo, at)} to {max(lo, at)}")
+            if (spec.dtype, spec.row_shape) != (first.dtype, first.row_shape):
+                raise ValueError(f"/index entry {spec.name!r}: dtype {spec.dtype} and rows of {list(spec.row_shape)}, "
+                                 f"other pieces of {key!r} {first.dtype} and {list(first.row_shape)}")
+            at = hi
 
 
 def packed_rows(spec: TensorSpec, blocks: np.ndarray) -> int:

@@ -7,11 +7,12 @@ rank 0 and shares the result.  Torch-free (the tool and fault injection use it).
 
 import contextlib
 import os
+import secrets
 import time
 from pathlib import Path
 
 from hpcnet.ckpt.format import CheckpointInfo
-from hpcnet.layout import ASIDE_PREFIX, CKPT_NAME_RE, LATEST_NAME, TMP_SUFFIX
+from hpcnet.layout import ASIDE_PREFIX, CKPT_NAME_RE, CKPT_TMP_RE, LATEST_NAME, TMP_SUFFIX
 from hpcnet.ckpt.validate import open_read, read_attrs
 
 
@@ -25,12 +26,22 @@ def fsync_path(path: Path) -> None:
 
 
 def write_latest(directory: Path, name: str) -> None:
-    """Point ``latest`` at ``name`` atomically (for people and scripts; loading scans the directory)."""
-    tmp = directory / (LATEST_NAME + TMP_SUFFIX)
-    with open(tmp, "w") as handle:
-        handle.write(name + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+    """Point ``latest`` at ``name`` atomically (for people and scripts; loading scans the directory).
+
+    Written first under a fresh name, created exclusively and never through a
+    link (the directory may be writable by others), then renamed.
+    """
+    tmp = directory / f"{LATEST_NAME}.{secrets.token_hex(8)}{TMP_SUFFIX}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with open(fd, "w", closefd=False) as handle:
+            handle.write(name + "\n")
+        os.fsync(fd)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
     os.replace(tmp, directory / LATEST_NAME)
     fsync_path(directory)
 
@@ -60,7 +71,7 @@ def scan(directory: Path) -> tuple[list[CheckpointInfo], list[Path]]:
     for entry in entries:
         if CKPT_NAME_RE.match(entry):
             committed.append(read_info(directory / entry))
-        elif entry.endswith(TMP_SUFFIX) and CKPT_NAME_RE.match(entry.removesuffix(TMP_SUFFIX)):
+        elif CKPT_TMP_RE.match(entry):
             stale.append(directory / entry)
     return sorted(committed, key=lambda i: i.commit_order), stale
 

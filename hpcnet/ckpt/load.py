@@ -7,13 +7,14 @@ try an older checkpoint, an I/O error is not (README: Checkpoints, resume rules)
 """
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from hpcnet.agree import agreed, shared_errors
 from hpcnet.ckpt.format import CheckpointInfo, resolve_chain
-from hpcnet.layout import ASIDE_PREFIX, TMP_SUFFIX
+from hpcnet.layout import ASIDE_PREFIX, CKPT_TMP_RE, TMP_SUFFIX
 from hpcnet.ckpt.listing import listing, read_info, scan
 from hpcnet.ckpt.shared import check_same_listing
 from hpcnet.ckpt.read import read_chain
@@ -70,7 +71,7 @@ def _choose(which: str, directory: Path | None) -> Choice:
     else:
         path = Path(which)
         if not which or not path.exists():
-            if path.name.endswith(TMP_SUFFIX) or Path(which + TMP_SUFFIX).exists():
+            if path.name.endswith(TMP_SUFFIX) or _uncommitted(path):
                 raise UsageError(f"checkpoint {which!r} was never committed (a save that did not finish)")
             raise UsageError(f"checkpoint {which!r} does not exist")
         if path.name.endswith(TMP_SUFFIX):
@@ -95,6 +96,15 @@ def _choose(which: str, directory: Path | None) -> Choice:
         except ValueError as exc:
             candidates.append((info, None, str(exc)))
     return Choice(candidates, target is not None, str(folder), infos, listing(folder), [str(p) for p in stale])
+
+
+def _uncommitted(path: Path) -> bool:
+    """Whether a save of checkpoint ``path`` began but did not commit (its temporary file is there)."""
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return False
+    return any(match and match.group(1) == path.name for match in map(CKPT_TMP_RE.match, names))
 
 
 def load_with_choice(comm: Any, which: str, directory: Path | None, fault: IoFault | None,

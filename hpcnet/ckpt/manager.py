@@ -44,7 +44,7 @@ from hpcnet.ckpt.shared import check_same_listing, check_shared_directory
 from hpcnet.ckpt.write import COLLECTIVE, LOCAL, IoFault, SaveJob, SaveResult, run_stretches, save_stretches
 from hpcnet.errors import UsageError
 from hpcnet.fault.watchdog import NULL_DEADLINES, Guard, io_timeout_s
-from hpcnet.layout import ASIDE_PREFIX, CKPT_NAME_RE, TMP_SUFFIX
+from hpcnet.layout import ASIDE_PREFIX, CKPT_NAME_RE
 
 log = logging.getLogger("hpcnet.checkpoint")
 
@@ -335,8 +335,7 @@ class CheckpointManager:
             flight.stretches.close()
         if self.comm.Get_rank() == 0:
             with contextlib.suppress(OSError):
-                tmp = flight.job.path.with_name(flight.job.path.name + TMP_SUFFIX)
-                tmp.unlink(missing_ok=True)
+                flight.job.tmp.unlink(missing_ok=True)
 
     def _deadline_s(self, nbytes: int = 0) -> float:
         return io_timeout_s(self.timeout_s, self._last_save_s, nbytes)

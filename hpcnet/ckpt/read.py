@@ -244,10 +244,12 @@ def _read_headers(chain: list[Path], uids: list[str] | None, fault: IoFault | No
 
 def _read_rank_state(f: Any, attrs: dict[str, Any], rank: int) -> dict[str, Any] | None:
     """This rank's saved RNG/loader state, None beyond the saved world size."""
+    import h5py
+
     if rank >= attrs["world_size"]:
         return None
     table = f.get("rank_state")
-    width = table.shape[1] if table is not None and table.ndim == 2 else -1
+    width = table.shape[1] if isinstance(table, h5py.Dataset) and table.ndim == 2 else -1
     try:
         row = checked(f, "rank_state", (attrs["world_size"], width), np.dtype(np.uint8))[rank]
         want = checked(f, "rank_state_hashes", (attrs["world_size"],), np.dtype("<u8"))[rank]

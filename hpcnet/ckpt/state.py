@@ -93,21 +93,29 @@ def state_wanted(optimizer: Any) -> Callable[[str], bool] | None:
 
 
 def restore_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, tensors: dict[str, torch.Tensor],
-                  meta: dict[str, Any]) -> None:
+                  meta: dict[str, Any], source: str = "checkpoint") -> None:
     """Load what ``flatten_state`` produced back into ``model`` and ``optimizer`` (exact, strict).
 
-    Raises UsageError when the checkpoint does not fit the model or optimizer.
+    Raises UsageError, its message starting with ``source`` (the checkpoint, by
+    name), when the checkpoint does not fit the model or optimizer: other
+    names, or the same names with other shapes.
     """
     model_state = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
-    missing, unexpected = set(model.state_dict()) - set(model_state), set(model_state) - set(model.state_dict())
+    live = model.state_dict()
+    missing, unexpected = set(live) - set(model_state), set(model_state) - set(live)
     if missing or unexpected:
-        raise UsageError(f"checkpoint does not match the model: missing {sorted(missing)[:5]}, "
+        raise UsageError(f"{source} does not match the model: missing {sorted(missing)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]}")
+    other = [f"{key} is {list(value.shape)} there, {list(live[key].shape)} in the model"
+             for key, value in model_state.items() if value.shape != live[key].shape]
+    if other:
+        raise UsageError(f"{source} does not match the model (was it saved with other model.* options?): "
+                         f"{'; '.join(other[:3])}{f'; and {len(other) - 3} more' if len(other) > 3 else ''}")
     model.load_state_dict(model_state)
     if optimizer is None:
         return
     if meta.get("optimizer") != optimizer_name(optimizer):
-        raise UsageError(f"checkpoint holds {meta.get('optimizer')!r} state, the optimizer is "
+        raise UsageError(f"{source} holds {meta.get('optimizer')!r} state, the optimizer is "
                          f"{optimizer_name(optimizer)}")
     per_param: dict[int, dict[str, Any]] = {}
     for name, value in tensors.items():
@@ -115,12 +123,12 @@ def restore_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, ten
             _, index, key = name.split("/", 2)
             per_param.setdefault(int(index), {})[key] = value
     if not hasattr(optimizer, "checkpoint_state"):  # a sharded optimizer takes the pieces it needs itself
-        _join_pieces(per_param, [p for group in optimizer.param_groups for p in group["params"]])
+        _join_pieces(per_param, [p for group in optimizer.param_groups for p in group["params"]], source)
     for index, values in meta.get("state_scalars", {}).items():
         per_param.setdefault(int(index), {}).update(values)
     groups = meta["param_groups"]
     if len(groups) != len(optimizer.param_groups):
-        raise UsageError(f"checkpoint has {len(groups)} optimizer param groups, the optimizer "
+        raise UsageError(f"{source} has {len(groups)} optimizer param groups, the optimizer "
                          f"{len(optimizer.param_groups)}")
     for saved, live in zip(groups, optimizer.param_groups):
         for key, value in saved.items():  # JSON made tuples lists; give them back their type
@@ -129,7 +137,7 @@ def restore_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, ten
     try:
         optimizer.load_state_dict({"state": per_param, "param_groups": groups})
     except (ValueError, KeyError) as exc:
-        raise UsageError(f"checkpoint does not match the optimizer: {exc}") from None
+        raise UsageError(f"{source} does not match the optimizer: {exc}") from None
 
 
 def join_pieces(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -143,9 +151,9 @@ def join_pieces(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _join_pieces(per_param: dict[int, dict[str, Any]], params: list[torch.Tensor]) -> None:
+def _join_pieces(per_param: dict[int, dict[str, Any]], params: list[torch.Tensor], source: str) -> None:
     """Whole tensors from the row pieces of a cut parameter's state (``dist.zero``), in place; UsageError when
-    pieces are missing."""
+    they do not make the parameter's rows."""
     for index, values in per_param.items():
         plain, pieces = split_pieces(values)
         if not pieces:
@@ -153,14 +161,17 @@ def _join_pieces(per_param: dict[int, dict[str, Any]], params: list[torch.Tensor
         values.clear()
         values.update(plain)
         if index >= len(params):
-            raise UsageError(f"checkpoint holds optimizer state for parameter {index}, the optimizer has "
+            raise UsageError(f"{source} holds optimizer state for parameter {index}, the optimizer has "
                              f"{len(params)}")
         rows = params[index].shape[0] if params[index].dim() else 1
         for key, parts in pieces.items():
             try:
+                if max(hi for _, hi, _ in parts) != rows:
+                    raise ValueError(f"optimizer state {index} {key} has {max(hi for _, hi, _ in parts)} rows, "
+                                     f"the parameter {rows}")
                 values[key] = rows_of(parts, 0, rows, f"optimizer state {index} {key}")
             except ValueError as exc:
-                raise UsageError(f"checkpoint does not match the optimizer: {exc}") from None
+                raise UsageError(f"{source} does not match the optimizer: {exc}") from None
 
 
 def rng_state() -> dict[str, Any]:
@@ -294,7 +305,8 @@ class TrainState:
         # Everything here may fail on some ranks only (each restores its own
         # RNG state), so the outcome is shared before the next collective.
         with shared_errors(self.manager.comm):
-            restore_state(self.model, self.optimizer, loaded.tensors, loaded.meta["state"])
+            restore_state(self.model, self.optimizer, loaded.tensors, loaded.meta["state"],
+                          source=f"checkpoint {str(loaded.path)!r}")
             # Any world size and batch size continue from the saved sample position;
             # a malformed state or a shrunk dataset is a clear ValueError.
             self.sampler.load_state_dict(loaded.meta["sampler"])

@@ -156,4 +156,26 @@ def read_header(f: Any, path: Path) -> tuple[dict[str, Any], list[dict[str, Any]
         if declared > f.id.get_filesize():
             raise ValueError(f"/index declares {declared} bytes of tensors, but the file has only "
                              f"{f.id.get_filesize()} bytes")
+    _check_tables(f, attrs, sum(e["n_hashes"] for e in index))
     return attrs, index
+
+
+def _check_tables(f: Any, attrs: dict[str, Any], n_hashes: int) -> None:
+    """Raise ValueError unless /hashes, /blocks (increments), /rank_state and /rank_state_hashes are plain
+    datasets of the shapes the attributes and the index give (``checked``): a reader may trust their type."""
+    import h5py
+
+    size = attrs["world_size"]
+    tables = {"hashes": ((n_hashes,), "<u8"), "rank_state_hashes": ((size,), "<u8")}
+    if attrs["kind"] == "incremental":
+        tables["blocks"] = ((n_hashes,), "<i8")
+    table = f.get("rank_state")
+    width = table.shape[1] if isinstance(table, h5py.Dataset) and table.ndim == 2 else -1
+    tables["rank_state"] = ((size, width), "u1")
+    for name, (shape, dtype) in tables.items():
+        try:
+            if name == "rank_state" and width < 0:
+                raise ValueError("missing, not a dataset, or not a table of rows")
+            checked(f, name, shape, np.dtype(dtype))
+        except ValueError as exc:
+            raise ValueError(f"dataset /{name}: {exc}") from None

@@ -10,7 +10,7 @@ on different communicators, and a 32-rank job on 2 cores was seen to stop in exa
 writer's first ``Allgather`` on every rank, rank 0's training thread in a ``Bcast`` it was the root of).
 ``write_checkpoint`` runs every stretch in the calling thread.
 
-A checkpoint is written as ``ckpt-<step>.h5.tmp`` and committed by a rename
+A checkpoint is written as ``ckpt-<step>.h5.<token>.tmp`` and committed by a rename
 on rank 0 once every rank's write succeeded; every error is shared
 (``hpcnet.agree``), so a save fails on every rank alike and leaves no
 half-written file under a committed name (README: Checkpoints).
@@ -30,11 +30,11 @@ from typing import Any
 import numpy as np
 
 from hpcnet.agree import agree_on_error
-from hpcnet.ckpt.collective import (FileLayout, gather_tables, changed_blocks, create_file, local_counts,
-                                    rank_table, table_sizes, write_local, write_tables)
+from hpcnet.ckpt.collective import (Offsets, changed_blocks, create_file, file_bytes, file_layout, gather_tables,
+                                    local_counts, rank_table, write_local, write_tables)
 from hpcnet.ckpt.format import (FORMAT, FORMAT_VERSION, HASH_NAME, CheckpointInfo, Ownership, TensorSpec,
                                 plan_retention, sha256_hex)
-from hpcnet.layout import TMP_SUFFIX, checkpoint_name
+from hpcnet.layout import checkpoint_name, checkpoint_tmp_name
 from hpcnet.ckpt.listing import fsync_path, scan, write_latest
 from hpcnet.errors import errno_of, error_text, os_error
 from hpcnet.fault.watchdog import NULL_DEADLINES
@@ -47,7 +47,8 @@ IoFault = Callable[[str, int], None]
 its data, ``"read"`` on every rank before it opens each file of a load); an OSError it raises fails
 the operation as the file system would.  Every rank's writer also calls it at the collective file
 create, with ``"arrive"`` before the ranks meet there and ``"create"`` once they met and the create is
-announced, just before h5py's create: where a slow or stuck writer is injected."""
+announced, just before h5py's create: where a slow or stuck save is injected; and rank 0 calls it with
+``"reserve"`` once the file's structure exists, just before it allocates the file's space."""
 
 
 @dataclass(slots=True)
@@ -85,6 +86,11 @@ class SaveJob:
     def path(self) -> Path:
         return self.directory / checkpoint_name(self.step)
 
+    @property
+    def tmp(self) -> Path:
+        """Where it is written until its commit: its own name (its uid's, the same on every rank)."""
+        return self.directory / checkpoint_tmp_name(self.step, self.uid[:16])
+
 
 
 @dataclass(slots=True)
@@ -98,11 +104,12 @@ class SaveResult:
 def check_free_space(directory: Path, needed: int) -> None:
     """Raise OSError(ENOSPC) unless the file system of ``directory`` has ``needed`` bytes free.
 
-    Checked before writing, because running out of space inside the file is
-    worse than an error: HDF5 1.10.8 over MPI-IO then fails to close the file
-    and the process crashes (SIGSEGV) when the file object is released
-    (checked on a full tmpfs).  Quotas (EDQUOT) are invisible to statvfs and
-    still fail inside the write.
+    Checked before writing, with ``needed`` counted from the file's layout
+    (``hpcnet.ckpt.collective.file_bytes``: every dataset), so that a save
+    that cannot fit fails here, with one clear message, rather than inside
+    HDF5.  Quotas (EDQUOT), and a disk that fills meanwhile, are invisible
+    here: the allocation of the file's space before any write catches them
+    (``hpcnet.ckpt.collective._reserve``).
     """
     free = shutil.disk_usage(directory).free
     if free < needed:
@@ -159,7 +166,7 @@ def save_stretches(comm: Any, job: SaveJob, *, deadlines: Any = NULL_DEADLINES, 
         deadlines: where the collective create is guarded (``hpcnet.fault.watchdog``), with ``timeout_s``.
     """
     rank, size = comm.Get_rank(), comm.Get_size()
-    tmp = job.path.with_name(job.path.name + TMP_SUFFIX)
+    tmp = job.tmp
     timings: dict[str, float] = {}
     errors: list[BaseException] = []
     hashes: dict[int, np.ndarray] = {}
@@ -177,12 +184,13 @@ def save_stretches(comm: Any, job: SaveJob, *, deadlines: Any = NULL_DEADLINES, 
     index_bytes = _index_bytes(job.specs, counts)
     attrs = _root_attrs(job, size, index_bytes)
     rank_row, rank_hashes = rank_table(comm, job)
-    _create_plain(comm, job, tmp, _file_bytes(job, size, counts, index_bytes, len(rank_row)))
-    layout = create_file(comm, job, tmp, counts, index_bytes, attrs, changed, rank_row, errors, deadlines, timeout_s)
-    layout.rank_hashes = rank_hashes
+    datasets = file_layout(job, size, counts, len(index_bytes), len(rank_row))
+    _create_plain(comm, job, tmp, file_bytes(datasets))
+    offsets = create_file(comm, job, tmp, datasets, attrs, counts, changed, rank_row, errors, deadlines, timeout_s)
+    offsets.rank_hashes = rank_hashes
     timings["create_s"] = time.perf_counter() - t
     yield LOCAL
-    written, written_hashes = write_local(job, rank, tmp, layout, counts, changed, errors, timings)
+    written, written_hashes = write_local(job, rank, tmp, offsets, counts, changed, errors, timings)
     if job.kind == "full":
         hashes = written_hashes
     yield COLLECTIVE
@@ -194,11 +202,11 @@ def save_stretches(comm: Any, job: SaveJob, *, deadlines: Any = NULL_DEADLINES, 
             tmp.unlink(missing_ok=True)
         raise
     all_hashes, all_blocks = gather_tables(comm, job, counts, hashes, changed)
-    written = comm.allreduce(written + layout.written)
+    written = comm.allreduce(written + offsets.written)
     timings["gather_s"] = time.perf_counter() - t
     yield LOCAL
     t = time.perf_counter()
-    error = _finish_file(job, tmp, layout, index_bytes, all_hashes, all_blocks) if rank == 0 else None
+    error = _finish_file(job, tmp, offsets, index_bytes, all_hashes, all_blocks) if rank == 0 else None
     timings["commit_s"] = time.perf_counter() - t
     yield COLLECTIVE
     agree_on_error(comm, error)
@@ -209,21 +217,14 @@ def save_stretches(comm: Any, job: SaveJob, *, deadlines: Any = NULL_DEADLINES, 
     return SaveResult(info, hashes, timings, written)
 
 
-def _file_bytes(job: SaveJob, size: int, counts: np.ndarray, index_bytes: bytes, rank_width: int) -> int:
-    """Every byte the file will hold: each tensor's data, each table, ``/rank_state``, and 1 MiB of HDF5's."""
-    data = sum(int(counts[:, i, 1].sum()) * s.row_bytes for i, s in enumerate(job.specs))
-    tables = sum(np.dtype(dtype).itemsize * n for dtype, n in table_sizes(job, size, counts, index_bytes).values())
-    return data + tables + size * rank_width + (1 << 20)
-
-
-def _finish_file(job: SaveJob, tmp: Path, layout: FileLayout, index_bytes: bytes, all_hashes: np.ndarray | None,
+def _finish_file(job: SaveJob, tmp: Path, offsets: Offsets, index_bytes: bytes, all_hashes: np.ndarray | None,
                  all_blocks: np.ndarray | None) -> OSError | None:
     """Rank 0, local: the tables written and fsync'd, then the commit (rename, ``latest``, prune); the error, if
     any (and then ``tmp`` is removed)."""
     try:
-        write_tables(tmp, layout, {"meta": np.frombuffer(job.meta_bytes, np.uint8),
+        write_tables(tmp, offsets, {"meta": np.frombuffer(job.meta_bytes, np.uint8),
                                    "index": np.frombuffer(index_bytes, np.uint8), "hashes": all_hashes,
-                                   "rank_state_hashes": np.array(layout.rank_hashes, dtype="<u8"),
+                                   "rank_state_hashes": np.array(offsets.rank_hashes, dtype="<u8"),
                                    "blocks": all_blocks})
     except OSError as exc:
         tmp.unlink(missing_ok=True)
@@ -261,7 +262,9 @@ def _root_attrs(job: SaveJob, size: int, index_bytes: bytes) -> dict[str, Any]:
 def _create_plain(comm: Any, job: SaveJob, tmp: Path, needed: int) -> None:
     """Collective: rank 0 checks the free space and creates ``tmp`` plainly, before the collective create.
 
-    One clear error rather than MPI-IO errors on some ranks.
+    One clear error rather than MPI-IO errors on some ranks.  Created
+    exclusively and never through a link: in a directory others can write
+    to, a link at the name would make the create truncate the file it names.
     """
     error: BaseException | None = None
     if comm.Get_rank() == 0:
@@ -269,7 +272,7 @@ def _create_plain(comm: Any, job: SaveJob, tmp: Path, needed: int) -> None:
             if job.fault is not None:
                 job.fault("precheck", job.step)
             check_free_space(job.directory, needed)
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
         except OSError as exc:
             error = os_error(errno_of(exc), f"cannot create checkpoint file {str(tmp)!r}: {error_text(exc)}")
     agree_on_error(comm, error)

@@ -25,7 +25,6 @@ tensors, and keeps the rows this rank owns, so checkpoints move between ``dist.z
 """
 
 import inspect
-import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from hpcnet.ckpt.format import ROW_PIECE
 from hpcnet.comm.costmodel import LinkCost, ShardPlan, assign_shards, measured_speeds
 from hpcnet.comm.exchange import exchange, pieces
 from hpcnet.comm.reducer import _dense
@@ -52,7 +52,7 @@ times the even share, however the bytes are spread over the parameters, while a 
 keeps its parameters whole (one optimizer tensor each)."""
 MIN_UNIT_BYTES = 4096
 """No parameter is cut into pieces smaller than this."""
-PIECE = re.compile(r"^(?P<key>.+):(?P<lo>[0-9]+)-(?P<hi>[0-9]+)$")
+PIECE = ROW_PIECE
 """A checkpoint's name for rows lo to hi of a cut parameter's state: ``optim/<index>/<key>:<lo>-<hi>``."""
 
 

@@ -31,7 +31,12 @@ The training loop calls three hooks, each one line:
   alike and ``fault.rank`` does not apply); with ``write_error`` the chosen
   rank's write of every save from ``write_error_at_step`` on fails inside the
   collective write with that errno, as a quota (EDQUOT), a disk filling up
-  meanwhile (ENOSPC) or a storage fault (EIO) would.  A full disk or quota is
+  meanwhile (ENOSPC) or a storage fault (EIO) would; ``write_error='fill'``
+  fills the checkpoint directory's file system for real instead (a file
+  ``fill-disk.fault`` there, left for the user to delete: use it on a small
+  scratch file system) once the file's structure exists and before its
+  space is allocated, so that not even HDF5's close of the file can write
+  (``fault.rank`` does not apply).  A full disk or quota is
   not worth restarting (status 2): the next attempt would fail at its first
   save, after recomputing everything since the last checkpoint; EIO is (75).
   With ``slow_save_s`` (every save) or ``stuck_save_at_step`` the chosen
@@ -49,6 +54,7 @@ The training loop calls three hooks, each one line:
 restarted run gets past the fault; 0 injects in every attempt.
 """
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -95,10 +101,13 @@ class FaultInjector:
         cfg: the ``[fault]`` section.
         world: this job's world (which rank is the chosen one).
         attempt: the attempt number; None reads ``HPCNET_ATTEMPT``.
+        checkpoint_dir: where ``write_error='fill'`` fills the file system.
     """
 
-    def __init__(self, cfg: FaultConfig, world: World, attempt: int | None = None) -> None:
+    def __init__(self, cfg: FaultConfig, world: World, attempt: int | None = None,
+                 checkpoint_dir: str | Path | None = None) -> None:
         self.cfg = cfg
+        self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
         try:
             self.attempt = current_attempt() if attempt is None else attempt
         except ConfigError as exc:
@@ -135,7 +144,10 @@ class FaultInjector:
             parts.append("the newest checkpoint is corrupted before resuming")
         if c.fill_disk_at_step:
             parts.append(f"checkpoint saves from step {c.fill_disk_at_step} on fail with ENOSPC")
-        if c.write_error:
+        if c.write_error == "fill":
+            parts.append(f"the checkpoint file system is filled for real in the saves from step "
+                         f"{c.write_error_at_step} on")
+        elif c.write_error:
             parts.append(f"{who}'s checkpoint writes from step {c.write_error_at_step} on fail with {c.write_error}")
         if c.slow_save_s:
             parts.append(f"{who}'s checkpoint save sleeps {c.slow_save_s:g} s before every collective create")
@@ -197,7 +209,10 @@ class FaultInjector:
         if phase == "precheck" and c.fill_disk_at_step and step >= c.fill_disk_at_step:
             raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} "
                                         f"(injected: fault.fill_disk_at_step={c.fill_disk_at_step})")
-        if phase == "write" and self.mine and c.write_error and step >= c.write_error_at_step:
+        if phase == "reserve" and c.write_error == "fill" and step >= c.write_error_at_step:
+            what = fill_disk(self.checkpoint_dir or Path("."))
+            log.warning("fault injection: filled the checkpoint file system (%s) in the save of step %d", what, step)
+        elif phase == "write" and self.mine and c.write_error and step >= c.write_error_at_step:
             code = getattr(errno, c.write_error)
             raise OSError(code, f"{os.strerror(code)} (injected: fault.write_error={c.write_error})")
         if phase == "arrive" and self.mine and c.slow_save_s:
@@ -211,6 +226,36 @@ class FaultInjector:
             log.error("fault injection: rank %d's checkpoint save blocks for good in the create, holding the GIL "
                       "(step %d)", self.rank, step)
             block_holding_the_gil()
+
+
+FILL_NAME = "fill-disk.fault"
+"""The file with which ``write_error='fill'`` fills the checkpoint directory's file system (left for the user)."""
+
+
+def fill_disk(directory: Path, leave_bytes: int = 0) -> str:
+    """Fill the file system of ``directory`` for real, but for ``leave_bytes``: append to ``FILL_NAME`` there.
+
+    Space is taken at once where the file system allocates (``posix_fallocate``);
+    to fill it completely, the file is then written until the write fails with
+    ENOSPC (or EDQUOT).  Returns the file and its size, in words.
+    """
+    path = directory / FILL_NAME
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+    try:
+        stat = os.statvfs(directory)
+        with contextlib.suppress(OSError):
+            os.posix_fallocate(fd, os.fstat(fd).st_size, max(1, stat.f_bavail * stat.f_frsize - leave_bytes))
+        chunk = bytes(1 << 16)
+        try:
+            while not leave_bytes:
+                os.write(fd, chunk)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    return f"{path}: {size / 2**20:.1f} MiB"
 
 
 def block_holding_the_gil() -> None:

@@ -43,6 +43,12 @@ def test_corrupt_and_uncommitted_checkpoints_are_skipped(comm, mpi_tmp_path, cap
             manager.load(str(bad))
         with pytest.raises(UsageError, match="uncommitted"):
             manager.load(str(directory / "ckpt-0000000003.h5.tmp"))
+        comm.Barrier()
+        if comm.Get_rank() == 0:  # a save's own temporary name (hpcnet.layout.checkpoint_tmp_name)
+            (directory / "ckpt-0000000003.h5.tmp").rename(directory / "ckpt-0000000003.h5.0123456789abcdef.tmp")
+        comm.Barrier()
+        with pytest.raises(UsageError, match="was never committed"):
+            manager.load(str(directory / "ckpt-0000000003.h5"))
 
 
 @pytest.mark.mpi

@@ -100,3 +100,61 @@ def test_files_that_read_elsewhere_or_declare_more_than_they_hold_are_rejected(s
     expected = {"external-link": "/tensors/model/w is an external link", "soft-link": "/tensors/model/w is a soft link",
                 "external-storage": "external", "unstored": "declares 8192 bytes but the file stores 0"}[trick]
     assert expected in out.getvalue(), out.getvalue()
+
+
+def _pieces_file(directory):
+    """Two checkpoints of a parameter's state cut in row pieces (as ``dist.zero`` saves it); the second's path."""
+    tensors = {"model/w": torch.ones(64, 4), "optim/0/exp_avg:0-32": torch.zeros(32, 4),
+               "optim/0/exp_avg:32-64": torch.ones(32, 4)}
+    with CheckpointManager(MPI.COMM_SELF, directory, full_every=1, async_save=False) as manager:
+        manager.save(1, tensors, {}, {})
+        return manager.save(2, tensors, {}, {})
+
+
+def _rename(renames):
+    def edit(f, index):
+        for old, new in renames:
+            next(e for e in index if e["name"] == old)["name"] = new
+            f.move(f"tensors/{old}", f"tensors/{new}")
+    return edit
+
+
+@pytest.mark.parametrize("renames, expected", [
+    ([(":0-32", ":0-40"), (":32-64", ":40-64")],
+     "'optim/0/exp_avg:0-40': shape [32, 4] does not hold the rows 0 to 40"),
+    ([(":32-64", ":33-65")], "the row pieces of 'optim/0/exp_avg' leave out rows at 32 to 33"),
+    ([(":32-64", ":16-48")], "the row pieces of 'optim/0/exp_avg' repeat rows at 16 to 32"),
+    ([(":32-64", "")], "'optim/0/exp_avg' is stored both whole and in row pieces"),
+])
+def test_row_pieces_whose_names_do_not_match_their_rows_are_damage(single_process, tmp_path, renames, expected):
+    """Issue 27, item 7: names are what a reader joins the pieces by, so pieces that do not make the rows their
+    names say fail verification, and a load takes the checkpoint before."""
+    from hpcnet.ckpt.load import load_checkpoint
+    from hpcnet.ckpt.tool import main as ckpt_main
+
+    path = _pieces_file(tmp_path / "pieces")
+    _rewrite_index(path, _rename([(f"optim/0/exp_avg{a}", f"optim/0/exp_avg{b}") for a, b in renames]))
+    out = io.StringIO()
+    assert ckpt_main(["verify", str(tmp_path / "pieces")], out=out) == 1
+    assert f"FAILED {path.name}" in out.getvalue() and expected in out.getvalue(), out.getvalue()
+    assert "ok     ckpt-0000000001.h5" in out.getvalue()
+    loaded = load_checkpoint(MPI.COMM_SELF, "auto", tmp_path / "pieces")
+    assert loaded.step == 1 and len(loaded.skipped) == 1 and expected in loaded.skipped[0]
+
+
+@pytest.mark.parametrize("table", ["rank_state", "rank_state_hashes", "hashes"])
+def test_a_table_that_is_a_group_is_damage_not_a_crash(single_process, tmp_path, table):
+    """Issue 27, item 11: a /rank_state that is a group made verify fail with an AttributeError (and a resume
+    with status 1); every table is checked with the header, and a load takes the checkpoint before."""
+    from hpcnet.ckpt.load import load_checkpoint
+    from hpcnet.ckpt.tool import main as ckpt_main
+
+    path = _pieces_file(tmp_path / "group")
+    with h5py.File(path, "r+") as f:
+        del f[table]
+        f.create_group(table)
+    out = io.StringIO()
+    assert ckpt_main(["verify", str(tmp_path / "group")], out=out) == 1
+    assert f"FAILED {path.name}" in out.getvalue() and f"dataset /{table}: " in out.getvalue(), out.getvalue()
+    loaded = load_checkpoint(MPI.COMM_SELF, "auto", tmp_path / "group")
+    assert loaded.step == 1 and f"dataset /{table}" in loaded.skipped[0]
