@@ -35,19 +35,19 @@ ALIGN_BYTES = 1 << 20
 _SYNC_FILE_RANGE_WRITE = 2
 
 
-def _sync_file_range() -> object | None:
-    """libc's ``sync_file_range`` (Linux), or None where there is none."""
+def _libc(name: str, argtypes: list[object]) -> object | None:
+    """The C library's function ``name`` (Linux), returning an int, or None where there is none."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = libc.sync_file_range
+        fn = getattr(libc, name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.argtypes = argtypes
     fn.restype = ctypes.c_int
     return fn
 
 
-_START_WRITEBACK = _sync_file_range()
+_START_WRITEBACK = _libc("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
@@ -56,19 +56,7 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _START_WRITEBACK(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # a hint: an error shows at the fsync
 
 
-def _fallocate() -> object | None:
-    """libc's ``fallocate`` (Linux), or None where there is none."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = libc.fallocate
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_FALLOCATE = _fallocate()
+_FALLOCATE = _libc("fallocate", [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64])
 
 
 def allocate(fd: int, offset: int, nbytes: int) -> bool:

@@ -12,10 +12,10 @@ the first inside ``save``, the others in ``advance``, which the training loop
 calls at a step boundary once every rank's background stretch is done (the
 boundary's one all-reduce carries that), or in ``wait``.  The local ones
 (hashing, writing bytes with pwrite, fsync, rank 0's commit) run in one
-background thread, which calls neither MPI nor HDF5, so a rank never has two
-threads inside blocking collectives, and never h5py's process-wide lock while
-the data loader reads HDF5.  Every method of the manager first finishes the
-save in flight.
+background thread, which calls no MPI and opens no parallel HDF5 file, so a
+rank never has two threads inside blocking collectives (h5py it uses only for
+rank 0's listing of the directory after a commit, short serial reads of
+attributes).  Every method of the manager first finishes the save in flight.
 """
 
 import contextlib
@@ -281,7 +281,7 @@ class CheckpointManager:
         flight.thread.start()
 
     def _local_stretch(self, flight: _InFlight) -> None:
-        """The background thread: the save's next local stretch (no MPI, no HDF5), until it wants the ranks."""
+        """The background thread: the save's next local stretch (no MPI, no parallel HDF5), until it wants the ranks."""
         t = time.perf_counter()
         try:
             with self.deadlines.guard("checkpoint.write", flight.timeout_s,

@@ -1,13 +1,14 @@
 """One save on disk, in stretches: collective ones (free space, the file's create, agreements, the commit's
-verdict) and local ones (hashing, writing bytes, fsync, rank 0's rename), which call neither MPI nor HDF5.
+verdict) and local ones (hashing, writing bytes, fsync, rank 0's commit), which call no MPI and open no
+parallel HDF5 file.
 
 ``save_stretches`` is a generator that yields ``LOCAL`` before each local stretch and ``COLLECTIVE`` before
 each collective one, so whoever drives it decides which thread runs what: ``hpcnet.ckpt.manager`` runs the
 collective stretches in the training thread, at a step boundary where every rank's local stretch is done,
 and the local ones in a background thread.  A rank then never has two threads inside blocking MPI
-collectives at once: Open MPI 4.1 gives no progress guarantee between two threads' blocking collectives
-on different communicators, and a 32-rank job on 2 cores was seen to stop in exactly that state (the
-writer's first ``Allgather`` on every rank, rank 0's training thread in a ``Bcast`` it was the root of).
+collectives at once, on any communicator: a 32-rank job on 2 cores with Open MPI 4.1 was seen to stop
+in that state (the writer's first ``Allgather`` on every rank, rank 0's training thread in a ``Bcast``
+it was the root of), and MPI_THREAD_MULTIPLE progress between threads is where MPI libraries differ most.
 ``write_checkpoint`` runs every stretch in the calling thread.
 
 A checkpoint is written as ``ckpt-<step>.h5.<token>.tmp`` and committed by a rename
@@ -131,7 +132,7 @@ def _write_error(tmp: Path, errors: list[BaseException]) -> OSError | None:
 
 
 LOCAL = "local"
-"""``save_stretches`` yields it before a stretch that calls neither MPI nor HDF5 (any thread may run it)."""
+"""``save_stretches`` yields it before a stretch that calls no MPI and opens no parallel HDF5 file (any thread may run it)."""
 COLLECTIVE = "collective"
 """``save_stretches`` yields it before a stretch of collective calls (every rank runs it, in one thread)."""
 
