@@ -213,7 +213,9 @@ def test_a_disk_that_fills_inside_the_write_fails_it_on_every_rank_and_the_proce
     from hpcnet.errors import exit_code_of
 
     monkeypatch.setattr(direct, "allocate", lambda fd, offset, nbytes: False, raising=False)
-    error, names, latest = _fill_and_fail(comm, small_fs, "write", full_every=full_every,
+    # Filled where rank 0 would allocate (the file's create, collective): before any rank writes, whichever
+    # thread writes and whenever it starts.
+    error, names, latest = _fill_and_fail(comm, small_fs, "reserve", full_every=full_every,
                                           direct_writes=direct_writes)
     assert error.errno == errno.ENOSPC and exit_code_of(error) == 2, error
     assert re.search(r"ckpt-0000000002\.h5\.[0-9a-f]{16}\.tmp", str(error))
