@@ -328,3 +328,15 @@ def even_nodes(comm) -> dict[str, str]:
     """The environment for virtual nodes of 2 ranks (of 1 at an odd world size: a hierarchical all-reduce needs
     as many ranks on every node)."""
     return {"HPCNET_RANKS_PER_NODE": "2" if comm.Get_size() % 2 == 0 else "1"}
+
+
+def owned_params(comm, sizes=(7, 1, 300, 2, 5)):
+    """Parameters of ``sizes`` elements, each with an owner rank (a rank may own nothing at 4 ranks): the owner's
+    holds ``arange + 1000 * index``, the others -1 (what ``ParamGather`` must give every rank)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    owner = [(i * 3) % size for i in range(len(sizes))]
+    params = [torch.full((n,), -1.0) for n in sizes]
+    for i, p in enumerate(params):
+        if owner[i] == rank:
+            p.copy_(torch.arange(p.numel(), dtype=torch.float32) + 1000 * i)
+    return params, owner

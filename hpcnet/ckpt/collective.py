@@ -182,8 +182,8 @@ def _create_collectively(comm: Any, job: "SaveJob", tmp: Path, create: Any, dead
 
 @dataclass(slots=True)
 class Offsets:
-    """Where the datasets of a created checkpoint file lie, and the rows of ``/rank_state``: what the writes
-    after ``create_file`` need (a save whose file could not be allocated has none: nothing is written)."""
+    """Where the datasets of a created checkpoint file lie: what the writes after ``create_file`` need (a save
+    whose file could not be allocated has none: nothing is written)."""
 
     tensors: dict[int, int] = field(default_factory=dict)
     """Tensor index -> byte offset of its dataset (the tensors this rank writes; ``direct_writes``)."""
@@ -191,10 +191,6 @@ class Offsets:
     """Byte offset of ``/rank_state`` (``direct_writes``)."""
     tables: dict[str, int] = field(default_factory=dict)
     """Rank 0: table name -> byte offset (empty tables have no storage and none)."""
-    rank_row: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
-    """This rank's row of ``/rank_state``, padded to the widest rank's."""
-    rank_hashes: list[int] | None = None
-    """Rank 0: every rank's row hash."""
     written: int = 0
     """Bytes this rank wrote through h5py while the file was open (``direct_writes`` off)."""
     usable: bool = False
@@ -214,7 +210,7 @@ def create_file(comm: Any, job: "SaveJob", tmp: Path, datasets: dict[str, tuple[
     ``checkpoint.create`` guard of ``deadlines`` (``hpcnet.fault.watchdog``), which the heartbeats announce.
     """
     rank = comm.Get_rank()
-    offsets = Offsets(rank_row=rank_row)
+    offsets = Offsets()
     create = deadlines.open("checkpoint.create", timeout_s, what=f"checkpoint.create (step {job.step})",
                             quiet=True)
     try:
@@ -236,7 +232,7 @@ def create_file(comm: Any, job: "SaveJob", tmp: Path, datasets: dict[str, tuple[
                                if (offset := _offset(d_tensors[i], errors)) is not None}
         else:
             offsets.written = _write_data(job, rank, d_tensors, d_rank, rank_row, counts, changed, errors)
-            _abandon(comm, tmp, errors, free_space=True)
+            _abandon(comm, tmp, errors)
         if rank == 0:
             offsets.tables = {name: offset for name, d in d_tables.items() if d.shape[0]
                               if (offset := _offset(d, errors)) is not None}
@@ -267,8 +263,8 @@ def _offset(dataset: Any, errors: list[BaseException]) -> int | None:
 
 
 def write_local(job: "SaveJob", rank: int, tmp: Path, offsets: Offsets, counts: np.ndarray,
-                changed: dict[int, np.ndarray], errors: list[BaseException], timings: dict[str, float]
-                ) -> tuple[int, dict[int, np.ndarray]]:
+                changed: dict[int, np.ndarray], rank_row: np.ndarray, errors: list[BaseException],
+                timings: dict[str, float]) -> tuple[int, dict[int, np.ndarray]]:
     """This rank's bytes of a created file, fsync'd; no MPI, no HDF5 (what a background thread may run).
 
     ``direct_writes``: this rank's pieces (a full checkpoint's, hashed in threads while the disk writes;
@@ -308,8 +304,8 @@ def write_local(job: "SaveJob", rank: int, tmp: Path, offsets: Offsets, counts: 
         with direct.pool(job.io_threads) as pool:
             futures = {i: direct.submit_write(pool, fd, data, offset, block_bytes, hashed=job.kind == "full")
                        for i, data, offset, block_bytes in pieces}
-            futures[-1] = direct.submit_write(pool, fd, offsets.rank_row, offsets.rank_state  # type: ignore[operator]
-                                              + rank * len(offsets.rank_row), len(offsets.rank_row), hashed=False)
+            futures[-1] = direct.submit_write(pool, fd, rank_row, offsets.rank_state + rank * len(rank_row),
+                                              len(rank_row), hashed=False)
             sizes = {i: data.nbytes for i, data, _, _ in pieces}
             for i, chunks in futures.items():
                 try:
@@ -370,10 +366,7 @@ def write_tables(tmp: Path, offsets: Offsets, tables: dict[str, np.ndarray | Non
             data = tables.get(name)
             if data is None or not len(data):
                 continue
-            view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
-            done = 0
-            while done < len(view):
-                done += os.pwrite(fd, view[done:], offset + done)
+            direct.pwrite_all(fd, memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8)), offset)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -439,7 +432,7 @@ PROBE_BYTES = 1 << 20
 """What ``_abandon`` writes past a failed file's end to ask the file system why the write failed."""
 
 
-def _abandon(comm: Any, tmp: Path, errors: list[BaseException], free_space: bool) -> None:
+def _abandon(comm: Any, tmp: Path, errors: list[BaseException]) -> None:
     """Collective, before the close of a file written through h5py (``direct_writes`` off): if a write failed on
     any rank, learn its errno and free the file's space.  (With ``direct_writes`` the file is closed before
     anything is written into it.)
@@ -450,7 +443,7 @@ def _abandon(comm: Any, tmp: Path, errors: list[BaseException], free_space: bool
     objects by the garbage collector, crashes (SIGSEGV).  ``_reserve``
     prevents that where the file system allocates ahead; elsewhere, once
     every rank knows that some write failed, and none writes any more, rank
-    0 truncates the worthless file to nothing (``free_space``): its space is
+    0 truncates the worthless file to nothing: its space is
     free again and the close has room for its few metadata writes.
 
     HDF5 and MPI-IO drop the errno of a failed write ("Can't write data (file
@@ -468,11 +461,10 @@ def _abandon(comm: Any, tmp: Path, errors: list[BaseException], free_space: bool
     if comm.Get_rank() == 0:
         if code is None:
             code = _probe_errno(tmp)
-        if free_space:
-            try:
-                os.truncate(tmp, 0)
-            except OSError as exc:
-                errors.append(exc)
+        try:
+            os.truncate(tmp, 0)
+        except OSError as exc:
+            errors.append(exc)
     code = comm.bcast(code, root=0)
     if code and own is None:
         text = f"{error_text(errors[0])}: " if errors else "the write failed on another rank: "
@@ -487,11 +479,7 @@ def _probe_errno(tmp: Path) -> int | None:
     except OSError as exc:
         return exc.errno
     try:
-        offset = -(-os.fstat(fd).st_size // PROBE_BYTES) * PROBE_BYTES
-        view = memoryview(bytes(PROBE_BYTES))
-        while view:
-            written = os.pwrite(fd, view, offset)
-            view, offset = view[written:], offset + written
+        direct.pwrite_all(fd, memoryview(bytes(PROBE_BYTES)), -(-os.fstat(fd).st_size // PROBE_BYTES) * PROBE_BYTES)
     except OSError as exc:
         return exc.errno
     finally:

@@ -88,10 +88,15 @@ def _as_bytes(array: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
 
 
-def _write_chunk(fd: int, view: memoryview, offset: int, block_bytes: int, hash_name: str | None) -> bytes:
+def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """Write all of ``view`` at ``offset`` of ``fd`` (``os.pwrite`` may write less than asked)."""
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
+
+
+def _write_chunk(fd: int, view: memoryview, offset: int, block_bytes: int, hash_name: str | None) -> bytes:
+    pwrite_all(fd, view, offset)
     start_writeback(fd, offset, len(view))
     return b"" if hash_name is None else hash_view(view, block_bytes, hash_name)
 

@@ -142,9 +142,8 @@ class CheckpointManager:
         if async_save and not self.async_save and comm.Get_rank() == 0:
             log.warning("MPI was initialised without MPI_THREAD_MULTIPLE: checkpoints are saved synchronously")
         self._io_comm = comm.Dup()  # the writer's own: its collectives never mix with the caller's
-        # mpi4py's first reduction of Python objects on a communicator duplicates it with the GIL held.  Done
-        # by one rank's training thread while another rank's writer holds its GIL in HDF5's collective create,
-        # it deadlocks (3 runs in 21 of the async-save test at 2 ranks): done here, now, on every rank.
+        # mpi4py's first reduction of Python objects on a communicator duplicates it with the GIL held: done here,
+        # on every rank at once, so that it never happens inside a save, beside a thread that needs the GIL.
         for warmed in (comm, self._io_comm):
             warmed.allreduce(0)
         self._flight: _InFlight | None = None

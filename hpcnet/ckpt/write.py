@@ -188,10 +188,9 @@ def save_stretches(comm: Any, job: SaveJob, *, deadlines: Any = NULL_DEADLINES, 
     datasets = file_layout(job, size, counts, len(index_bytes), len(rank_row))
     _create_plain(comm, job, tmp, file_bytes(datasets))
     offsets = create_file(comm, job, tmp, datasets, attrs, counts, changed, rank_row, errors, deadlines, timeout_s)
-    offsets.rank_hashes = rank_hashes
     timings["create_s"] = time.perf_counter() - t
     yield LOCAL
-    written, written_hashes = write_local(job, rank, tmp, offsets, counts, changed, errors, timings)
+    written, written_hashes = write_local(job, rank, tmp, offsets, counts, changed, rank_row, errors, timings)
     if job.kind == "full":
         hashes = written_hashes
     yield COLLECTIVE
@@ -207,7 +206,7 @@ def save_stretches(comm: Any, job: SaveJob, *, deadlines: Any = NULL_DEADLINES, 
     timings["gather_s"] = time.perf_counter() - t
     yield LOCAL
     t = time.perf_counter()
-    error = _finish_file(job, tmp, offsets, index_bytes, all_hashes, all_blocks) if rank == 0 else None
+    error = _finish_file(job, tmp, offsets, index_bytes, rank_hashes, all_hashes, all_blocks) if rank == 0 else None
     timings["commit_s"] = time.perf_counter() - t
     yield COLLECTIVE
     agree_on_error(comm, error)
@@ -218,14 +217,14 @@ def save_stretches(comm: Any, job: SaveJob, *, deadlines: Any = NULL_DEADLINES, 
     return SaveResult(info, hashes, timings, written)
 
 
-def _finish_file(job: SaveJob, tmp: Path, offsets: Offsets, index_bytes: bytes, all_hashes: np.ndarray | None,
-                 all_blocks: np.ndarray | None) -> OSError | None:
+def _finish_file(job: SaveJob, tmp: Path, offsets: Offsets, index_bytes: bytes, rank_hashes: list[int] | None,
+                 all_hashes: np.ndarray | None, all_blocks: np.ndarray | None) -> OSError | None:
     """Rank 0, local: the tables written and fsync'd, then the commit (rename, ``latest``, prune); the error, if
     any (and then ``tmp`` is removed)."""
     try:
         write_tables(tmp, offsets, {"meta": np.frombuffer(job.meta_bytes, np.uint8),
                                    "index": np.frombuffer(index_bytes, np.uint8), "hashes": all_hashes,
-                                   "rank_state_hashes": np.array(offsets.rank_hashes, dtype="<u8"),
+                                   "rank_state_hashes": np.array(rank_hashes, dtype="<u8"),
                                    "blocks": all_blocks})
     except OSError as exc:
         tmp.unlink(missing_ok=True)

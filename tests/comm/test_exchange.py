@@ -15,6 +15,7 @@ from hpcnet.comm import exchange as exchange_mod
 from hpcnet.comm.costmodel import ShardPlan
 from hpcnet.comm.exchange import exchange, pieces
 from hpcnet.comm.zero import ParamGather, ShardedOptimizer, ShardLayout, plan_shards
+from tests.helpers import owned_params
 
 
 class _NoTensors(pickle.Pickler):
@@ -171,13 +172,8 @@ def test_reshard_moves_the_state_bit_for_bit_as_bytes_below_the_limit(comm, monk
 def test_param_gather_in_blocks_below_the_limit(comm, monkeypatch):
     """A parameter larger than the limit is listed in blocks below it; every rank still gets every owner's values."""
     monkeypatch.setattr(exchange_mod, "MAX_MESSAGE_BYTES", 12)
-    rank, size = comm.Get_rank(), comm.Get_size()
-    sizes = [7, 1, 300, 2, 5]
-    owner = [(i * 3) % size for i in range(len(sizes))]
-    params = [torch.full((n,), -1.0) for n in sizes]
-    for i, p in enumerate(params):
-        if owner[i] == rank:
-            p.copy_(torch.arange(p.numel(), dtype=torch.float32) + 1000 * i)
+    params, owner = owned_params(comm)
+    sizes = [p.numel() for p in params]
     gather = ParamGather(params, owner, comm)
     lengths = [n for t in gather.types if t is not None for n in t.decode()[2]["blocklengths"]]
     assert max(lengths) == 12 and sum(lengths) == 4 * sum(sizes)  # every owner's parameters, in blocks of 12

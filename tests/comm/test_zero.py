@@ -15,7 +15,7 @@ from hpcnet.comm.zero import (MIN_UNIT_BYTES, UNITS_PER_RANK, ParamGather, Shard
 from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.layout import PLAN_FILE
 from hpcnet.train import run
-from tests.helpers import StopAfter, tiny_images, train_config
+from tests.helpers import StopAfter, owned_params, tiny_images, train_config
 
 # Parameters of 11 sizes (2048 to 4 elements): owners get uneven shares, and at 4 ranks some a single bias.
 MODEL = ["model.name=mlp", "model.options.hidden=[32,24]"]
@@ -183,13 +183,7 @@ def test_rows_of_joins_pieces_and_names_a_gap():
 
 @pytest.mark.mpi
 def test_param_gather_gives_every_rank_every_owner_s_values(comm):
-    rank, size = comm.Get_rank(), comm.Get_size()
-    sizes = [7, 1, 300, 2, 5]  # a rank may own nothing at 4 ranks
-    owner = [(i * 3) % size for i in range(len(sizes))]
-    params = [torch.full((n,), -1.0) for n in sizes]
-    for i, p in enumerate(params):
-        if owner[i] == rank:
-            p.copy_(torch.arange(p.numel(), dtype=torch.float32) + 1000 * i)
+    params, owner = owned_params(comm)
     gather = ParamGather(params, owner, comm)
     gather.run()
     gather.close()
