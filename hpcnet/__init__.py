@@ -28,4 +28,24 @@ def _hold_standby_release() -> None:
         _STANDBY_PARENT = os.getppid()
 
 
+def _lazy_exports(package: str, exports: dict[str, str]) -> tuple[list[str], object, object]:
+    """A subpackage's public surface, imported on first use: ``__all__`` and the module ``__getattr__`` and
+    ``__dir__`` (PEP 562) for ``exports`` (public name -> the submodule that defines it).
+
+    Lazy, so that importing one light module of a package (``hpcnet.launch.stop`` before torch, the torch-free
+    supervisor, the report) does not import the rest of it.
+    """
+    import importlib
+
+    def __getattr__(name: str) -> object:
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(f"{package}.{exports[name]}"), name)
+
+    def __dir__() -> list[str]:
+        return sorted(exports)
+
+    return sorted(exports), __getattr__, __dir__
+
+
 _hold_standby_release()

@@ -1,8 +1,8 @@
 """One protocol for agreeing on errors: every rank learns whether any rank failed, and raises alike.
 
-``agree_on_error`` is the collective (``agree_on_one_error`` its variant where every rank raises the
+``agree_on_error`` is the collective (``agree_on_first_error`` its variant where every rank raises the
 first failure, one message); ``shared_errors`` wraps a block in it;
-``agreed`` marks an error every rank raises by itself after a collective check.
+``mark_agreed`` marks an error every rank raises by itself after a collective check.
 Torch-free: the supervisor and the tools import it.
 """
 
@@ -10,8 +10,18 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from hpcnet.errors import (CheckpointCorrupt, ConfigError, DatasetError, ExitCode, RestartableError, UsageError,
-                           error_text, errno_of, exit_code_of, os_error)
+from hpcnet.errors import (
+    CheckpointCorrupt,
+    ConfigError,
+    DatasetError,
+    ExitCode,
+    RestartableError,
+    UsageError,
+    errno_of,
+    error_text,
+    exit_code_of,
+    os_error,
+)
 
 
 class PeerError(RuntimeError):
@@ -65,7 +75,7 @@ def agree_on_error(comm: Any, error: BaseException | None) -> None:
     raise error
 
 
-def agreed(error: BaseException) -> BaseException:
+def mark_agreed(error: BaseException) -> BaseException:
     """Mark an error that every rank raises by itself after a collective check."""
     error.hpcnet_agreed = True  # type: ignore[attr-defined]
     return error
@@ -85,7 +95,7 @@ def shared_errors(comm: Any) -> Iterator[None]:
     """
     try:
         yield
-    except Exception as exc:  # noqa: BLE001 - shared, then re-raised
+    except Exception as exc:
         agree_on_error(comm, exc)
         raise
     agree_on_error(comm, None)
@@ -97,7 +107,7 @@ def _shared_kind(error: BaseException) -> str:
     return next(shared, type(error).__name__)
 
 
-def agree_on_one_error(comm: Any, error: BaseException | None) -> None:
+def agree_on_first_error(comm: Any, error: BaseException | None) -> None:
     """Collective: raise one error, the first failed rank's, on every rank if any rank of ``comm`` has one.
 
     Unlike ``agree_on_error``, where each failed rank raises its own, every rank here raises the first
@@ -119,8 +129,8 @@ def agree_on_one_error(comm: Any, error: BaseException | None) -> None:
         message += f" (on ranks {failed} of {len(reports)} only)"
     if error is not None and error_text(error) == message and (
             type(error) is _SHARED_KINDS[kind] if kind in _SHARED_KINDS else type(error).__name__ == kind):
-        raise agreed(error)
-    raise agreed(_echo(failed[0], kind, message, code, errno_)) from error
+        raise mark_agreed(error)
+    raise mark_agreed(_echo(failed[0], kind, message, code, errno_)) from error
 
 
 def ranks_differing(comm: Any, value: Any) -> list[int]:

@@ -7,8 +7,8 @@ import math
 import signal
 import statistics
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpcnet.accel import BatchMover, DeviceSettings
-from hpcnet.ckpt.policy import NONFINITE_GRAD, NONFINITE_LOSS, SavePolicy
+from hpcnet.ckpt.schedule import NONFINITE_GRAD, NONFINITE_LOSS, SavePolicy
 from hpcnet.ckpt.state import TrainState
 from hpcnet.comm.dataparallel import DataParallel
 from hpcnet.comm.world import World
@@ -29,11 +28,12 @@ from hpcnet.errors import ExitCode
 from hpcnet.fault.flightrec import NULL_RECORDER
 from hpcnet.fault.inject import FaultInjector
 from hpcnet.fault.monitor import Monitor
+from hpcnet.models.device import BatchMover, DeviceSettings
+from hpcnet.observe.phases import bucket_times, rss_mib
+from hpcnet.observe.runlog import MetricsWriter, format_duration
+from hpcnet.observe.stats import job_step_stats, rank_step_stats
+from hpcnet.observe.trace import StepTracer
 from hpcnet.optim import lr_factor
-from hpcnet.phases import bucket_times, rss_mib
-from hpcnet.stats import job_step_stats, rank_step_stats
-from hpcnet.trace import StepTracer
-from hpcnet.runlog import MetricsWriter, format_duration
 
 log = logging.getLogger("hpcnet.train")
 
@@ -104,7 +104,7 @@ def evaluate(model: nn.Module, split: Any, comm: Any, *, batch_size: int, max_ba
              device: torch.device, recorder: Any = NULL_RECORDER, precision: str = "fp32",
              move: Callable[[Any], tuple[torch.Tensor, ...]] | None = None) -> dict[str, float]:
     """Loss and accuracy on the held-out split, each rank on its own shard (collective); ``move`` puts a batch
-    on the device (``hpcnet.accel.BatchMover``; default ``.to(device)``)."""
+    on the device (``hpcnet.models.device.BatchMover``; default ``.to(device)``)."""
     from mpi4py import MPI
 
     was_training = model.training
@@ -157,7 +157,7 @@ def _nonfinite_message(step: int, nonfinite: int) -> str:
 
 
 @dataclass
-class Progress:
+class LoopProgress:
     """Where the loop is: the step, the last logged step and loss, evaluation, and why it stopped."""
 
     step: int
@@ -198,13 +198,13 @@ class Loop:
             self._loss = _slowed(self._loss, faults)
         self.mover = mover or BatchMover(device, DeviceSettings())
         self.balancer = balancer
-        self.clock = dp.clock  # where each step's time goes (hpcnet.phases); DataParallel marks its part
+        self.clock = dp.clock  # where each step's time goes (hpcnet.observe.phases); DataParallel marks its part
         self.tracer = tracer  # train.trace_steps
         self._log_from_step = 0
 
     def run(self, start_step: int) -> dict[str, Any]:
         """Train from ``start_step``; the run's summary."""
-        p = Progress(step=start_step, start_step=start_step)
+        p = LoopProgress(step=start_step, start_step=start_step)
         loss = None
         self.dp.model.train()
         self._log_from_step = start_step
@@ -231,7 +231,7 @@ class Loop:
                 **({"step_stats": step_stats} if step_stats is not None else {}),
                 **({"balance": self.balancer.summary()} if self.balancer is not None else {})}
 
-    def _step(self, p: Progress) -> tuple[torch.Tensor, int]:
+    def _step(self, p: LoopProgress) -> tuple[torch.Tensor, int]:
         """Forward, backward, averaged gradients, the update; the ``NONFINITE_*`` bits this rank brings."""
         cfg = self.cfg
         self.clock.start_step()
@@ -277,7 +277,7 @@ class Loop:
             return math.fsum(loss * share for (loss, _, _), share in zip(every, shares)), every
         return math.fsum(loss for loss, _, _ in every) / self.world.size, every
 
-    def _log_if_due(self, p: Progress, loss: torch.Tensor) -> None:
+    def _log_if_due(self, p: LoopProgress, loss: torch.Tensor) -> None:
         if p.step % self.cfg.run.log_every and p.step != self.total:
             return
         self.clock.split()  # the interval's steps end here; what follows is the next step's
@@ -315,7 +315,7 @@ class Loop:
             every = self.comm.gather(mine, root=0)
         return job_step_stats(every) if every is not None else None
 
-    def _evaluate_if_due(self, p: Progress) -> None:
+    def _evaluate_if_due(self, p: LoopProgress) -> None:
         every = self.cfg.train.eval_every
         if not every or (p.step % every and p.step != self.total):
             return
@@ -330,7 +330,7 @@ class Loop:
                      100 * p.evaluation["eval_accuracy"])
         self.metrics.write(step=p.step, **p.evaluation)
 
-    def _boundary(self, p: Progress, nonfinite: int) -> bool:
+    def _boundary(self, p: LoopProgress, nonfinite: int) -> bool:
         """Every rank agrees on stopping and saving after this step; True: the loop ends here."""
         manager = self.state.manager
         with self.monitor.collective("step_boundary"):
@@ -355,7 +355,7 @@ class Loop:
             return True
         return False
 
-    def _save(self, p: Progress) -> None:
+    def _save(self, p: LoopProgress) -> None:
         self.dp.sync_buffers()
         finite = True
         if self.on_nonfinite != "ignore":
@@ -371,7 +371,7 @@ class Loop:
                           "or a forward pass left non-finite statistics)")
         self.clock.mark("checkpoint")
 
-    def _report_divergence(self, p: Progress) -> None:
+    def _report_divergence(self, p: LoopProgress) -> None:
         if not self.world.is_main:
             return
         last = self.state.last_saved_step

@@ -12,8 +12,8 @@ one rank with batch N*B would.
 
 if __name__ == "__main__":
     # First, before the seconds of importing torch: a stop signal (preemption) from here to the exit is a request
-    # to save and stop, never the default action that kills the rank (hpcnet.stop says why).
-    from hpcnet.stop import hold_stop_signals
+    # to save and stop, never the default action that kills the rank (hpcnet.launch.stop says why).
+    from hpcnet.launch.stop import hold_stop_signals
 
     _STOP = hold_stop_signals()
 
@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from hpcnet import __version__
-from hpcnet.accel import BatchMover, DeviceSettings, apply_settings, device_settings
 from hpcnet.agree import is_agreed, shared_errors
 from hpcnet.ckpt.manager import CheckpointManager
 from hpcnet.ckpt.state import TrainState
@@ -43,23 +42,31 @@ from hpcnet.comm.plan import decide_plan
 from hpcnet.comm.topology import probe, recommend
 from hpcnet.comm.world import World, choose_device, cpu_threads, discover
 from hpcnet.config import Config
-from hpcnet.config_manager import check_same_config, describe_options, load_config, parse_command_line, to_toml
+from hpcnet.config.importing import import_for_training
+from hpcnet.config.load import check_same_config, describe_options, load_config, parse_command_line, to_toml
 from hpcnet.data.balance import Balancer
 from hpcnet.data.loader import BatchLoader, open_dataset
 from hpcnet.data.sampler import GlobalBatchSampler
 from hpcnet.errors import ExitCode, exit_code_of
-from hpcnet.importing import import_for_training
 from hpcnet.fault.inject import FaultInjector
 from hpcnet.fault.monitor import Monitor
 from hpcnet.launch.park import park
-from hpcnet.layout import CONFIG_FILE, SUMMARY_FILE, checkpoint_dir, metrics_file
+from hpcnet.launch.stop import StopRequest
 from hpcnet.loop import Loop
 from hpcnet.models import build_model, count_parameters
+from hpcnet.models.device import BatchMover, DeviceSettings, apply_settings, device_settings
+from hpcnet.observe.runlog import (
+    MetricsWriter,
+    OptionalFile,
+    close_logging,
+    format_duration,
+    make_run_dir,
+    setup_logging,
+    strict_json,
+)
+from hpcnet.observe.trace import StepTracer, parse_steps
 from hpcnet.optim import build_optimizer
-from hpcnet.runlog import (MetricsWriter, OptionalFile, close_logging, format_duration, make_run_dir,
-                           setup_logging, strict_json)
-from hpcnet.stop import StopRequest
-from hpcnet.trace import StepTracer, parse_steps
+from hpcnet.paths import CONFIG_FILE, SUMMARY_FILE, checkpoint_dir, metrics_file
 
 log = logging.getLogger("hpcnet.train")
 
@@ -307,7 +314,7 @@ def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
                 print(to_toml(cfg), end="")
             return ExitCode.OK
         return run(cfg, comm, stop=stop).exit_code
-    except Exception as exc:  # noqa: BLE001 - reported, then a documented status
+    except Exception as exc:
         code = exit_code_of(exc)
         logger = logging.getLogger("hpcnet")
         if is_agreed(exc):

@@ -22,12 +22,12 @@ import torch.nn.functional as F
 from mpi4py import MPI
 from torch import nn
 
-from hpcnet.config import DistConfig, MonitorConfig
 from hpcnet.comm.dataparallel import DataParallel
 from hpcnet.comm.plan import decide_plan
+from hpcnet.comm.world import cpu_threads, discover
+from hpcnet.config import DistConfig, MonitorConfig
 from hpcnet.fault.flightrec import NULL_RECORDER
 from hpcnet.fault.monitor import Monitor
-from hpcnet.comm.world import cpu_threads, discover
 
 
 def main() -> None:

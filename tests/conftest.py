@@ -10,6 +10,7 @@ from mpi4py import MPI
 
 from tests.helpers import clean_env
 
+
 def pytest_configure(config):
     # Ranks of one pytest job race on pytest's own temp folder: give each its own.
     if MPI.COMM_WORLD.Get_size() > 1 and not config.option.basetemp:
@@ -38,10 +39,10 @@ def comm():
 @pytest.fixture(scope="session")
 def data_plane():
     """torch.distributed (gloo) over COMM_WORLD, initialised once per session."""
+    import torch
+
     from hpcnet.comm.bootstrap import init_data_plane
     from hpcnet.comm.world import discover
-
-    import torch
 
     comm = MPI.COMM_WORLD.Dup()
     world = discover(comm)

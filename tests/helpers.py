@@ -17,7 +17,7 @@ PROGRAMS = Path(__file__).resolve().parent / "programs"
 def train_config(tmp: Path, dataset: Path, name: str, *extra: str):
     """A small test run's Config: its own run and checkpoint directories under ``tmp``, batch 4, no
     evaluation, no probe; ``extra`` overrides (``train.steps=20``) decide the rest."""
-    from hpcnet.config_manager import load_config
+    from hpcnet.config.load import load_config
 
     return load_config(overrides=[
         f"data.dataset={dataset}", f"run.dir={tmp / 'runs' / name}", "run.dir_exact=true",

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from hpcnet.accel import BatchMover, DeviceSettings, apply_settings, device_settings
 from hpcnet.config import CudaConfig
-from hpcnet.config_manager import load_config
+from hpcnet.config.load import load_config
+from hpcnet.models.device import BatchMover, DeviceSettings, apply_settings, device_settings
 from hpcnet.train import run
 from tests.helpers import ROOT, tiny_images
 
@@ -34,7 +34,7 @@ def test_auto_is_everything_on_cuda_and_nothing_on_cpu():
 def test_what_cannot_apply_is_logged_not_applied(caplog):
     on = CudaConfig(cudnn_benchmark="on", channels_last="on", pin_memory="on", fused_optimizer="on",
                     matmul_precision="medium")
-    with caplog.at_level(logging.INFO, logger="hpcnet.accel"):
+    with caplog.at_level(logging.INFO, logger="hpcnet.models.device"):
         cpu = device_settings(on, CPU, _cnn())
         mlp = device_settings(on, CUDA, nn.Linear(3, 2))
     assert cpu == DeviceSettings(matmul_precision="medium", channels_last=True, fused_optimizer=True)

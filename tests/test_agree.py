@@ -1,11 +1,11 @@
-"""Tests of hpcnet.agree: ``agree_on_one_error`` at every size in one process (a rank per thread), then under
+"""Tests of hpcnet.agree: ``agree_on_first_error`` at every size in one process (a rank per thread), then under
 MPI; ``ranks_differing`` under MPI."""
 
 import threading
 
 import pytest
 
-from hpcnet.agree import PeerError, agree_on_error, agree_on_one_error, is_agreed, ranks_differing
+from hpcnet.agree import PeerError, agree_on_error, agree_on_first_error, is_agreed, ranks_differing
 from hpcnet.errors import ConfigError, DatasetError, ExitCode, exit_code_of
 
 
@@ -49,12 +49,12 @@ class LocalDatasetError(DatasetError):
 
 @pytest.mark.parametrize("size", [1, 2, 4])
 def test_no_error_returns_everywhere(size):
-    assert on_ranks(agree_on_one_error, [None] * size) == [None] * size
+    assert on_ranks(agree_on_first_error, [None] * size) == [None] * size
 
 
 def test_a_failure_on_some_ranks_names_them_on_every_rank():
     own = DatasetError("bad file")
-    raised = on_ranks(agree_on_one_error, [None, None, own, None])
+    raised = on_ranks(agree_on_first_error, [None, None, own, None])
     assert all(type(exc) is DatasetError and str(exc) == "bad file (on ranks [2] of 4 only)" for exc in raised)
     assert all(is_agreed(exc) for exc in raised)
     assert raised[2] is not own and raised[2].__cause__ is own  # the message changed: a new error, chained
@@ -63,7 +63,7 @@ def test_a_failure_on_some_ranks_names_them_on_every_rank():
 
 def test_a_failure_on_every_rank_raises_the_first_message():
     errors = [ConfigError("first"), ConfigError("second"), ConfigError("first")]
-    raised = on_ranks(agree_on_one_error, errors)
+    raised = on_ranks(agree_on_first_error, errors)
     assert [str(exc) for exc in raised] == ["first"] * 3 and all(type(exc) is ConfigError for exc in raised)
     assert raised[0] is errors[0] and raised[2] is errors[2]  # exactly that error: raised as itself
     assert raised[1] is not errors[1] and raised[1].__cause__ is errors[1]
@@ -71,14 +71,14 @@ def test_a_failure_on_every_rank_raises_the_first_message():
 
 def test_a_subclass_is_raised_as_its_hpcnet_error():
     own = LocalDatasetError("no rows")
-    raised = on_ranks(agree_on_one_error, [own, own])
+    raised = on_ranks(agree_on_first_error, [own, own])
     assert all(type(exc) is DatasetError and str(exc) == "no rows" for exc in raised)
     assert raised[0].__cause__ is own
 
 
 def test_other_errors_are_echoed_as_agree_on_error_echoes_them():
     own = RuntimeError("boom")
-    raised = on_ranks(agree_on_one_error, [None, own])
+    raised = on_ranks(agree_on_first_error, [None, own])
     assert isinstance(raised[0], PeerError) and raised[0].rank == 1
     assert str(raised[0]) == "rank 1: RuntimeError: boom (on ranks [1] of 2 only)"
     assert exit_code_of(raised[0]) == exit_code_of(own) == ExitCode.CODE_ERROR
@@ -96,12 +96,12 @@ def test_agree_on_error_differs_where_the_failed_rank_keeps_its_own():
 def test_one_error_under_mpi(comm):
     size, rank = comm.Get_size(), comm.Get_rank()
     with pytest.raises(DatasetError) as error:
-        agree_on_one_error(comm, DatasetError("only the last rank fails") if rank == size - 1 else None)
+        agree_on_first_error(comm, DatasetError("only the last rank fails") if rank == size - 1 else None)
     message = str(error.value)
     assert comm.allgather(message) == [message] * size
     assert message.startswith("only the last rank fails")
     assert message.endswith(f" (on ranks [{size - 1}] of {size} only)") == (size > 1)
-    agree_on_one_error(comm, None)  # nothing pending: returns on every rank
+    agree_on_first_error(comm, None)  # nothing pending: returns on every rank
 
 
 

@@ -135,8 +135,17 @@ def test_memory_search_largest_brackets_the_answer():
 def test_memory_ladder_and_helpers():
     import torch
 
-    from hpcnet.bench.memory import (CAP_SEQ, CAP_VOCAB, deeper_options, ladder_options, paired_ratios, rotated,
-                                     rung_parameters, start_rung, transformer_parameters)
+    from hpcnet.bench.memory import (
+        CAP_SEQ,
+        CAP_VOCAB,
+        deeper_options,
+        ladder_options,
+        paired_ratios,
+        rotated,
+        rung_parameters,
+        start_rung,
+        transformer_parameters,
+    )
     from hpcnet.data.info import DatasetInfo
     from hpcnet.models import build_model
 

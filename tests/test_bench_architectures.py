@@ -7,7 +7,7 @@ import time
 import pytest
 
 from hpcnet.bench.architectures import SEED, recovery_time, report, step_statistics
-from hpcnet.stats import percentile
+from hpcnet.observe.stats import percentile
 
 
 def test_percentile_interpolates():

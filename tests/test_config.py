@@ -1,11 +1,18 @@
 """Config: defaults, TOML files, dotted overrides, errors that name the option."""
 
 import pytest
-from mpi4py import MPI
 
 from hpcnet.config import Config
-from hpcnet.config_manager import (check_same_config, config_hash, describe_options, field_docs, load_config,
-                                   parse_command_line, parse_overrides, to_toml)
+from hpcnet.config.load import (
+    check_same_config,
+    config_hash,
+    describe_options,
+    field_docs,
+    load_config,
+    parse_command_line,
+    parse_overrides,
+    to_toml,
+)
 from hpcnet.errors import ConfigError
 
 
@@ -76,7 +83,7 @@ def test_errors_name_the_option(args, needle):
     (["train.steps=inf"], "train.steps: expected an integer, got inf"),
 ])
 def test_non_finite_numbers_are_rejected_by_name(args, needle):
-    """nan compares false with everything, so it would pass every field's own range check."""
+    """Nan compares false with everything, so it would pass every field's own range check."""
     with pytest.raises(ConfigError) as info:
         load_config(overrides=args)
     assert needle in str(info.value)

@@ -4,8 +4,17 @@ import re
 
 import pytest
 
-from hpcnet.layout import (CKPT_NAME_RE, TMP_SUFFIX, attempt_dir, checkpoint_dir, checkpoint_name, metrics_file,
-                           rank_log, run_dir_path, stall_dump)
+from hpcnet.paths import (
+    CKPT_NAME_RE,
+    TMP_SUFFIX,
+    attempt_dir,
+    checkpoint_dir,
+    checkpoint_name,
+    metrics_file,
+    rank_log,
+    run_dir_path,
+    stall_dump,
+)
 
 
 def test_checkpoint_dir_defaults_to_the_run_name_under_run_dir():

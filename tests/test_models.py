@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpcnet.errors import ConfigError
 from hpcnet.data.info import DatasetInfo
+from hpcnet.errors import ConfigError
 from hpcnet.models import MODELS, build_model, count_parameters
 
 CIFAR = DatasetInfo("image", (3, 32, 32), 10)

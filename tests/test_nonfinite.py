@@ -9,7 +9,7 @@ from mpi4py import MPI
 from torch import nn
 
 from hpcnet.ckpt.load import load_checkpoint
-from hpcnet.config_manager import load_config
+from hpcnet.config.load import load_config
 from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.train import run
 from tests.helpers import StopAfter, tiny_images, train_config
@@ -168,7 +168,7 @@ def test_ignore_trains_on(comm, data_plane, mpi_tmp_path):
 @pytest.mark.launch
 def test_huge_learning_rate_stops_with_status_65_and_keeps_the_last_good_checkpoint(launch, tmp_path):
     """The command line of the issue: optim.lr=1e30 used to exit 0 with 'final loss nan' over NaN checkpoints."""
-    from hpcnet.launch.policy import describe_status, is_restartable
+    from hpcnet.launch.restarts import describe_status, is_restartable
 
     ckpt = tmp_path / "ckpt"
     out = launch(2, f"data.dir={tmp_path / 'data'}", f"run.dir={tmp_path / 'runs'}", f"checkpoint.dir={ckpt}",

@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from hpcnet.layout import SUMMARY_FILE, metrics_file
-from hpcnet.phases import PHASES, PhaseClock, bucket_times, overhead_s
-from hpcnet.stats import cv_pct, jitter_pct, job_step_stats, percentile, rank_step_stats
 from hpcnet.fault.flightrec import Collective
+from hpcnet.observe.phases import PHASES, PhaseClock, bucket_times, overhead_s
+from hpcnet.observe.stats import cv_pct, jitter_pct, job_step_stats, percentile, rank_step_stats
+from hpcnet.paths import SUMMARY_FILE, metrics_file
 from tests.helpers import tiny_images, train_config
 
 

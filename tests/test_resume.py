@@ -13,11 +13,9 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from tests.helpers import StopAfter, tiny_images, train_config
 from hpcnet.errors import ExitCode
 from hpcnet.train import run
-
-
+from tests.helpers import StopAfter, tiny_images, train_config
 
 
 def _dataset(comm, tmp):
@@ -347,7 +345,7 @@ def test_row_pieces_renamed_in_the_newest_checkpoint_make_resume_auto_take_the_o
     import h5py
     import numpy as np
 
-    from hpcnet.ckpt.format import sha256_hex
+    from hpcnet.ckpt.schema import sha256_hex
 
     args = _run_args(tmp_path, "dist.zero=1", "optim.name=adamw", "model.options.hidden=[64]")
     assert launch(2, *args, "train.steps=20").returncode == 0

@@ -1,4 +1,4 @@
-"""hpcnet.runlog: the run directory, each rank's log, metrics lines."""
+"""hpcnet.observe.runlog: the run directory, each rank's log, metrics lines."""
 
 import errno
 import io
@@ -8,9 +8,16 @@ import os
 
 import pytest
 
-from hpcnet import runlog
 from hpcnet.errors import UsageError
-from hpcnet.runlog import MetricsWriter, OptionalFile, close_logging, format_duration, make_run_dir, setup_logging
+from hpcnet.observe import runlog
+from hpcnet.observe.runlog import (
+    MetricsWriter,
+    OptionalFile,
+    close_logging,
+    format_duration,
+    make_run_dir,
+    setup_logging,
+)
 
 
 @pytest.mark.mpi
@@ -51,7 +58,7 @@ def test_the_write_test_of_a_shared_run_directory_follows_no_link_planted_there(
 
 
 def test_strict_json_writes_no_bare_nan():
-    from hpcnet.runlog import strict_json
+    from hpcnet.observe.runlog import strict_json
 
     value = {"loss": float("nan"), "rates": [1.5, float("inf")], "nested": {"x": -float("inf"), "n": 3}}
     assert json.loads(json.dumps(strict_json(value), allow_nan=False)) == {
@@ -157,7 +164,7 @@ BLOCKED = {
 @pytest.mark.launch
 @pytest.mark.parametrize("name", sorted(BLOCKED))
 def test_a_descriptive_file_that_cannot_be_written_is_a_warning_not_a_failure(launch, tmp_path, name):
-    """mpirun -np 2: the run trains to the end with status 0, rank 0 warns once naming the file, and every
+    """Mpirun -np 2: the run trains to the end with status 0, rank 0 warns once naming the file, and every
     checkpoint is committed."""
     blocked, how, extra = BLOCKED[name]
     run_dir, ckpt_dir = tmp_path / "run", tmp_path / "ckpt"

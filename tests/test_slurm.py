@@ -20,9 +20,9 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from tests.helpers import ROOT, clean_env
-from hpcnet.launch import policy as launch
 from hpcnet.data.synthetic import generate_images
+from hpcnet.launch import policy as launch
+from tests.helpers import ROOT, clean_env
 
 pytestmark = [
     pytest.mark.slurm,

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from hpcnet.config_manager import load_config
+from hpcnet.config.load import load_config
 from hpcnet.errors import ConfigError
-from hpcnet.layout import TRACE_FILE
-from hpcnet.trace import clock_offsets, parse_steps
+from hpcnet.observe.trace import clock_offsets, parse_steps
+from hpcnet.paths import TRACE_FILE
 from tests.helpers import tiny_images, train_config
 
 

@@ -13,14 +13,14 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from hpcnet.config_manager import load_config
+from hpcnet.config.load import load_config
 from hpcnet.data.loader import open_dataset
 from hpcnet.data.sampler import GlobalBatchSampler
 from hpcnet.errors import ExitCode
-from hpcnet.models import build_model
-from hpcnet.train import run
-from hpcnet.optim import build_optimizer, lr_factor
 from hpcnet.loop import loss_and_correct
+from hpcnet.models import build_model
+from hpcnet.optim import build_optimizer, lr_factor
+from hpcnet.train import run
 from tests.helpers import tiny_images
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,8 +20,20 @@ from typing import Any
 
 import torch
 
-from hpcnet.bench.common import (algbw, busbw, describe_environment, environment, format_size, load_average,
-                                 max_over_ranks, parse_size, size_sweep, summarize, table, write_json)
+from hpcnet.bench.common import (
+    algbw,
+    busbw,
+    describe_environment,
+    environment,
+    format_size,
+    load_average,
+    max_over_ranks,
+    parse_size,
+    size_sweep,
+    summarize,
+    table,
+    write_json,
+)
 
 TARGET_SIZE = 25 * 2**20
 """The size of the issue's target (hpcnet busbw >= 0.95 x raw MPI): the default gradient bucket."""
@@ -159,7 +171,7 @@ class _Backward:
 
 def _reducer_methods(primary: str, comm: Any, peer_comm: Any, world: Any, device: torch.device,
                      progress: str) -> list[Method]:
-    """hpcnet's whole bucket path for one flat parameter, and its hand-written peer.
+    """Hpcnet's whole bucket path for one flat parameter, and its hand-written peer.
 
     ``hpcnet-reducer-<backend>``: zero_grad, a backward pass that hands the reducer a fresh gradient, the
     hook folds it (times 1/n) into the bucket and launches it, finish() agrees over the control plane.
@@ -263,13 +275,13 @@ def bench_size(methods: list[Method], nbytes: int, comm: Any, args: argparse.Nam
 
 def _prepare(method: Method, buf: torch.Tensor, runners: list[Runner], comm: Any, args: argparse.Namespace) -> float:
     """Collective: the method's runner (appended to ``runners``), checked on every rank; its warm-up seconds/op."""
-    from hpcnet.agree import agreed
+    from hpcnet.agree import mark_agreed
 
     runner = method.prepare(buf)
     runners.append(runner)
     errors = [e for e in comm.allgather(_check(method, runner, comm)) if e]
     if errors:
-        raise agreed(RuntimeError("; ".join(errors)))
+        raise mark_agreed(RuntimeError("; ".join(errors)))
     runner.set_input(0.0)  # zeros stay zeros: no growth towards inf, no denormals
     runner.tensor.zero_()
     return _time_block(runner, args.warmup, comm)
@@ -385,9 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m hpcnet.bench allreduce``; the only place that uses COMM_WORLD."""
     from mpi4py import MPI
 
+    from hpcnet.agree import shared_errors
     from hpcnet.comm.bootstrap import init_data_plane
     from hpcnet.comm.world import choose_device, cpu_threads, discover
-    from hpcnet.agree import shared_errors
 
     args = _parse_args(sys.argv[1:] if argv is None else argv)
     comm = MPI.COMM_WORLD.Dup()

@@ -19,7 +19,7 @@ the newest checkpoint.  From each run's own records (metrics time stamps with
 - throughput: samples of the whole job per second over the steady steps
   (after ``--warmup`` steps, before the kill);
 - jitter: the spread of those step times, as the seed reports it, ``±x%`` =
-  half the p5-p95 range over the median (``hpcnet.stats.jitter_pct``, the one
+  half the p5-p95 range over the median (``hpcnet.observe.stats.jitter_pct``, the one
   definition); also p50, p99 and the coefficient of variation.  Checkpoint steps are included: they
   are part of training, and show in p99;
 - recovery: the kill (the victim's log line) to the next completed step after
@@ -41,8 +41,8 @@ from typing import Any
 
 from hpcnet.bench.common import load_average, table, write_json
 from hpcnet.bench.recovery import first_event, log_events, step_times
-from hpcnet.layout import LAUNCH_FILE, attempt_dir, metrics_file, rank_log
-from hpcnet.stats import cv_pct, jitter_pct, percentile
+from hpcnet.observe.stats import cv_pct, jitter_pct, percentile
+from hpcnet.paths import LAUNCH_FILE, attempt_dir, metrics_file, rank_log
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -134,7 +134,7 @@ def measure_mpirun(out: Path, train: list[str], args: argparse.Namespace) -> dic
 
 
 def measure_slurm(out: Path, train: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    """sbatch --wait the CPU job script; its hpcnet.launch restarts inside the allocation."""
+    """Sbatch --wait the CPU job script; its hpcnet.launch restarts inside the allocation."""
     script = ROOT / "jobscripts" / "cpu.sbatch"
     probe = subprocess.run(["sinfo", "-h"], capture_output=True, text=True) if shutil.which("sinfo") else None
     if probe is None or probe.returncode != 0:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcnet.bench.common import load_average, summarize, table, write_json
-from hpcnet.layout import CONFIG_FILE, SUMMARY_FILE, metrics_file
+from hpcnet.paths import CONFIG_FILE, SUMMARY_FILE, metrics_file
 
 CONTENDERS = ("off", "auto")
 

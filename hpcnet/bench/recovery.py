@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcnet.bench.common import load_average, summarize, table, write_json
-from hpcnet.layout import FAILURE_FILE, LAUNCH_FILE, attempt_dir, metrics_file, rank_log
+from hpcnet.paths import FAILURE_FILE, LAUNCH_FILE, attempt_dir, metrics_file, rank_log
 
 _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank (\d+) (\w+) ([\w.]+): (.*)$")
 
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"train.steps={args.steps}", "train.eval_every=0", "run.log_every=1",
                   f"checkpoint.every_steps={args.every_steps}",
                   "checkpoint.move_aside=true",  # a rerun with the same --dir: set the last run's checkpoints aside
-                  *([f"fault.sleep_at_step=2", f"fault.sleep_s={args.settle_s}"] if args.settle_s > 0 else []),
+                  *(["fault.sleep_at_step=2", f"fault.sleep_s={args.settle_s}"] if args.settle_s > 0 else []),
                   *args.train_args]
     hang_ok = not args.no_hang and importlib.util.find_spec("hpcnet.fault.monitor") is not None
     faults = ["kill"] + (["hang"] if hang_ok else [])

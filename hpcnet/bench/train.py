@@ -27,11 +27,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpcnet.accel import BatchMover, DeviceSettings, apply_settings, device_settings
-from hpcnet.bench.common import (describe_environment, environment, load_average, max_over_ranks, summarize, table,
-                                 write_json)
+from hpcnet.bench.common import (
+    describe_environment,
+    environment,
+    load_average,
+    max_over_ranks,
+    summarize,
+    table,
+    write_json,
+)
 from hpcnet.bench.stepsplit import profile_block, sync_device
 from hpcnet.config import PRECISIONS
+from hpcnet.models.device import BatchMover, DeviceSettings, apply_settings, device_settings
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,17 +99,17 @@ def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.dev
                     seed: int = 0, dist_cfg: Any = None, precision: str = "fp32",
                     settings: Any = None, base: nn.Module | None = None) -> list[Contender]:
     """hpcnet, DDP and (optionally) the no-communication baseline on copies of one model (collective); every
-    contender gets the same device ``settings`` (``hpcnet.accel``: channels-last, fused optimizer, ...)."""
+    contender gets the same device ``settings`` (``hpcnet.models.device``: channels-last, fused optimizer, ...)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from hpcnet.config import DistConfig, OptimConfig
     from hpcnet.comm.dataparallel import DataParallel
     from hpcnet.comm.plan import decide_plan
+    from hpcnet.config import DistConfig, OptimConfig
     from hpcnet.data.info import DatasetInfo
+    from hpcnet.loop import loss_in
     from hpcnet.models import build_model
     from hpcnet.optim import build_optimizer
-    from hpcnet.loop import loss_in
 
     compute_loss = loss_in(device, precision)  # every contender's forward in the same precision
 
@@ -334,7 +341,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0 or args.profile_steps < 0 or args.batch_size < 0:
         parser.error("--warmup, --profile-steps and --batch-size must be >= 0")
-    from hpcnet.config_manager import load_config
+    from hpcnet.config.load import load_config
     from hpcnet.errors import UsageError
 
     try:
@@ -356,9 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m hpcnet.bench train``; the only place that uses COMM_WORLD."""
     from mpi4py import MPI
 
+    from hpcnet.agree import shared_errors
     from hpcnet.comm.bootstrap import init_data_plane
     from hpcnet.comm.world import choose_device, cpu_threads, discover
-    from hpcnet.agree import shared_errors
 
     args = _parse_args(sys.argv[1:] if argv is None else argv)
     comm = MPI.COMM_WORLD.Dup()

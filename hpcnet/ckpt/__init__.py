@@ -1,6 +1,16 @@
-"""Checkpoints: ``format`` (on-disk layout, pure), ``validate`` (checks of untrusted files), ``listing`` (a
-directory's files), ``collective`` and ``write`` (one save: the collective write, commit, prune), ``read`` (the
-verified read and exchange), ``load`` (which checkpoint a load takes), ``shared`` (every rank sees one directory),
-``manager`` (saves and resumes), ``state`` (what a run saves), ``policy`` (when it saves), ``tool`` (``python -m
-hpcnet.ckpt``).  README: Checkpoints.
+"""Checkpoints: sharded, incremental, checksummed HDF5 files, written in parallel and committed atomically.
+
+``schema`` (the on-disk layout as pure logic), ``validate`` (checks of untrusted files), ``listing`` (a
+directory's files), ``job`` (the records of one save), ``collective`` and ``direct`` (the MPI-IO create and the
+local writes), ``write`` (one save in collective and local stretches, the commit, pruning), ``read`` (the verified
+read and exchange at any world size), ``load`` (which checkpoint a resume takes), ``sharedfs`` (every rank sees
+one directory), ``manager`` (saves in the background and resumes), ``state`` (what a run saves), ``schedule``
+(when it saves), ``tool`` (``python -m hpcnet.ckpt``).  Reference: docs/checkpoints.md.
 """
+
+from hpcnet import _lazy_exports
+
+__all__, __getattr__, __dir__ = _lazy_exports(__name__, {
+    "CheckpointManager": "manager", "TrainState": "state", "SavePolicy": "schedule", "scan": "listing",
+    "open_read": "validate", "CheckpointInfo": "schema", "write_checkpoint": "write",
+})

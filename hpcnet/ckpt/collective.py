@@ -26,20 +26,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from hpcnet.agree import agree_on_error
 from hpcnet.ckpt import direct
-from hpcnet.ckpt.format import DTYPES, WRITE_PIECE_BYTES, TensorSpec, block_hashes, write_pieces
+from hpcnet.ckpt.job import SaveJob
 from hpcnet.ckpt.listing import fsync_path
+from hpcnet.ckpt.schema import DTYPES, WRITE_PIECE_BYTES, TensorSpec, block_hashes, write_pieces
 from hpcnet.comm.world import wait_sleeping
 from hpcnet.errors import errno_of, error_text, os_error
 from hpcnet.fault.watchdog import NULL_DEADLINES
-
-if TYPE_CHECKING:
-    from hpcnet.ckpt.write import SaveJob  # the write imports this module
 
 log = logging.getLogger("hpcnet.checkpoint")
 
@@ -80,7 +77,7 @@ def _rows_of_blocks(spec: TensorSpec, blocks: np.ndarray, first_block: int) -> n
     return rows[rows < spec.rows - first_block * spec.block_rows]
 
 
-def _hash_owned(job: "SaveJob") -> dict[int, np.ndarray]:
+def _hash_owned(job: SaveJob) -> dict[int, np.ndarray]:
     """This rank's block hashes of every piece it owns, computed in threads (``hpcnet.ckpt.direct``)."""
     with direct.pool(job.io_threads) as pool:
         futures = {i: direct.submit_hash(pool, array, job.specs[i].block_rows * job.specs[i].row_bytes)
@@ -104,7 +101,7 @@ class _Flusher(threading.Thread):
 
 
 
-def changed_blocks(job: "SaveJob", errors: list[BaseException]) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+def changed_blocks(job: SaveJob, errors: list[BaseException]) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
     """An increment's hashes and changed blocks, before anything is written (local; errors appended)."""
     try:
         hashes = _hash_owned(job)
@@ -114,7 +111,7 @@ def changed_blocks(job: "SaveJob", errors: list[BaseException]) -> tuple[dict[in
         return {}, {}
 
 
-def local_counts(job: "SaveJob", rank: int, changed: dict[int, np.ndarray]) -> np.ndarray:
+def local_counts(job: SaveJob, rank: int, changed: dict[int, np.ndarray]) -> np.ndarray:
     """Per tensor: [blocks (hashes) this rank stores, rows it writes]."""
     local = np.zeros((len(job.specs), 2), dtype=np.int64)
     for i, piece in job.ownership.owned(rank):
@@ -127,7 +124,7 @@ def local_counts(job: "SaveJob", rank: int, changed: dict[int, np.ndarray]) -> n
     return local
 
 
-def gather_tables(comm: Any, job: "SaveJob", counts: np.ndarray, hashes: dict[int, np.ndarray],
+def gather_tables(comm: Any, job: SaveJob, counts: np.ndarray, hashes: dict[int, np.ndarray],
                    changed: dict[int, np.ndarray]) -> tuple[np.ndarray | None, np.ndarray | None]:
     """Collective: rank 0 gets /hashes (and an increment's /blocks) in file order; others get None."""
     owned = job.ownership.owned(comm.Get_rank())
@@ -162,7 +159,7 @@ def wait_for_peers(comm: Any) -> None:
     wait_sleeping(comm.Ibarrier(), PEER_POLL_S)
 
 
-def _create_collectively(comm: Any, job: "SaveJob", tmp: Path, create: Any, deadlines: Any, timeout_s: float) -> Any:
+def _create_collectively(comm: Any, job: SaveJob, tmp: Path, create: Any, deadlines: Any, timeout_s: float) -> Any:
     """``h5py.File(tmp, "w")`` over MPI-IO, after the ranks met outside HDF5 (see ``wait_for_peers``)."""
     import h5py
 
@@ -197,7 +194,7 @@ class Offsets:
     """Whether the file's space was allocated, or could not be allocated ahead (``_reserve``): the writes go on."""
 
 
-def create_file(comm: Any, job: "SaveJob", tmp: Path, datasets: dict[str, tuple[tuple[int, ...], np.dtype]],
+def create_file(comm: Any, job: SaveJob, tmp: Path, datasets: dict[str, tuple[tuple[int, ...], np.dtype]],
                 attrs: dict[str, Any], counts: np.ndarray, changed: dict[int, np.ndarray], rank_row: np.ndarray,
                 errors: list[BaseException], deadlines: Any = NULL_DEADLINES, timeout_s: float = 0.0) -> Offsets:
     """Collective: create ``tmp`` over MPI-IO with every dataset (``file_layout``), allocate its space
@@ -262,7 +259,7 @@ def _offset(dataset: Any, errors: list[BaseException]) -> int | None:
         return None
 
 
-def write_local(job: "SaveJob", rank: int, tmp: Path, offsets: Offsets, counts: np.ndarray,
+def write_local(job: SaveJob, rank: int, tmp: Path, offsets: Offsets, counts: np.ndarray,
                 changed: dict[int, np.ndarray], rank_row: np.ndarray, errors: list[BaseException],
                 timings: dict[str, float]) -> tuple[int, dict[int, np.ndarray]]:
     """This rank's bytes of a created file, fsync'd; no MPI, no HDF5 (what a background thread may run).
@@ -327,7 +324,7 @@ def write_local(job: "SaveJob", rank: int, tmp: Path, offsets: Offsets, counts: 
     return written, hashes
 
 
-def _local_pieces(job: "SaveJob", rank: int, offsets: Offsets, counts: np.ndarray,
+def _local_pieces(job: SaveJob, rank: int, offsets: Offsets, counts: np.ndarray,
                   changed: dict[int, np.ndarray]) -> list[tuple[int, np.ndarray, int, int]]:
     """(tensor index, bytes to write, file offset, hash block bytes) of each piece this rank writes."""
     out = []
@@ -382,7 +379,7 @@ def unclosed_files() -> int:
     return len(_UNCLOSED)
 
 
-def _reserve(comm: Any, job: "SaveJob", tmp: Path, f: Any, datasets: list[Any], errors: list[BaseException]
+def _reserve(comm: Any, job: SaveJob, tmp: Path, f: Any, datasets: list[Any], errors: list[BaseException]
              ) -> str:
     """Collective, once the structure is created and before anything is written: rank 0 allocates every
     block of the file, so that no write, and no close, can run out of space.
@@ -408,7 +405,7 @@ def _reserve(comm: Any, job: "SaveJob", tmp: Path, f: Any, datasets: list[Any], 
     return status
 
 
-def _allocate_file(job: "SaveJob", tmp: Path, f: Any, datasets: list[Any]) -> tuple[str, int | None, str]:
+def _allocate_file(job: SaveJob, tmp: Path, f: Any, datasets: list[Any]) -> tuple[str, int | None, str]:
     """Rank 0's part of ``_reserve``: its outcome, errno and message."""
     eoa = f.id.get_filesize()
     stored = sorted((d.id.get_offset(), d.id.get_storage_size()) for d in datasets if d.id.get_offset() is not None)
@@ -487,7 +484,7 @@ def _probe_errno(tmp: Path) -> int | None:
     return None
 
 
-def rank_table(comm: Any, job: "SaveJob") -> tuple[np.ndarray, list[int] | None]:
+def rank_table(comm: Any, job: SaveJob) -> tuple[np.ndarray, list[int] | None]:
     """Collective: this rank's row of /rank_state (padded to the widest rank's), and on rank 0 every row's hash."""
     width = max(comm.allgather(len(job.rank_state_bytes)))
     rank_row = np.frombuffer(job.rank_state_bytes.ljust(width, b" "), np.uint8)
@@ -500,7 +497,7 @@ METADATA_BYTES_PER_DATASET = 4096
 """And per dataset: its object header, its link and its attributes."""
 
 
-def file_layout(job: "SaveJob", size: int, counts: np.ndarray, index_bytes: int, width: int
+def file_layout(job: SaveJob, size: int, counts: np.ndarray, index_bytes: int, width: int
                 ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Every dataset of one checkpoint file, in the order it is created: path -> (shape, storage dtype) (pure).
 
@@ -530,7 +527,7 @@ def file_bytes(layout: dict[str, tuple[tuple[int, ...], np.dtype]]) -> int:
     return data + METADATA_BYTES + METADATA_BYTES_PER_DATASET * len(layout)
 
 
-def _create_datasets(f: Any, job: "SaveJob", layout: dict[str, tuple[tuple[int, ...], np.dtype]],
+def _create_datasets(f: Any, job: SaveJob, layout: dict[str, tuple[tuple[int, ...], np.dtype]],
                      attrs: dict[str, Any]) -> tuple[dict[str, Any], Any, dict[int, Any]]:
     """The file's structure: the same calls with the same arguments on every rank (collective)."""
     for key, value in attrs.items():
@@ -553,7 +550,7 @@ def _create_datasets(f: Any, job: "SaveJob", layout: dict[str, tuple[tuple[int, 
     return d_tables, d_rank, d_tensors
 
 
-def _write_data(job: "SaveJob", rank: int, d_tensors: dict[int, Any], d_rank: Any, rank_row: np.ndarray,
+def _write_data(job: SaveJob, rank: int, d_tensors: dict[int, Any], d_rank: Any, rank_row: np.ndarray,
                 counts: np.ndarray, changed: dict[int, np.ndarray], errors: list[BaseException]) -> int:
     """Collective: the tensors and the rank table; return the bytes this rank wrote (errors noted, not raised)."""
     if job.fault is not None:
@@ -570,7 +567,7 @@ def _write_data(job: "SaveJob", rank: int, d_tensors: dict[int, Any], d_rank: An
     return written + _write_independent(job, rank, d_tensors, counts, changed, errors)
 
 
-def _write_split(job: "SaveJob", rank: int, d_tensors: dict[int, Any], counts: np.ndarray,
+def _write_split(job: SaveJob, rank: int, d_tensors: dict[int, Any], counts: np.ndarray,
                  errors: list[BaseException]) -> int:
     """Collective: a full checkpoint's split tensors, in pieces (h5py's lock is held for a whole call)."""
     written = 0
@@ -595,7 +592,7 @@ def _write_split(job: "SaveJob", rank: int, d_tensors: dict[int, Any], counts: n
     return written
 
 
-def _write_independent(job: "SaveJob", rank: int, d_tensors: dict[int, Any], counts: np.ndarray,
+def _write_independent(job: SaveJob, rank: int, d_tensors: dict[int, Any], counts: np.ndarray,
                        changed: dict[int, np.ndarray], errors: list[BaseException]) -> int:
     """This rank's whole small tensors, or its packed rows of an increment, written independently."""
     incremental = job.kind == "incremental"
@@ -619,7 +616,7 @@ def _write_independent(job: "SaveJob", rank: int, d_tensors: dict[int, Any], cou
     return written
 
 
-def _hash_while_flushing(job: "SaveJob", tmp: Path, errors: list[BaseException],
+def _hash_while_flushing(job: SaveJob, tmp: Path, errors: list[BaseException],
                          timings: dict[str, float]) -> dict[int, np.ndarray]:
     """A full checkpoint's block hashes, computed while a ``_Flusher`` fsyncs the data just written."""
     hashes: dict[int, np.ndarray] = {}

@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from hpcnet.ckpt.format import hash_view
+from hpcnet.ckpt.schema import hash_view
 
 IO_THREADS = 4
 """Most threads of one rank that move and hash chunks (``CheckpointManager`` gives each rank its share of

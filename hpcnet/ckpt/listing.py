@@ -11,13 +11,13 @@ import secrets
 import time
 from pathlib import Path
 
-from hpcnet.ckpt.format import CheckpointInfo
-from hpcnet.layout import ASIDE_PREFIX, CKPT_NAME_RE, CKPT_TMP_RE, LATEST_NAME, TMP_SUFFIX
+from hpcnet.ckpt.schema import CheckpointInfo
 from hpcnet.ckpt.validate import open_read, read_attrs
+from hpcnet.paths import ASIDE_PREFIX, CKPT_NAME_RE, CKPT_TMP_RE, LATEST_NAME, TMP_SUFFIX
 
 
 def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a rename is durable once its directory is)."""
+    """Fsync a file or a directory (a rename is durable once its directory is)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

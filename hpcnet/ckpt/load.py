@@ -8,18 +8,19 @@ try an older checkpoint, an I/O error is not (README: Checkpoints, resume rules)
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
-from hpcnet.agree import agreed, shared_errors
-from hpcnet.ckpt.format import CheckpointInfo, resolve_chain
-from hpcnet.layout import ASIDE_PREFIX, CKPT_TMP_RE, TMP_SUFFIX
+from hpcnet.agree import mark_agreed, shared_errors
+from hpcnet.ckpt.job import IoFault
 from hpcnet.ckpt.listing import listing, read_info, scan
-from hpcnet.ckpt.shared import check_same_listing
 from hpcnet.ckpt.read import read_chain
-from hpcnet.ckpt.write import IoFault
+from hpcnet.ckpt.schema import CheckpointInfo, resolve_chain
+from hpcnet.ckpt.sharedfs import check_same_listing
 from hpcnet.errors import CheckpointCorrupt, UsageError
+from hpcnet.paths import ASIDE_PREFIX, CKPT_TMP_RE, TMP_SUFFIX
 
 if TYPE_CHECKING:
     import torch
@@ -135,17 +136,17 @@ def load_with_choice(comm: Any, which: str, directory: Path | None, fault: IoFau
                               result.rank_state, result.attrs["world_size"], info,
                               [f"{i.path}: {w}" for i, w in rejected], result.timings), choice
         if choice.explicit:
-            raise agreed(CheckpointCorrupt(f"checkpoint {info.path!r} cannot be loaded: {why}"))
+            raise mark_agreed(CheckpointCorrupt(f"checkpoint {info.path!r} cannot be loaded: {why}"))
         log.warning("skipping checkpoint %s: %s; trying the previous one", info.path, why)
         rejected.append((info, why))
     if rejected:
         lines = "".join(f"\n  {info.name} (step {info.step}): {why}" for info, why in rejected)
-        raise agreed(UsageError(
+        raise mark_agreed(UsageError(
             f"none of the {len(rejected)} committed checkpoint(s) in {choice.folder!r} can be loaded:{lines}\n"
             "Repair or remove them, or start afresh with checkpoint.move_aside=true, which moves them into "
             f"{choice.folder}/{ASIDE_PREFIX}<time>-fresh-run/ (nothing is deleted)"))
     if which != "auto":
-        raise agreed(UsageError(f"no loadable checkpoint in {choice.folder!r}: it holds no committed checkpoint"))
+        raise mark_agreed(UsageError(f"no loadable checkpoint in {choice.folder!r}: it holds no committed checkpoint"))
     return None, choice
 
 

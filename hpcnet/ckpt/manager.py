@@ -25,26 +25,39 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 import hpcnet
-from hpcnet.agree import agree_on_error, agreed, ranks_differing, shared_errors
-from hpcnet.ckpt.format import (BLOCK_BYTES, LARGE_BLOCK_BYTES, CheckpointInfo, Ownership, TensorSpec,
-                                check_names_nest, committed_after, dtype_name, make_spec, plan_ownership, sha256_hex,
-                                to_storage)
+from hpcnet.agree import agree_on_error, mark_agreed, ranks_differing, shared_errors
 from hpcnet.ckpt import direct
+from hpcnet.ckpt.job import IoFault, SaveJob, SaveResult
 from hpcnet.ckpt.listing import listing, scan, set_aside
 from hpcnet.ckpt.load import Loaded, load_checkpoint, load_with_choice
-from hpcnet.ckpt.shared import check_same_listing, check_shared_directory
-from hpcnet.ckpt.write import COLLECTIVE, LOCAL, IoFault, SaveJob, SaveResult, run_stretches, save_stretches
+from hpcnet.ckpt.schema import (
+    BLOCK_BYTES,
+    LARGE_BLOCK_BYTES,
+    CheckpointInfo,
+    Ownership,
+    TensorSpec,
+    check_names_nest,
+    committed_after,
+    dtype_name,
+    make_spec,
+    plan_ownership,
+    sha256_hex,
+    to_storage,
+)
+from hpcnet.ckpt.sharedfs import check_same_listing, check_shared_directory
+from hpcnet.ckpt.write import COLLECTIVE, LOCAL, run_stretches, save_stretches
 from hpcnet.errors import UsageError
-from hpcnet.fault.watchdog import NULL_DEADLINES, Guard, io_timeout_s
-from hpcnet.layout import ASIDE_PREFIX, CKPT_NAME_RE
+from hpcnet.fault.watchdog import NULL_DEADLINES, io_timeout_s
+from hpcnet.paths import ASIDE_PREFIX, CKPT_NAME_RE
 
 log = logging.getLogger("hpcnet.checkpoint")
 
@@ -187,7 +200,7 @@ class CheckpointManager:
                                                                           holders)
         odd = ranks_differing(comm, (step, spec_digest, sha256_hex(meta_bytes)))
         if odd:
-            raise agreed(ValueError(f"checkpoint save: ranks {odd} pass a different step, tensor list or meta "
+            raise mark_agreed(ValueError(f"checkpoint save: ranks {odd} pass a different step, tensor list or meta "
                                     "than rank 0"))
         previous = self._previous
         incremental = kind == "incremental"
@@ -457,7 +470,7 @@ class CheckpointManager:
             return
         newest = infos[-1]
         if not self.move_aside:
-            raise agreed(UsageError(
+            raise mark_agreed(UsageError(
                 f"checkpoint.dir {str(self.directory)!r} already holds {len(infos)} committed checkpoint(s) of "
                 f"another run (the last: {newest.name}, step {newest.step}), and this run does not resume. "
                 "Continue that run with --resume auto; or start this one elsewhere with another run.name or "

@@ -16,19 +16,30 @@ import math
 import mmap
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hpcnet.agree import agree_on_error, agreed, ranks_differing, shared_errors
+from hpcnet.agree import agree_on_error, mark_agreed, ranks_differing, shared_errors
 from hpcnet.ckpt import direct
-from hpcnet.ckpt.format import (SPLIT_MIN_BYTES, Ownership, TensorSpec, block_hashes, dtype_name, from_storage,
-                                packed_rows, plan_reads, sha256_hex, to_storage)
+from hpcnet.ckpt.job import IoFault
+from hpcnet.ckpt.schema import (
+    SPLIT_MIN_BYTES,
+    Ownership,
+    TensorSpec,
+    block_hashes,
+    dtype_name,
+    from_storage,
+    packed_rows,
+    plan_reads,
+    sha256_hex,
+    to_storage,
+)
 from hpcnet.ckpt.validate import checked, open_read, read_header, read_json
-from hpcnet.ckpt.write import IoFault
 from hpcnet.errors import CheckpointCorrupt, RestartableError, errno_of, error_text, os_error
 
 if TYPE_CHECKING:
@@ -388,7 +399,7 @@ def read_chain(comm: Any, chain: list[Path], *, uids: list[str] | None = None,
     seen = [(p.name, a["uid"], a["index_sha256"], a["meta_sha256"]) for p, (a, _) in zip(chain, headers)]
     odd = ranks_differing(comm, sha256_hex(repr(seen).encode()))
     if odd:
-        raise agreed(RestartableError(f"ranks {odd} read other files than rank 0 for {chain[-1]} (was a file "
+        raise mark_agreed(RestartableError(f"ranks {odd} read other files than rank 0 for {chain[-1]} (was a file "
                                       "replaced while loading, or is the directory not shared?)"))
     specs = [e["spec"] for e in headers[-1][1]]
     if wanted_from_meta is not None:

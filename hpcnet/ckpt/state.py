@@ -2,7 +2,7 @@
 
 ``flatten_state`` / ``restore_state`` and ``rng_state`` / ``set_rng_state``
 turn the live objects into what a ``CheckpointManager`` stores and back;
-``TrainState`` ties them to one run.  When to save is ``hpcnet.ckpt.policy``'s.
+``TrainState`` ties them to one run.  When to save is ``hpcnet.ckpt.schedule``'s.
 """
 
 import json
@@ -10,8 +10,9 @@ import logging
 import random
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from hpcnet.ckpt.load import Loaded
 from hpcnet.ckpt.manager import CheckpointManager
 from hpcnet.comm.zero import rows_of, split_pieces
 from hpcnet.config import Config
-from hpcnet.config_manager import to_dict
+from hpcnet.config.load import to_dict
 from hpcnet.errors import UsageError
 
 log = logging.getLogger(__name__)

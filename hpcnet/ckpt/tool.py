@@ -56,8 +56,8 @@ def cmd_list(path: Path, out: Any) -> int:
 
 
 def cmd_inspect(path: Path, out: Any) -> int:
-    from hpcnet.ckpt.format import resolve_chain
     from hpcnet.ckpt.listing import scan
+    from hpcnet.ckpt.schema import resolve_chain
     from hpcnet.ckpt.validate import open_read, read_header, read_json
 
     targets = _targets(path)
@@ -86,7 +86,7 @@ def cmd_inspect(path: Path, out: Any) -> int:
     for entry in index:
         spec = entry["spec"]
         total += spec.nbytes
-        print(f"  {spec.name:<48} {spec.dtype:<9} {str(list(spec.shape)):<18} {spec.nbytes / 1e6:>10.3f} MB  "
+        print(f"  {spec.name:<48} {spec.dtype:<9} {list(spec.shape)!s:<18} {spec.nbytes / 1e6:>10.3f} MB  "
               f"{entry['n_hashes']}/{spec.n_blocks} {stored}", file=out)
     print(f"logical size: {total / 1e6:.2f} MB", file=out)
     return 0

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from hpcnet.ckpt.format import FORMAT, FORMAT_VERSION, HASHES, MAX_JSON_BYTES, UID_RE, parse_index, sha256_hex
-from hpcnet.layout import CKPT_NAME_RE
+from hpcnet.ckpt.schema import FORMAT, FORMAT_VERSION, HASHES, MAX_JSON_BYTES, UID_RE, parse_index, sha256_hex
+from hpcnet.paths import CKPT_NAME_RE
 
 _ATTR_TYPES: dict[str, type] = {
     "format": str, "format_version": int, "kind": str, "step": int, "uid": str, "parent": str,

@@ -23,84 +23,40 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from hpcnet.agree import agree_on_error
-from hpcnet.ckpt.collective import (Offsets, changed_blocks, create_file, file_bytes, file_layout, gather_tables,
-                                    local_counts, rank_table, write_local, write_tables)
-from hpcnet.ckpt.format import (FORMAT, FORMAT_VERSION, HASH_NAME, CheckpointInfo, Ownership, TensorSpec,
-                                plan_retention, sha256_hex)
-from hpcnet.layout import checkpoint_name, checkpoint_tmp_name
+from hpcnet.ckpt.collective import (
+    Offsets,
+    changed_blocks,
+    create_file,
+    file_bytes,
+    file_layout,
+    gather_tables,
+    local_counts,
+    rank_table,
+    write_local,
+    write_tables,
+)
+from hpcnet.ckpt.job import SaveJob, SaveResult
 from hpcnet.ckpt.listing import fsync_path, scan, write_latest
+from hpcnet.ckpt.schema import (
+    FORMAT,
+    FORMAT_VERSION,
+    HASH_NAME,
+    CheckpointInfo,
+    TensorSpec,
+    plan_retention,
+    sha256_hex,
+)
 from hpcnet.errors import errno_of, error_text, os_error
 from hpcnet.fault.watchdog import NULL_DEADLINES
 
 log = logging.getLogger("hpcnet.checkpoint")
-
-IoFault = Callable[[str, int], None]
-"""Fault injection (``hpcnet.fault.inject``): ``fault(phase, step)`` is called where an I/O error can strike
-(``"precheck"`` on rank 0 before a save's free-space check, ``"write"`` on every rank while it writes
-its data, ``"read"`` on every rank before it opens each file of a load); an OSError it raises fails
-the operation as the file system would.  Every rank's writer also calls it at the collective file
-create, with ``"arrive"`` before the ranks meet there and ``"create"`` once they met and the create is
-announced, just before h5py's create: where a slow or stuck save is injected; and rank 0 calls it with
-``"reserve"`` once the file's structure exists, just before it allocates the file's space."""
-
-
-@dataclass(slots=True)
-class SaveJob:
-    """One rank's part of one save, snapshotted to host memory: all the background writer needs."""
-
-    directory: Path
-    step: int
-    kind: str
-    uid: str
-    created_unix: float
-    specs: list[TensorSpec]
-    ownership: Ownership
-    arrays: dict[int, np.ndarray]
-    """Tensor index -> this rank's rows of it (storage dtype), for every piece this rank owns."""
-    meta_bytes: bytes
-    rank_state_bytes: bytes
-    keep: int
-    seq: int = 0
-    """Its place in the directory's commit order."""
-    fault: IoFault | None = None
-    collective_writes: bool = True
-    """Write tensors split across ranks with collective MPI-IO (else independently, each rank its rows);
-    only where ``direct_writes`` does not apply."""
-    direct_writes: bool = True
-    """A full checkpoint's tensor data: pwrite at the datasets' offsets, hashed in threads (``hpcnet.ckpt.direct``),
-    instead of h5py writes."""
-    io_threads: int = 0
-    """Threads that write and hash (0: ``hpcnet.ckpt.direct.IO_THREADS``)."""
-    parent: CheckpointInfo | None = None
-    base: CheckpointInfo | None = None
-    prev_hashes: dict[int, np.ndarray] | None = None
-
-    @property
-    def path(self) -> Path:
-        return self.directory / checkpoint_name(self.step)
-
-    @property
-    def tmp(self) -> Path:
-        """Where it is written until its commit: its own name (its uid's, the same on every rank)."""
-        return self.directory / checkpoint_tmp_name(self.step, self.uid[:16])
-
-
-
-@dataclass(slots=True)
-class SaveResult:
-    info: CheckpointInfo
-    hashes: dict[int, np.ndarray]
-    timings: dict[str, float] = field(default_factory=dict)
-    bytes_written: int = 0
-
 
 def check_free_space(directory: Path, needed: int) -> None:
     """Raise OSError(ENOSPC) unless the file system of ``directory`` has ``needed`` bytes free.

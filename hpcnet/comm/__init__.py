@@ -1,4 +1,17 @@
-"""The data plane and what decides it: ranks and nodes (``world``), network interfaces (``netif``), the measured
-topology (``topology``, ``pingpong``), the transport plan (``plan``), the torch.distributed bootstrap, the
-transports, the bucketed reducer and the data-parallel wrapper.
+"""The data plane and what decides it.
+
+``world`` (ranks, nodes, devices), ``netif`` (network interfaces), ``topology`` and ``pingpong`` (the measured
+topology; ``python -m hpcnet.comm.topology``), ``costmodel`` and ``plan`` (which transport, which ZeRO stage and
+placement), ``bootstrap`` (torch.distributed from MPI), ``transport`` (how a bucket is summed: NCCL, gloo, MPI,
+shared memory, hierarchical), ``reducer`` (buckets filled during backward), ``zero`` (sharded optimizer state and
+gradients), ``exchange`` and ``dataparallel`` (the wrapper the loop drives).  Reference: docs/communication.md,
+docs/memory.md, docs/topology.md.
 """
+
+from hpcnet import _lazy_exports
+
+__all__, __getattr__, __dir__ = _lazy_exports(__name__, {
+    "World": "world", "discover": "world", "DataParallel": "dataparallel", "Reducer": "reducer",
+    "build_transport": "transport", "decide_plan": "plan", "init_data_plane": "bootstrap", "DataPlane": "bootstrap",
+    "probe": "topology", "recommend": "topology", "LinkCost": "costmodel",
+})

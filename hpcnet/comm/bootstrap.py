@@ -25,10 +25,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from hpcnet.errors import RestartableError, UsageError
+from hpcnet.agree import agree_on_error
 from hpcnet.comm.netif import has_rdma_devices, interfaces
 from hpcnet.comm.world import World
-from hpcnet.agree import agree_on_error
+from hpcnet.errors import RestartableError, UsageError
 
 log = logging.getLogger(__name__)
 

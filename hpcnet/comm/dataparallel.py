@@ -10,27 +10,43 @@ a run without the failure.
 import contextlib
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from hpcnet.comm.costmodel import (LinkCost, ShardPlan, auto_bucket_bytes, measured_speeds, plan_time_s,
-                                   stage2_bucket_cap)
+from hpcnet.agree import mark_agreed
+from hpcnet.comm.costmodel import (
+    LinkCost,
+    ShardPlan,
+    auto_bucket_bytes,
+    measured_speeds,
+    plan_time_s,
+    stage2_bucket_cap,
+)
+from hpcnet.comm.plan import Plan, mpi_progress
 from hpcnet.comm.reducer import LateGradient, Reducer, broadcast_buffers, broadcast_module
-from hpcnet.comm.zero import (DEFAULT_LINK, UPDATE_S_PER_BYTE, ShardedOptimizer, ShardLayout, measure_speed,
-                              norm_order, plan_shards, split_units, unit_grad_norm)
-from hpcnet.layout import PLAN_FILE
-from hpcnet.runlog import OptionalFile
-from hpcnet.phases import PhaseClock
+from hpcnet.comm.transport import CommFailure, FaultyTransport, build_transport
+from hpcnet.comm.world import World, cores_per_rank
+from hpcnet.comm.zero import (
+    DEFAULT_LINK,
+    UPDATE_S_PER_BYTE,
+    ShardedOptimizer,
+    ShardLayout,
+    measure_speed,
+    norm_order,
+    plan_shards,
+    split_units,
+    unit_grad_norm,
+)
 from hpcnet.config import DistConfig
 from hpcnet.errors import RestartableError, UsageError
 from hpcnet.fault.flightrec import NULL_RECORDER
-from hpcnet.comm.plan import Plan, mpi_progress
-from hpcnet.comm.transport import CommFailure, FaultyTransport, build_transport
-from hpcnet.comm.world import World, cores_per_rank
-from hpcnet.agree import agreed
+from hpcnet.observe.phases import PhaseClock
+from hpcnet.observe.runlog import OptionalFile
+from hpcnet.paths import PLAN_FILE
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +78,7 @@ def check_same_model(model: nn.Module, comm: Any) -> None:
         diff = next((f"{a} vs {b}" for a, b in zip(first, layout) if a != b), None)
         if diff is None and len(first) != len(layout):
             diff = f"{len(first)} tensors on rank 0, {len(layout)} here"
-        raise agreed(UsageError(f"the model differs across ranks: ranks {odd} do not match rank 0"
+        raise mark_agreed(UsageError(f"the model differs across ranks: ranks {odd} do not match rank 0"
                          + (f" (rank {comm.Get_rank()}: {diff})" if diff else "")))
 
 
@@ -119,7 +135,7 @@ class DataParallel:
             units=self.layout if cfg.zero == 2 else None)
         self.step_count = 0
         self.compute_timer: Any = None  # data.balance: times each forward and backward (hpcnet.data.balance)
-        self.clock = PhaseClock()  # the loop's (hpcnet.phases); marks are no-ops until it starts a step
+        self.clock = PhaseClock()  # the loop's (hpcnet.observe.phases); marks are no-ops until it starts a step
         self.share = 1.0 / world.size
         self._has_buffers = any(True for _ in model.buffers())
         # On GPU the buffers go over NCCL, in stream order, without a host round trip.
@@ -363,7 +379,7 @@ class DataParallel:
                 return loss
             except LateGradient as exc:
                 if saved is None or redone:
-                    raise agreed(UsageError(
+                    raise mark_agreed(UsageError(
                         f"step {self.step_count}: {exc}; the step cannot be redone ("
                         + ("the count differs between two passes over the same batch" if redone else
                            "it first grew after steps without repeated arrivals")
@@ -375,7 +391,7 @@ class DataParallel:
                 self._restore(saved)
             except CommFailure as exc:
                 if self.plan.fallback is None or saved is None:
-                    raise agreed(RestartableError(f"step {self.step_count}: {exc}; no fallback left")) from exc
+                    raise mark_agreed(RestartableError(f"step {self.step_count}: {exc}; no fallback left")) from exc
                 self.reducer.arm_fault(False)
                 fallback = build_transport(self.plan.fallback, False, self.comm, self.world,
                                            timeout_s=self.cfg.timeout_s, progress=self.progress)

@@ -9,7 +9,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from hpcnet.agree import agreed, shared_errors
+from hpcnet.agree import mark_agreed, shared_errors
 from hpcnet.comm.world import World
 from hpcnet.config import DistConfig
 from hpcnet.errors import UsageError
@@ -145,7 +145,7 @@ def decide_plan(comm: Any, world: World, cfg: DistConfig, *, device_type: str,
     shm_wins = False
     if cfg.backend == "fastest" and device_type == "cpu" and cfg.compression == "none" and min_local > 1 \
             and max_local == min_local:
-        from hpcnet.comm.shm import RACE_BYTES, race_shm_against_mpi
+        from hpcnet.comm.transport.shm import RACE_BYTES, race_shm_against_mpi
 
         mpi_s, shm_s = race_shm_against_mpi(comm, world, RACE_BYTES)
         shm_wins = shm_s < mpi_s
@@ -159,7 +159,7 @@ def decide_plan(comm: Any, world: World, cfg: DistConfig, *, device_type: str,
     plans = comm.allgather((device_type, plan))
     odd = [r for r, p in enumerate(plans) if p != plans[0]]
     if odd:
-        raise agreed(UsageError(
+        raise mark_agreed(UsageError(
             f"the ranks chose different transports: rank 0 has a {plans[0][0]} device and {plans[0][1]}, rank "
             f"{odd[0]} a {plans[odd[0]][0]} device and {plans[odd[0]][1]} (ranks {odd} differ); set dist.device"))
     return plan

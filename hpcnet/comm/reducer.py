@@ -51,9 +51,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from hpcnet.fault.flightrec import NULL_RECORDER
+from hpcnet.agree import mark_agreed
 from hpcnet.comm.transport import CommFailure, FaultyTransport, Transport, abandon, succeeded, wait_all
-from hpcnet.agree import agreed
+from hpcnet.fault.flightrec import NULL_RECORDER
 
 log = logging.getLogger(__name__)
 
@@ -572,7 +572,7 @@ class Reducer:
         self._repeats = self._repeats or bool(outcome[3])
         if outcome[0]:
             self._reset()
-            raise agreed(CommFailure(f"{self.transport.name} all-reduce failed"
+            raise mark_agreed(CommFailure(f"{self.transport.name} all-reduce failed"
                                      + (f" here: {error}" if error else " on another rank")))
         if outcome[2]:
             self._raise_late()
@@ -611,7 +611,7 @@ class Reducer:
         names = [name for i in lacking for name, n in zip(self.buckets[i].names, self.buckets[i].arrived) if n == 0]
         shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
         self._reset()
-        raise agreed(RuntimeError(
+        raise mark_agreed(RuntimeError(
             f"parameters received no gradient this step ({shown or 'on another rank'}); make every parameter "
             "take part in the loss, or set dist.find_unused=true"))
 
@@ -621,7 +621,7 @@ class Reducer:
         shown = ", ".join(f"{name} ({uses[name]} times)" for name in self._late[:5])
         shown += " ..." if len(self._late) > 5 else ""
         self._reset()
-        raise agreed(LateGradient(
+        raise mark_agreed(LateGradient(
             f"a parameter's gradient arrived again in one backward after its bucket had been sent "
             f"({shown or 'on another rank'}; reentrant activation checkpointing runs a backward per segment); "
             "this step's gradients are void, and from the next backward on the reducer waits for them all"))

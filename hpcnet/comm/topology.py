@@ -18,7 +18,7 @@ round trip (one-way throughput: total bytes over total time, as
 ``mpi4py.bench pingpong`` computes it), in Gbit/s (1e9 bit/s; divide by 8 for
 GB/s).  Run on its own:
 
-    mpirun -np 4 python -m mpi4py -m hpcnet.topology [--out DIR] [--budget-s S]
+    mpirun -np 4 python -m mpi4py -m hpcnet.comm.topology [--out DIR] [--budget-s S]
 """
 
 import argparse
@@ -34,7 +34,7 @@ from typing import Any
 
 from hpcnet.agree import shared_errors
 from hpcnet.comm.netif import IbPort, Interface, ib_ports, interfaces, preference
-from hpcnet.comm.pingpong import INTRA_SAMPLES, play_rounds, plan_rounds
+from hpcnet.comm.pingpong import INTRA_SAMPLES, plan_rounds, play_rounds
 from hpcnet.comm.plan import hierarchical_layout
 from hpcnet.comm.world import World, discover
 
@@ -371,10 +371,10 @@ def _assemble(world: World, nodes_ranks: list[list[int]], gathered: list[Any], *
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m hpcnet.topology``: probe COMM_WORLD, print the summary, write topology.json."""
+    """``python -m hpcnet.comm.topology``: probe COMM_WORLD, print the summary, write topology.json."""
     from mpi4py import MPI
 
-    parser = argparse.ArgumentParser(prog="python -m hpcnet.topology", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hpcnet.comm.topology", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=".", help="directory for topology.json (default: .)")
     parser.add_argument("--budget-s", type=float, default=3.0, help="about how long the timing takes, seconds")
     parser.add_argument("--small-bytes", type=int, default=8, help="latency message size")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpcnet.errors import UsageError
-from hpcnet.layout import RANKS_PER_NODE_ENV
+from hpcnet.paths import RANKS_PER_NODE_ENV
 
 # One table for every scheduler variable hpcnet reads (after submitit's
 # slurm.py): launcher -> our name -> environment variable.

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hpcnet.ckpt.format import ROW_PIECE
+from hpcnet.ckpt.schema import ROW_PIECE
 from hpcnet.comm.costmodel import LinkCost, ShardPlan, assign_shards, measured_speeds
 from hpcnet.comm.exchange import exchange, pieces
 from hpcnet.comm.reducer import _dense

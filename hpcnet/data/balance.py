@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hpcnet.timer import SpanTimer
+from hpcnet.observe.timer import SpanTimer
 
 log = logging.getLogger(__name__)
 

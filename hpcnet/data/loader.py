@@ -13,14 +13,14 @@ from typing import Any
 
 import torch
 
-from hpcnet.agree import agree_on_one_error
+from hpcnet.agree import agree_on_first_error
 from hpcnet.data.h5 import open_split
 from hpcnet.data.info import SPLITS, Split
 from hpcnet.data.sampler import GlobalBatchSampler
 from hpcnet.data.synthetic import SYNTHETIC_DATASETS, ensure_synthetic
 from hpcnet.data.user import open_user_dataset
 from hpcnet.errors import ConfigError, DatasetError
-from hpcnet.importing import is_import_path
+from hpcnet.config.importing import is_import_path
 
 
 def _open_here(spec: str, split: str, directory: str | os.PathLike[str], comm: Any,
@@ -64,7 +64,7 @@ def open_dataset(spec: str, split: str, *, directory: str | os.PathLike[str], co
             f"data.dataset: {spec!r} ({split} split): {type(exc).__name__}: {exc}")
         if error is not exc:
             error.__cause__ = exc
-    agree_on_one_error(comm, error)
+    agree_on_first_error(comm, error)
     assert opened is not None
     return opened
 

@@ -21,7 +21,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from hpcnet.agree import agree_on_error, agreed
+from hpcnet.agree import agree_on_error, mark_agreed
 from hpcnet.data.h5 import atomic_h5, create_split, set_root_attributes
 from hpcnet.data.info import SPLITS, positive_ints
 from hpcnet.errors import DatasetError
@@ -201,7 +201,7 @@ def ensure_synthetic(name: str, directory: str | os.PathLike[str], *, comm: Any,
     agree_on_error(comm, error)
     missing = [rank for rank, seen in enumerate(comm.allgather(path.is_file())) if not seen]
     if missing:
-        raise agreed(DatasetError(f"{path} was written by rank 0 but ranks {missing} cannot see it: "
+        raise mark_agreed(DatasetError(f"{path} was written by rank 0 but ranks {missing} cannot see it: "
                                   "data.dir must be a directory shared by every node"))
     return path
 

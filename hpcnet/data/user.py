@@ -12,7 +12,7 @@ import torch
 
 from hpcnet.data.info import DatasetInfo, Split
 from hpcnet.errors import DatasetError
-from hpcnet.importing import load_object
+from hpcnet.config.importing import load_object
 
 MAX_SCANNED_ITEMS = 100_000
 """A map-style dataset larger than this must say its ``num_classes`` instead of being scanned for it."""

@@ -177,7 +177,7 @@ class FlightRecorder:
 class _Op:
     """``with recorder.op(...)``: a class, not a generator, because it runs on every step."""
 
-    __slots__ = ("recorder", "args", "token")
+    __slots__ = ("args", "recorder", "token")
 
     def __init__(self, recorder: FlightRecorder, name: str, bucket: int, nbytes: int) -> None:
         self.recorder, self.args, self.token = recorder, (name, bucket, nbytes), 0

@@ -66,14 +66,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hpcnet.agree import mark_agreed, shared_errors
+from hpcnet.ckpt.job import IoFault
 from hpcnet.ckpt.listing import scan
 from hpcnet.ckpt.validate import open_read
-from hpcnet.ckpt.write import IoFault
+from hpcnet.comm.world import World
 from hpcnet.config import MAX_DURATION_S, FaultConfig
 from hpcnet.errors import ConfigError
-from hpcnet.comm.world import World
-from hpcnet.agree import agreed, shared_errors
-from hpcnet.layout import ATTEMPT_ENV
+from hpcnet.paths import ATTEMPT_ENV
 
 log = logging.getLogger(__name__)
 
@@ -111,12 +111,12 @@ class FaultInjector:
         try:
             self.attempt = current_attempt() if attempt is None else attempt
         except ConfigError as exc:
-            raise agreed(exc) from None  # the same environment, so the same verdict, on every rank
+            raise mark_agreed(exc) from None  # the same environment, so the same verdict, on every rank
         self.active = cfg.only_attempt in (0, self.attempt)
         target = cfg.rank if cfg.rank >= 0 else world.size + cfg.rank
         if not 0 <= target < world.size:
             # Every rank computes the same verdict from the same config.
-            raise agreed(ConfigError(f"fault.rank: {cfg.rank} is not a rank of this {world.size}-rank job"))
+            raise mark_agreed(ConfigError(f"fault.rank: {cfg.rank} is not a rank of this {world.size}-rank job"))
         self.target = target
         self.rank = world.rank
         self.mine = self.active and world.rank == target

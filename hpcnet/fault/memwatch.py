@@ -161,7 +161,7 @@ class MemoryWatch:
                 with open(path, "a") as f:
                     f.write(f"== step {step}: {series.name} grew by {growth:.0f} MiB ==\n")
                     f.write(torch.cuda.memory_summary(self.device) + "\n")
-            except OSError as exc:  # best effort, as every descriptive file (hpcnet.runlog): training goes on
+            except OSError as exc:  # best effort, as every descriptive file (hpcnet.observe.runlog): training goes on
                 log.warning("rank %d: cannot write %s: %s", self.rank, path, exc.strerror or exc)
                 return
             log.warning("rank %d: CUDA allocator summary written to %s", self.rank, path)

@@ -23,14 +23,13 @@ with a hung peer would hold it forever: the monitor would freeze exactly when
 it is needed.  mpi4py asks for MULTIPLE by default; a library that grants
 less turns the monitor thread off with a warning.
 
-The reports and dumps it writes, and the stacks signal: ``hpcnet.fault.report``.
+The reports and dumps it writes, and the stacks signal: ``hpcnet.fault.failure``.
 """
 
 import contextlib
 import logging
 import os
 import random
-import signal
 import statistics
 import threading
 import time
@@ -41,20 +40,44 @@ from typing import Any
 
 import numpy as np
 
+from hpcnet.comm.world import World, usable_cores
 from hpcnet.config import MonitorConfig
 from hpcnet.errors import ExitCode
-from hpcnet.fault.flightrec import (NULL_RECORDER, WARMUP_FACTOR, FlightRecorder, describe_op, desync, oversubscription,
-                                   stall_timeout)
-from hpcnet.fault.heartbeat import (LEAVING, RUNNING, TAG_ACK, TAG_BEAT, TAG_NOTICE, HeartbeatLink, PeerTracker,
-                                    encode, position, ring_peers)
+from hpcnet.fault.failure import (
+    DUMP_SIGNAL,
+    heartbeat_report,
+    native_report,
+    register_dump_signal,
+    stall_report,
+    write_dump,
+    write_failure,
+)
+from hpcnet.fault.flightrec import (
+    NULL_RECORDER,
+    WARMUP_FACTOR,
+    FlightRecorder,
+    describe_op,
+    desync,
+    oversubscription,
+    stall_timeout,
+)
+from hpcnet.fault.heartbeat import (
+    LEAVING,
+    RUNNING,
+    TAG_ACK,
+    TAG_BEAT,
+    TAG_NOTICE,
+    HeartbeatLink,
+    PeerTracker,
+    encode,
+    position,
+    ring_peers,
+)
 from hpcnet.fault.liveness import LocalLiveness, halted, name_this_thread, process_threads, start_time
 from hpcnet.fault.memwatch import MemoryWatch, merge_summaries
 from hpcnet.fault.native import NativeWatchdog
-from hpcnet.fault.report import (DUMP_SIGNAL, heartbeat_report, native_report, register_dump_signal, stall_report,
-                                 write_dump, write_failure)
 from hpcnet.fault.watchdog import NULL_DEADLINES, Deadlines, Guard
-from hpcnet.layout import FAILURE_FILE, stall_dump
-from hpcnet.comm.world import World, usable_cores
+from hpcnet.paths import FAILURE_FILE, stall_dump
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +248,7 @@ class Monitor:
             while not self._stop.is_set():
                 self._once(time.monotonic())
                 time.sleep(self._tick_s)
-        except Exception:  # noqa: BLE001 - the run goes on unmonitored rather than dying here
+        except Exception:
             log.exception("the monitor thread failed: heartbeats and stall detection are off for this rank")
         finally:
             self._leave()

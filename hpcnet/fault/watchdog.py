@@ -92,7 +92,7 @@ class Guard:
 class _Guarded:
     """``with deadlines.guard(...)``: a class, not a generator, because saves open several."""
 
-    __slots__ = ("deadlines", "args", "options", "guard")
+    __slots__ = ("args", "deadlines", "guard", "options")
 
     def __init__(self, deadlines: "Deadlines", args: tuple[str, float], options: dict[str, Any]) -> None:
         self.deadlines, self.args, self.options, self.guard = deadlines, args, options, None

@@ -1,2 +1,15 @@
-"""The supervisor (``python -m hpcnet.launch``): restarts an attempt after a restartable failure, torch-free.
+"""Starting and restarting a job, torch-free.
+
+``python -m hpcnet.launch [options] -- mpirun ... python -m hpcnet.train ...`` (``supervisor``) restarts an
+attempt after a restartable failure: ``restarts`` decides (statuses, budget, backoff), ``hosts`` which hosts to
+leave out, ``command`` rewrites the launcher's command, ``standby`` and ``park`` keep a warm standby attempt,
+``forward`` passes stop signals on; ``stop`` is the rank's side of those signals.  Reference:
+docs/fault-tolerance.md.
 """
+
+from hpcnet import _lazy_exports
+
+__all__, __getattr__, __dir__ = _lazy_exports(__name__, {
+    "StopRequest": "stop", "hold_stop_signals": "stop", "describe_failure": "restarts",
+    "describe_status": "restarts",
+})

@@ -8,7 +8,7 @@ returned: the job's status is decided, and Python puts back the default action a
 import signal
 import sys
 
-from hpcnet.stop import SUPERVISOR_SIGNALS
+from hpcnet.launch.stop import SUPERVISOR_SIGNALS
 
 signal.pthread_sigmask(signal.SIG_BLOCK, SUPERVISOR_SIGNALS)
 

@@ -4,14 +4,14 @@ Every attempt runs the user's command with its run and checkpoint directories
 pinned, ``--resume auto`` from the second attempt on, the attempt number
 in ``HPCNET_ATTEMPT`` (the README's "Automatic restart" says why) and, for
 hpcnet.train, where its ranks report that they handle stop signals in
-``HPCNET_READY`` (``hpcnet.stop``).
+``HPCNET_READY`` (``hpcnet.launch.stop``).
 """
 
 import subprocess
 from pathlib import Path
 
-from hpcnet.config_manager import parse_command_line
-from hpcnet.layout import ATTEMPT_ENV, READY_ENV
+from hpcnet.config.load import parse_command_line
+from hpcnet.paths import ATTEMPT_ENV, READY_ENV
 
 MPIRUN_NAMES = ("mpirun", "mpiexec", "orterun", "prterun")
 SIGKILL_TIMEOUT_ENV = "OMPI_MCA_odls_base_sigkill_timeout"

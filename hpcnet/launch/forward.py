@@ -4,7 +4,7 @@ take them, and the status of a job that one ended before any attempt could.
 SIGTERM, SIGUSR2, SIGINT and SIGHUP end the restarts whenever they come. ``python -m hpcnet.launch`` blocks them
 from its first line until ``Forwarder.install``, so one that comes while the supervisor starts is handled rather
 than killing it; the supervisor starts no attempt after one; and it passes a first one on to a running attempt
-only once every rank has reported that it handles it (``hpcnet.stop``), since until then the default action
+only once every rank has reported that it handles it (``hpcnet.launch.stop``), since until then the default action
 would kill a rank, and a launcher still starting would die of it or start ranks after passing it on.
 """
 
@@ -20,14 +20,14 @@ from typing import Any
 
 from hpcnet.errors import ExitCode
 from hpcnet.launch.standby import parked_ranks
-from hpcnet.stop import READY, SUPERVISOR_SIGNALS
+from hpcnet.launch.stop import READY, SUPERVISOR_SIGNALS
 
 
 class Forwarder:
     """Signal handlers that pass SIGTERM/SIGUSR2/SIGINT/SIGHUP on to the running launcher (and end the restarts).
 
     A first signal waits while ``ready`` says that the attempt's ranks are still starting: until a rank has
-    installed its stop handler (``hpcnet.stop``) the signal's default action would kill it, and a launcher that
+    installed its stop handler (``hpcnet.launch.stop``) the signal's default action would kill it, and a launcher that
     is starting would die of it or start ranks after it passed it on; ``run_attempt`` passes it on once they are
     ready. A second signal is passed on at once (stop now).
     """
@@ -106,7 +106,7 @@ class Forwarder:
 
 
 def ranks_ready(directory: Path, started_up: threading.Event) -> bool:
-    """Whether every rank of an attempt has reported that it handles stop signals (``hpcnet.stop``), or, for
+    """Whether every rank of an attempt has reported that it handles stop signals (``hpcnet.launch.stop``), or, for
     ranks that cannot say how many they are, the attempt has logged its first step (they are all past start-up)."""
     count, size = parked_ranks(directory, READY)
     return (size is not None and count >= size) or started_up.is_set()

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import hpcnet
 from hpcnet.launch.standby import IMPORTED_FILE, PARKED, imported_manifest
-from hpcnet.layout import STANDBY_ENV, STANDBY_OWNER_ENV
-from hpcnet.stop import RANK_ENVS, env_int, report_rank
+from hpcnet.launch.stop import RANK_ENVS, env_int, report_rank
+from hpcnet.paths import STANDBY_ENV, STANDBY_OWNER_ENV
 
 RELEASE_SIGNAL = signal.SIGUSR1
 WATCH_S = 2.0
@@ -41,14 +41,14 @@ def standby_dir() -> Path | None:
 
 
 def _preimport(argv: list[str]) -> None:
-    """Import what training imports at its start (``hpcnet.importing.import_for_training``) and the configured model
+    """Import what training imports at its start (``hpcnet.config.importing.import_for_training``) and the configured model
     and dataset factories' modules (best effort: a bad config is reported by the run itself, after the release)."""
     with contextlib.suppress(Exception):
-        from hpcnet.importing import import_for_training
+        from hpcnet.config.importing import import_for_training
 
         import_for_training()
     with contextlib.suppress(Exception):
-        from hpcnet.config_manager import load_config, parse_command_line
+        from hpcnet.config.load import load_config, parse_command_line
 
         parsed = parse_command_line(argv)
         cfg = load_config(parsed.config, parsed.overrides)

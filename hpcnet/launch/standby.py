@@ -44,7 +44,7 @@ HOSTFILE_ENV = re.compile(r"(host|node|machine)_?file$", re.IGNORECASE)
 """Environment variables that name a host file a launcher reads: ``OMPI_MCA_orte_default_hostfile``,
 ``PRTE_MCA_prte_default_hostfile``, ``HYDRA_HOST_FILE``, ``SLURM_HOSTFILE``, ``PBS_NODEFILE``."""
 PARKED = "parked"
-"""A standby rank's report that it has parked: ``parked.<rank>`` (``hpcnet.stop.report_rank``)."""
+"""A standby rank's report that it has parked: ``parked.<rank>`` (``hpcnet.launch.stop.report_rank``)."""
 IMPORTED_FILE = "imported.json"
 """What a standby's rank 0 imported before it parked (``imported_manifest``), in the standby's directory."""
 
@@ -66,7 +66,7 @@ def _file_stat(path: Path) -> list[int] | None:
 
 
 def code_stat() -> list[tuple[str, list[int] | None]]:
-    """hpcnet's source files with their modification times and sizes."""
+    """Hpcnet's source files with their modification times and sizes."""
     root = Path(hpcnet.__file__).parent
     return [(str(p.relative_to(root)), _file_stat(p)) for p in sorted(root.rglob("*.py"))]
 
@@ -190,7 +190,7 @@ def imported_changes(recorded: dict[str, Any], packages: Any = None) -> str:
 
 
 def parked_ranks(directory: Path, kind: str = PARKED) -> tuple[int, int | None]:
-    """How many ranks have reported ``kind`` (parked, ready: ``hpcnet.stop.report_rank``) in ``directory``, and
+    """How many ranks have reported ``kind`` (parked, ready: ``hpcnet.launch.stop.report_rank``) in ``directory``, and
     how many there are (from rank 0's report; None: unknown)."""
     try:
         names = [p.name for p in directory.glob(f"{kind}.*")]

@@ -18,7 +18,7 @@ process group, because Open MPI's mpirun gives every rank a process group of
 its own), stop signals forwarded (``hpcnet.launch.forward``: whenever one
 comes, no attempt starts after it), and ``launch.json`` written.
 What each attempt runs is ``hpcnet.launch.command``; whether to run another,
-``hpcnet.launch.policy``; which hosts to leave out, ``hpcnet.launch.hosts``.
+``hpcnet.launch.restarts``; which hosts to leave out, ``hpcnet.launch.hosts``.
 The README ("Automatic restart") describes the behaviour and the exit status.
 """
 
@@ -42,20 +42,49 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hpcnet.config import MAX_DURATION_S
-from hpcnet.config_manager import load_config, parse_command_line
+from hpcnet.config.load import load_config, parse_command_line
 from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.launch.command import attempt_command, is_openmpi, launcher_env, launcher_kind, train_args_start
 from hpcnet.launch.forward import Forwarder, ranks_ready, stop_status
 from hpcnet.launch.hosts import exclude_hosts, slurm_allocation
 from hpcnet.launch.park import RELEASE_SIGNAL
-from hpcnet.launch.standby import (IMPORTED_FILE, PARK_WAIT_S, TRIGGER, TRIGGER_TIMEOUT_S, clear_reports, fingerprint,
-                                   fingerprint_changes, imported_changes, parked_ranks, standby_command)
-from hpcnet.launch.policy import (RestartBudget, backoff_s, committed_checkpoints, describe_failure, describe_status,
-                                  failed_where, failure_from_line, is_restartable, new_checkpoints, normalise_status,
-                                  read_failure)
-from hpcnet.layout import (ATTEMPT_ENV, LAUNCH_FILE, READY_ENV, STANDBY_ENV, STANDBY_OWNER_ENV, attempt_dir,
-                           checkpoint_dir, ready_dir, run_dir_path)
-from hpcnet.stop import READY
+from hpcnet.launch.restarts import (
+    RestartBudget,
+    backoff_s,
+    committed_checkpoints,
+    describe_failure,
+    describe_status,
+    failed_where,
+    failure_from_line,
+    is_restartable,
+    new_checkpoints,
+    normalise_status,
+    read_failure,
+)
+from hpcnet.launch.standby import (
+    IMPORTED_FILE,
+    PARK_WAIT_S,
+    TRIGGER,
+    TRIGGER_TIMEOUT_S,
+    clear_reports,
+    fingerprint,
+    fingerprint_changes,
+    imported_changes,
+    parked_ranks,
+    standby_command,
+)
+from hpcnet.launch.stop import READY
+from hpcnet.paths import (
+    ATTEMPT_ENV,
+    LAUNCH_FILE,
+    READY_ENV,
+    STANDBY_ENV,
+    STANDBY_OWNER_ENV,
+    attempt_dir,
+    checkpoint_dir,
+    ready_dir,
+    run_dir_path,
+)
 
 
 @dataclass(slots=True)

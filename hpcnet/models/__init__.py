@@ -14,9 +14,9 @@ from typing import Any
 
 from torch import nn
 
+from hpcnet.config.importing import load_object
 from hpcnet.data.info import DatasetInfo
 from hpcnet.errors import ConfigError
-from hpcnet.importing import load_object
 from hpcnet.models.mlp import mlp
 from hpcnet.models.resnet import BasicBlock, Bottleneck, resnet_factory
 from hpcnet.models.transformer import transformer

@@ -8,7 +8,6 @@ from torch import nn
 from hpcnet.data.info import DatasetInfo, is_int
 from hpcnet.errors import ConfigError
 
-
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
 
 

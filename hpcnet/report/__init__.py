@@ -5,3 +5,9 @@ matplotlib's Agg canvas, ``markdown`` writes report.md, ``build`` ties them
 together.  Neither torch nor mpi4py is imported: the report runs anywhere the
 run directory can be read, in about a second.
 """
+
+from hpcnet import _lazy_exports
+
+__all__, __getattr__, __dir__ = _lazy_exports(__name__, {
+    "build_report": "build",
+})

@@ -15,8 +15,8 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from hpcnet.observe.stats import jitter_pct
 from hpcnet.report.read import Launch, Run, recovery_s
-from hpcnet.stats import jitter_pct
 
 PHASES = ("data", "forward", "backward", "comm", "optimizer", "checkpoint", "eval", "other")
 """The trainer's step phases in step order (README: Where each step's time goes)."""

@@ -5,9 +5,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpcnet.launch.policy import describe_failure, describe_status
+from hpcnet.launch.restarts import describe_failure, describe_status
+from hpcnet.observe.stats import cv_pct, jitter_pct, percentile
 from hpcnet.report.read import Launch, Run
-from hpcnet.stats import cv_pct, jitter_pct, percentile
 
 MAX_TABLE_RANKS = 64
 """A bigger job's per-rank table lists the slowest ranks only."""
@@ -164,7 +164,7 @@ def render(source: Path, out: Path, runs: list[tuple[str, Run]], plots: list[Any
     rows, where = rank_rows(runs, step_times)
     if rows:
         md += ["## Step time per rank", "", f"From {where}. Jitter: `100 * (p95 - p5) / (2 * p50)` of the step "
-               "times (hpcnet/stats.py); CV: standard deviation over mean.", ""]
+               "times (hpcnet/observe/stats.py); CV: standard deviation over mean.", ""]
         md += _table(["rank", "median", "p95", "CV", "jitter"], rows) + [""]
     md += ["## Plots", ""]
     for plot in plots:

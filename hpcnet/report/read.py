@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcnet.layout import (CONFIG_FILE, FAILURE_FILE, LAUNCH_FILE, PLAN_FILE, SUMMARY_FILE, TRACE_FILE,
-                           attempt_dir)
+from hpcnet.paths import CONFIG_FILE, FAILURE_FILE, LAUNCH_FILE, PLAN_FILE, SUMMARY_FILE, TRACE_FILE, attempt_dir
 
 TOPOLOGY_FILE = "topology.json"
 """Written by the trainer at start-up (README: What a run writes); only its ``size`` is read here."""

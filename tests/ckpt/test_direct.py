@@ -8,8 +8,7 @@ import torch
 import xxhash
 
 from hpcnet.ckpt import direct
-from hpcnet.ckpt.format import block_hashes
-
+from hpcnet.ckpt.schema import block_hashes
 from tests.helpers import fresh_dir
 
 pytestmark = pytest.mark.timeout(120)
@@ -118,9 +117,9 @@ def test_a_corrupted_block_far_inside_a_parallel_read_is_detected(comm, mpi_tmp_
     import h5py
 
     from hpcnet.ckpt import format, write
-    from hpcnet.ckpt.format import BLOCK_BYTES, LARGE_BLOCK_BYTES, make_spec
     from hpcnet.ckpt.load import load_checkpoint
     from hpcnet.ckpt.manager import CheckpointManager
+    from hpcnet.ckpt.schema import BLOCK_BYTES, LARGE_BLOCK_BYTES, make_spec
     from hpcnet.errors import CheckpointCorrupt
 
     directory = fresh_dir(comm, mpi_tmp_path / f"corrupt-direct-{full_every}-{hash_name}")

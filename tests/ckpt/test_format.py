@@ -1,4 +1,4 @@
-"""hpcnet.ckpt.format: ownership, specs, names, blocks, hashes, chains and retention (pure, one process)."""
+"""hpcnet.ckpt.schema: ownership, specs, names, blocks, hashes, chains and retention (pure, one process)."""
 
 import random
 
@@ -6,10 +6,20 @@ import numpy as np
 import pytest
 from torch import nn
 
-from hpcnet.ckpt.format import (BLOCK_BYTES, CheckpointInfo, Piece, block_hashes, check_names_nest, check_tensor_name,
-                                make_spec, plan_ownership, plan_reads, plan_retention, resolve_chain,
-                                write_pieces)
-
+from hpcnet.ckpt.schema import (
+    BLOCK_BYTES,
+    CheckpointInfo,
+    Piece,
+    block_hashes,
+    check_names_nest,
+    check_tensor_name,
+    make_spec,
+    plan_ownership,
+    plan_reads,
+    plan_retention,
+    resolve_chain,
+    write_pieces,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

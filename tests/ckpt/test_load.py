@@ -9,7 +9,6 @@ import torch
 
 from hpcnet.ckpt.manager import CheckpointManager
 from hpcnet.errors import UsageError
-
 from tests.helpers import checkpoint_names, flip_bytes_in, fresh_dir, save_steps, saved_run
 
 pytestmark = pytest.mark.timeout(120)
@@ -44,7 +43,7 @@ def test_corrupt_and_uncommitted_checkpoints_are_skipped(comm, mpi_tmp_path, cap
         with pytest.raises(UsageError, match="uncommitted"):
             manager.load(str(directory / "ckpt-0000000003.h5.tmp"))
         comm.Barrier()
-        if comm.Get_rank() == 0:  # a save's own temporary name (hpcnet.layout.checkpoint_tmp_name)
+        if comm.Get_rank() == 0:  # a save's own temporary name (hpcnet.paths.checkpoint_tmp_name)
             (directory / "ckpt-0000000003.h5.tmp").rename(directory / "ckpt-0000000003.h5.0123456789abcdef.tmp")
         comm.Barrier()
         with pytest.raises(UsageError, match="was never committed"):

@@ -15,9 +15,18 @@ from hpcnet.ckpt.load import load_checkpoint
 from hpcnet.ckpt.manager import CheckpointManager
 from hpcnet.ckpt.state import rng_state, set_rng_state
 from hpcnet.errors import UsageError
-
-from tests.helpers import (assert_same_tensors, checkpoint_names, flip_bytes_in, fresh_dir, model_and_optimizers,
-                           restore_split_state, save_steps, saved_run, split_state, train_steps)
+from tests.helpers import (
+    assert_same_tensors,
+    checkpoint_names,
+    flip_bytes_in,
+    fresh_dir,
+    model_and_optimizers,
+    restore_split_state,
+    save_steps,
+    saved_run,
+    split_state,
+    train_steps,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -316,7 +325,7 @@ def test_damaged_checkpoints_passed_over_are_set_aside_and_never_outlive_good_on
 def test_each_rank_loads_only_the_tensors_it_wants(comm, mpi_tmp_path):
     """A sharded optimizer's state reaches its owner only: large tensors (split across the readers) are gathered
     to the one rank that wants them, small ones copied; what every rank wants is all-gathered as before."""
-    from hpcnet.ckpt.format import SPLIT_MIN_BYTES
+    from hpcnet.ckpt.schema import SPLIT_MIN_BYTES
 
     rank, size = comm.Get_rank(), comm.Get_size()
     directory = fresh_dir(comm, mpi_tmp_path / "wanted")

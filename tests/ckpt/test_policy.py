@@ -1,9 +1,9 @@
-"""hpcnet.ckpt.policy: when a run saves, on rank 0's clock, decided alike on every rank."""
+"""hpcnet.ckpt.schedule: when a run saves, on rank 0's clock, decided alike on every rank."""
 
 import pytest
 
-from hpcnet.ckpt.policy import NONFINITE_GRAD, NONFINITE_LOSS, SavePolicy, should_save
-from hpcnet.config_manager import load_config
+from hpcnet.ckpt.schedule import NONFINITE_GRAD, NONFINITE_LOSS, SavePolicy, should_save
+from hpcnet.config.load import load_config
 
 pytestmark = pytest.mark.timeout(120)
 

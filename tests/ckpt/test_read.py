@@ -7,7 +7,6 @@ import torch
 from mpi4py import MPI
 
 from hpcnet.ckpt.manager import CheckpointManager
-
 from tests.helpers import save_steps, saved_run
 
 pytestmark = pytest.mark.timeout(120)

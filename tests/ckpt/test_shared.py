@@ -1,11 +1,10 @@
-"""hpcnet.ckpt.shared: every rank must see the one checkpoint directory."""
+"""hpcnet.ckpt.sharedfs: every rank must see the one checkpoint directory."""
 
 import pytest
 import torch
 
 from hpcnet.ckpt.manager import CheckpointManager
 from hpcnet.errors import UsageError
-
 from tests.helpers import fresh_dir, save_steps
 
 pytestmark = pytest.mark.timeout(120)
@@ -15,7 +14,7 @@ pytestmark = pytest.mark.timeout(120)
 def test_every_rank_must_see_the_same_checkpoints(comm, mpi_tmp_path, monkeypatch):
     if comm.Get_size() == 1:
         pytest.skip("needs ranks that can disagree")
-    import hpcnet.ckpt.shared as shared
+    import hpcnet.ckpt.sharedfs as shared
 
     directory = fresh_dir(comm, mpi_tmp_path / "node-local")
     with CheckpointManager(comm, directory, async_save=False) as manager:

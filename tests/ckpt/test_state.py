@@ -11,9 +11,14 @@ from torch import nn
 from hpcnet.ckpt.manager import CheckpointManager
 from hpcnet.ckpt.state import flatten_state, restore_state, rng_state, set_rng_state
 from hpcnet.errors import UsageError
-
-from tests.helpers import (assert_same_tensors, fresh_dir, model_and_optimizers, restore_split_state, split_state,
-                           train_steps)
+from tests.helpers import (
+    assert_same_tensors,
+    fresh_dir,
+    model_and_optimizers,
+    restore_split_state,
+    split_state,
+    train_steps,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,7 +66,7 @@ class _Sampler:
 @pytest.mark.mpi
 def test_train_state_saves_and_resumes_model_optimizer_sampler_and_rng(comm, mpi_tmp_path):
     from hpcnet.ckpt.state import TrainState
-    from hpcnet.config_manager import load_config
+    from hpcnet.config.load import load_config
 
     cfg = load_config(overrides=["run.seed=3"])
     directory = fresh_dir(comm, mpi_tmp_path / "trainstate")
@@ -90,7 +95,7 @@ def test_train_state_saves_and_resumes_model_optimizer_sampler_and_rng(comm, mpi
 @pytest.mark.mpi
 def test_a_non_finite_state_on_one_rank_is_not_finite_on_every_rank(comm, mpi_tmp_path):
     from hpcnet.ckpt.state import TrainState
-    from hpcnet.config_manager import load_config
+    from hpcnet.config.load import load_config
 
     model, sgd, _ = model_and_optimizers()
     if comm.Get_rank() == comm.Get_size() - 1:
@@ -103,7 +108,7 @@ def test_a_non_finite_state_on_one_rank_is_not_finite_on_every_rank(comm, mpi_tm
 @pytest.mark.mpi
 def test_a_sampler_state_that_fails_on_resume_fails_every_rank(comm, mpi_tmp_path):
     from hpcnet.ckpt.state import TrainState
-    from hpcnet.config_manager import load_config
+    from hpcnet.config.load import load_config
 
     directory = fresh_dir(comm, mpi_tmp_path / "bad-sampler")
     model, sgd, _ = model_and_optimizers()

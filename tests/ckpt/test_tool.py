@@ -13,7 +13,6 @@ from mpi4py import MPI
 from hpcnet.ckpt.load import load_checkpoint
 from hpcnet.ckpt.manager import CheckpointManager
 from hpcnet.ckpt.state import flatten_state, rng_state
-
 from tests.helpers import assert_same_tensors, clean_env, flip_bytes_in, model_and_optimizers, train_steps
 
 pytestmark = pytest.mark.timeout(120)

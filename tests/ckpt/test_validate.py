@@ -13,7 +13,6 @@ import torch
 from mpi4py import MPI
 
 from hpcnet.ckpt.manager import CheckpointManager
-
 from tests.helpers import clean_env
 
 pytestmark = pytest.mark.timeout(120)
@@ -26,7 +25,7 @@ def _checkpoint_file(directory):
 
 def _rewrite_index(path, edit):
     """Change a checkpoint's /index and fix up its checksum, as someone crafting a file would."""
-    from hpcnet.ckpt.format import sha256_hex
+    from hpcnet.ckpt.schema import sha256_hex
 
     with h5py.File(path, "r+") as f:
         index = json.loads(f["index"][()].tobytes())

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from hpcnet.ckpt.manager import CheckpointManager
-
 from tests.helpers import fresh_dir
 
 pytestmark = pytest.mark.timeout(120)

@@ -8,7 +8,7 @@ from hpcnet.comm.dataparallel import DataParallel
 from hpcnet.comm.plan import Plan
 from hpcnet.comm.world import discover
 from hpcnet.config import DistConfig
-from hpcnet.config_manager import load_config
+from hpcnet.config.load import load_config
 from hpcnet.errors import RestartableError, UsageError
 from tests.helpers import Net, even_nodes, reference_grads
 

@@ -2,8 +2,16 @@
 
 import pytest
 
-from hpcnet.comm.netif import (IbPort, Interface, has_rdma_devices, ib_ports, interfaces, ipv4_address, kind_of,
-                               preference)
+from hpcnet.comm.netif import (
+    IbPort,
+    Interface,
+    has_rdma_devices,
+    ib_ports,
+    interfaces,
+    ipv4_address,
+    kind_of,
+    preference,
+)
 from tests.helpers import fake_net
 
 

@@ -3,10 +3,10 @@
 import pytest
 
 from hpcnet.comm.plan import Plan, decide_plan, hierarchical_layout, plan_transport
-from hpcnet.config import DistConfig
-from hpcnet.config_manager import load_config
-from hpcnet.errors import ConfigError, UsageError
 from hpcnet.comm.world import discover
+from hpcnet.config import DistConfig
+from hpcnet.config.load import load_config
+from hpcnet.errors import ConfigError, UsageError
 
 
 @pytest.mark.parametrize("cfg, kw, expected", [

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from hpcnet.comm.transport import build_transport
 from hpcnet.comm.reducer import Reducer, plan_buckets
+from hpcnet.comm.transport import build_transport
 from hpcnet.comm.world import discover
 from tests.helpers import FakeComm, FakeWork, Net, even_nodes, reference_grads
 

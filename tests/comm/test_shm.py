@@ -6,7 +6,7 @@ import torch
 
 from hpcnet.comm.dataparallel import DataParallel
 from hpcnet.comm.plan import Plan, decide_plan, plan_transport
-from hpcnet.comm.shm import ALIGN_ELEMENTS, ShmTransport, slice_bounds
+from hpcnet.comm.transport.shm import ALIGN_ELEMENTS, ShmTransport, slice_bounds
 from hpcnet.comm.world import discover
 from hpcnet.config import DistConfig
 from hpcnet.errors import UsageError
@@ -98,7 +98,7 @@ def test_the_plan_for_shm():
 
 @pytest.mark.mpi
 def test_fastest_picks_the_faster_sum_measured_the_same_on_every_rank(comm, monkeypatch):
-    import hpcnet.comm.shm as shm
+    import hpcnet.comm.transport.shm as shm
 
     world = discover(comm, environ={})
     mpi_s, shm_s = shm.race_shm_against_mpi(comm, world, 1 << 16)

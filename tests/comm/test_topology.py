@@ -10,9 +10,8 @@ import pytest
 
 from hpcnet.comm.netif import IbPort, Interface, interfaces, kind_of
 from hpcnet.comm.pingpong import pair_key, plan_rounds
-from hpcnet.comm.world import wait_sleeping
 from hpcnet.comm.topology import Gpu, Node, RankInfo, Topology, common_interface, local_gpus, main, probe, recommend
-from hpcnet.comm.world import discover, node_layout
+from hpcnet.comm.world import discover, node_layout, wait_sleeping
 from tests.helpers import nodes_of
 
 BUDGET_S = 0.5  # the tests check figures for sanity, not precision
@@ -193,7 +192,7 @@ def test_main_in_process(comm, mpi_tmp_path, capsys):
 @pytest.mark.timeout(120)
 def test_cli_writes_topology_json(launch, tmp_path):
     out = tmp_path / "out"
-    result = launch(2, "--out", str(out), "--budget-s", "1", module="hpcnet.topology", timeout=100,
+    result = launch(2, "--out", str(out), "--budget-s", "1", module="hpcnet.comm.topology", timeout=100,
                     env={"HPCNET_RANKS_PER_NODE": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads((out / "topology.json").read_text())

@@ -5,8 +5,15 @@ import subprocess
 import pytest
 import torch
 
-from hpcnet.comm.transport import (CommFailure, FaultyTransport, MpiTransport, TorchTransport, build_transport,
-                                   enqueue_in_order, wait_all)
+from hpcnet.comm.transport import (
+    CommFailure,
+    FaultyTransport,
+    MpiTransport,
+    TorchTransport,
+    build_transport,
+    enqueue_in_order,
+    wait_all,
+)
 from hpcnet.comm.world import discover
 from tests.helpers import PROGRAMS, FakeComm, FakeWork, even_nodes
 

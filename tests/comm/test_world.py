@@ -5,9 +5,9 @@ import socket
 import pytest
 import torch
 
-from hpcnet.errors import ConfigError, UsageError
-from hpcnet.comm.world import SCHEDULER_ENV, choose_device, cpu_threads, discover, launcher_env, node_layout
 from hpcnet.agree import agree_on_error, is_agreed, shared_errors
+from hpcnet.comm.world import SCHEDULER_ENV, choose_device, cpu_threads, discover, launcher_env, node_layout
+from hpcnet.errors import ConfigError, UsageError
 
 
 def test_launcher_env_table():

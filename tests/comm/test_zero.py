@@ -10,10 +10,19 @@ from torch import nn
 
 from hpcnet.comm import exchange
 from hpcnet.comm.costmodel import LinkCost, assign_shards, plan_time_s
-from hpcnet.comm.zero import (MIN_UNIT_BYTES, UNITS_PER_RANK, ParamGather, ShardLayout, norm_order, plan_shards,
-                              rows_of, split_units, unit_grad_norm)
+from hpcnet.comm.zero import (
+    MIN_UNIT_BYTES,
+    UNITS_PER_RANK,
+    ParamGather,
+    ShardLayout,
+    norm_order,
+    plan_shards,
+    rows_of,
+    split_units,
+    unit_grad_norm,
+)
 from hpcnet.errors import ConfigError, ExitCode
-from hpcnet.layout import PLAN_FILE
+from hpcnet.paths import PLAN_FILE
 from hpcnet.train import run
 from tests.helpers import StopAfter, owned_params, tiny_images, train_config
 
@@ -287,8 +296,8 @@ def test_resume_at_another_world_size_reshards(comm, data_plane, mpi_tmp_path):
 
 
 def test_bad_zero_options_are_named():
-    from hpcnet.config import ConfigError
-    from hpcnet.config_manager import load_config
+    from hpcnet.config.load import load_config
+    from hpcnet.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"dist.zero: 3 is not one of 0, 1, 2"):
         load_config(overrides=["dist.zero=3"])
@@ -327,8 +336,8 @@ def test_bucket_size_auto_from_the_probe(comm, data_plane, mpi_tmp_path):
 
 
 def test_bucket_size_must_be_a_number_or_auto():
-    from hpcnet.config import ConfigError
-    from hpcnet.config_manager import load_config
+    from hpcnet.config.load import load_config
+    from hpcnet.errors import ConfigError
 
     assert load_config(overrides=["dist.bucket_mb=auto"]).dist.bucket_mb == "auto"
     assert load_config(overrides=["dist.bucket_mb=4"]).dist.bucket_mb == 4.0

@@ -8,14 +8,14 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from hpcnet.config_manager import load_config
+from hpcnet.config.load import load_config
 from hpcnet.data import balance
 from hpcnet.data.balance import balanced_sizes, predicted_step_s
 from hpcnet.data.h5 import open_split
 from hpcnet.data.loader import BatchLoader
 from hpcnet.data.sampler import GlobalBatchSampler
 from hpcnet.errors import ConfigError
-from hpcnet.layout import metrics_file
+from hpcnet.paths import metrics_file
 from hpcnet.train import run
 from tests.helpers import StopAfter, tiny_images, train_config
 

@@ -4,7 +4,14 @@ import time
 
 import pytest
 
-from hpcnet.fault.flightrec import FlightRecorder, analyze_stall, desync, format_entries, oversubscription, stall_timeout
+from hpcnet.fault.flightrec import (
+    FlightRecorder,
+    analyze_stall,
+    desync,
+    format_entries,
+    oversubscription,
+    stall_timeout,
+)
 from tests.helpers import rank_state
 
 

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
+from hpcnet.fault.failure import heartbeat_report
 from hpcnet.fault.heartbeat import FIELDS, LEAVING, RUNNING, PeerTracker, decode, encode, ring_peers
-from hpcnet.fault.report import heartbeat_report
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 1000])

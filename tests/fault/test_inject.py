@@ -13,14 +13,13 @@ import torch
 
 from hpcnet.ckpt.load import load_checkpoint
 from hpcnet.ckpt.manager import CheckpointManager
-from hpcnet.config import FaultConfig
-from tests.helpers import StopAfter, tiny_images, train_config
-from hpcnet.errors import ConfigError, ExitCode, UsageError
-from hpcnet.fault.inject import FaultInjector, corrupt_newest, current_attempt
-from hpcnet.layout import ATTEMPT_ENV
-from hpcnet.train import run
 from hpcnet.comm.world import World
-from hpcnet.errors import exit_code_of
+from hpcnet.config import FaultConfig
+from hpcnet.errors import ConfigError, ExitCode, UsageError, exit_code_of
+from hpcnet.fault.inject import FaultInjector, corrupt_newest, current_attempt
+from hpcnet.paths import ATTEMPT_ENV
+from hpcnet.train import run
+from tests.helpers import StopAfter, tiny_images, train_config
 
 
 def _world(rank=0, size=4):

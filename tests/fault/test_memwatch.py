@@ -4,7 +4,6 @@ import pytest
 
 from hpcnet.fault.memwatch import MemoryWatch, Series, steady_growth, theil_sen_slope
 
-
 STEPS = list(range(50, 550, 50))
 
 

@@ -17,12 +17,12 @@ from mpi4py import MPI
 
 from hpcnet.comm.world import discover
 from hpcnet.config import MonitorConfig
-from hpcnet.config_manager import load_config
+from hpcnet.config.load import load_config
 from hpcnet.errors import ExitCode
+from hpcnet.fault.failure import DUMP_SIGNAL
 from hpcnet.fault.heartbeat import ring_peers
 from hpcnet.fault.liveness import halted, process_threads
 from hpcnet.fault.monitor import Monitor
-from hpcnet.fault.report import DUMP_SIGNAL
 from tests.helpers import PROGRAMS, ROOT, clean_env, made_dir, wait_for
 
 

@@ -2,8 +2,8 @@
 
 import json
 
+from hpcnet.fault.failure import heartbeat_report, merge_reports, stall_report, write_failure
 from hpcnet.fault.heartbeat import decode, encode
-from hpcnet.fault.report import heartbeat_report, merge_reports, stall_report, write_failure
 from hpcnet.fault.watchdog import analyze_io
 from tests.helpers import rank_state
 

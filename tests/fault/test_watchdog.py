@@ -22,9 +22,9 @@ from mpi4py import MPI
 from hpcnet.comm.world import discover
 from hpcnet.config import CheckpointConfig, FaultConfig, MonitorConfig
 from hpcnet.errors import ConfigError, ExitCode
+from hpcnet.fault.failure import DUMP_SIGNAL
 from hpcnet.fault.heartbeat import decode
 from hpcnet.fault.monitor import Monitor
-from hpcnet.fault.report import DUMP_SIGNAL
 from hpcnet.fault.watchdog import IO_TIMEOUT_FLOOR_S, Deadlines, io_timeout_s
 from tests.helpers import PROGRAMS, ROOT, clean_env, made_dir, wait_for
 

@@ -1,7 +1,13 @@
 """What each attempt runs: the pinned directories, --resume auto, the attempt variable, the launcher's environment."""
 
-from hpcnet.launch.command import (SIGKILL_TIMEOUT_ENV, attempt_command, launcher_env, launcher_kind, resume_args,
-                                   train_args_start)
+from hpcnet.launch.command import (
+    SIGKILL_TIMEOUT_ENV,
+    attempt_command,
+    launcher_env,
+    launcher_kind,
+    resume_args,
+    train_args_start,
+)
 
 TRAIN = ["mpirun", "-np", "2", "python", "-m", "mpi4py", "-m", "hpcnet.train"]
 

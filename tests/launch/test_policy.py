@@ -5,8 +5,18 @@ import signal
 
 import pytest
 
-from hpcnet.launch.policy import (RestartBudget, backoff_s, committed_checkpoints, describe_failure, failed_where,
-                                  failure_from_line, is_restartable, new_checkpoints, normalise_status, read_failure)
+from hpcnet.launch.restarts import (
+    RestartBudget,
+    backoff_s,
+    committed_checkpoints,
+    describe_failure,
+    failed_where,
+    failure_from_line,
+    is_restartable,
+    new_checkpoints,
+    normalise_status,
+    read_failure,
+)
 
 
 @pytest.mark.parametrize("status, restart", [

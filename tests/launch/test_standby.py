@@ -14,13 +14,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from mpi4py import MPI
 
 from hpcnet.launch.park import ORPHAN_EXIT, WATCH_S, orphaned
-from hpcnet.launch.standby import (TRIGGER, fingerprint, fingerprint_changes, imported_changes, imported_manifest,
-                                   installed_packages, parked_ranks, standby_command, user_module_files)
-from hpcnet.layout import STANDBY_ENV, STANDBY_OWNER_ENV
+from hpcnet.launch.standby import (
+    TRIGGER,
+    fingerprint,
+    fingerprint_changes,
+    imported_changes,
+    imported_manifest,
+    installed_packages,
+    parked_ranks,
+    standby_command,
+    user_module_files,
+)
 from hpcnet.launch.supervisor import Standby
+from hpcnet.paths import STANDBY_ENV, STANDBY_OWNER_ENV
 from tests.helpers import clean_env
 from tests.launch.test_supervisor import _assert_same, _final_tensors, _serial_only, _train_command, reference  # noqa: F401
 

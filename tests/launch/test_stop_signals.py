@@ -9,7 +9,6 @@ is inside that step. The sweep over the times of the report (0.5 to 9 s after th
 supervisor to take charge of SIGUSR2, which it does on its first line: before it, no Python code can.
 """
 
-import json
 import shutil
 import signal
 import subprocess

@@ -16,8 +16,8 @@ import torch
 from mpi4py import MPI
 
 from hpcnet.errors import ExitCode
-from hpcnet.launch.policy import failed_where
 from hpcnet.launch.forward import Forwarder
+from hpcnet.launch.restarts import failed_where
 from tests.helpers import PROGRAMS, clean_env
 
 
@@ -263,7 +263,7 @@ def test_hung_rank_is_detected_then_restarted_and_ends_identical(tmp_path, refer
 @pytest.mark.launch
 @pytest.mark.timeout(200)
 def test_sigterm_to_the_supervisor_saves_and_stops_the_job(tmp_path):
-    """mpirun would kill the ranks a second after SIGTERM; the supervisor sends SIGUSR2, so they save and exit 76."""
+    """Mpirun would kill the ranks a second after SIGTERM; the supervisor sends SIGUSR2, so they save and exit 76."""
     _serial_only()
     command = _train_command(tmp_path, "term", "train.steps=100000", "checkpoint.every_steps=0")
     # stderr goes to a file, as a terminal or a batch log would take it: a pipe nobody reads fills up at 64 KiB

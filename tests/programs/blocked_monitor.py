@@ -1,6 +1,6 @@
 """A process whose "monitor" thread waits on a lock (a futex, like the GIL) while the main thread spins or sleeps.
 
-    blocked_monitor.py spin|sleep
+blocked_monitor.py spin|sleep
 """
 import sys
 import threading

@@ -1,6 +1,6 @@
 """Monitor on a loop of small collectives: desync, or ranks that stop themselves.
 
-    monitor_loop.py desync|stop INTERVAL_S RUN_DIR [RANKS_TO_STOP]
+monitor_loop.py desync|stop INTERVAL_S RUN_DIR [RANKS_TO_STOP]
 """
 import os
 import signal

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpcnet.layout import READY_ENV
+from hpcnet.paths import READY_ENV
 
 RANK_ENVS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID", "PMI_RANK")
 """Where launchers put a rank's number before MPI is initialised."""

@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcnet.config import Config
+from hpcnet.config.options import Config
 from hpcnet.errors import ConfigError
-
 
 # --- building a Config from nested dicts ------------------------------------
 
@@ -241,9 +240,9 @@ def check_same_config(comm: Any, cfg: Config) -> None:
             groups.setdefault(digest, []).append(rank)
         majority = max(groups.values(), key=len)
         odd = sorted(r for ranks in groups.values() if ranks is not majority for r in ranks)
-        from hpcnet.agree import agreed
+        from hpcnet.agree import mark_agreed
 
-        raise agreed(ConfigError(
+        raise mark_agreed(ConfigError(
             f"ranks disagree on the configuration: ranks {odd} differ from ranks {majority[:8]}"
             f"{'...' if len(majority) > 8 else ''} (same command line and config file on every rank?)"
         ))

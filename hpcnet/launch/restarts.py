@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcnet.errors import ExitCode
-from hpcnet.layout import CKPT_NAME_RE, FAILURE_FILE
+from hpcnet.paths import CKPT_NAME_RE, FAILURE_FILE
 
 RESTART_SIGNALS = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT)
 """A rank (or the launcher) that died of one of these may have been killed by

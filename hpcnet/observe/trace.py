@@ -1,7 +1,7 @@
 """A timeline of chosen steps on every rank, merged into one Chrome trace (``train.trace_steps = "START:END"``;
 README: What a run writes).
 
-For the traced steps each rank keeps its steps, its phases (``hpcnet.phases``), every collective of its flight
+For the traced steps each rank keeps its steps, its phases (``hpcnet.observe.phases``), every collective of its flight
 recorder (with bytes and bucket), the checkpoint timings of a save, and with ``train.trace_ops=true`` torch
 profiler's operator events. After step END (or when the loop ends first) rank 0 gathers them and writes
 ``trace.json`` in the run directory: one process row per rank (threads: steps, phases, control collectives, one
@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from hpcnet.layout import TRACE_FILE
-from hpcnet.runlog import OptionalFile
+from hpcnet.observe.runlog import OptionalFile
+from hpcnet.paths import TRACE_FILE
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class StepTracer:
         self._profiler = torch.profiler.profile(activities=activities)
         self._profiler.start()
         # A marker whose perf_counter we know: the profiler's clock is its own.
-        with torch.profiler.record_function("hpcnet.trace.marker"):
+        with torch.profiler.record_function("hpcnet.observe.trace.marker"):
             self._marker_pc = time.perf_counter()
 
     def _profiler_events(self) -> list[dict[str, Any]]:
@@ -204,14 +204,14 @@ class StepTracer:
         finally:
             Path(name).unlink(missing_ok=True)
             self._profiler = None
-        marker = next((e for e in raw if e.get("name") == "hpcnet.trace.marker"), None)
+        marker = next((e for e in raw if e.get("name") == "hpcnet.observe.trace.marker"), None)
         if marker is None:
             log.warning("train.trace_ops: the profiler's trace has no marker; operator events left out")
             return []
         shift = self._us(self._marker_pc) - float(marker["ts"])
         events = []
         for e in raw:
-            if e.get("ph") != "X" or "ts" not in e or e.get("name") == "hpcnet.trace.marker":
+            if e.get("ph") != "X" or "ts" not in e or e.get("name") == "hpcnet.observe.trace.marker":
                 continue
             gpu = "cuda" in str(e.get("cat", "")).lower() or e.get("cat") == "kernel"
             events.append({"name": e.get("name", "?"), "ph": "X", "pid": self.rank, "tid": _TID_OPS + (1 if gpu else 0),

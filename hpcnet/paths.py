@@ -18,7 +18,7 @@ Such a rank imports everything, then waits for SIGUSR1 before MPI initialisation
 """Set by ``hpcnet.launch`` for every attempt: 1, 2, ... (absent: 1)."""
 READY_ENV = "HPCNET_READY"
 """Set by ``hpcnet.launch`` for every attempt of ``hpcnet.train``: the directory where each rank reports that its
-stop-signal handler is installed (``hpcnet.stop``); the supervisor passes a stop signal on only after that."""
+stop-signal handler is installed (``hpcnet.launch.stop``); the supervisor passes a stop signal on only after that."""
 RANKS_PER_NODE_ENV = "HPCNET_RANKS_PER_NODE"
 """Splits one machine into virtual nodes of this many ranks each, so multi-node code paths run on one host."""
 

@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from hpcnet.errors import UsageError
 from hpcnet.agree import agree_on_error
-from hpcnet.layout import rank_log, run_dir_path
+from hpcnet.errors import UsageError
+from hpcnet.paths import rank_log, run_dir_path
 
 _FORMAT = "%(asctime)s rank %(rank)s %(levelname)s %(name)s: %(message)s"
 log = logging.getLogger(__name__)

@@ -2,18 +2,17 @@
 
 Each section validates its own values and names the dotted option in its
 errors.  Building a Config from defaults, a TOML file and command-line
-overrides, and writing it back, is ``hpcnet.config_manager``'s.
+overrides, and writing it back, is ``hpcnet.config.load``'s.
 """
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpcnet.config.importing import is_import_path
 from hpcnet.errors import ConfigError
-from hpcnet.trace import parse_steps
-from hpcnet.importing import is_import_path
+from hpcnet.observe.trace import parse_steps
 
 MAX_DURATION_S = 30 * 24 * 3600
 """The longest any duration option (every ``*_s`` field) may be: 30 days.

@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from hpcnet.comm.transport import MpiTransport, Progress
+from hpcnet.comm.transport.base import CollectiveExecutor
+from hpcnet.comm.transport.mpi import MpiTransport
 from hpcnet.comm.world import World
 
 ALIGN_ELEMENTS = 16
@@ -76,7 +77,7 @@ class ShmTransport:
     synchronous = True
 
     def __init__(self, comm: Any, world: World) -> None:
-        from hpcnet.agree import agreed
+        from hpcnet.agree import mark_agreed
         from hpcnet.errors import UsageError
 
         self.size = comm.Get_size()
@@ -84,11 +85,11 @@ class ShmTransport:
         self.local_rank, self.local_size = self.node.Get_rank(), self.node.Get_size()
         self.cross = comm.Split(color=self.local_rank, key=world.node_index)
         self._regions: dict[int, _Region] = {}
-        self._inline = Progress("inline", "")  # errors become a handle that raises at wait, as inline MPI's do
+        self._inline = CollectiveExecutor("inline", "")  # errors become a handle that raises at wait, as inline MPI's do
         sizes = comm.allgather(self.local_size)
         if len(set(sizes)) > 1:
             self.close()
-            raise agreed(UsageError(f"dist.backend: 'shm' needs the same number of ranks on every node, not "
+            raise mark_agreed(UsageError(f"dist.backend: 'shm' needs the same number of ranks on every node, not "
                                     f"{min(sizes)} to {max(sizes)}; use 'mpi'"))
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:

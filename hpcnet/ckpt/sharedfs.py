@@ -8,7 +8,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from hpcnet.agree import agree_on_error, agreed, shared_errors
+from hpcnet.agree import agree_on_error, mark_agreed, shared_errors
 from hpcnet.ckpt.listing import listing
 from hpcnet.errors import UsageError
 
@@ -37,7 +37,7 @@ def check_shared_directory(comm: Any, directory: Path) -> None:
             probe.unlink(missing_ok=True)
     blind = [r for r, ok in enumerate(seen) if not ok]
     if blind:
-        raise agreed(UsageError(f"checkpoint.dir: {str(directory)!r} on ranks {blind} is not the directory rank 0 "
+        raise mark_agreed(UsageError(f"checkpoint.dir: {str(directory)!r} on ranks {blind} is not the directory rank 0 "
                                 "writes to; use a file system shared by every node"))
 
 

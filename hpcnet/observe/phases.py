@@ -15,7 +15,7 @@ charged to the phase named at its end, so the phases of a step add up to the ste
 
 Marks cost a clock read and a dict update, about a microsecond; nothing is synchronised (on CUDA the phases are the
 host's view: kernels are queued, and a phase that waits for the GPU, ``comm`` or the loss read at log steps, shows
-the wait). ``tracing`` also keeps every piece with its start time, for ``hpcnet.trace``.
+the wait). ``tracing`` also keeps every piece with its start time, for ``hpcnet.observe.trace``.
 """
 
 import time

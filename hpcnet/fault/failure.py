@@ -7,7 +7,7 @@ stack to stderr from a C signal handler, so it works even when a thread holds
 the GIL in C code (the case where the monitor thread itself cannot run).  The
 handler stays registered until the process exits: unregistered, the signal's
 default action would kill the process.  SIGUSR1 is left to NCCL and SIGUSR2 to
-preemption notices (``hpcnet.stop.StopRequest``); real-time signals are used by
+preemption notices (``hpcnet.launch.stop.StopRequest``); real-time signals are used by
 neither nor by Open MPI.  A SIGSTOPped rank cannot run any handler: its stack
 is not available, the report says where it was from its last beat.
 """
@@ -26,7 +26,7 @@ from typing import Any
 from hpcnet.errors import ExitCode
 from hpcnet.fault.flightrec import FlightRecorder, analyze_stall, describe_op, format_entries
 from hpcnet.fault.watchdog import Deadlines, Guard, analyze_io
-from hpcnet.layout import FAILURE_FILE
+from hpcnet.paths import FAILURE_FILE
 
 DUMP_SIGNAL = getattr(signal, "SIGRTMIN", signal.SIGXCPU) + (4 if hasattr(signal, "SIGRTMIN") else 0)
 """The signal that makes a rank print every thread's stack to stderr."""

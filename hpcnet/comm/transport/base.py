@@ -1,0 +1,188 @@
+"""What every transport shares: the protocol, its handles, where MPI collectives run, and waiting for them.
+
+A transport starts a sum-all-reduce of a 1-d tensor in place and returns a
+handle whose ``wait`` finishes it; ``wait_all`` waits for a step's handles and
+returns the first error instead of raising, so the caller can agree on it
+with the other ranks first.
+"""
+
+import concurrent.futures
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+
+class CommFailure(RuntimeError):
+    """A collective of the data plane failed or timed out on some rank."""
+
+
+class Handle(Protocol):
+    def wait(self, timeout_s: float) -> None:
+        """Finish the operation; raise CommFailure after ``timeout_s`` seconds."""
+
+
+class Transport(Protocol):
+    name: str
+    synchronous: bool
+    """``start`` returns after the collective finished (its handle only reports the outcome)."""
+
+    def start(self, flat: torch.Tensor) -> Handle: ...
+
+    def close(self) -> None: ...
+
+
+class Done:
+    """The handle of an operation that already finished (one rank, or synchronous)."""
+
+    def wait(self, timeout_s: float) -> None:
+        return None
+
+
+class Failed:
+    """The handle of a synchronous operation that raised: ``wait`` raises it as a CommFailure."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def wait(self, timeout_s: float) -> None:
+        raise as_comm_failure(self.exc) from self.exc
+
+
+def as_comm_failure(exc: BaseException) -> CommFailure:
+    """An error of a collective as the CommFailure the reducer agrees on (itself when it is one)."""
+    if isinstance(exc, CommFailure):
+        return exc
+    return CommFailure(f"all-reduce failed: {type(exc).__name__}: {exc}")
+
+
+class FutureHandle:
+    def __init__(self, future: concurrent.futures.Future) -> None:
+        self.future = future
+
+    def wait(self, timeout_s: float) -> None:
+        try:
+            self.future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise CommFailure(f"all-reduce did not finish within {timeout_s:.0f} s") from None
+        except Exception as exc:  # MPI errors raised in the worker
+            raise as_comm_failure(exc) from exc
+
+
+class _DaemonWorker:
+    """One daemon thread running submitted calls in order, each resolving a Future.
+
+    Not a ThreadPoolExecutor: the interpreter joins those workers at exit, so a
+    worker left in a collective that will never finish (its peers failed or
+    gave up) would hang the process after training ended.  A daemon thread is
+    abandoned at exit instead, and ``MPI_Finalize`` or ``MPI_Abort`` ends it.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, arg = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(arg))
+            except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
+                future.set_exception(exc)
+
+    def submit(self, fn: Callable[[Any], Any], arg: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((future, fn, arg))
+        return future
+
+    def close(self) -> None:
+        """Stop after the call in progress; calls not yet started are cancelled."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[0].cancel()
+        self._jobs.put(None)
+
+
+class CollectiveExecutor:
+    """Where a transport's MPI collectives run: a worker thread (``thread``) or the caller (``inline``)."""
+
+    def __init__(self, mode: str, prefix: str) -> None:
+        if mode not in ("thread", "inline"):
+            raise ValueError(f"progress must be 'thread' or 'inline', not {mode!r}")
+        self._worker = _DaemonWorker(prefix) if mode == "thread" else None
+
+    @property
+    def synchronous(self) -> bool:
+        return self._worker is None
+
+    def run(self, fn: Callable[[torch.Tensor], None], flat: torch.Tensor) -> Handle:
+        if self._worker is not None:
+            return FutureHandle(self._worker.submit(fn, flat))
+        try:
+            fn(flat)
+        except Exception as exc:  # noqa: BLE001 - reported at wait, after the ranks agree (see wait_all)
+            return Failed(exc)
+        return Done()
+
+    def close(self) -> None:
+        # A worker stuck in a collective that will never finish cannot be
+        # joined; it is a daemon, left behind rather than hanging the caller.
+        if self._worker is not None:
+            self._worker.close()
+
+
+def mpi_buffer(flat: torch.Tensor) -> Any:
+    """The tensor's memory as an MPI buffer, without a copy.
+
+    CPU tensors go through numpy; CUDA tensors (CUDA-aware MPI only) through
+    ``__cuda_array_interface__``, which mpi4py reads directly.
+    """
+    return flat.numpy() if flat.device.type == "cpu" else flat
+
+
+def abandon(transport: Any) -> None:
+    """Let go of ``transport`` without waiting for the other ranks: its ``abandon`` (shm: windows are freed
+    collectively) or, where closing is local, its ``close``."""
+    getattr(transport, "abandon", transport.close)()
+
+
+def succeeded(handle: Handle | None) -> bool:
+    """True when ``handle``'s operation is known to have finished without an error here (never waits): a
+    synchronous one that did not raise, or a worker thread's that returned. Others (torch works, failed or
+    injected ones) answer False and are left to ``wait``."""
+    if isinstance(handle, Done):
+        return True
+    if isinstance(handle, FutureHandle):
+        future = handle.future
+        return future.done() and not future.cancelled() and future.exception() is None
+    return False
+
+
+def wait_all(handles: list[Handle], timeout_s: float,
+             on_done: Callable[[int], None] | None = None) -> BaseException | None:
+    """Wait for every handle (``timeout_s`` in all); return the first error instead of raising.
+
+    The caller shares the outcome with the other ranks before raising, so a
+    failure seen by one rank becomes the same failure on every rank.
+    ``on_done(i)`` is called when the wait for ``handles[i]`` returns.
+    """
+    deadline = time.monotonic() + timeout_s
+    error: BaseException | None = None
+    for i, handle in enumerate(handles):
+        try:
+            handle.wait(max(0.0, deadline - time.monotonic()))
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
+            error = error or exc
+        if on_done is not None:
+            on_done(i)
+    return error

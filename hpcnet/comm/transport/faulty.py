@@ -1,0 +1,49 @@
+"""Fault injection in the data plane: a transport whose result fails on chosen ranks (``dist.fail_at_step``)."""
+
+import torch
+
+from hpcnet.comm.transport.base import CommFailure, Handle, Transport, abandon
+
+
+class FaultyTransport:
+    """Fault injection: the wrapped transport's result fails on chosen ranks at one step.
+
+    The collective itself still runs (so no rank is left inside it); the
+    chosen ranks then report an error, as a NCCL error seen by one rank would.
+    """
+
+    def __init__(self, inner: Transport, *, fail: bool) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.synchronous = inner.synchronous
+        self.allocate = getattr(inner, "allocate", None)  # buckets in the inner transport's memory (shm)
+        self.fail = fail
+        self.armed = False
+        if getattr(inner, "start_reduce_scatter", None) is not None:
+            self.start_reduce_scatter = self._start_reduce_scatter
+
+    def start(self, flat: torch.Tensor) -> Handle:
+        return self._maybe_failing(self.inner.start(flat))
+
+    def _start_reduce_scatter(self, flat: torch.Tensor, counts: list[int], out: torch.Tensor) -> Handle:
+        return self._maybe_failing(self.inner.start_reduce_scatter(flat, counts, out))
+
+    def _maybe_failing(self, handle: Handle) -> Handle:
+        if self.armed and self.fail:
+            return _FailingHandle(handle)
+        return handle
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def abandon(self) -> None:
+        abandon(self.inner)
+
+
+class _FailingHandle:
+    def __init__(self, inner: Handle) -> None:
+        self.inner = inner
+
+    def wait(self, timeout_s: float) -> None:
+        self.inner.wait(timeout_s)
+        raise CommFailure("injected communication failure (dist.fail_at_step)")
