@@ -21,7 +21,7 @@ import torch
 from mpi4py import MPI
 
 from hpcnet.data.synthetic import generate_images
-from hpcnet.launch import policy as launch
+from hpcnet.launch import restarts as launch
 from tests.helpers import ROOT, clean_env
 
 pytestmark = [

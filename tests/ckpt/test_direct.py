@@ -116,7 +116,7 @@ def test_a_corrupted_block_far_inside_a_parallel_read_is_detected(comm, mpi_tmp_
     """Also for files checksummed with sha256-64, as hpcnet wrote them before xxh3-64: they read and verify."""
     import h5py
 
-    from hpcnet.ckpt import format, write
+    from hpcnet.ckpt import schema, write
     from hpcnet.ckpt.load import load_checkpoint
     from hpcnet.ckpt.manager import CheckpointManager
     from hpcnet.ckpt.schema import BLOCK_BYTES, LARGE_BLOCK_BYTES, make_spec
@@ -125,7 +125,7 @@ def test_a_corrupted_block_far_inside_a_parallel_read_is_detected(comm, mpi_tmp_
     directory = fresh_dir(comm, mpi_tmp_path / f"corrupt-direct-{full_every}-{hash_name}")
     state = _state()
     with monkeypatch.context() as patch:
-        patch.setattr(format, "HASH_NAME", hash_name)
+        patch.setattr(schema, "HASH_NAME", hash_name)
         patch.setattr(write, "HASH_NAME", hash_name)
         with CheckpointManager(comm, directory, full_every=full_every, async_save=False) as manager:
             path = manager.save(1, state, {}, {"rank": comm.Get_rank()})
