@@ -62,6 +62,7 @@ def test_summarize_and_table():
 def test_entry_point_lists_and_rejects(capsys):
     assert {"allreduce", "train"} <= set(benchmarks())
     assert "common" not in benchmarks()
+    assert "stepsplit" not in benchmarks()  # bench train's instrumented block, no entry point of its own
     assert bench_main(["--help"]) == 0
     assert "allreduce" in capsys.readouterr().out
     assert bench_main(["no_such_bench"]) == 2
