@@ -4,6 +4,7 @@ Launch:
     mpirun -np 4 python -m mpi4py -m hpcnet.train [--config run.toml] [section.key=value ...]
     python -m hpcnet.train                       # a single process works too
     python -m hpcnet.train --help                # every option, with its doc
+    python -m hpcnet.train --help-config         # the same as Markdown (docs/configuration.md)
 
 Every rank runs the same loop on its own slice of each global batch; the
 gradients are averaged across ranks, so N ranks with batch B train exactly as
@@ -43,7 +44,7 @@ from hpcnet.comm.topology import probe, recommend
 from hpcnet.comm.world import World, choose_device, cpu_threads, discover
 from hpcnet.config import Config
 from hpcnet.config.importing import import_for_training
-from hpcnet.config.load import check_same_config, describe_options, load_config, parse_command_line, to_toml
+from hpcnet.config.load import check_same_config, config_reference, describe_options, load_config, parse_command_line, to_toml
 from hpcnet.data.balance import Balancer
 from hpcnet.data.loader import BatchLoader, open_dataset
 from hpcnet.data.sampler import GlobalBatchSampler
@@ -302,6 +303,10 @@ def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
     if args.help:
         if rank == 0:
             print(__doc__.strip() + "\n\nOptions (defaults shown):\n" + describe_options())
+        return ExitCode.OK
+    if args.help_config:
+        if rank == 0:
+            print(config_reference(), end="")
         return ExitCode.OK
     own_stop = stop is None
     if stop is None:
