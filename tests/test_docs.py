@@ -85,8 +85,15 @@ def test_links_resolve(page):
     assert not broken, f"{_rel(page)}: broken links: {broken}"
 
 
+LOGGERS = {name for path in (ROOT / "hpcnet").rglob("*.py")
+           for name in re.findall(r"getLogger\(\"(hpcnet[\w.]*)\"\)", path.read_text())}
+"""Logger names (``hpcnet.checkpoint``) are names a page may give too."""
+
+
 def _module_exists(name: str) -> bool:
-    """``hpcnet.x.y`` names a module, or an attribute of the longest module prefix of it."""
+    """``hpcnet.x.y`` names a module, an attribute of the longest module prefix of it, or a logger."""
+    if name in LOGGERS:
+        return True
     parts = name.split(".")
     for cut in range(len(parts), 1, -1):
         module = ".".join(parts[:cut])
