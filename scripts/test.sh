@@ -3,7 +3,7 @@
 # test, MPI tests on one rank, plus the tests that launch mpirun or submit
 # SLURM jobs themselves), then the MPI tests on 2, 3 and 4 ranks (an odd
 # size finds what even ones hide: virtual nodes of unequal sizes, sums of
-# more than two in another order).  setup.cfg passes pytest-mpi's
+# more than two in another order), after ruff.  pyproject.toml passes pytest-mpi's
 # --with-mpi (without it every MPI test is skipped); python -m mpi4py aborts
 # the job when one rank fails instead of leaving the others hanging.
 #
@@ -14,6 +14,8 @@
 # HPCNET_SLURM=off skips starting it.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+echo "=== ruff (lint, import order, docstrings: pyproject.toml) ==="
+ruff check hpcnet tests scripts
 slurm_started=0
 if [ "${HPCNET_SLURM:-on}" != off ] && ! scripts/slurm.sh status >/dev/null 2>&1; then
     if scripts/slurm.sh start; then
