@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class ReadResult:
+    """What a checkpoint read returns: the tensors, the metadata, this rank's state, the file attributes and timings."""
+
     tensors: dict[str, "torch.Tensor"]
     meta: dict[str, Any]
     rank_state: dict[str, Any] | None
@@ -242,7 +244,7 @@ def _read_headers(chain: list[Path], uids: list[str] | None, fault: IoFault | No
         except Exception as exc:  # noqa: BLE001 - classified
             _raise_read_failure(path, exc)
     specs = [e["spec"] for e in headers[-1][1]]
-    for path, (attrs, index) in zip(chain, headers):
+    for path, (_attrs, index) in zip(chain, headers):
         if [e["spec"] for e in index] != specs:
             raise CheckpointCorrupt(f"{path}: holds other tensors than {chain[-1].name} (a broken chain)")
     read = [attrs["uid"] for attrs, _ in headers]

@@ -88,7 +88,8 @@ def _write_error(tmp: Path, errors: list[BaseException]) -> OSError | None:
 
 
 LOCAL = "local"
-"""``save_stretches`` yields it before a stretch that calls no MPI and opens no parallel HDF5 file (any thread may run it)."""
+"""``save_stretches`` yields it before a stretch that calls no MPI and opens no parallel HDF5 file (any thread may
+run it)."""
 COLLECTIVE = "collective"
 """``save_stretches`` yields it before a stretch of collective calls (every rank runs it, in one thread)."""
 

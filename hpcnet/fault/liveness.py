@@ -25,6 +25,7 @@ rank's threads first:
 Ranks on other hosts are judged by heartbeats alone.
 """
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -51,14 +52,13 @@ known ``wchan`` ('S', '0') while its main thread waited in ``mmap`` ('D'), 124 s
 
 def name_this_thread(name: bytes = MONITOR_THREAD_NAME) -> None:
     """Give the calling thread its OS name (Linux ``prctl``; elsewhere nothing happens)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 def start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22): with the pid, its identity."""
+    """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22): with the pid, its
+    identity."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -68,6 +68,8 @@ def start_time(pid: int) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class ThreadState:
+    """One thread of a process, from ``/proc``: its name, scheduler state and wait channel."""
+
     name: str
     state: str
     """``R`` runnable, ``S`` sleeping, ``D`` in I/O, ``T``/``t`` stopped, ``Z``/``X`` dead."""

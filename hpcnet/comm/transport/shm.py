@@ -85,7 +85,8 @@ class ShmTransport:
         self.local_rank, self.local_size = self.node.Get_rank(), self.node.Get_size()
         self.cross = comm.Split(color=self.local_rank, key=world.node_index)
         self._regions: dict[int, _Region] = {}
-        self._inline = CollectiveExecutor("inline", "")  # errors become a handle that raises at wait, as inline MPI's do
+        # Errors become a handle that raises at wait, as inline MPI's do.
+        self._inline = CollectiveExecutor("inline", "")
         sizes = comm.allgather(self.local_size)
         if len(set(sizes)) > 1:
             self.close()
