@@ -17,14 +17,13 @@ def _hold_standby_release() -> None:
     import os
 
     if os.environ.get("HPCNET_STANDBY"):
+        import contextlib
         import ctypes
         import signal
 
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
-        try:
+        with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG (Linux)
-        except (OSError, AttributeError):
-            pass
         _STANDBY_PARENT = os.getppid()
 
 

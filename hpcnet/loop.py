@@ -291,8 +291,8 @@ class Loop:
         lr = self.optimizer.param_groups[0]["lr"]
         slowest = max(range(len(every)), key=lambda r: (every[r][1], -r))
         if self.world.is_main:
-            log.info("step %*d/%d | loss %.4f | lr %.2e | %.0f samples/s | step %s (slowest: rank %d, %s) | comm %.0f%% "
-                     "| eta %s", len(str(self.total)), p.step, self.total, p.loss_value, lr, rate,
+            log.info("step %*d/%d | loss %.4f | lr %.2e | %.0f samples/s | step %s (slowest: rank %d, %s) "
+                     "| comm %.0f%% | eta %s", len(str(self.total)), p.step, self.total, p.loss_value, lr, rate,
                      _ms(every[0][1]), slowest, _ms(every[slowest][1]),
                      100 * statistics.fmean(c for _, _, c in every), format_duration(eta))
         extra: dict[str, Any] = {}

@@ -270,7 +270,8 @@ def _finish(result: TrainResult, world: World, run_dir: Path, total_steps: int) 
         result.exit_code = (ExitCode.INTERRUPTED if summary["stopped_by_signal"] == signal.SIGINT
                             else ExitCode.PREEMPTED)
     if world.is_main:
-        OptionalFile(run_dir / SUMMARY_FILE).write_text(json.dumps(strict_json(summary), indent=2, allow_nan=False) + "\n")
+        summary_text = json.dumps(strict_json(summary), indent=2, allow_nan=False) + "\n"
+        OptionalFile(run_dir / SUMMARY_FILE).write_text(summary_text)
         if summary["steps"] > summary["start_step"]:
             log.info("%s: %d steps in %s, final loss %.4f%s", "stopped" if summary.get("diverged") else "done",
                      summary["steps"], format_duration(summary["wall_s"]), summary["final_loss"],
@@ -313,7 +314,8 @@ def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
         stop = StopRequest().install()
     try:
         with shared_errors(comm):  # a config file missing on one node fails everywhere
-            cfg = load_config(args.config, args.overrides + ([f"checkpoint.resume={args.resume}"] if args.resume else []))
+            resume = [f"checkpoint.resume={args.resume}"] if args.resume else []
+            cfg = load_config(args.config, args.overrides + resume)
         if args.print_config:
             if rank == 0:
                 print(to_toml(cfg), end="")

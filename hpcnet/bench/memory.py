@@ -27,6 +27,7 @@ batches, gradient clipping at norm 1) in the same processes:
 """
 
 import argparse
+import contextlib
 import copy
 import ctypes
 import gc
@@ -150,10 +151,8 @@ def _status_kib(field: str) -> int:
 def _settle() -> int:
     """Resident KiB after returning freed memory to the OS."""
     gc.collect()
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
     return _status_kib("VmRSS")
 
 
@@ -164,10 +163,8 @@ def _fixed_mmap_threshold() -> None:
     """Every allocation of 128 KiB or more gets its own mapping, returned to the OS when freed: glibc otherwise
     raises the threshold after a large block is freed, later tensors come from its heap, and resident memory
     then keeps what earlier contenders freed (seen here: stage 1 'holding' as much as stage 0)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 * 1024)
-    except (OSError, AttributeError):
-        pass
 
 
 def _reset_peak() -> None:
@@ -401,7 +398,8 @@ def cap_trial(name: str, rung: int, comm: Any, world: Any, args: argparse.Namesp
     del contender
     peak = comm.allreduce(peak_kib, op=MPI.MAX) * 1024
     return {"contender": name, "rung": rung, "extra_blocks": options["n_layers"] - rung, **options,
-            "parameters": transformer_parameters(options["d_model"], options["n_layers"]), "peak_bytes": peak, "fits": bool(peak <= args.cap_gb * 1e9),
+            "parameters": transformer_parameters(options["d_model"], options["n_layers"]), "peak_bytes": peak,
+            "fits": bool(peak <= args.cap_gb * 1e9),
             "step_s": comm.allreduce(seconds, op=MPI.MAX)}
 
 
@@ -423,8 +421,8 @@ def bench_capacity(comm: Any, world: Any, args: argparse.Namespace, measured: di
         guess = measured.get(name, CAP_GUESS_BYTES_PER_PARAM[name])
         results: dict[int, dict[str, Any]] = {}
 
-        def fits(rung: int) -> bool:
-            results[rung] = cap_trial(name, rung, comm, world, args)  # called within this iteration
+        def fits(rung: int, name: str = name, results: dict[int, dict[str, Any]] = results) -> bool:
+            results[rung] = cap_trial(name, rung, comm, world, args)
             return results[rung]["fits"]
 
         best, _ = search_largest(fits, start_rung(cap, guess), CAP_TOP_RUNG)

@@ -89,7 +89,8 @@ def step_times(path: Path) -> dict[int, float]:
 def _supervise(out_dir: Path, name: str, train_args: list[str], args: argparse.Namespace,
                timeout_s: float, standby: str = "off") -> tuple[int, float, Path]:
     command = [sys.executable, "-m", "hpcnet.launch", "--max-restarts", "1", "--backoff-s", str(args.backoff_s),
-               "--standby", standby, "--", "mpirun", "-np", str(args.np), sys.executable, "-m", "mpi4py", "-m", "hpcnet.train",
+               "--standby", standby, "--", "mpirun", "-np", str(args.np), sys.executable, "-m", "mpi4py",
+               "-m", "hpcnet.train",
                f"run.dir={out_dir}", f"run.name={name}", *train_args]
     t0 = time.monotonic()
     proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
@@ -243,8 +244,8 @@ def report(trials: dict[str, dict[str, list[dict[str, Any]]]], startup: dict[str
                 key, what = "hang_detection_s", "SIGSTOP -> the monitor's failure.json"
             rows.append([label] + [_cell([r[key] for r in runs[mode] if r.get(key) is not None]) for mode in modes]
                         + [what])
-        lines.append(f"{fault} of the last rank at step {next(iter(next(iter(runs.values()))), {}).get('fault_step', '?')}"
-                     f" (seconds, median and range over trials):")
+        fault_step = next(iter(next(iter(runs.values()))), {}).get("fault_step", "?")
+        lines.append(f"{fault} of the last rank at step {fault_step} (seconds, median and range over trials):")
         lines.append(table(header, rows))
         if "cold" in runs and "warm" in runs and runs["cold"] and runs["warm"]:
             cold = summarize([r["total_to_first_step_s"] for r in runs["cold"]])["median"]
@@ -257,7 +258,8 @@ def report(trials: dict[str, dict[str, list[dict[str, Any]]]], startup: dict[str
                 lines.append(f"warm total - hang detection: {warm - detect:.2f} s")
         failed = [r for results in modes.values() for r in results if "total_to_first_step_s" not in r]
         if failed:
-            lines.append(f"{len(failed)} trial(s) without a restart: {[r.get('error') or r.get('status') for r in failed]}")
+            reasons = [r.get("error") or r.get("status") for r in failed]
+            lines.append(f"{len(failed)} trial(s) without a restart: {reasons}")
         lines.append("")
     if startup:
         rows = [[k.removesuffix("_s"), f"{v:.2f}"] for k, v in startup.items()]
@@ -314,9 +316,10 @@ def main(argv: list[str] | None = None) -> int:
                     result = {"error": str(exc)[-500:]}
                 trials[fault][mode].append(result)
                 total = result.get("total_to_first_step_s")
+                standby_note = ("" if mode == "cold" else " (standby used)" if result.get("standby_used")
+                                else " (no standby)")
                 print(f"trial {trial + 1} {fault} {mode}: "
-                      f"{'%.2f s' % total if total is not None else result.get('error', 'no restart')}"
-                      f"{'' if mode == 'cold' else ' (standby used)' if result.get('standby_used') else ' (no standby)'}",
+                      f"{f'{total:.2f} s' if total is not None else result.get('error', 'no restart')}{standby_note}",
                       flush=True)
     startup = None if args.no_startup else measure_startup(args)
     print(f"\nrecovery benchmark: {args.np} ranks, model mlp, {args.trials} trial(s) per fault and mode, "

@@ -24,9 +24,8 @@ from hpcnet.ckpt.schema import hash_view
 
 IO_THREADS = 4
 """Most threads of one rank that move and hash chunks (``CheckpointManager`` gives each rank its share of
-the node's cores, up to this).  More threads than cores only fight over them: two ranks on two cores
-wrote and hashed 256 MB each in 1.24-1.50 s with one thread each, 1.57-1.76 s with two, 1.48-2.02 s with
-four (write and fsync alone: 1.27-1.63 s)."""
+the node's cores, up to this).  More threads than cores only fight over them: with one core a rank, one
+thread each writes and hashes faster than two or four."""
 CHUNK_BYTES = 8 << 20
 """Bytes one thread moves and hashes in one task (rounded to whole hash blocks)."""
 ALIGN_BYTES = 1 << 20
@@ -104,8 +103,7 @@ def _write_chunk(fd: int, view: memoryview, offset: int, block_bytes: int, hash_
 def _read_chunk(fd: int, view: memoryview, offset: int, block_bytes: int, hash_name: str) -> bytes:
     # No POSIX_FADV_WILLNEED for the next chunk: the kernel's own readahead of a
     # sequential reader (``open_for_reading``) already runs ahead, and asking on top
-    # of it slowed two ranks reading their halves of 512 MB from 0.48-0.86 s to
-    # 0.63-1.37 s (6 alternating rounds, read_ahead_kb 8192).
+    # of it slows the reads down.
     done = 0
     while done < len(view):
         got = os.preadv(fd, [view[done:]], offset + done)

@@ -63,6 +63,8 @@ class SaveJob:
 
 @dataclass(slots=True)
 class SaveResult:
+    """What a finished save reports: the checkpoint's info, this rank's block hashes, timings and bytes written."""
+
     info: CheckpointInfo
     hashes: dict[int, np.ndarray]
     timings: dict[str, float] = field(default_factory=dict)

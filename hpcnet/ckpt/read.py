@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class ReadResult:
+    """What a checkpoint read returns: the tensors, the metadata, this rank's state, the file attributes and timings."""
+
     tensors: dict[str, "torch.Tensor"]
     meta: dict[str, Any]
     rank_state: dict[str, Any] | None
@@ -140,7 +142,7 @@ def _read_pieces(f: Any, fd: int, attrs: dict[str, Any], index: list[dict[str, A
 
 EXCHANGES_IN_FLIGHT = 8
 """Tensors exchanged at once on a load.  Broadcasts from different ranks in flight together move data both
-ways at once: 16 tensors of 32 MiB, each read by one of 2 ranks, took 0.08 s so and 0.12 s one at a time."""
+ways at once, so the exchange ends sooner than one tensor at a time."""
 
 
 def _start_allgatherv(comm: Any, buffer: np.ndarray, counts: list[int], displs: list[int]) -> tuple[Any, Any]:
@@ -149,7 +151,7 @@ def _start_allgatherv(comm: Any, buffer: np.ndarray, counts: list[int], displs: 
     from mpi4py import MPI
 
     # Plain bytes where the counts fit an int: Open MPI moves one huge derived
-    # element at half the speed (measured here).
+    # element more slowly.
     unit = 1 if max(max(counts), max(displs)) < 2**31 else math.gcd(*counts, *displs)
     if max(max(counts), max(displs)) // unit >= 2**31:
         raise ValueError("piece too large for one MPI call")
@@ -242,7 +244,7 @@ def _read_headers(chain: list[Path], uids: list[str] | None, fault: IoFault | No
         except Exception as exc:  # noqa: BLE001 - classified
             _raise_read_failure(path, exc)
     specs = [e["spec"] for e in headers[-1][1]]
-    for path, (attrs, index) in zip(chain, headers):
+    for path, (_attrs, index) in zip(chain, headers):
         if [e["spec"] for e in index] != specs:
             raise CheckpointCorrupt(f"{path}: holds other tensors than {chain[-1].name} (a broken chain)")
     read = [attrs["uid"] for attrs, _ in headers]
@@ -280,8 +282,8 @@ def _buffer(spec: TensorSpec, into: "dict[str, torch.Tensor] | None") -> tuple[n
 
     New memory comes from torch, not numpy: numpy asks for transparent huge
     pages, and where the kernel compacts memory to find them (THP defrag
-    ``madvise``) a first touch of a fresh 256 MB array took seconds here
-    instead of 0.1-0.2 s with small pages.
+    ``madvise``) a first touch of a fresh large array takes many times
+    longer than with small pages.
     """
     import torch
 
@@ -309,8 +311,8 @@ def _prefault(views: list[np.ndarray]) -> None:
     """Write a byte of every page of these views of new memory, so that the exchange copies into mapped pages.
 
     Run in a thread while this rank's own reads wait for the disk: an exchange
-    that faulted in the pages it received took 0.41-0.57 s for 256 MB a rank
-    (2 ranks), one into mapped memory 0.13-0.19 s.  numpy fills a strided view
+    that faults in the pages it receives is several times slower than one into
+    mapped memory.  numpy fills a strided view
     without the GIL.  The bytes written lie in ranges this rank does not read.
     """
     for view in views:

@@ -44,10 +44,9 @@ HASHES: dict[str, Callable[[Any], int]] = {
     "sha256-64": lambda data: int.from_bytes(hashlib.sha256(data).digest()[:8], "little"),
 }
 """Block checksums by the name a file's ``hash`` attribute gives, each a function of a buffer to its uint64.
-``xxh3-64`` (XXH3, 64 bits) is what hpcnet writes: 9.4 GB/s on 1 MiB blocks here, against 1.2 GB/s for
-sha256 with the CPU's SHA extensions, so that hashing no longer costs a save or a load time beside the disk
-(two ranks writing 256 MB each with fsync: 0.98-1.04 s with xxh3 against 1.11-1.32 s with sha256, and
-0.97-1.02 s for the bare writes).  The checksums guard against damage (a torn or flipped block) and find
+``xxh3-64`` (XXH3, 64 bits) is what hpcnet writes: several times faster than sha256 even with the CPU's SHA
+extensions, so that hashing adds next to nothing to a save's or a load's time beside the disk (see
+benchmarks/README.md).  The checksums guard against damage (a torn or flipped block) and find
 the blocks an increment changed; neither needs a cryptographic hash: a file's writer can rewrite its
 checksums too, whatever they are.  ``sha256-64`` (the first 8 bytes of sha256, little-endian) is what
 hpcnet wrote before; such files still read and verify."""
@@ -56,12 +55,12 @@ HASH_NAME = "xxh3-64"
 BLOCK_BYTES = 1024
 """Smallest block.  Sparse updates touch whole rows at random (an embedding
 lookup), so a block of one row is what makes an increment small; rows shorter
-than this are grouped, because below ~1 KiB the per-block cost (a hash call of
-~1 us, 16 bytes of hash and index) stops being small against the data."""
+than this are grouped, because below this size the per-block cost (a hash
+call, 16 bytes of hash and index) stops being small against the data."""
 LARGE_BLOCK_BYTES = 1 << 20
 """Smallest block where no increment will ever compare blocks (``CheckpointManager(full_every=1)``):
-fewer, larger hash calls (each costs about 1 us besides its bytes) and a smaller /hashes table.  Readers take each tensor's
-``block_rows`` from /index, so files with either block size read alike."""
+fewer, larger hash calls (each has a fixed cost besides its bytes) and a smaller /hashes table.  Readers take each
+tensor's ``block_rows`` from /index, so files with either block size read alike."""
 SPLIT_MIN_BYTES = 256 << 10
 """Tensors this large are split by blocks across all ranks and written
 collectively; smaller ones are written whole by one rank each, independently,
@@ -279,9 +278,8 @@ def plan_reads(specs: list[TensorSpec], wanting: list[set[int]] | list[frozenset
     stretch of the file: a tensor is split only where a cut falls inside it.
     Each rank's range is sized to even out the bytes it reads, counting the
     tensors only it wants.  Cutting every tensor across every rank (as a save
-    does, ``plan_ownership``) made each rank's reads strided: two ranks read
-    their 256 MB halves of a checkpoint in 0.63-0.94 s that way, in 0.33-0.56 s
-    as one run each (this disk; ``read_ahead_kb`` 8192).
+    does, ``plan_ownership``) makes each rank's reads strided, which reads
+    markedly slower than one run each (see benchmarks/README.md).
     """
     if world_size < 1:
         raise ValueError("world_size must be at least 1")

@@ -6,9 +6,10 @@ parallel HDF5 file.
 each collective one, so whoever drives it decides which thread runs what: ``hpcnet.ckpt.manager`` runs the
 collective stretches in the training thread, at a step boundary where every rank's local stretch is done,
 and the local ones in a background thread.  A rank then never has two threads inside blocking MPI
-collectives at once, on any communicator: a 32-rank job on 2 cores with Open MPI 4.1 was seen to stop
-in that state (the writer's first ``Allgather`` on every rank, rank 0's training thread in a ``Bcast``
-it was the root of), and MPI_THREAD_MULTIPLE progress between threads is where MPI libraries differ most.
+collectives at once, on any communicator: an oversubscribed job (more ranks than cores) with Open MPI 4.1
+was seen to stop in that state (the writer's first ``Allgather`` on every rank, rank 0's training thread in a
+``Bcast`` it was the root of), and MPI_THREAD_MULTIPLE progress between threads is where MPI libraries differ
+most.
 ``write_checkpoint`` runs every stretch in the calling thread.
 
 A checkpoint is written as ``ckpt-<step>.h5.<token>.tmp`` and committed by a rename
@@ -88,7 +89,8 @@ def _write_error(tmp: Path, errors: list[BaseException]) -> OSError | None:
 
 
 LOCAL = "local"
-"""``save_stretches`` yields it before a stretch that calls no MPI and opens no parallel HDF5 file (any thread may run it)."""
+"""``save_stretches`` yields it before a stretch that calls no MPI and opens no parallel HDF5 file (any thread may
+run it)."""
 COLLECTIVE = "collective"
 """``save_stretches`` yields it before a stretch of collective calls (every rank runs it, in one thread)."""
 

@@ -212,8 +212,8 @@ def stage2_bucket_cap(total_bytes: int, n_ranks: int, *, share: float = STAGE2_B
 
     At stage 2 a rank holds its own gradient shard between steps, and during backward the buckets being filled
     and in flight, each with the transport's scratch of its size (Open MPI's reduce-scatter: about one bucket):
-    buckets of DDP's 25 MiB would add more than the shard itself for models of a few hundred MiB (measured at 4
-    ranks on a 112 MiB transformer: backward's peak rise 133 MiB with 25 MiB buckets, 94 MiB with 8 MiB ones).
+    buckets of DDP's 25 MiB would add more than the shard itself for models of a few hundred MiB (see
+    benchmarks/README.md).
     """
     if total_bytes < 0 or n_ranks < 1:
         raise ValueError(f"need total_bytes >= 0 and n_ranks >= 1, got {total_bytes}, {n_ranks}")

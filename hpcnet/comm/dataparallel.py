@@ -290,7 +290,7 @@ class DataParallel:
         assert self.shards is not None and self.layout is not None
         names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         units = []
-        for k, (unit, size, owner) in enumerate(zip(self.layout.units, self.layout.sizes, self.shards.owner)):
+        for unit, size, owner in zip(self.layout.units, self.layout.sizes, self.shards.owner):
             entry = {"name": names[unit.param], "bytes": size, "owner": owner}
             if not unit.whole:
                 entry["rows"] = [unit.lo, unit.hi]

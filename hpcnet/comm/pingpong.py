@@ -75,15 +75,13 @@ def plan_rounds(nodes: list[list[int]], samples: int = INTRA_SAMPLES) -> list[li
     intra = sorted((order, members[0], members[local])
                    for members in nodes for order, local in enumerate(intra_samples(len(members), samples)))
     for _, *pair in intra:
-        for rnd, taken in zip(rounds, busy):
-            if not taken.intersection(pair):
-                break
-        else:
-            rnd, taken = [], set()
-            rounds.append(rnd)
-            busy.append(taken)
-        rnd.append((min(pair), max(pair)))
-        taken.update(pair)
+        free = next((i for i, taken in enumerate(busy) if not taken.intersection(pair)), None)
+        if free is None:
+            free = len(rounds)
+            rounds.append([])
+            busy.append(set())
+        rounds[free].append((min(pair), max(pair)))
+        busy[free].update(pair)
     return rounds
 
 

@@ -123,7 +123,7 @@ def mpi_progress(option: str, cores_per_rank: float) -> str:
     A worker thread overlaps the all-reduce with backward only if it has a
     core to run on: on a rank with one core (or less) it busy-polls the core
     that computes, and each hand-off waits for the scheduler, so 'auto' is
-    inline there (measured in the README, Communication).
+    inline there (see benchmarks/README.md).
     """
     if option != "auto":
         return option

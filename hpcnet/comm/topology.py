@@ -322,7 +322,7 @@ def probe(comm: Any, world: World, *, budget_s: float = 3.0, sizes: tuple[int, i
         rounds = plan_rounds(nodes_ranks, intra_pairs)
         # Written, so every page is real: an untouched buffer maps to the one
         # shared zero page, stays in cache and flatters the sender (as
-        # mpi4py.bench's numpy.empty buffers do, by about 1.5x here).
+        # mpi4py.bench's numpy.empty buffers do).
         small = np.ones(small_bytes, dtype=np.uint8)
         large = np.ones(large_bytes, dtype=np.uint8)
         measured, probe_s = play_rounds(comm, rounds, small, large, budget_s=budget_s)

@@ -40,10 +40,10 @@ def import_for_training() -> None:
     """What training will import anyway, imported now: at the top of ``run``, where every rank arrives at once
     (straight from agreeing on the config), and in a warm standby before it parks.
 
-    torch.optim imports torch._dynamo on an optimizer's first add_param_group and on every ``step`` (about 2 s
-    of CPU here).  Imported in the middle of start-up, one rank imports while the others wait in a collective;
-    at 16 ranks a core those waiters spin and yield, and the import took minutes (the 32-rank default job
-    exceeded monitor.startup_timeout_s once).  Imported here, every rank pays it at once, before the first
+    torch.optim imports torch._dynamo on an optimizer's first add_param_group and on every ``step`` (seconds
+    of CPU).  Imported in the middle of start-up, one rank imports while the others wait in a collective;
+    on an oversubscribed host those waiters spin and yield, and the import can take long enough to exceed
+    monitor.startup_timeout_s.  Imported here, every rank pays it at once, before the first
     collective; and ``--help``, ``--print-config`` and a bad option answer without it.
     """
     import torch._dynamo  # noqa: F401

@@ -283,7 +283,7 @@ def to_toml(cfg: Config) -> str:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstrings written under each field of a dataclass, read from source."""
+    """The docstrings written under each field of a dataclass, read from source, each joined into one line."""
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
@@ -291,7 +291,7 @@ def field_docs(cls: type) -> dict[str, str]:
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                 and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
                 and isinstance(following.value.value, str)):
-            docs[node.target.id] = following.value.value
+            docs[node.target.id] = " ".join(following.value.value.split())  # one line, however it is wrapped
     return docs
 
 

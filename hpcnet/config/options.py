@@ -53,6 +53,8 @@ def check_durations(section: Any, prefix: str) -> None:
 
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
+    """The ``run`` section: run directory, seed and logging."""
+
     name: str = "hpcnet"
     """Run name; the run directory is ``<run.dir>/<run.name>-<timestamp>`` unless run.dir_exact is set."""
     dir: str = "runs"
@@ -79,10 +81,13 @@ class RunConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
+    """The ``model`` section: which model to train."""
+
     name: str = "resnet_tiny"
     """Built-in model: resnet18/34/50/101/152, resnet_tiny, mlp or transformer."""
     factory: str = ""
-    """Import path 'package.module:function' of your own model factory, called as fn(info, **options); overrides model.name."""
+    """Import path 'package.module:function' of your own model factory, called as fn(info, **options); overrides
+    model.name."""
     options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for the model factory, e.g. model.options.hidden=[1024,1024]."""
 
@@ -93,6 +98,8 @@ class ModelConfig:
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
+    """The ``data`` section: which dataset to train on, where it is cached, shuffling and per-rank batch sizes."""
+
     dataset: str = "synthetic-images"
     """'synthetic-images', 'synthetic-tokens', a path to an HDF5 file, or 'package.module:function'."""
     dir: str = "data"
@@ -102,7 +109,9 @@ class DataConfig:
     shuffle: bool = True
     """Reshuffle the training set every epoch (a seeded permutation)."""
     balance: str = "off"
-    """Per-rank batch sizes: 'off' (train.batch_size on every rank) or 'auto' (the global batch split in proportion to each rank's measured forward+backward speed, re-decided every data.balance_every steps; the update is the same mean over the same global batch)."""
+    """Per-rank batch sizes: 'off' (train.batch_size on every rank) or 'auto' (the global batch split in proportion to
+    each rank's measured forward+backward speed, re-decided every data.balance_every steps; the update is the same mean
+    over the same global batch)."""
     balance_every: int = 20
     """Steps per measuring window of data.balance=auto; the ranks agree on new sizes after each."""
 
@@ -117,6 +126,8 @@ class DataConfig:
 
 @dataclass(kw_only=True, slots=True)
 class OptimConfig:
+    """The ``optim`` section: optimizer and learning-rate schedule."""
+
     name: str = "sgd"
     """Optimizer: 'sgd' (with momentum) or 'adamw'."""
     lr: float = 0.05
@@ -166,6 +177,8 @@ class OptimConfig:
 
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
+    """The ``train`` section: steps, batch sizes, evaluation, threads, precision and tracing."""
+
     steps: int = 300
     """Number of optimizer steps."""
     batch_size: int = 32
@@ -181,9 +194,12 @@ class TrainConfig:
     nonfinite: str = "stop"
     """At a non-finite loss, gradient norm or state: 'stop' (status 65, never saved), 'skip' the update, or 'ignore'."""
     precision: str = "fp32"
-    """'fp32', or 'bf16': forward and loss under torch.autocast in bfloat16 (CPU and CUDA); parameters, gradients, optimizer state and checkpoints stay float32."""
+    """'fp32', or 'bf16': forward and loss under torch.autocast in bfloat16 (CPU and CUDA); parameters, gradients,
+    optimizer state and checkpoints stay float32."""
     trace_steps: str = "11:12"
-    """'START:END' (steps, inclusive): write trace.json, a Chrome/Perfetto timeline of those steps on every rank (steps, phases, collectives with bytes, checkpoint timings), clocks aligned over MPI; by default two steps after the first log line; empty: no trace."""
+    """'START:END' (steps, inclusive): write trace.json, a Chrome/Perfetto timeline of those steps on every rank (steps,
+    phases, collectives with bytes, checkpoint timings), clocks aligned over MPI; by default two steps after the first
+    log line; empty: no trace."""
     trace_ops: bool = False
     """With train.trace_steps: also torch.profiler's operator (and CUDA kernel) events in the trace."""
 
@@ -215,8 +231,12 @@ PRECISIONS = ("fp32", "bf16")
 
 @dataclass(kw_only=True, slots=True)
 class DistConfig:
+    """The ``dist`` section: backend and device, gradient buckets and compression, and parameter sharding."""
+
     backend: str = "auto"
-    """Gradient all-reduce backend: 'auto' (nccl on GPU, mpi on CPU), 'fastest' (nccl on GPU; on CPU shm or mpi, whichever sums faster at start-up: the choice may differ between runs, and so may the last bits), 'nccl', 'gloo', 'mpi' or 'shm' (CPU: buckets in node-shared memory, MPI across nodes)."""
+    """Gradient all-reduce backend: 'auto' (nccl on GPU, mpi on CPU), 'fastest' (nccl on GPU; on CPU shm or mpi,
+    whichever sums faster at start-up: the choice may differ between runs, and so may the last bits), 'nccl', 'gloo',
+    'mpi' or 'shm' (CPU: buckets in node-shared memory, MPI across nodes)."""
     device: str = "auto"
     """'auto' (cuda:<local rank> when GPUs exist, else cpu), 'cpu' or 'cuda'."""
     timeout_s: float = 600.0
@@ -224,17 +244,21 @@ class DistConfig:
     interface: str = ""
     """Network interface for the data plane (e.g. ib0); empty chooses one reachable by every rank."""
     bucket_mb: float | str = 25.0
-    """Gradient bucket size in MiB, or 'auto': from the probed latency and bandwidth, the smallest bucket whose latency is at most 5% of its all-reduce time (1-64 MiB, at most half the gradients; 25 without a probe)."""
+    """Gradient bucket size in MiB, or 'auto': from the probed latency and bandwidth, the smallest bucket whose latency
+    is at most 5% of its all-reduce time (1-64 MiB, at most half the gradients; 25 without a probe)."""
     first_bucket_mb: float = 1.0
     """Size of the first bucket (the last layers), small so communication starts early; 0 = bucket_mb."""
     hierarchical: str = "auto"
-    """Hierarchical all-reduce across nodes: 'auto' (when >1 node and the same number >1 of ranks on every node), 'on' (an error on nodes of unequal sizes) or 'off'."""
+    """Hierarchical all-reduce across nodes: 'auto' (when >1 node and the same number >1 of ranks on every node), 'on'
+    (an error on nodes of unequal sizes) or 'off'."""
     compression: str = "none"
     """Wire format of gradients: 'none', 'fp16' or 'bf16' (nccl and gloo only: on CPU set dist.backend=gloo)."""
     fallback: str = "auto"
-    """Backend to continue on when the primary fails: 'auto' (gloo for nccl/mpi, mpi for gloo), 'gloo', 'mpi', 'none'."""
+    """Backend to continue on when the primary fails: 'auto' (gloo for nccl/mpi, mpi for gloo), 'gloo', 'mpi',
+    'none'."""
     progress: str = "auto"
-    """Where the MPI transport's all-reduces run: 'thread' (a worker thread, overlapping backward), 'inline' (in the training thread, after backward: no hand-off), 'auto' (inline when a rank has fewer than 2 cores of its own)."""
+    """Where the MPI transport's all-reduces run: 'thread' (a worker thread, overlapping backward), 'inline' (in the
+    training thread, after backward: no hand-off), 'auto' (inline when a rank has fewer than 2 cores of its own)."""
     find_unused: bool = False
     """Allow parameters that get no gradient in a step (treated as zero); off makes that an error."""
     probe: bool = True
@@ -244,11 +268,17 @@ class DistConfig:
     fail_ranks: list[int] = field(default_factory=list)
     """Fault injection: the ranks on which the failure is seen; empty = every rank."""
     zero: int = 0
-    """Sharded data parallelism (ZeRO): 0 = every rank holds all optimizer state and gradients; 1 = each parameter's optimizer state on its owner rank only, parameters all-gathered after the update; 2 = also its averaged gradient (reduce-scattered to the owner)."""
+    """Sharded data parallelism (ZeRO): 0 = every rank holds all optimizer state and gradients; 1 = each parameter's
+    optimizer state on its owner rank only, parameters all-gathered after the update; 2 = also its averaged gradient
+    (reduce-scattered to the owner)."""
     plan: str = "auto"
-    """Who owns which parameter with dist.zero > 0: 'auto' (the cost model: bytes, the measured link and each rank's measured speed, so a slower rank owns less) or 'uniform' (bytes balanced, ranks taken as equal); written to plan.json."""
+    """Who owns which parameter with dist.zero > 0: 'auto' (the cost model: bytes, the measured link and each rank's
+    measured speed, so a slower rank owns less) or 'uniform' (bytes balanced, ranks taken as equal); written to
+    plan.json."""
     replan_every: int = 50
-    """With dist.zero > 0 and dist.plan=auto: every this many steps the ranks repeat the start-up speed probe, and when a rank's relative speed moved by more than 25% and the cost model's step would be more than 10% shorter, the parameters get new owners (their optimizer state moved); 0 = keep the start-up plan."""
+    """With dist.zero > 0 and dist.plan=auto: every this many steps the ranks repeat the start-up speed probe, and when
+    a rank's relative speed moved by more than 25% and the cost model's step would be more than 10% shorter, the
+    parameters get new owners (their optimizer state moved); 0 = keep the start-up plan."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "fastest", "nccl", "gloo", "mpi", "shm"):
@@ -291,16 +321,21 @@ MATMUL_PRECISIONS = ("auto", "highest", "high", "medium")
 
 @dataclass(kw_only=True, slots=True)
 class CudaConfig:
+    """The ``cuda`` section: device settings that apply on CUDA."""
+
     cudnn_benchmark: str = "auto"
     """torch.backends.cudnn.benchmark (autotuned convolutions for fixed input shapes): 'auto' (on CUDA), 'on', 'off'."""
     matmul_precision: str = "auto"
-    """torch.set_float32_matmul_precision: 'auto' ('high', TF32 matmuls, on CUDA; 'highest' elsewhere), 'highest', 'high', 'medium'."""
+    """torch.set_float32_matmul_precision: 'auto' ('high', TF32 matmuls, on CUDA; 'highest' elsewhere), 'highest',
+    'high', 'medium'."""
     channels_last: str = "auto"
-    """Models with 2-d convolutions and their 4-d inputs in channels-last memory format: 'auto' (on CUDA), 'on' (any device), 'off'."""
+    """Models with 2-d convolutions and their 4-d inputs in channels-last memory format: 'auto' (on CUDA), 'on' (any
+    device), 'off'."""
     pin_memory: str = "auto"
     """Batches copied from pinned host memory on a side CUDA stream: 'auto' (on CUDA), 'on', 'off'; CUDA only."""
     fused_optimizer: str = "auto"
-    """The fused implementation of SGD/AdamW (one kernel for all parameters): 'auto' (on CUDA), 'on' (any device), 'off'."""
+    """The fused implementation of SGD/AdamW (one kernel for all parameters): 'auto' (on CUDA), 'on' (any device),
+    'off'."""
 
     def __post_init__(self) -> None:
         for name in ("cudnn_benchmark", "channels_last", "pin_memory", "fused_optimizer"):
@@ -313,6 +348,8 @@ class CudaConfig:
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
+    """The ``checkpoint`` section: where, when and how checkpoints are saved and loaded."""
+
     dir: str = ""
     """Checkpoint directory; empty means '<run.dir>/<run.name>.ckpt', shared by every run of that name."""
     every_steps: int = 0
@@ -330,9 +367,11 @@ class CheckpointConfig:
     resume: str = ""
     """'' starts fresh, 'auto' resumes from the last committed checkpoint (fresh if none), or a checkpoint path."""
     move_aside: bool = False
-    """A fresh run into a checkpoint.dir that holds checkpoints moves them into <dir>/aside-<time>-fresh-run/ (never deletes); false refuses to start."""
+    """A fresh run into a checkpoint.dir that holds checkpoints moves them into <dir>/aside-<time>-fresh-run/ (never
+    deletes); false refuses to start."""
     timeout_s: float = 0.0
-    """Deadline of each checkpoint save, background write, wait and load; 0 = max(120 s, 10 x the last save, size at 10 MiB/s). Past it: stacks, failure.json (kind 'checkpoint'), status 75."""
+    """Deadline of each checkpoint save, background write, wait and load; 0 = max(120 s, 10 x the last save, size at 10
+    MiB/s). Past it: stacks, failure.json (kind 'checkpoint'), status 75."""
 
     def __post_init__(self) -> None:
         for name in ("every_steps", "keep", "full_every"):
@@ -349,6 +388,8 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True, slots=True)
 class MonitorConfig:
+    """The ``monitor`` section: heartbeats, stall and desync detection, and the memory watch."""
+
     enabled: bool = True
     """Heartbeats, stall/desync detection and the memory watch (see README, Failure detection)."""
     heartbeat_interval_s: float = 2.0
@@ -356,11 +397,14 @@ class MonitorConfig:
     heartbeat_misses: int = 3
     """A rank that misses this many heartbeats in a row is declared failed."""
     stall_timeout_s: float = 0.0
-    """A collective running longer than this is a stall; 0 derives it from the observed step time (see stall_floor_s)."""
+    """A collective running longer than this is a stall; 0 derives it from the observed step time (see
+    stall_floor_s)."""
     stall_floor_s: float = 30.0
-    """The smallest stall timeout when it is derived from the step time, times the host's ranks per core where it has more ranks than cores."""
+    """The smallest stall timeout when it is derived from the step time, times the host's ranks per core where it has
+    more ranks than cores."""
     startup_timeout_s: float = 600.0
-    """Start-up (from the monitor's start to the first step, checkpoint loads not counted) must end within this; past it: stacks, failure.json (kind 'startup'), status 75."""
+    """Start-up (from the monitor's start to the first step, checkpoint loads not counted) must end within this; past
+    it: stacks, failure.json (kind 'startup'), status 75."""
     memory_every_steps: int = 50
     """Sample resident memory (and GPU memory) every this many steps; 0 disables the leak watch."""
     memory_window: int = 10
@@ -392,6 +436,8 @@ class MonitorConfig:
 
 @dataclass(kw_only=True, slots=True)
 class FaultConfig:
+    """The ``fault`` section: fault injection for testing recovery."""
+
     kill_at_step: int = 0
     """Fault injection: SIGKILL the chosen rank when it reaches this step (0 = never)."""
     hang_at_step: int = 0
@@ -403,21 +449,27 @@ class FaultConfig:
     slow_s: float = 0.0
     """Fault injection: the chosen rank sleeps this long in every step (a straggler)."""
     slow_per_sample_s: float = 0.0
-    """Fault injection: the chosen rank's forward sleeps this long per sample of its micro-batch (a slower device: what data.balance=auto can even out)."""
+    """Fault injection: the chosen rank's forward sleeps this long per sample of its micro-batch (a slower device: what
+    data.balance=auto can even out)."""
     corrupt_checkpoint: bool = False
     """Fault injection: corrupt the newest committed checkpoint before resuming."""
     fill_disk_at_step: int = 0
     """Fault injection: checkpoint writes from this step on fail with ENOSPC (a full file system)."""
     write_error: str = ""
-    """Fault injection: the chosen rank's checkpoint writes fail inside the write with 'ENOSPC', 'EDQUOT' or 'EIO'; 'fill' fills the checkpoint file system for real (a file fill-disk.fault in checkpoint.dir, left there) in the save, before its space is allocated, so that even the file's close cannot write."""
+    """Fault injection: the chosen rank's checkpoint writes fail inside the write with 'ENOSPC', 'EDQUOT' or 'EIO';
+    'fill' fills the checkpoint file system for real (a file fill-disk.fault in checkpoint.dir, left there) in the save,
+    before its space is allocated, so that even the file's close cannot write."""
     write_error_at_step: int = 1
     """The first step whose save fault.write_error hits."""
     slow_save_s: float = 0.0
-    """Fault injection: the chosen rank's checkpoint save sleeps this long before every collective file create (a slow peer)."""
+    """Fault injection: the chosen rank's checkpoint save sleeps this long before every collective file create (a slow
+    peer)."""
     stuck_save_at_step: int = 0
-    """Fault injection: in the save of this step, the chosen rank's save blocks for good (GIL released, as in a stuck write)."""
+    """Fault injection: in the save of this step, the chosen rank's save blocks for good (GIL released, as in a stuck
+    write)."""
     stuck_fs_at_step: int = 0
-    """Fault injection: in the save of this step, every rank's save blocks for good in the collective create, holding the GIL (a stuck file system)."""
+    """Fault injection: in the save of this step, every rank's save blocks for good in the collective create, holding
+    the GIL (a stuck file system)."""
     rank: int = -1
     """The rank the fault hits; -1 = the last rank."""
     only_attempt: int = 0
@@ -443,6 +495,8 @@ class FaultConfig:
 
 @dataclass(kw_only=True, slots=True)
 class Config:
+    """Every option of a run, one dataclass per section."""
+
     run: RunConfig = field(default_factory=RunConfig)
     """Run directory, seed and logging."""
     model: ModelConfig = field(default_factory=ModelConfig)

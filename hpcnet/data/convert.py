@@ -31,9 +31,8 @@ from hpcnet.errors import DatasetError
 
 CHUNK_BYTES = 16 << 10
 """Target size of one HDF5 chunk of a converted file. The trainer reads a batch as random single rows,
-so every row read touches one chunk, and HDF5 reads a whole chunk that fits its 1 MiB chunk cache: with
-128 random rows of 12 KiB (or 512 B), 16 KiB chunks read in 9-12 ms (21 ms), 1 MiB chunks in 33-43 ms
-(52-104 ms), measured here on a loaded 2-core machine with the file in the page cache."""
+so every row read touches one chunk, and HDF5 reads a whole chunk that fits its 1 MiB chunk cache: small
+chunks make a batch of random rows read several times faster than chunks of a whole cache's size."""
 BLOCK_BYTES = 32 << 20
 """About how many bytes of input rows are converted at a time: bounds the memory a conversion uses."""
 PROGRESS_INTERVAL_S = 5.0

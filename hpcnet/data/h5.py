@@ -253,7 +253,7 @@ class H5Split:
                 raise IndexError(f"{self.path}: row index out of range [0, {len(self)}) in '/{self.split}'")
             rows, order = np.unique(indices, return_inverse=True)
             # One slice per run of consecutive rows (a contiguous range is one read): h5py's
-            # fancy indexing took 4-5x longer for 256 random rows here (HDF5 1.10).
+            # fancy indexing is several times slower for a batch of random rows.
             cut = np.flatnonzero(np.diff(rows) != 1) + 1
             runs = list(zip(rows[np.concatenate(([0], cut))], rows[np.concatenate((cut - 1, [-1]))] + 1))
             inputs = np.concatenate([self._inputs[lo:hi] for lo, hi in runs])

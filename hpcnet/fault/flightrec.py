@@ -116,7 +116,7 @@ class FlightRecorder:
         """time.monotonic() at which every rank was last known to be alive: the start here of the
         ``EVERY_RANK_OPS`` collective before the latest one that ended.  That one ended, so every rank had
         entered it, having finished the one before; which no rank could finish before this one entered it.
-        Heartbeats may be late on a starved host (16 ranks a core) while the job demonstrably progresses."""
+        Heartbeats may be late on a starved host (many ranks a core) while the job demonstrably progresses."""
         self._done_start: float | None = None
 
     def start(self, op: str, bucket: int = -1, nbytes: int = 0) -> int:
@@ -213,10 +213,9 @@ def oversubscription(ranks_on_host: int, cores: int) -> float:
 
     On a host with more ranks than cores every collective waits for ranks that
     the scheduler has not run yet, and Open MPI's busy-polling waits take the
-    cores from the ranks still computing: measured with the default job at 32
-    ranks on 2 cores (16 per core), a 0.9 MiB all-reduce that takes 0.2 s took
-    17.9 s once, and another over 30 s, while every rank was alive and in it.
-    The stall floor is scaled by this factor there.
+    cores from the ranks still computing: an all-reduce can then take many
+    times its usual time while every rank is alive and in it.  The stall floor
+    is scaled by this factor there.
     """
     return max(1.0, ranks_on_host / max(1, cores))
 

@@ -282,7 +282,7 @@ class HeartbeatLink:
         this rank still sends its goodbye beat, and a message that arrives
         for a freed communicator is delivered by Open MPI to the next one
         that reuses its context id, out of sequence, where it shadows a real
-        message (seen here: a stall answer lost in the next monitor).  One
+        message (a stall answer lost in the next monitor).  One
         idle communicator per monitor, with a few unread beats, is the cost.
         """
         self.closed = True

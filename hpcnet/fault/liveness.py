@@ -2,9 +2,8 @@
 
 On a node with more ranks than cores (or a busy one) a healthy rank's monitor
 thread can wait seconds for a CPU, or for the GIL that a runnable thread of
-its own holds, and miss its beats. Heartbeats alone would declare it dead
-(measured: 1 false death in 12 runs of the default job at 32 ranks on 2
-cores). For a silent rank on its own host a watcher therefore looks at the
+its own holds, and miss its beats, and heartbeats alone would declare it
+dead. For a silent rank on its own host a watcher therefore looks at the
 rank's threads first:
 
 - the process is gone (or another process has its pid), or a thread is
@@ -16,15 +15,16 @@ rank's threads first:
 - its monitor thread waits on a futex and no other thread runs (every thread
   blocked): failed, as heartbeats say, unless the process used CPU time in
   the last ``idle_s`` (one heartbeat deadline):
-  a thread state is one instant, and at 16 ranks a core a healthy rank was
-  seen with every thread asleep or waiting on a lock at the moment of the
-  look (1 false death in 15 runs of the default job at 32 ranks on 2 cores);
+  a thread state is one instant, and on an oversubscribed host a healthy
+  rank can have every thread asleep or waiting on a lock at the moment of
+  the look;
   a deadlocked process uses none;
 - otherwise (its monitor thread asleep, or none): failed.
 
 Ranks on other hosts are judged by heartbeats alone.
 """
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -40,25 +40,25 @@ MONITOR_THREAD_NAME = b"hpcnet-monitor"
 _PR_SET_NAME = 15
 BUSY_TICKS = 2
 """CPU clock ticks (10 ms each) that count as running: a deadlocked process's threads wake for microseconds
-(a GIL wait times out every 5 ms), a starved one at 16 ranks a core gets about 20 ticks in 6 s."""
+(a GIL wait times out every 5 ms), a starved one still gets many more over a heartbeat deadline."""
 
 LOOKS = 5
 LOOK_GAP_S = 0.02
 """A rank that looks blocked is looked at ``LOOKS`` times this far apart (0.08 s in all, only for a silent rank past
-its deadline) before it is declared failed: at 16 ranks a core a healthy rank's monitor thread was seen asleep with no
-known ``wchan`` ('S', '0') while its main thread waited in ``mmap`` ('D'), 124 s into a start-up that imports torch."""
+its deadline) before it is declared failed: on an oversubscribed host a healthy rank's monitor thread can be asleep
+with no known ``wchan`` ('S', '0') for an instant while its main thread waits in ``mmap`` ('D'), as in a start-up that
+imports torch."""
 
 
 def name_this_thread(name: bytes = MONITOR_THREAD_NAME) -> None:
     """Give the calling thread its OS name (Linux ``prctl``; elsewhere nothing happens)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 def start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22): with the pid, its identity."""
+    """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22): with the pid, its
+    identity."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -68,6 +68,8 @@ def start_time(pid: int) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class ThreadState:
+    """One thread of a process, from ``/proc``: its name, scheduler state and wait channel."""
+
     name: str
     state: str
     """``R`` runnable, ``S`` sleeping, ``D`` in I/O, ``T``/``t`` stopped, ``Z``/``X`` dead."""

@@ -2,7 +2,7 @@
 
 Why a second, native line of defence.  h5py holds the GIL inside a
 collective file create (``H5Fcreate`` with the MPI-IO driver; writes, flushes
-and closes release it, measured here), and a rank whose writer waits there
+and closes release it), and a rank whose writer waits there
 for a stuck file system never gives it back: no Python code runs in that
 process again, its monitor thread included.  The ranks that wait for it
 inside the same call are frozen the same way, so on a stuck file system

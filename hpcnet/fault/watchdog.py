@@ -1,4 +1,5 @@
-"""Deadlines on the blocking waits that are not collectives (the last resort that needs no Python: ``hpcnet.fault.native``).
+"""Deadlines on the blocking waits that are not collectives (the last resort that needs no Python:
+``hpcnet.fault.native``).
 
 The flight recorder times the training loop's collectives (``hpcnet.fault.flightrec``);
 the other waits a job can hang in are guarded here, each with a deadline:

@@ -60,9 +60,8 @@ def launcher_env(environ: dict[str, str], openmpi: bool) -> dict[str, str]:
     When a rank dies (or the monitor calls MPI_Abort), mpirun sends the other
     ranks SIGTERM and, ``odls_base_sigkill_timeout`` (1 s) later, SIGKILL.
     hpcnet's ranks cannot use that second: they are blocked in a collective
-    with the dead rank, and a checkpoint in flight needs it too.  Measured
-    here: kill -9 of one of 2 ranks -> mpirun exits after 2.0 s with the
-    default, 0.03 s with 0.  A value the user set is kept.
+    with the dead rank, and a checkpoint in flight needs it too; with 0,
+    mpirun exits as soon as the ranks are gone.  A value the user set is kept.
     """
     env = dict(environ)
     if openmpi:

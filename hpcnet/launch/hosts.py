@@ -1,4 +1,5 @@
-"""Host lists and leaving failed hosts out (pure): SLURM's compressed lists, mpirun's --host and hostfiles, srun's --exclude.
+"""Host lists and leaving failed hosts out (pure): SLURM's compressed lists, mpirun's --host and hostfiles,
+srun's --exclude.
 
 ``--exclude-failed-hosts`` (the README's "Automatic restart") needs an
 allocation with room to spare: ``-np`` is kept.

@@ -41,8 +41,9 @@ def standby_dir() -> Path | None:
 
 
 def _preimport(argv: list[str]) -> None:
-    """Import what training imports at its start (``hpcnet.config.importing.import_for_training``) and the configured model
-    and dataset factories' modules (best effort: a bad config is reported by the run itself, after the release)."""
+    """Import what training imports at its start (``hpcnet.config.importing.import_for_training``) and the configured
+    model and dataset factories' modules (best effort: a bad config is reported by the run itself, after the
+    release)."""
     with contextlib.suppress(Exception):
         from hpcnet.config.importing import import_for_training
 

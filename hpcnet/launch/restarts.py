@@ -72,7 +72,8 @@ def backoff_s(restart: int, base_s: float, cap_s: float) -> float:
 
 @dataclass(slots=True)
 class RestartBudget:
-    """At most ``max_restarts`` restarts in a row without progress; an attempt that committed a checkpoint resets the count."""
+    """At most ``max_restarts`` restarts in a row without progress; an attempt that committed a checkpoint resets the
+    count."""
 
     max_restarts: int
     used: int = 0

@@ -31,8 +31,8 @@ from hpcnet.launch.hosts import MPIRUN_HOSTFILE_OPTIONS
 
 TRIGGER = re.compile(r"^step\s+\d+/\d+ \|")
 """The attempt's first step line (rank 0's log): its start-up, imports, checkpoint load and first steps, is over,
-and the standby starts then, so the two do not compete for the CPU (measured here: started at the earlier
-``gradients:`` line, the standby's imports doubled the load and first step of the attempt it was made beside)."""
+and the standby starts then, so the two do not compete for the CPU (started at the earlier ``gradients:`` line,
+the standby's imports slow down the load and first step of the attempt it is made beside)."""
 TRIGGER_TIMEOUT_S = 60.0
 """... or this long after the attempt started, whichever comes first."""
 PARK_WAIT_S = 60.0

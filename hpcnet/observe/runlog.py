@@ -213,5 +213,5 @@ def strict_json(value: Any) -> Any:
 
 def format_duration(seconds: float) -> str:
     """``3725.2`` -> ``'1:02:05'``."""
-    seconds = max(0, int(round(seconds)))
+    seconds = max(0, round(seconds))
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"

@@ -22,7 +22,7 @@ def _num(value: Any, spec: str = ".4f", suffix: str = "") -> str:
 
 
 def _duration(seconds: float) -> str:
-    seconds = max(0, int(round(seconds)))
+    seconds = max(0, round(seconds))
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 

@@ -14,7 +14,7 @@ handle whose ``wait`` finishes it.  Four kinds:
   ``Iallreduce``); ``inline``: in the caller (the reducer's ``finish``), for a rank
   with no core to spare for a worker: the hand-off to a thread and back, and
   a busy-polling thread on the core that computes, cost more than the overlap
-  gains there (measured in the README, Communication).
+  gains there (see benchmarks/README.md).
 - ``ShmTransport`` (``shm``): buckets in a node-shared MPI
   window, each rank summing its slice of them; MPI across nodes.
 - ``HierarchicalTransport``: reduce-scatter inside the node, all-reduce of

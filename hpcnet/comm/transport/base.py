@@ -21,11 +21,15 @@ class CommFailure(RuntimeError):
 
 
 class Handle(Protocol):
+    """An all-reduce in flight, as a transport's ``start`` returns it."""
+
     def wait(self, timeout_s: float) -> None:
         """Finish the operation; raise CommFailure after ``timeout_s`` seconds."""
 
 
 class Transport(Protocol):
+    """What the data plane needs of a transport: start an in-place all-reduce of a flat tensor, and close."""
+
     name: str
     synchronous: bool
     """``start`` returns after the collective finished (its handle only reports the outcome)."""
@@ -60,6 +64,8 @@ def as_comm_failure(exc: BaseException) -> CommFailure:
 
 
 class FutureHandle:
+    """A handle over a ``concurrent.futures.Future`` (an all-reduce run on a worker thread)."""
+
     def __init__(self, future: concurrent.futures.Future) -> None:
         self.future = future
 
