@@ -7,7 +7,7 @@ import re
 
 
 class ExitCode(enum.IntEnum):
-    """Exit statuses of ``python -m hpcnet.train``; documented in the README.
+    """Exit statuses of ``python -m hpcnet.train``; documented in docs/fault-tolerance.md.
 
     A supervisor or job script decides from these whether a restart can help.
     """
@@ -97,7 +97,7 @@ def os_error(code: int | None, message: str) -> OSError:
 
 
 def exit_code_of(error: BaseException) -> int:
-    """The documented exit status for an exception (see ``ExitCode`` and the README)."""
+    """The documented exit status for an exception (see ``ExitCode`` and docs/fault-tolerance.md)."""
     if isinstance(error, KeyboardInterrupt):
         return ExitCode.INTERRUPTED
     code = errno_of(error)

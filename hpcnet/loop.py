@@ -1,5 +1,5 @@
 """The training loop: one optimizer step per iteration, progress logs, evaluation, and the step boundary at
-which every rank agrees on stopping, saving and non-finite values (README: Non-finite loss, Checkpoints)."""
+which every rank agrees on stopping, saving and non-finite values (docs/fault-tolerance.md, docs/checkpoints.md)."""
 
 import contextlib
 import logging

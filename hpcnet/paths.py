@@ -1,9 +1,9 @@
 """Where a run's files go and what they are called, and the environment variables hpcnet reads.
 
 The one home of the names that the trainer, the checkpoint store, the monitor
-and the restart supervisor must agree on (the README's "Run directory" and
-"Checkpoints" sections describe what the files hold).  Torch-free and
-dependency-free: ``hpcnet.launch`` imports it.
+and the restart supervisor must agree on (docs/outputs.md and docs/checkpoints.md
+describe what the files hold).  Torch-free and dependency-free: ``hpcnet.launch``
+imports it.
 """
 
 import re

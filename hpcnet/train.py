@@ -44,7 +44,14 @@ from hpcnet.comm.topology import probe, recommend
 from hpcnet.comm.world import World, choose_device, cpu_threads, discover
 from hpcnet.config import Config
 from hpcnet.config.importing import import_for_training
-from hpcnet.config.load import check_same_config, config_reference, describe_options, load_config, parse_command_line, to_toml
+from hpcnet.config.load import (
+    check_same_config,
+    config_reference,
+    describe_options,
+    load_config,
+    parse_command_line,
+    to_toml,
+)
 from hpcnet.data.balance import Balancer
 from hpcnet.data.loader import BatchLoader, open_dataset
 from hpcnet.data.sampler import GlobalBatchSampler

@@ -21,7 +21,7 @@
 #   HPCNET_MAX_RESTARTS  restarts inside the allocation by hpcnet.launch (default 2)
 #   HPCNET_MAX_REQUEUES  requeues of the job (default 10)
 #   HPCNET_LAUNCH_ARGS   more options for hpcnet.launch, split at spaces, e.g.
-#                        "--standby off --exclude-failed-hosts" (README: Automatic restart)
+#                        "--standby off --exclude-failed-hosts" (docs/fault-tolerance.md)
 #   HPCNET_RUN_DIR       run directory parent (default runs/<job id>, relative to the
 #                        job's working directory, the submission directory by default)
 #   HPCNET_ROOT          the hpcnet repository (default: the submission directory)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks, on a machine with one or more GPUs and a CUDA build of torch
-# in the environment (see README: Installing for GPUs).  Under 10 minutes:
+# in the environment (see README.md, Quick start).  Under 10 minutes:
 #   1. the default training job on CUDA (one rank per GPU), NCCL bootstrapped
 #      from MPI, and its device settings (cuda.*) as logged;
 #   2. bench allreduce on NCCL (hpcnet's transport and reducer against raw
@@ -17,7 +17,7 @@ python - <<'EOF' | tee "$out/devices.txt"
 import torch
 if not torch.cuda.is_available():
     raise SystemExit(f"gpu-check: no CUDA device visible to torch {torch.__version__} "
-                     f"(a CPU build? see README: Installing for GPUs)")
+                     f"(a CPU build? see README.md, Quick start)")
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
 for i in range(torch.cuda.device_count()):
     p = torch.cuda.get_device_properties(i)

@@ -8,7 +8,7 @@
 #   HPCNET_VENV      where the virtual environment lives (default: <repo>/.venv)
 #   HPCNET_PYTHON    the interpreter that creates it (default: python3, >= 3.11)
 #   HPCNET_TORCH     the torch requirement (default: torch==2.13.0, a CPU build;
-#                    on GPU clusters see the README, "Installing for GPUs")
+#                    on GPU clusters see README.md, Quick start)
 #   HDF5_DIR         a parallel HDF5 install to build h5py against (HPC modules)
 set -euo pipefail
 
@@ -101,7 +101,7 @@ if ! h5py_is_mpi; then
         pip uninstall -y h5py >/dev/null 2>&1 || true
         pip install --no-cache-dir --no-binary=h5py --no-build-isolation h5py
     fi
-    h5py_is_mpi || die "h5py.get_config().mpi is False after building against parallel HDF5; see the README, 'Set-up problems'"
+    h5py_is_mpi || die "h5py.get_config().mpi is False after building against parallel HDF5; see README.md, Quick start"
 fi
 
 # --- 4. hpcnet itself (editable), the test tools and the report's matplotlib --

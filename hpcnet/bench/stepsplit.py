@@ -1,5 +1,5 @@
 """The instrumented block of ``bench train``: a training step's time split into compute, exposed communication
-and optimizer, and how much of hpcnet's communication hides behind backward (README, Benchmarks).
+and optimizer, and how much of hpcnet's communication hides behind backward (benchmarks/README.md).
 """
 
 import contextlib

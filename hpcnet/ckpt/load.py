@@ -3,7 +3,7 @@
 Rank 0 lists the directory and chooses the candidates (``Choice``); every
 rank checks it sees the same committed files, then all read the first
 candidate whose chain verifies (``hpcnet.ckpt.read``).  Damage is a reason to
-try an older checkpoint, an I/O error is not (README: Checkpoints, resume rules).
+try an older checkpoint, an I/O error is not (docs/checkpoints.md).
 """
 
 import logging

@@ -1,4 +1,4 @@
-"""The checkpoint manager: save, list and load one directory's checkpoints, collectively (README: Checkpoints).
+"""The checkpoint manager: save, list and load one directory's checkpoints, collectively (docs/checkpoints.md).
 
 It decides full or incremental saves, snapshots this rank's share of the
 tensors, writes it (``hpcnet.ckpt.write``), and settles the directory on a fresh

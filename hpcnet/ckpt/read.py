@@ -6,7 +6,7 @@ tensor one rank wants (a sharded optimizer's state, ``dist.zero``) is read by
 that rank alone, so no rank ever holds the others' shards, and the rest are
 cut into one contiguous stretch of the file per rank (``plan_reads``).  Each
 rank reads and verifies its stretch, and the ranks then exchange the pieces
-(README: Checkpoints).  Failures are classified (damage, I/O error, memory)
+(docs/checkpoints.md).  Failures are classified (damage, I/O error, memory)
 and agreed, so every rank raises alike.
 """
 

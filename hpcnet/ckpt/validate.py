@@ -3,7 +3,7 @@
 Every file a listing, a load or the tool opens may be damaged or crafted: the
 root attributes, the links, each dataset's layout and size, and the JSON
 tables are validated here, in one place, so each reader trusts only what
-passed (README: Checkpoints).  Torch-free.
+passed (docs/checkpoints.md).  Torch-free.
 """
 
 import json

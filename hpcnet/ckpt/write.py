@@ -15,7 +15,7 @@ most.
 A checkpoint is written as ``ckpt-<step>.h5.<token>.tmp`` and committed by a rename
 on rank 0 once every rank's write succeeded; every error is shared
 (``hpcnet.agree``), so a save fails on every rank alike and leaves no
-half-written file under a committed name (README: Checkpoints).
+half-written file under a committed name (docs/checkpoints.md).
 """
 
 import errno

@@ -10,7 +10,7 @@ on the other interfaces.  The address and port travel to the other ranks
 over MPI.  ``MASTER_ADDR``/``MASTER_PORT`` win when the user sets them.
 
 The store has no authentication: whoever reaches its address and port can
-read and write its keys (see the README, Communication).
+read and write its keys (docs/communication.md).
 """
 
 import contextlib

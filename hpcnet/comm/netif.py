@@ -2,7 +2,7 @@
 (``/sys/class/infiniband``).
 
 The bootstrap picks the rendezvous/NCCL/gloo interface from ``interfaces()``; the topology probe reports
-the same list (README, Communication and Topology).
+the same list (docs/communication.md, docs/topology.md).
 """
 
 import fcntl

@@ -1,7 +1,7 @@
 """The topology probe's ping-pong: which rank pairs meet in which round (pure), and the timing of one pair.
 
 Pairs are played in rounds of a round-robin tournament so disjoint pairs run at the same time; each round
-has a time slot, so the whole probe takes about its budget at any size (README, Topology).
+has a time slot, so the whole probe takes about its budget at any size (docs/topology.md).
 """
 
 import statistics

@@ -2,7 +2,7 @@
 
 A pure function of the ``dist`` options, the device and the job's layout (``plan_transport``), decided once
 per job before the topology probe and the rendezvous (``decide_plan``), so an impossible choice stops every
-rank before anything is set up.  The choices are described in the README, Communication.
+rank before anything is set up.  The choices are described in docs/communication.md.
 """
 
 import logging

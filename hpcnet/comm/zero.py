@@ -1,5 +1,5 @@
 """ZeRO-style sharded data parallelism (``dist.zero``): each parameter's optimizer state, and at stage 2 its
-averaged gradient, lives on one owner rank only (README: Memory: sharded data parallelism).
+averaged gradient, lives on one owner rank only (docs/memory.md).
 
 - **What is owned** (``ShardLayout``): the units of ownership are the trainable parameters, except that a
   parameter larger than a quarter of a rank's even share is cut into row ranges (``split_units``), so one huge

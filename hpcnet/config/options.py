@@ -391,7 +391,7 @@ class MonitorConfig:
     """The ``monitor`` section: heartbeats, stall and desync detection, and the memory watch."""
 
     enabled: bool = True
-    """Heartbeats, stall/desync detection and the memory watch (see README, Failure detection)."""
+    """Heartbeats, stall/desync detection and the memory watch (see docs/fault-tolerance.md)."""
     heartbeat_interval_s: float = 2.0
     """Every rank sends a heartbeat this often (a background thread on its own communicator)."""
     heartbeat_misses: int = 3

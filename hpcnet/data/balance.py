@@ -6,7 +6,7 @@ others), and every ``data.balance_every`` steps the ranks exchange their time pe
 global batches in proportion to their speeds; the global batch, the data order and the update stay the same:
 rank ``r``'s gradient is weighted by ``b_r / G`` instead of ``1 / N`` (``Reducer.set_share``), so the sum is
 the mean over the same ``G`` samples. The sizes are kept in the checkpoint's sampler state, so a resumed run
-goes on with them (README: Heterogeneous ranks).
+goes on with them (docs/data.md).
 
 ``balanced_sizes`` and ``predicted_step_s`` are pure and tested on one process; ``Balancer`` is collective.
 """

@@ -10,7 +10,7 @@ and CRC-32 are checked against the archive: ``hpcnet.data.arrays``), so memory s
 written through ``hpcnet.data.h5`` (the format's one home) to a temporary name that is renamed into
 place only when everything succeeded. Every bad input raises ``DatasetError`` naming the file, the
 member, the array or the option; the command line prints it on one line and exits with status 2.
-README: Datasets."""
+docs/data.md."""
 
 import argparse
 import dataclasses
@@ -328,7 +328,7 @@ def add_convert_command(commands: Any) -> None:
     """
     cmd = commands.add_parser(
         "convert", help="convert .npz/.npy arrays into an hpcnet dataset file",
-        description="Convert your arrays into an hpcnet HDF5 dataset file (README: Datasets). Give "
+        description="Convert your arrays into an hpcnet HDF5 dataset file (docs/data.md). Give "
                     "--npz with --inputs and --targets, or --inputs-npy and --targets-npy.")
     src = cmd.add_argument_group("the data")
     src.add_argument("--npz", type=Path, help="an .npz archive (np.savez) holding the arrays")

@@ -2,7 +2,7 @@
 and reads rows by index; ``atomic_h5``, ``set_root_attributes`` and ``create_split`` write one.
 
 Every rank opens its own handle with serial h5py and reads only its rows, so no parallel HDF5 is
-needed to train. The file layout is in the README (Datasets); ``hpcnet.data.synthetic`` (generated
+needed to train. The file layout is in docs/data.md; ``hpcnet.data.synthetic`` (generated
 sets) and ``hpcnet.data.convert`` (the user's arrays) write it. Torch is imported only to read, so the
 writers' command lines start without it.
 """
@@ -111,7 +111,7 @@ def _attribute(f: h5py.File, path: Path, name: str) -> Any:
     value = f.attrs[name]
     if isinstance(value, bytes):
         value = value.decode(errors="replace")
-    if isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.shape == ()):
+    if isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.shape ==):
         value = value.item()  # numpy 2 reprs scalars as np.int64(0): unreadable in a message
     return value
 

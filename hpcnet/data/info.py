@@ -2,7 +2,7 @@
 trainer reads from, the file format's version and split names, and the integer checks the data modules share.
 
 Torch-free at import (the generator CLI uses it); models import ``DatasetInfo`` from here. The file
-format is described in the README (Datasets).
+format is described in docs/data.md.
 """
 
 from dataclasses import dataclass

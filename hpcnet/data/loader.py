@@ -2,7 +2,7 @@
 (a built-in synthetic set, an HDF5 file, or a user factory) and shares a failure on any rank with all;
 ``BatchLoader`` reads the next batch in a background thread while the current step computes.
 
-The choices are in the README (Datasets, Your own model and dataset).
+The choices are in docs/data.md.
 """
 
 import concurrent.futures

@@ -2,8 +2,7 @@
 
 Data order does not depend on the number of ranks: one seeded permutation per epoch is cut into global
 batches and each rank takes its slice, so N ranks with batch B see exactly the batches one rank with
-N*B sees; the position is kept in samples, so a run resumes at any world or batch size (README:
-Resuming at another world size or batch size). Pure: no communication, no files.
+N*B sees; the position is kept in samples, so a run resumes at any world or batch size (docs/data.md). Pure: no communication, no files.
 """
 
 from typing import Any

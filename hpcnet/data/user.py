@@ -2,7 +2,7 @@
 
 The function returns a map-style torch ``Dataset`` (adapted by ``TorchDatasetSplit``) or an object with
 ``info``, ``__len__`` and ``read(indices)`` (used as is); both are checked by reading their first sample.
-See the README (Your own model and dataset).
+See docs/data.md.
 """
 
 from typing import Any

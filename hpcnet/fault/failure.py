@@ -1,7 +1,7 @@
 """What a rank that detected a failure writes: the report (``failure.json``), its stacks dump, the stacks signal.
 
-The reports are pure functions of what the monitor saw; the README ("Failure
-detection") lists their fields.  A hung rank's own stacks: each rank registers
+The reports are pure functions of what the monitor saw; docs/fault-tolerance.md
+lists their fields.  A hung rank's own stacks: each rank registers
 ``faulthandler`` for ``DUMP_SIGNAL`` (SIGRTMIN+4), which prints every thread's
 stack to stderr from a C signal handler, so it works even when a thread holds
 the GIL in C code (the case where the monitor thread itself cannot run).  The

@@ -6,8 +6,7 @@ predecessors (``hpcnet.fault.heartbeat``), compares their positions with its
 own flight recorder (``hpcnet.fault.flightrec``: desyncs), watches its oldest
 unfinished collective (stalls) and its guarded waits
 (``hpcnet.fault.watchdog``: checkpoint I/O, start-up).  What it declares, how
-the ranks agree on who reports, and what ``failure.json`` says: the README,
-"Failure detection".
+the ranks agree on who reports, and what ``failure.json`` says: docs/fault-tolerance.md.
 
 Why abort and not a clean exit: when a rank hangs, the others are usually
 blocked inside a collective waiting for it.  No Python code runs on those

@@ -2,7 +2,7 @@
 
 Every attempt runs the user's command with its run and checkpoint directories
 pinned, ``--resume auto`` from the second attempt on, the attempt number
-in ``HPCNET_ATTEMPT`` (the README's "Automatic restart" says why) and, for
+in ``HPCNET_ATTEMPT`` (docs/fault-tolerance.md says why) and, for
 hpcnet.train, where its ranks report that they handle stop signals in
 ``HPCNET_READY`` (``hpcnet.launch.stop``).
 """

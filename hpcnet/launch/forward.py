@@ -1,4 +1,4 @@
-"""Stop signals in the supervisor (README: Automatic restart, "Signals"): passed on to the job when its ranks can
+"""Stop signals in the supervisor (docs/fault-tolerance.md, "Signals"): passed on to the job when its ranks can
 take them, and the status of a job that one ended before any attempt could.
 
 SIGTERM, SIGUSR2, SIGINT and SIGHUP end the restarts whenever they come. ``python -m hpcnet.launch`` blocks them

@@ -1,7 +1,7 @@
 """Host lists and leaving failed hosts out (pure): SLURM's compressed lists, mpirun's --host and hostfiles,
 srun's --exclude.
 
-``--exclude-failed-hosts`` (the README's "Automatic restart") needs an
+``--exclude-failed-hosts`` (docs/fault-tolerance.md) needs an
 allocation with room to spare: ``-np`` is kept.
 """
 

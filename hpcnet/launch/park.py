@@ -1,4 +1,4 @@
-"""The rank side of a warm standby (README: Automatic restart): park before MPI initialisation until released.
+"""The rank side of a warm standby (docs/fault-tolerance.md): park before MPI initialisation until released.
 
 ``hpcnet.launch`` starts the next attempt's processes while the current one runs, with ``HPCNET_STANDBY`` set
 to a directory. Each rank imports what a start needs (torch, torch.optim, h5py, hpcnet, the configured model and

@@ -1,4 +1,4 @@
-"""Warm standby, the supervisor's side (README: Automatic restart): when to start one, what makes one stale, how to
+"""Warm standby, the supervisor's side (docs/fault-tolerance.md): when to start one, what makes one stale, how to
 tell that its ranks are parked. The ranks' side is ``hpcnet.launch.park``; the process handling is in
 ``hpcnet.launch.supervisor``.
 

@@ -1,4 +1,4 @@
-"""Stop signals in a rank of ``hpcnet.train``, from its first line to its exit (README: Exit statuses).
+"""Stop signals in a rank of ``hpcnet.train``, from its first line to its exit (docs/fault-tolerance.md).
 
 SIGTERM and SIGUSR2 (preemption, ``scancel``, ``hpcnet.launch`` passing on its own) and SIGINT (Ctrl-C) ask the
 run to save and stop at the next step boundary.  Their default action ends the process, so a signal that comes

@@ -19,7 +19,7 @@ its own), stop signals forwarded (``hpcnet.launch.forward``: whenever one
 comes, no attempt starts after it), and ``launch.json`` written.
 What each attempt runs is ``hpcnet.launch.command``; whether to run another,
 ``hpcnet.launch.restarts``; which hosts to leave out, ``hpcnet.launch.hosts``.
-The README ("Automatic restart") describes the behaviour and the exit status.
+docs/fault-tolerance.md describes the behaviour and the exit status.
 """
 
 import argparse

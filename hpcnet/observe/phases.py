@@ -1,4 +1,4 @@
-"""Where each step's time goes on this rank: a clock that the loop marks at phase boundaries (README: What a run
+"""Where each step's time goes on this rank: a clock that the loop marks at phase boundaries (docs/outputs.md
 writes).
 
 A step runs from one ``start_step`` to the next and is cut by ``mark(phase)`` calls into consecutive pieces, each

@@ -1,5 +1,5 @@
 """Step-time statistics, defined once: the seed's "latency jitter" and the straggler figures that ``summary.json``,
-``bench architectures`` and ``python -m hpcnet.report`` print (README: What a run writes). Pure Python.
+``bench architectures`` and ``python -m hpcnet.report`` print (docs/outputs.md). Pure Python.
 
 - **jitter** (the seed's "±x%"): half the p5-p95 range of step times over their median,
   ``100 * (p95 - p5) / (2 * p50)``; robust to the odd slow step (a checkpoint), which p99 shows instead.

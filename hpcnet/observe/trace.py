@@ -1,5 +1,5 @@
 """A timeline of chosen steps on every rank, merged into one Chrome trace (``train.trace_steps = "START:END"``;
-README: What a run writes).
+docs/outputs.md).
 
 For the traced steps each rank keeps its steps, its phases (``hpcnet.observe.phases``), every collective of its flight
 recorder (with bytes and bucket), the checkpoint timings of a save, and with ``train.trace_ops=true`` torch
