@@ -244,3 +244,14 @@ def test_readme_commands_run(tmp_path, line, lines, reason):
                                 capture_output=True, text=True, timeout=540)
         assert result.returncode == 0, (f"README.md:{line}: `{command}` exited {result.returncode}\n"
                                         f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+
+
+def test_the_code_points_to_pages_that_exist():
+    """Docstrings, messages and scripts name docs/<topic>.md and benchmark records: those files exist."""
+    sources = [*(ROOT / "hpcnet").rglob("*.py"), *(ROOT / "scripts").iterdir(), *(ROOT / "jobscripts").iterdir()]
+    missing = set()
+    for path in sources:
+        for name in re.findall(r"\b(?:docs|benchmarks)/[\w.-]+\.md\b", path.read_text()):
+            if not (ROOT / name).is_file():
+                missing.add(f"{_rel(path)}: {name}")
+    assert not missing, sorted(missing)
