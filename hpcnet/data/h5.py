@@ -111,7 +111,7 @@ def _attribute(f: h5py.File, path: Path, name: str) -> Any:
     value = f.attrs[name]
     if isinstance(value, bytes):
         value = value.decode(errors="replace")
-    if isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.shape ==):
+    if isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.shape == ()):
         value = value.item()  # numpy 2 reprs scalars as np.int64(0): unreadable in a message
     return value
 
