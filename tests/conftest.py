@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from tests.helpers import clean_env
+from tests.helpers.launch import clean_env
 
 
 def pytest_configure(config):

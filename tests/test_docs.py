@@ -21,7 +21,7 @@ import pytest
 from mpi4py import MPI
 
 from hpcnet.config.load import config_reference
-from tests.helpers import ROOT, clean_env
+from tests.helpers.launch import ROOT, clean_env
 
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "benchmarks" / "README.md", *DOCS,

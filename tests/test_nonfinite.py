@@ -12,7 +12,8 @@ from hpcnet.ckpt.load import load_checkpoint
 from hpcnet.config.load import load_config
 from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.train import run
-from tests.helpers import StopAfter, tiny_images, train_config
+from tests.helpers.data import tiny_images
+from tests.helpers.train import StopAfter, train_config
 
 
 class GoesBadAt(nn.Module):
@@ -50,8 +51,9 @@ def make_model(info, at=0, kind="loss"):
 
 def _cfg(tmp, name, *extra):
     return train_config(tmp, tmp / "nonfinite-images.h5", name, "train.steps=6", "checkpoint.every_steps=1",
-                        "checkpoint.full_every=1", "checkpoint.keep=10", "model.factory=tests.test_nonfinite:make_model",
-                        "optim.warmup_steps=100", "run.log_every=1", *extra)
+                        "checkpoint.full_every=1", "checkpoint.keep=10",
+                        "model.factory=tests.test_nonfinite:make_model", "optim.warmup_steps=100", "run.log_every=1",
+                        *extra)
 
 
 def _dataset(comm, tmp):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers.launch import ROOT
 
 TOP_LEVEL = {"__init__", "__main__", "train", "loop", "optim", "errors", "agree", "paths"}
 TORCH_FREE = ["hpcnet.launch.supervisor", "hpcnet.launch.stop", "hpcnet.paths", "hpcnet.agree", "hpcnet.errors",

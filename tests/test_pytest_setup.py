@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, clean_env
+from tests.helpers.launch import ROOT, clean_env
 
 
 @pytest.mark.mpi(min_size=2)

@@ -15,7 +15,9 @@ from mpi4py import MPI
 
 from hpcnet.errors import ExitCode
 from hpcnet.train import run
-from tests.helpers import StopAfter, tiny_images, train_config
+from tests.helpers.data import tiny_images
+from tests.helpers.launch import ROOT, clean_env
+from tests.helpers.train import StopAfter, train_config
 
 
 def _dataset(comm, tmp):
@@ -144,8 +146,6 @@ def test_rng_state_that_fails_to_restore_on_one_rank_stops_every_rank(comm, data
 
 @pytest.mark.launch
 def test_sigterm_saves_then_resume_continues(tmp_path):
-    from tests.helpers import clean_env
-
     common = [f"data.dir={tmp_path / 'data'}", f"run.dir={tmp_path / 'runs'}", "model.name=mlp",
               "train.batch_size=16", "train.eval_every=0", "run.log_every=1", "run.metrics=all",
               "checkpoint.every_s=0", "checkpoint.every_steps=0"]
@@ -250,8 +250,6 @@ def test_an_error_inside_the_checkpoint_write_gives_its_documented_status(launch
 
 @pytest.mark.launch
 def test_an_io_error_in_a_save_is_restarted_by_the_supervisor(tmp_path):
-    from tests.helpers import clean_env
-
     cmd = [sys.executable, "-m", "hpcnet.launch", "--max-restarts", "1", "--backoff-s", "0", "--standby", "off", "--",
            "mpirun", "-np", "2", sys.executable, "-m", "mpi4py", "-m", "hpcnet.train",
            *_run_args(tmp_path, "train.steps=30", "fault.write_error=EIO", "fault.write_error_at_step=20",
@@ -265,8 +263,6 @@ def test_an_io_error_in_a_save_is_restarted_by_the_supervisor(tmp_path):
 @pytest.mark.launch
 def test_the_default_command_twice_continues_and_loses_nothing(tmp_path):
     """scripts/train.sh (the README's default) run twice: the second run continues the first."""
-    from tests.helpers import ROOT, clean_env
-
     args = [f"run.dir={tmp_path / 'runs'}", f"data.dir={tmp_path / 'data'}", "train.steps=8", "train.eval_every=0",
             "model.name=mlp", "checkpoint.every_s=0", "dist.probe=false"]
     env = clean_env(HPCNET_VENV=str(Path(sys.executable).parents[1]))
@@ -290,8 +286,6 @@ def test_the_default_command_twice_continues_and_loses_nothing(tmp_path):
 def test_a_node_local_checkpoint_directory_is_an_error_not_a_fresh_start(tmp_path):
     """Each rank in its own mount namespace with its own tmpfs there: what node-local /tmp looks like."""
     import shutil
-
-    from tests.helpers import clean_env
 
     local = tmp_path / "node-local"
     local.mkdir()

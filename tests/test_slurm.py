@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from hpcnet.data.synthetic import generate_images
 from hpcnet.launch import restarts as launch
-from tests.helpers import ROOT, clean_env
+from tests.helpers.launch import ROOT, clean_env
 
 pytestmark = [
     pytest.mark.slurm,

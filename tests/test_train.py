@@ -21,9 +21,8 @@ from hpcnet.loop import loss_and_correct
 from hpcnet.models import build_model
 from hpcnet.optim import build_optimizer, lr_factor
 from hpcnet.train import run
-from tests.helpers import tiny_images
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.data import tiny_images
+from tests.helpers.launch import ROOT, clean_env
 
 
 def test_lr_schedule_shape():
@@ -184,8 +183,6 @@ def test_launch_trains_and_loss_falls(launch, tmp_path):
 def test_plain_python_single_process(tmp_path):
     import subprocess
 
-    from tests.helpers import clean_env
-
     out = subprocess.run([sys.executable, "-m", "hpcnet.train", *_tiny_args(tmp_path, "train.steps=5")],
                          env=clean_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
@@ -226,8 +223,6 @@ def test_bad_input_fails_cleanly_on_every_rank(launch, tmp_path, args, needle):
 def test_bad_option_in_a_single_process_is_one_line(tmp_path, args, needle):
     """``python -m hpcnet.train <option>`` as a user runs it: status 2 and one line naming the option."""
     import subprocess
-
-    from tests.helpers import clean_env
 
     out = subprocess.run([sys.executable, "-m", "hpcnet.train", *_tiny_args(tmp_path), *args], env=clean_env(),
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
@@ -273,8 +268,6 @@ def test_python_m_hpcnet_train_handles_stop_signals_first_and_an_import_does_not
     import ast
     import subprocess
 
-    from tests.helpers import clean_env
-
     first = ast.parse((ROOT / "hpcnet" / "train.py").read_text()).body[1]  # after the docstring
     assert isinstance(first, ast.If) and "__main__" in ast.unparse(first.test)
     assert "hold_stop_signals()" in ast.unparse(first)
@@ -293,8 +286,6 @@ def test_python_m_hpcnet_train_handles_stop_signals_first_and_an_import_does_not
 def test_sigterm_to_one_rank_stops_all(launch, tmp_path):
     """SIGTERM (what SLURM sends) to one rank: every rank stops after the same step."""
     import subprocess
-
-    from tests.helpers import clean_env
 
     cmd = ["mpirun", "-np", "2", sys.executable, "-m", "mpi4py", "-m", "hpcnet.train",
            *_tiny_args(tmp_path, "train.steps=100000", "run.metrics=all", "run.log_every=1")]

@@ -9,7 +9,7 @@ import xxhash
 
 from hpcnet.ckpt import direct
 from hpcnet.ckpt.schema import block_hashes
-from tests.helpers import fresh_dir
+from tests.helpers.dirs import fresh_dir
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -141,7 +141,7 @@ def test_a_corrupted_block_far_inside_a_parallel_read_is_detected(comm, mpi_tmp_
     row = 2345  # inside the last rank's share at up to 4 ranks, and past the first chunk
     if comm.Get_rank() == 0:
         with h5py.File(path, "r") as f:
-            assert '"block_rows":%d' % block_rows in f["index"][()].tobytes().decode()
+            assert f'"block_rows":{block_rows}' in f["index"][()].tobytes().decode()
             offset = f["tensors/model/big"].id.get_offset() + row * 700 * 4 + 5
         with open(path, "r+b") as handle:
             handle.seek(offset)

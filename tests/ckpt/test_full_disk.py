@@ -11,7 +11,8 @@ import pytest
 from mpi4py import MPI
 
 from hpcnet.errors import ExitCode
-from tests.helpers import clean_env, tiny_images
+from tests.helpers.data import tiny_images
+from tests.helpers.launch import clean_env
 
 pytestmark = pytest.mark.timeout(600)
 

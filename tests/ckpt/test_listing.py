@@ -6,7 +6,7 @@ from mpi4py import MPI
 
 from hpcnet.ckpt.listing import listing, read_info, scan, set_aside, write_latest
 from hpcnet.ckpt.manager import CheckpointManager
-from tests.helpers import checkpoint_names
+from tests.helpers.ckpt import checkpoint_names
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,7 +9,8 @@ import torch
 
 from hpcnet.ckpt.manager import CheckpointManager
 from hpcnet.errors import UsageError
-from tests.helpers import checkpoint_names, flip_bytes_in, fresh_dir, save_steps, saved_run
+from tests.helpers.ckpt import checkpoint_names, flip_bytes_in, save_steps, saved_run
+from tests.helpers.dirs import fresh_dir
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -52,7 +53,7 @@ def test_corrupt_and_uncommitted_checkpoints_are_skipped(comm, mpi_tmp_path, cap
 
 @pytest.mark.mpi
 def test_when_no_checkpoint_loads_resume_stops_and_lists_each_one(comm, mpi_tmp_path):
-    directory, tensors = saved_run(comm, mpi_tmp_path / "all-bad", [1, 2], shape=(512, 300), keep=5, full_every=1)
+    directory, _ = saved_run(comm, mpi_tmp_path / "all-bad", [1, 2], shape=(512, 300), keep=5, full_every=1)
     if comm.Get_rank() == 0:
         flip_bytes_in(directory / "ckpt-0000000002.h5", "tensors/model/w")
         os.truncate(directory / "ckpt-0000000001.h5", 4000)

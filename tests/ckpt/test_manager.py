@@ -3,6 +3,7 @@
 import json
 import os
 import threading
+from typing import ClassVar
 
 import h5py
 import numpy as np
@@ -15,11 +16,10 @@ from hpcnet.ckpt.load import load_checkpoint
 from hpcnet.ckpt.manager import CheckpointManager
 from hpcnet.ckpt.state import rng_state, set_rng_state
 from hpcnet.errors import UsageError
-from tests.helpers import (
+from tests.helpers.ckpt import (
     assert_same_tensors,
     checkpoint_names,
     flip_bytes_in,
-    fresh_dir,
     model_and_optimizers,
     restore_split_state,
     save_steps,
@@ -27,6 +27,7 @@ from tests.helpers import (
     split_state,
     train_steps,
 )
+from tests.helpers.dirs import fresh_dir
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -121,7 +122,8 @@ def test_retention_never_breaks_a_chain(comm, mpi_tmp_path):
             fulls = [i for i in infos if i.kind == "full"]
             assert len(fulls) == 1 and infos[0] == fulls[0]  # the one kept full and its increments
             for info in infos:
-                assert torch.equal(manager.load(info.path).tensors["w"][info.step], torch.full((256,), float(info.step)))
+                loaded = manager.load(info.path).tensors["w"][info.step]
+                assert torch.equal(loaded, torch.full((256,), float(info.step)))
     assert [i.step for i in infos] == [7]
 
 
@@ -201,7 +203,7 @@ class _ThreadRecordingComm(MPI.Intracomm):
     """The communicator a manager gets: notes every MPI call made by a thread other than the main one.
     ``Dup`` keeps the class, so the manager's own communicator (and h5py's) records too."""
 
-    calls: list = []
+    calls: ClassVar[list] = []
 
 
 def _recording(name):

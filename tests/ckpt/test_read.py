@@ -7,7 +7,7 @@ import torch
 from mpi4py import MPI
 
 from hpcnet.ckpt.manager import CheckpointManager
-from tests.helpers import save_steps, saved_run
+from tests.helpers.ckpt import save_steps, saved_run
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(120)
 def test_a_checkpoint_replaced_between_listing_and_reading_is_an_error(comm, mpi_tmp_path):
     from hpcnet.errors import RestartableError
 
-    directory, tensors = saved_run(comm, mpi_tmp_path / "replaced", [1, 2], shape=(64, 256), keep=5, full_every=1)
+    directory, _ = saved_run(comm, mpi_tmp_path / "replaced", [1, 2], shape=(64, 256), keep=5, full_every=1)
     other = directory / "other"
     if comm.Get_rank() == 0:
         other.mkdir()

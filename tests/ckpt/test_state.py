@@ -11,14 +11,8 @@ from torch import nn
 from hpcnet.ckpt.manager import CheckpointManager
 from hpcnet.ckpt.state import flatten_state, restore_state, rng_state, set_rng_state
 from hpcnet.errors import UsageError
-from tests.helpers import (
-    assert_same_tensors,
-    fresh_dir,
-    model_and_optimizers,
-    restore_split_state,
-    split_state,
-    train_steps,
-)
+from tests.helpers.ckpt import assert_same_tensors, model_and_optimizers, restore_split_state, split_state, train_steps
+from tests.helpers.dirs import fresh_dir
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,7 +13,8 @@ from mpi4py import MPI
 from hpcnet.ckpt.load import load_checkpoint
 from hpcnet.ckpt.manager import CheckpointManager
 from hpcnet.ckpt.state import flatten_state, rng_state
-from tests.helpers import assert_same_tensors, clean_env, flip_bytes_in, model_and_optimizers, train_steps
+from tests.helpers.ckpt import assert_same_tensors, flip_bytes_in, model_and_optimizers, train_steps
+from tests.helpers.launch import clean_env
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hpcnet.ckpt.manager import CheckpointManager
-from tests.helpers import fresh_dir
+from tests.helpers.dirs import fresh_dir
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -244,7 +244,7 @@ def test_the_free_space_check_counts_every_dataset_of_the_file(comm, mpi_tmp_pat
         for step, needed in zip((1, 2), asked):
             with h5py.File(directory / f"ckpt-{step:010d}.h5", "r") as f:
                 stored = []
-                f.visititems(lambda name, obj: stored.append(obj.id.get_storage_size())
+                f.visititems(lambda name, obj, stored=stored: stored.append(obj.id.get_storage_size())
                              if isinstance(obj, h5py.Dataset) else None)
             allocated = os.stat(directory / f"ckpt-{step:010d}.h5").st_blocks * 512
             assert needed >= sum(stored) + (1 << 20) and needed >= allocated, (step, needed, sum(stored), allocated)

@@ -15,7 +15,8 @@ from hpcnet.comm.bootstrap import choose_address, init_data_plane
 from hpcnet.comm.netif import interfaces
 from hpcnet.comm.world import discover
 from hpcnet.errors import UsageError
-from tests.helpers import PROGRAMS, fake_net, listening_sockets
+from tests.helpers.comm import fake_net, listening_sockets
+from tests.helpers.launch import PROGRAMS
 
 
 def is_loopback(address: str) -> bool:
@@ -100,7 +101,7 @@ def test_bootstrap_across_virtual_nodes_and_master_addr(launch, tmp_path):
     # ranks' output lines may interleave: pick the records out of the stream
     lines = sorted(m.split() for m in re.findall(r"RESULT \d+ \d+ \S+ \S+ [\d.]+(?=RESULT|\s|$)", out.stdout))
     assert len(lines) == 3
-    for _, rank, nodes, address, iface, value in lines:
+    for _, _rank, nodes, address, iface, value in lines:
         assert nodes == "2" and float(value) == 6.0
         # two virtual nodes: a real interface was tested for reachability, not loopback
         assert (address, iface) == (lines[0][3], lines[0][4]) and iface != "lo"

@@ -10,7 +10,7 @@ from hpcnet.comm.world import discover
 from hpcnet.config import DistConfig
 from hpcnet.config.load import load_config
 from hpcnet.errors import RestartableError, UsageError
-from tests.helpers import Net, even_nodes, reference_grads
+from tests.helpers.comm import Net, even_nodes, reference_grads
 
 MPI_ONLY = Plan("mpi", False, None)
 
@@ -109,7 +109,7 @@ def test_a_failure_without_fallback_stops_every_rank(comm):
 
 def _run(comm, plane, tmp, name, *extra):
     from hpcnet.train import run
-    from tests.helpers import tiny_images
+    from tests.helpers.data import tiny_images
 
     path = tiny_images(comm, tmp, "tiny.h5", num_train=256, num_eval=64, seed=5)
     cfg = load_config(overrides=[

@@ -15,7 +15,7 @@ from hpcnet.comm import exchange as exchange_mod
 from hpcnet.comm.costmodel import ShardPlan
 from hpcnet.comm.exchange import exchange, pieces
 from hpcnet.comm.zero import ParamGather, ShardedOptimizer, ShardLayout, plan_shards
-from tests.helpers import owned_params
+from tests.helpers.comm import owned_params
 
 
 class _NoTensors(pickle.Pickler):

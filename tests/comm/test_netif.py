@@ -12,7 +12,7 @@ from hpcnet.comm.netif import (
     kind_of,
     preference,
 )
-from tests.helpers import fake_net
+from tests.helpers.comm import fake_net
 
 
 def addresses(**table):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hpcnet.comm.pingpong import intra_samples, pair_key, plan_rounds, play_rounds, tournament
-from tests.helpers import nodes_of
+from tests.helpers.comm import nodes_of
 
 
 def _check_schedule(nodes: list[list[int]], rounds: list[list[tuple[int, int]]], samples: int = 3) -> None:

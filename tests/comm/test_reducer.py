@@ -7,7 +7,7 @@ from torch import nn
 from hpcnet.comm.reducer import Reducer, plan_buckets
 from hpcnet.comm.transport import build_transport
 from hpcnet.comm.world import discover
-from tests.helpers import FakeComm, FakeWork, Net, even_nodes, reference_grads
+from tests.helpers.comm import FakeComm, FakeWork, Net, even_nodes, reference_grads
 
 
 def test_plan_buckets_reverse_order_and_caps():

@@ -181,7 +181,7 @@ def test_n_ranks_train_as_one_with_n_times_the_batch(comm, mode, progress, zero)
         _loss(alone, x, y).backward()
         alone_optimizer.step()
     for name, (a, b) in zip([n for n, _ in model.named_parameters()], zip(model.parameters(), alone.parameters())):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
     early = size == 1 or zero == 2 or progress == "thread"
     assert dp.reducer.stats.steps == 3 + (mode == "reentrant" and early)
     dp.close()
@@ -253,7 +253,8 @@ def test_a_user_s_checkpointed_shared_layer_trains_as_without_checkpointing(comm
     """The whole trainer with a user's factory: the same parameters after 6 steps whichever way the shared layer
     is checkpointed (to rounding: autograd adds the layer's uses in another order without checkpointing)."""
     from hpcnet.train import run
-    from tests.helpers import tiny_images, train_config
+    from tests.helpers.data import tiny_images
+    from tests.helpers.train import train_config
 
     dataset = tiny_images(comm, mpi_tmp_path, "albert-images.h5", num_train=256, num_eval=32, seed=5)
     params = {}

@@ -12,7 +12,7 @@ from hpcnet.comm.netif import IbPort, Interface, interfaces, kind_of
 from hpcnet.comm.pingpong import pair_key, plan_rounds
 from hpcnet.comm.topology import Gpu, Node, RankInfo, Topology, common_interface, local_gpus, main, probe, recommend
 from hpcnet.comm.world import discover, node_layout, wait_sleeping
-from tests.helpers import nodes_of
+from tests.helpers.comm import nodes_of
 
 BUDGET_S = 0.5  # the tests check figures for sanity, not precision
 

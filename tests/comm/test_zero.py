@@ -24,7 +24,9 @@ from hpcnet.comm.zero import (
 from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.paths import PLAN_FILE
 from hpcnet.train import run
-from tests.helpers import StopAfter, owned_params, tiny_images, train_config
+from tests.helpers.comm import owned_params
+from tests.helpers.data import tiny_images
+from tests.helpers.train import StopAfter, train_config
 
 # Parameters of 11 sizes (2048 to 4 elements): owners get uneven shares, and at 4 ranks some a single bias.
 MODEL = ["model.name=mlp", "model.options.hidden=[32,24]"]

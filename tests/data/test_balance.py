@@ -17,7 +17,8 @@ from hpcnet.data.sampler import GlobalBatchSampler
 from hpcnet.errors import ConfigError
 from hpcnet.paths import metrics_file
 from hpcnet.train import run
-from tests.helpers import StopAfter, tiny_images, train_config
+from tests.helpers.data import tiny_images
+from tests.helpers.train import StopAfter, train_config
 
 
 # -- pure ------------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from hpcnet.data.convert import CHUNK_BYTES, convert, load_npy_pair, load_npz, m
 from hpcnet.data.h5 import open_split
 from hpcnet.data.info import DatasetInfo
 from hpcnet.errors import DatasetError
-from tests.helpers import ROOT, clean_env
+from tests.helpers.launch import ROOT, clean_env
 
 
 def _blobs(n=100, shape=(1, 4, 4), classes=4, seed=0):

@@ -8,7 +8,7 @@ import torch
 from hpcnet.data.h5 import open_split
 from hpcnet.data.info import DatasetInfo
 from hpcnet.errors import DatasetError
-from tests.helpers import load_split, write_dataset
+from tests.helpers.data import load_split, write_dataset
 
 
 def test_read_keeps_the_given_order(images):

@@ -9,7 +9,8 @@ import torch
 
 from hpcnet.data.h5 import open_split
 from hpcnet.data.info import DATASET_KINDS, DatasetInfo, Split, is_int, is_integer, positive_ints
-from tests.helpers import ROOT, clean_env, write_dataset
+from tests.helpers.data import write_dataset
+from tests.helpers.launch import ROOT, clean_env
 
 
 def test_dataset_info_is_a_hashable_value():

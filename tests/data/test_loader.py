@@ -13,7 +13,7 @@ from hpcnet.data.info import DatasetInfo
 from hpcnet.data.loader import BatchLoader, open_dataset
 from hpcnet.data.sampler import GlobalBatchSampler
 from hpcnet.errors import ConfigError, DatasetError
-from tests.helpers import write_dataset
+from tests.helpers.data import write_dataset
 
 
 def test_bad_specs(tmp_path):

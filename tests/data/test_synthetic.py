@@ -13,7 +13,8 @@ from hpcnet.data.info import DatasetInfo
 from hpcnet.data.loader import open_dataset
 from hpcnet.data.synthetic import ensure_synthetic, generate_images, generate_tokens, main
 from hpcnet.errors import DatasetError
-from tests.helpers import ROOT, load_split
+from tests.helpers.data import load_split
+from tests.helpers.launch import ROOT
 
 
 def test_generated_layout(images, tokens):

@@ -12,7 +12,7 @@ from hpcnet.fault.flightrec import (
     oversubscription,
     stall_timeout,
 )
-from tests.helpers import rank_state
+from tests.helpers.fault import rank_state
 
 
 def test_collectives_over_every_rank_are_proof_that_every_rank_was_alive():

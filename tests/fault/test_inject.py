@@ -19,7 +19,8 @@ from hpcnet.errors import ConfigError, ExitCode, UsageError, exit_code_of
 from hpcnet.fault.inject import FaultInjector, corrupt_newest, current_attempt
 from hpcnet.paths import ATTEMPT_ENV
 from hpcnet.train import run
-from tests.helpers import StopAfter, tiny_images, train_config
+from tests.helpers.data import tiny_images
+from tests.helpers.train import StopAfter, train_config
 
 
 def _world(rank=0, size=4):

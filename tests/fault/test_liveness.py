@@ -9,7 +9,7 @@ import time
 import pytest
 
 from hpcnet.fault.liveness import LocalLiveness, ThreadState, process_threads, start_time, starved
-from tests.helpers import PROGRAMS, ROOT
+from tests.helpers.launch import PROGRAMS, ROOT
 
 MONITOR = "hpcnet-monitor"
 

@@ -23,7 +23,8 @@ from hpcnet.fault.failure import DUMP_SIGNAL
 from hpcnet.fault.heartbeat import ring_peers
 from hpcnet.fault.liveness import halted, process_threads
 from hpcnet.fault.monitor import Monitor
-from tests.helpers import PROGRAMS, ROOT, clean_env, made_dir, wait_for
+from tests.helpers.dirs import made_dir
+from tests.helpers.launch import PROGRAMS, ROOT, clean_env, wait_for
 
 
 def test_monitor_options_are_validated():

@@ -10,7 +10,7 @@ import pytest
 from mpi4py import MPI
 
 from hpcnet.errors import ExitCode
-from tests.helpers import PROGRAMS, ROOT
+from tests.helpers.launch import PROGRAMS, ROOT
 
 
 @pytest.mark.timeout(60)

@@ -26,7 +26,8 @@ from hpcnet.fault.failure import DUMP_SIGNAL
 from hpcnet.fault.heartbeat import decode
 from hpcnet.fault.monitor import Monitor
 from hpcnet.fault.watchdog import IO_TIMEOUT_FLOOR_S, Deadlines, io_timeout_s
-from tests.helpers import PROGRAMS, ROOT, clean_env, made_dir, wait_for
+from tests.helpers.dirs import made_dir
+from tests.helpers.launch import PROGRAMS, ROOT, clean_env, wait_for
 
 # --- pure logic ------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import pytest
 
 from hpcnet.errors import ExitCode
 from hpcnet.launch.standby import parked_ranks
-from tests.helpers import ROOT, clean_env
+from tests.helpers.launch import ROOT, clean_env
 from tests.launch.test_standby import _none_left, _record
 from tests.launch.test_supervisor import _serial_only, _train_command
 
@@ -49,11 +49,9 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 
 def _start(tmp_path: Path, command: list[str], env: dict[str, str], *options: str) -> subprocess.Popen:
-    err = open(tmp_path / "err.txt", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "hpcnet.launch", "--backoff-s", "0", *options, "--", *command],
-                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
-    err.close()
-    return proc
+    with open(tmp_path / "err.txt", "w") as err:
+        return subprocess.Popen([sys.executable, "-m", "hpcnet.launch", "--backoff-s", "0", *options, "--", *command],
+                                cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
 
 
 def _wait_for(proc: subprocess.Popen, tmp_path: Path, ready, timeout_s: float = 200.0) -> None:

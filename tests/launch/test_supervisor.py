@@ -18,7 +18,7 @@ from mpi4py import MPI
 from hpcnet.errors import ExitCode
 from hpcnet.launch.forward import Forwarder
 from hpcnet.launch.restarts import failed_where
-from tests.helpers import PROGRAMS, clean_env
+from tests.helpers.launch import PROGRAMS, clean_env
 
 
 def test_forwarder_turns_sigterm_into_sigusr2_for_mpirun():
@@ -41,7 +41,7 @@ def test_forwarder_holds_a_first_signal_until_the_ranks_handle_it_and_passes_a_s
         forwarder = Forwarder(mpirun=True)
         proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
         try:
-            forwarder.attach(proc, lambda: bool(ready))
+            forwarder.attach(proc, lambda ready=ready: bool(ready))
             forwarder._handle(signal.SIGUSR2, None)
             assert forwarder.pending and forwarder.sent == 0 and proc.poll() is None
             forwarder.pass_on()

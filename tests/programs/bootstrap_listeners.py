@@ -1,4 +1,5 @@
-"""Under mpirun: a gloo data plane; prints each rank's rendezvous (RESULT) and the listening sockets it opened (OPENED)."""
+"""Under mpirun: a gloo data plane; prints each rank's rendezvous (RESULT) and the listening sockets it opened
+(OPENED)."""
 
 import json
 
@@ -8,7 +9,7 @@ from mpi4py import MPI
 
 from hpcnet.comm.bootstrap import init_data_plane
 from hpcnet.comm.world import discover
-from tests.helpers import listening_sockets
+from tests.helpers.comm import listening_sockets
 
 comm = MPI.COMM_WORLD
 world = discover(comm)

@@ -7,7 +7,8 @@ import pathlib
 import sys
 
 attempt = os.environ.get("HPCNET_ATTEMPT", "?")
-pathlib.Path("attempts").open("a").write(attempt + "\n")
+with pathlib.Path("attempts").open("a") as attempts:
+    attempts.write(attempt + "\n")
 how, _, value = sys.argv[1].partition(":")
 if how == "sigkill":
     os.kill(os.getpid(), 9)

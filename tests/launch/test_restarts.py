@@ -40,15 +40,16 @@ def test_backoff_flags_are_bounded(tmp_path, flag, value):
     import subprocess
     import sys
 
-    from tests.helpers import clean_env
+    from tests.helpers.launch import clean_env
 
     other = "--max-backoff-s" if flag == "--backoff-s" else "--backoff-s"
     out = subprocess.run([sys.executable, "-m", "hpcnet.launch", "--max-restarts", "1", flag, value, other, "1",
                           "--", "sh", "-c", "exit 75"], cwd=tmp_path, env=clean_env(), capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2, out.stderr
-    assert f"error: {flag} must be a number of seconds in [0, 2592000] (30 days), got {value.replace('1e12', '1e+12')}" \
-        in out.stderr and "Traceback" not in out.stderr, out.stderr
+    shown = value.replace("1e12", "1e+12")
+    assert f"error: {flag} must be a number of seconds in [0, 2592000] (30 days), got {shown}" in out.stderr \
+        and "Traceback" not in out.stderr, out.stderr
 
 
 def test_backoff_doubles_up_to_the_cap():

@@ -5,7 +5,7 @@ import json
 from hpcnet.fault.failure import heartbeat_report, merge_reports, stall_report, write_failure
 from hpcnet.fault.heartbeat import decode, encode
 from hpcnet.fault.watchdog import analyze_io
-from tests.helpers import rank_state
+from tests.helpers.fault import rank_state
 
 
 def test_reports_name_rank_host_step_and_collective(tmp_path):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hpcnet.report.build import main
-from tests.helpers import ROOT
+from tests.helpers.launch import ROOT
 
 PLOTS = ("loss", "samples_per_s", "step_times", "phases", "memory", "busbw")
 T0 = 1_800_000_000.0
@@ -218,7 +218,8 @@ def test_report_of_a_real_run_with_and_without_the_new_fields(tmp_path):
     from mpi4py import MPI
 
     from hpcnet.train import run
-    from tests.helpers import tiny_images, train_config
+    from tests.helpers.data import tiny_images
+    from tests.helpers.train import train_config
 
     dataset = tiny_images(MPI.COMM_SELF, tmp_path, "tiny.h5", num_train=128, num_eval=32, seed=5)
     cfg = train_config(tmp_path, dataset, "real", "train.steps=6", "run.log_every=2", "run.metrics=all",

@@ -11,7 +11,7 @@ from hpcnet.comm.world import discover
 from hpcnet.config import DistConfig
 from hpcnet.errors import UsageError
 from tests.comm.test_dataparallel import _data, _loss
-from tests.helpers import Net
+from tests.helpers.comm import Net
 
 
 @pytest.mark.parametrize("numel", [0, 1, 15, 16, 17, 1000, 4099])

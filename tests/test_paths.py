@@ -34,7 +34,8 @@ def test_run_dir_is_timestamped_unless_exact(tmp_path):
 
 
 def test_checkpoint_names():
-    assert checkpoint_name(7) == "ckpt-0000000007.h5" and CKPT_NAME_RE.match(checkpoint_name(7)).group(1) == "0000000007"
+    assert checkpoint_name(7) == "ckpt-0000000007.h5"
+    assert CKPT_NAME_RE.match(checkpoint_name(7)).group(1) == "0000000007"
     assert CKPT_NAME_RE.match(checkpoint_name(10**15)) and not CKPT_NAME_RE.match(checkpoint_name(7) + TMP_SUFFIX)
     assert not CKPT_NAME_RE.match("ckpt-12.h5")
     with pytest.raises(ValueError, match="step must be >= 0"):

@@ -8,7 +8,8 @@ import pytest
 from mpi4py import MPI
 
 from hpcnet.bench.balance import steady_rate
-from tests.helpers import clean_env, tiny_images
+from tests.helpers.data import tiny_images
+from tests.helpers.launch import clean_env
 
 
 def test_steady_rate_counts_the_intervals_after_the_warm_up(tmp_path):

@@ -13,7 +13,8 @@ from hpcnet.config import CudaConfig
 from hpcnet.config.load import load_config
 from hpcnet.models.device import BatchMover, DeviceSettings, apply_settings, device_settings
 from hpcnet.train import run
-from tests.helpers import ROOT, tiny_images
+from tests.helpers.data import tiny_images
+from tests.helpers.launch import ROOT
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 

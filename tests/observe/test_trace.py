@@ -8,7 +8,8 @@ from hpcnet.config.load import load_config
 from hpcnet.errors import ConfigError
 from hpcnet.observe.trace import clock_offsets, parse_steps
 from hpcnet.paths import TRACE_FILE
-from tests.helpers import tiny_images, train_config
+from tests.helpers.data import tiny_images
+from tests.helpers.train import train_config
 
 
 def test_steps_spec():

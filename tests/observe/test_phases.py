@@ -10,7 +10,8 @@ from hpcnet.fault.flightrec import Collective
 from hpcnet.observe.phases import PHASES, PhaseClock, bucket_times, overhead_s
 from hpcnet.observe.stats import cv_pct, jitter_pct, job_step_stats, percentile, rank_step_stats
 from hpcnet.paths import SUMMARY_FILE, metrics_file
-from tests.helpers import tiny_images, train_config
+from tests.helpers.data import tiny_images
+from tests.helpers.train import train_config
 
 
 def test_phases_partition_each_step_and_a_split_moves_the_tail_to_the_next():

@@ -5,7 +5,8 @@ import torch
 
 from hpcnet.ckpt.manager import CheckpointManager
 from hpcnet.errors import UsageError
-from tests.helpers import fresh_dir, save_steps
+from tests.helpers.ckpt import save_steps
+from tests.helpers.dirs import fresh_dir
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,7 +15,8 @@ from hpcnet.comm.transport import (
     wait_all,
 )
 from hpcnet.comm.world import discover
-from tests.helpers import PROGRAMS, FakeComm, FakeWork, even_nodes
+from tests.helpers.comm import FakeComm, FakeWork, even_nodes
+from tests.helpers.launch import PROGRAMS
 
 
 @pytest.fixture

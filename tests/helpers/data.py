@@ -1,0 +1,47 @@
+"""Small dataset files for the tests."""
+
+from pathlib import Path
+
+
+def tiny_images(comm, directory: Path, name: str, *, num_train: int, num_eval: int, seed: int) -> Path:
+    """A small 4-class 1x8x8 image set shared by the ranks of ``comm``: rank 0 writes it once (collective)."""
+    from hpcnet.data.synthetic import generate_images
+
+    path = directory / name
+    if comm.Get_rank() == 0 and not path.exists():
+        generate_images(path, num_train=num_train, num_eval=num_eval, shape=(1, 8, 8), num_classes=4, seed=seed)
+    comm.Barrier()
+    return path
+
+
+def write_dataset(path: Path, *, kind: str = "image", n: int = 8, attrs=None, drop=(), **arrays) -> Path:
+    """A small valid hpcnet dataset file, with overrides to break it (``train_targets=...``, ``drop=("train",)``)."""
+    import h5py
+    import numpy as np
+
+    if kind == "image":
+        x = np.zeros((n, 1, 2, 2), np.float32)
+        y = np.arange(n) % 3
+    else:
+        x = np.arange(n * 4).reshape(n, 4) % 5
+        y = (x + 1) % 5
+    with h5py.File(path, "w") as f:
+        f.attrs.update({"hpcnet_format": 1, "kind": kind, "num_classes": 3 if kind == "image" else 5,
+                        **(attrs or {})})
+        for split in ("train", "eval"):
+            for name, value in (("inputs", x), ("targets", y)):
+                key = f"{split}/{name}"
+                if key not in drop:
+                    f.create_dataset(key, data=arrays.get(f"{split}_{name}", value))
+        for name in drop:
+            if name in f:
+                del f[name]
+    return path
+
+
+def load_split(path: Path, split: str):
+    """All of ``/<split>/inputs`` and ``/<split>/targets`` of a dataset file, as numpy arrays."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        return f[split]["inputs"][()], f[split]["targets"][()]

@@ -1,0 +1,29 @@
+"""Running programs under mpirun: the repository's paths, a child's environment, polling for what it does."""
+
+import os
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PROGRAMS = ROOT / "tests" / "programs"
+"""Programs that tests launch under mpirun."""
+
+
+def clean_env(**extra):
+    """The environment for a child mpirun: none of this process's MPI wiring."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", OMPI_MCA_btl_base_warn_component_unused="0",
+               PYTHONPATH=str(ROOT))
+    env.update(extra)
+    return env
+
+
+def wait_for(condition, timeout_s):
+    """Poll ``condition`` until it is true or ``timeout_s`` passed; its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
