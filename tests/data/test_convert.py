@@ -1,5 +1,5 @@
 """Tests of hpcnet.data.convert: round trips through open_split, every bad input's message, the command line,
-and the README's worked example."""
+and the worked example of docs/data.md."""
 
 import re
 import shlex
@@ -394,20 +394,22 @@ def test_module_command_line_in_a_subprocess(tmp_path):
 
 @pytest.mark.launch
 def test_readme_worked_example(launch, tmp_path):
-    """The README's conversion example (Datasets) runs as written: make arrays, convert, train."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### Datasets"):]
+    """The conversion example of docs/data.md runs as written: make arrays, convert, train."""
+    page = (ROOT / "docs" / "data.md").read_text()
+    section = page[page.index("### Converting your own arrays"):]
     script = re.search(r"```python\n# make_blobs.py\n(.*?)```", section, re.S).group(1)
     (tmp_path / "make_blobs.py").write_text(script)
-    shell = re.search(r"```bash\n(python make_blobs.py\n.*?)```", section, re.S).group(1)
+    shell = re.search(r"```bash\n(mkdir -p data\n.*?)```", section, re.S).group(1)
     commands = [shlex.split(line) for line in shell.replace("\\\n", " ").splitlines() if line.strip()]
-    assert [c[0] for c in commands] == ["python", "python", "mpirun"], commands
+    assert [c[0] for c in commands] == ["mkdir", "python", "python", "mpirun"], commands
+    (tmp_path / commands[0][-1]).mkdir()
+    commands = commands[1:]
     env = clean_env(PYTHONPATH=str(ROOT))
     for command in commands[:2]:
         out = subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
                              timeout=180)
         assert out.returncode == 0, out.stderr
-    assert open_split(tmp_path / "blobs.h5", "eval").info == DatasetInfo("image", (1, 8, 8), 4)
+    assert open_split(tmp_path / "data" / "blobs.h5", "eval").info == DatasetInfo("image", (1, 8, 8), 4)
     mpirun = commands[2]
     assert mpirun[:7] == ["mpirun", "-np", "2", "python", "-m", "mpi4py", "-m"] and mpirun[7] == "hpcnet.train"
     out = launch(2, *mpirun[8:], "train.steps=20", "train.eval_every=20", f"run.dir={tmp_path / 'runs'}",
