@@ -186,9 +186,7 @@ def _hpcnet_tensors(model: nn.Module, dp: Any, optimizer: Any) -> dict[str, int]
     params = list(model.parameters())
     grads = [p.grad for p in params if p.grad is not None]
     for bucket in dp.reducer.buckets:
-        grads.append(bucket.buffer)
-        if bucket.owned is not None:
-            grads.append(bucket.owned)
+        grads.extend(dp.reducer.placement.tensors(bucket))
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return {"params": _storage_bytes(params), "grads": _storage_bytes(grads), "optim": _storage_bytes(state)}
 

@@ -45,7 +45,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -102,20 +102,25 @@ class _Bucket:
     entry_param: list[int] = field(default_factory=list)  # the entry's parameter, by its place in ``params``
     entry_tensor: list[torch.Tensor] = field(default_factory=list)  # what the entry's gradient belongs to
     entry_rows: list[tuple[int, int] | None] = field(default_factory=list)  # rows of a cut parameter, or None
-    entry_unit: list[int] = field(default_factory=list)  # dist.zero=2: the entry's unit index
+    entry_unit: list[int] = field(default_factory=list)  # the entry's unit of ownership (its parameter's index)
     of_param: list[list[int]] = field(default_factory=list)  # each parameter's entries
     views: list[torch.Tensor] = field(default_factory=list)  # each entry's gradient in ``buffer``
-    counts: list[int] = field(default_factory=list)  # dist.zero=2: elements each rank owns, in rank order
-    grouped: bool = False  # dist.zero=2: laid out owner by owner (reduce-scatter), else in dist.zero=0's order
-    owned: torch.Tensor | None = None  # dist.zero=2: this rank's sums, from its collective to the next zero_grad
-    owned_views: list[torch.Tensor | None] = field(default_factory=list)  # its entries' gradients in ``owned``
-    owner_of: list[int] = field(default_factory=list)  # dist.zero=2: each entry's owner rank
-    scattered: bool = False  # dist.zero=2: the transport reduce-scattered into ``owned``
+    shard: Any = None  # the placement's state of the bucket (dist.zero=2: hpcnet.comm.zero.BucketShard)
 
     @property
     def nbytes(self) -> int:
         """The bucket's size (its buffer is empty between steps at dist.zero=2)."""
         return self.offsets[-1] * self.params[0].element_size()
+
+    def make_views(self) -> None:
+        """Each entry's gradient in the buffer, laid out as its tensor is (channels-last stays so: fused
+        optimizers read a gradient and its parameter in memory order, and gave wrong updates otherwise).  Made
+        once per buffer, not per step: two tensor ops a parameter cost about 10 us each step here."""
+        if self.buffer.numel() == 0:
+            self.views = []  # a dropped bucket (dist.zero=2): made again with its buffer
+            return
+        self.views = [_grad_view(self.buffer[self.offsets[e]:self.offsets[e + 1]], t)
+                      for e, t in enumerate(self.entry_tensor)]
 
 
 class LateGradient(RuntimeError):
@@ -134,6 +139,93 @@ class ReducerStats:
     fallbacks: list[dict[str, Any]] = field(default_factory=list)
 
 
+class Placement(Protocol):
+    """Where a bucket's sums go: what differs between ``dist.zero`` 0/1 (``Replicated``: every rank keeps every
+    sum) and 2 (``hpcnet.comm.zero.Sharded``: each rank keeps the sums it owns).  The ``Reducer`` calls it at
+    those points only, and never asks which one it has."""
+
+    drops_buckets: bool
+    """The buckets are dropped once their sums are handed over, and made again by the next backward's folds."""
+    releases_early: bool
+    """The hooks launch complete buckets on every transport, and the reducer releases each as its sum is in (so
+    a rank holds the buckets being filled and those in flight, not the whole gradient)."""
+
+    def set_transport(self, transport: Transport) -> None:
+        """The transport the buckets go over from now on."""
+
+    def set_owners(self, owners: list[int]) -> None:
+        """New owners of the units (``Reducer.reassign``); ValueError where they do not fit."""
+
+    def entries(self, i: int, p: nn.Parameter) -> list[tuple[int, torch.Tensor, tuple[int, int] | None]]:
+        """Trainable parameter ``i``'s entries in a bucket: (unit index, tensor, rows or None when whole)."""
+
+    def order(self, entries: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """A bucket's entries, ``(j, unit, tensor, rows)``, in the order its buffer lays them out."""
+
+    def attach(self, bucket: _Bucket) -> None:
+        """Give a newly laid-out bucket the placement's state (``bucket.shard``)."""
+
+    def assign(self, bucket: _Bucket) -> None:
+        """The owners set last (``set_owners``) for a bucket kept as it is laid out."""
+
+    def prepare(self, bucket: _Bucket) -> None:
+        """Ready a bucket for a fold (a dropped buffer is made again)."""
+
+    def start(self, bucket: _Bucket, wire: torch.Tensor | None) -> Any:
+        """Start the bucket's collective, on ``wire`` (its compressed copy) or, when None, its buffer; the handle."""
+
+    def release(self, bucket: _Bucket) -> None:
+        """Hand a bucket's complete sums over as gradients (``.grad``)."""
+
+    def zero_grad(self, bucket: _Bucket) -> None:
+        """Drop what the placement keeps of the bucket's gradients besides ``.grad``."""
+
+    def tensors(self, bucket: _Bucket) -> list[torch.Tensor]:
+        """The tensors that hold the bucket's gradients here (a memory account)."""
+
+
+class Replicated:
+    """``dist.zero`` 0 and 1: each bucket is all-reduced and every rank keeps the whole sum, its views becoming
+    the gradients; the buckets live from step to step (``Placement``)."""
+
+    drops_buckets = False
+    releases_early = False
+
+    def set_transport(self, transport: Transport) -> None:
+        self.transport = transport
+
+    def set_owners(self, owners: list[int]) -> None:
+        raise ValueError("reassign needs a reducer made with owners (dist.zero=2)")
+
+    def entries(self, i: int, p: nn.Parameter) -> list[tuple[int, torch.Tensor, tuple[int, int] | None]]:
+        return [(i, p, None)]
+
+    def order(self, entries: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        return entries
+
+    def attach(self, bucket: _Bucket) -> None:
+        pass
+
+    def assign(self, bucket: _Bucket) -> None:
+        pass
+
+    def prepare(self, bucket: _Bucket) -> None:
+        pass
+
+    def start(self, bucket: _Bucket, wire: torch.Tensor | None) -> Any:
+        return self.transport.start(bucket.buffer if wire is None else wire)
+
+    def release(self, bucket: _Bucket) -> None:
+        for t, view in zip(bucket.entry_tensor, bucket.views):  # every entry a whole parameter
+            t.grad = view
+
+    def zero_grad(self, bucket: _Bucket) -> None:
+        pass
+
+    def tensors(self, bucket: _Bucket) -> list[torch.Tensor]:
+        return [bucket.buffer]
+
+
 class Reducer:
     """Average gradients across ranks, bucket by bucket, during backward.
 
@@ -149,15 +241,14 @@ class Reducer:
         timeout_s: how long ``finish`` waits for the collectives.
         recorder: the flight recorder (``hpcnet.fault.flightrec``) the collectives are logged to.
         owners: ``dist.zero=2``: the owner rank of each unit (``units``; without them, of each trainable
-            parameter in ``named_params`` order). Each bucket is laid out owner by owner and reduce-scattered
-            (or all-reduced, where the transport has no reduce-scatter, and its owned part kept); after
-            ``finish`` a unit's tensor has a ``.grad`` on its owner only, and the buckets are dropped until the
-            next backward (unless they live in the transport's memory, shm's window), so between steps a rank
-            holds its own sums only; and those are dropped by the next ``zero_grad`` and made again bucket by
-            bucket as the sums go out.
+            parameter in ``named_params`` order); each rank then keeps only the sums it owns, placed by
+            ``hpcnet.comm.zero.Sharded`` (see there).
         units: ``dist.zero=2``: the units of ownership and their tensors (``hpcnet.comm.zero.ShardLayout``),
             over the trainable parameters; a cut parameter's rows go to their owners apart, and the gradient of
             its rows lands on the unit's tensor, never on the parameter.
+
+    What differs between the stages is the ``placement`` (``Replicated``, or with ``owners``
+    ``hpcnet.comm.zero.Sharded``), chosen here once.
     """
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], transport: Transport, control: Any, *,
@@ -187,15 +278,17 @@ class Reducer:
         named = [(n, p) for n, p in named_params if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters")
-        self._units = units
-        if owners is not None and len(owners) != self._n_units(len(named)):
-            raise ValueError(f"owners names {len(owners)} units, the model has {self._n_units(len(named))}")
         self.rank = control.Get_rank()
-        self.sharded = owners is not None
+        self.placement: Placement = Replicated()
+        if owners is not None:
+            from hpcnet.comm.zero import Sharded  # zero.py builds on this module (a cycle at import time)
+
+            self.placement = Sharded(owners, units, n_params=len(named), rank=self.rank,
+                                     world_size=self.world_size)
         self._set_transport(transport)
         self._named = named
         self._bucket_bytes_cap, self._first_bucket_bytes = bucket_bytes, first_bucket_bytes
-        self._build_buckets(owners)
+        self._build_buckets()
         for _, p in named:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         self._scale = 1.0 / self.world_size
@@ -203,19 +296,8 @@ class Reducer:
         self.zero_grad()
         self._reset()
 
-    def _n_units(self, n_params: int) -> int:
-        return n_params if self._units is None else len(self._units.units)
-
-    def _entries_of(self, i: int) -> list[tuple[int, torch.Tensor, tuple[int, int] | None]]:
-        """Trainable parameter ``i``'s entries: (unit index, tensor, rows or None when whole)."""
-        if self._units is None:
-            return [(i, self._named[i][1], None)]
-        units = self._units
-        return [(k, units.tensors[k], None if units.units[k].whole else (units.units[k].lo, units.units[k].hi))
-                for k in units.of_param[i]]
-
-    def _build_buckets(self, owners: list[int] | None) -> None:
-        """Lay the trainable parameters out in buckets (and, with ``owners``, each rank's owned sums)."""
+    def _build_buckets(self) -> None:
+        """Lay the trainable parameters out in buckets, as the placement orders their entries."""
         named = self._named
         # One dtype/device per bucket: plan per (device, dtype) group.
         groups: dict[tuple[Any, Any], list[int]] = {}
@@ -227,16 +309,13 @@ class Reducer:
             for plan in plan_buckets(sizes, self._bucket_bytes_cap, self._first_bucket_bytes):
                 params = [named[members[j]][1] for j in plan]
                 names = [named[members[j]][0] for j in plan]
-                entries = [(j, *entry) for j, m in enumerate(plan) for entry in self._entries_of(members[m])]
-                if owners is not None and self._reduce_scatter is not None:
-                    # Owner by owner, so each rank's sums are one contiguous piece to reduce-scatter. Without
-                    # a reduce-scatter the layout stays dist.zero=0's: an all-reduce sums each element in an
-                    # order that depends on its place in the bucket, and the same place gives the same bits.
-                    entries = sorted(entries, key=lambda entry: owners[entry[1]])
+                entries = [(j, *entry) for j, m in enumerate(plan)
+                           for entry in self.placement.entries(members[m], named[members[m]][1])]
+                entries = self.placement.order(entries)
                 offsets = np.cumsum([0] + [entry[2].numel() for entry in entries]).tolist()
-                # dist.zero=2 with buckets that are dropped: made by the first fold of each backward.
-                dropped = owners is not None and self._transient
-                buffer = params[0].new_empty(0) if dropped else self._new_buffer(offsets[-1], params[0])
+                # Buckets that are dropped are made by the first fold of each backward.
+                buffer = (params[0].new_empty(0) if self.placement.drops_buckets
+                          else self._new_buffer(offsets[-1], params[0]))
                 bucket = _Bucket(len(self.buckets), params, names, buffer, offsets)
                 bucket.expected = [self._uses.get(p, 1) for p in params]
                 bucket.entry_param = [entry[0] for entry in entries]
@@ -246,20 +325,11 @@ class Reducer:
                 bucket.of_param = [[] for _ in params]
                 for e, j in enumerate(bucket.entry_param):
                     bucket.of_param[j].append(e)
-                if owners is not None:
-                    bucket.grouped = self._reduce_scatter is not None
-                    self._set_owners(bucket, [owners[k] for k in bucket.entry_unit])
+                self.placement.attach(bucket)
                 self.buckets.append(bucket)
-                self._make_views(bucket)
+                bucket.make_views()
         self._bucket_of: dict[nn.Parameter, tuple[_Bucket, int]] = {
             p: (bucket, j) for bucket in self.buckets for j, p in enumerate(bucket.params)}
-
-    def _set_owners(self, bucket: _Bucket, owner_of: list[int]) -> None:
-        bucket.counts = [0] * self.world_size
-        for t, owner in zip(bucket.entry_tensor, owner_of):
-            bucket.counts[owner] += t.numel()
-        bucket.owner_of = list(owner_of)
-        bucket.owned, bucket.owned_views = None, []  # made when its collective starts (_ensure_owned)
 
     def reassign(self, owners: list[int]) -> None:
         """dist.zero=2: new owners (a new plan), between steps; every gradient is dropped.
@@ -267,16 +337,13 @@ class Reducer:
         Buckets in the transport's memory (shm's window) keep dist.zero=0's layout, so only the owned sums are
         made again; plain buckets are laid out again (owner by owner where the transport reduce-scatters).
         """
-        if not self.sharded:
-            raise ValueError("reassign needs a reducer made with owners (dist.zero=2)")
-        if len(owners) != self._n_units(len(self._named)):
-            raise ValueError(f"owners names {len(owners)} units, the model has {self._n_units(len(self._named))}")
+        self.placement.set_owners(owners)
         self.zero_grad()
         if getattr(self.transport, "allocate", None) is None:
-            self._build_buckets(owners)
+            self._build_buckets()
         else:
             for bucket in self.buckets:
-                self._set_owners(bucket, [owners[k] for k in bucket.entry_unit])
+                self.placement.assign(bucket)
         self._reset()
 
     def set_share(self, share: float) -> None:
@@ -290,14 +357,13 @@ class Reducer:
         self.transport = transport
         # Fixed for a transport's life; read a few times a step, and a property chain costs microseconds here.
         self._synchronous = transport.synchronous
-        self._transient = getattr(transport, "allocate", None) is None  # dist.zero=2 drops such buckets
-        self._reduce_scatter = getattr(transport, "start_reduce_scatter", None)
-        # dist.zero=2 with buckets that can be dropped: each goes out as soon as it is complete, even on a
+        self.placement.set_transport(transport)
+        # A placement that drops buckets (dist.zero=2): each goes out as soon as it is complete, even on a
         # synchronous transport, and is dropped once its sum is in, so the whole gradient is never alive at
         # once (the stage's memory saving); see ``_launch_ready``.
-        self._eager = self.sharded and self._transient
+        self._release_early = self.placement.releases_early
         # Whether the hooks send buckets before backward ends (else finish sends them all).
-        self._early = not self._synchronous or self.world_size == 1 or self._eager
+        self._early = not self._synchronous or self.world_size == 1 or self._release_early
 
     @property
     def may_redo(self) -> bool:
@@ -305,31 +371,6 @@ class Reducer:
         backward ends, and no step has completed yet or some parameter has been seen to get its gradient more
         than once in one backward (such a model may vary the count)."""
         return self._early and (not self._completed or self._repeats)
-
-    def _ensure_owned(self, bucket: _Bucket) -> None:
-        """dist.zero=2: this rank's sums of the bucket, its parameters' in bucket order, and their gradient views,
-        made when the bucket's collective starts.  ``zero_grad`` drops them, so during the next forward and the
-        early backward, when the activations are all alive, the last step's gradient shard is not: its peak is
-        lower by up to the shard (46 MiB a rank on a 186 MiB transformer at 4 ranks)."""
-        if bucket.owned is not None:
-            return
-        like = bucket.params[0]
-        bucket.owned = torch.empty(bucket.counts[self.rank], dtype=like.dtype, device=like.device)
-        bucket.owned_views = []
-        at = 0
-        for e, t in enumerate(bucket.entry_tensor):
-            if bucket.owner_of[e] != self.rank:
-                bucket.owned_views.append(None)
-                continue
-            bucket.owned_views.append(_grad_view(bucket.owned[at:at + t.numel()], t))
-            at += t.numel()
-
-    def _ensure_buffer(self, bucket: _Bucket) -> None:
-        """dist.zero=2: a dropped bucket is made again (every element is written by the folds)."""
-        if bucket.buffer.numel() == 0 and bucket.offsets[-1] > 0:
-            like = bucket.params[0]
-            bucket.buffer = torch.empty(bucket.offsets[-1], dtype=like.dtype, device=like.device)
-            self._make_views(bucket)
 
     def _new_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         """A zeroed bucket: in the transport's memory when it keeps buckets (shm's shared window), else plain."""
@@ -346,30 +387,18 @@ class Reducer:
             old = bucket.buffer
             start, end = old.data_ptr(), old.data_ptr() + old.numel() * old.element_size()
             bucket.buffer = old.clone()
-            self._make_views(bucket)
+            bucket.make_views()
             for e, t in enumerate(bucket.entry_tensor):
                 if t.grad is not None and start <= t.grad.data_ptr() < end:
                     t.grad = bucket.views[e]
 
-    # -- gradient views ------------------------------------------------------
-    @staticmethod
-    def _make_views(bucket: _Bucket) -> None:
-        """Each parameter's gradient in its bucket, laid out as the parameter is (channels-last stays so: fused
-        optimizers read a gradient and its parameter in memory order, and gave wrong updates otherwise).  Made
-        once per buffer, not per step: two tensor ops a parameter cost about 10 us each step here."""
-        if bucket.buffer.numel() == 0:
-            bucket.views = []  # a dropped bucket (dist.zero=2): made again with its buffer
-            return
-        bucket.views = [_grad_view(bucket.buffer[bucket.offsets[e]:bucket.offsets[e + 1]], t)
-                        for e, t in enumerate(bucket.entry_tensor)]
-
+    # -- folding gradients into buckets ----------------------------------------
     def _fold(self, bucket: _Bucket, j: int) -> None:
         """Write parameter j's gradient, times 1/world size, into its bucket view (one pass) and drop ``.grad``
         (the view becomes it when the sum is in, ``_release``; a later arrival in this backward is then a tensor
         of its own, ``_fold_more``).  No gradient: zeros (an unused parameter).  A cut parameter's rows go to
         their entries (its units' tensors get their sums)."""
-        if self.sharded and self._transient:
-            self._ensure_buffer(bucket)
+        self.placement.prepare(bucket)
         p, entries = bucket.params[j], bucket.of_param[j]
         if bucket.entry_rows[entries[0]] is not None:
             self._fold_rows(bucket, p, entries)
@@ -423,7 +452,7 @@ class Reducer:
                 p.grad = None
             for t in bucket.entry_tensor:
                 t.grad = None
-            bucket.owned, bucket.owned_views = None, []
+            self.placement.zero_grad(bucket)
 
     def _reset(self) -> None:
         for bucket in self.buckets:
@@ -481,10 +510,10 @@ class Reducer:
 
     def _launch_ready(self, force: bool = False) -> None:
         """Launch the complete buckets, strictly in bucket order, so every rank issues the same collectives in
-        the same sequence; a synchronous transport's only from ``finish`` (``force``, see there), except at
-        ``dist.zero=2`` (``_eager``).
+        the same sequence; a synchronous transport's only from ``finish`` (``force``, see there), except where
+        the placement releases early (``Placement.releases_early``, dist.zero=2).
 
-        ``_eager``: the hooks launch complete buckets on every transport and drop those whose sums are in
+        Releasing early: the hooks launch complete buckets on every transport and drop those whose sums are in
         (``_release_finished``), so a rank holds the buckets being filled and those in flight, not the whole
         gradient. A synchronous collective in a hook blocks until every rank has completed that bucket; a rank
         that lacks a gradient in it completes it in ``finish``, where its backward ends without a collective,
@@ -495,7 +524,7 @@ class Reducer:
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
-        if self._eager and not force:
+        if self._release_early and not force:
             self._release_finished()
 
     def _release_finished(self) -> None:
@@ -509,17 +538,11 @@ class Reducer:
         bucket.launched = True
         bucket.token = self.recorder.start("allreduce.bucket", bucket.index,
                                            bucket.buffer.numel() * bucket.buffer.element_size())
-        bucket.scattered = False
+        wire = None
         if self.compression is not None:
             # Divided already (in full precision, by _fold), so the half-precision sum cannot overflow.
-            bucket.wire = bucket.buffer.to(self.compression)
-            bucket.handle = self.transport.start(bucket.wire)
-        elif bucket.grouped and self._reduce_scatter is not None:
-            self._ensure_owned(bucket)
-            bucket.handle = self._reduce_scatter(bucket.buffer, bucket.counts, bucket.owned)
-            bucket.scattered = True
-        else:
-            bucket.handle = self.transport.start(bucket.buffer)
+            wire = bucket.wire = bucket.buffer.to(self.compression)
+        bucket.handle = self.placement.start(bucket, wire)
         if self._synchronous:
             self.recorder.end(bucket.token)  # it ran in start: the flight recorder shows its real duration
 
@@ -585,26 +608,12 @@ class Reducer:
         self._reset()
 
     def _release(self, bucket: _Bucket) -> None:
-        """A bucket whose sum is complete here: a compressed wire copied back; its views become the gradients;
-        dist.zero=2: the owned gradients kept in ``owned``, the others None, a transient bucket dropped."""
+        """A bucket whose sum is complete here: a compressed wire copied back; the placement hands the sums over
+        as gradients (``Placement.release``)."""
         if bucket.wire is not None:
             bucket.buffer.copy_(bucket.wire)
             bucket.wire = None
-        if not self.sharded:  # every entry a whole parameter
-            for t, view in zip(bucket.entry_tensor, bucket.views):
-                t.grad = view
-            return
-        self._ensure_owned(bucket)
-        if bucket.grouped and not bucket.scattered:  # all-reduced (a compressed wire): one piece to keep
-            lo = sum(bucket.counts[:self.rank])
-            bucket.owned.copy_(bucket.buffer[lo:lo + bucket.counts[self.rank]])
-        for e, (t, view) in enumerate(zip(bucket.entry_tensor, bucket.owned_views)):
-            if view is not None and not bucket.grouped:
-                view.copy_(bucket.views[e])
-            t.grad = view
-        if self._transient:
-            bucket.buffer = bucket.buffer.new_empty(0)
-            bucket.views = []
+        self.placement.release(bucket)
 
     def _raise_unused(self, lacking: list[int]) -> None:
         """``lacking``: this rank's buckets that lacked a gradient (empty when only another rank's did)."""

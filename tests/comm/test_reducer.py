@@ -207,7 +207,8 @@ def test_stage_2_drops_each_bucket_once_its_sum_is_in(comm, data_plane, kind, pr
 
         def note(_: torch.Tensor) -> None:
             live.append(sum(b.buffer.numel() * 4 for b in reducer.buckets))
-            owned.append(sum(b.owned.numel() * 4 for b in reducer.buckets if b.owned is not None))
+            owned.append(sum(b.shard.owned.numel() * 4 for b in reducer.buckets
+                             if b.shard is not None and b.shard.owned is not None))
 
         hooks = [p.register_post_accumulate_grad_hook(note) for p in params]
         for _ in range(2):  # a second step makes the dropped buckets again
@@ -215,7 +216,8 @@ def test_stage_2_drops_each_bucket_once_its_sum_is_in(comm, data_plane, kind, pr
             owned.clear()
             reducer.zero_grad()
             # The last step's owned sums are dropped with the gradients: made again as each bucket goes out.
-            assert all(b.owned is None and p.grad is None for b in reducer.buckets for p in b.params)
+            assert all((b.shard is None or b.shard.owned is None) and p.grad is None
+                       for b in reducer.buckets for p in b.params)
             nn.functional.cross_entropy(model(x), y).backward()
             at_end = live[-1]
             reducer.finish()
