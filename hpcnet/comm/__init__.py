@@ -3,9 +3,9 @@
 ``world`` (ranks, nodes, devices), ``netif`` (network interfaces), ``topology`` and ``pingpong`` (the measured
 topology; ``python -m hpcnet.comm.topology``), ``costmodel`` and ``plan`` (which transport, which ZeRO stage and
 placement), ``bootstrap`` (torch.distributed from MPI), ``transport`` (how a bucket is summed: NCCL, gloo, MPI,
-shared memory, hierarchical), ``reducer`` (buckets filled during backward), ``zero`` (sharded optimizer state and
-gradients), ``exchange`` and ``dataparallel`` (the wrapper the loop drives).  Reference: docs/communication.md,
-docs/memory.md, docs/topology.md.
+shared memory, hierarchical), ``buckets`` and ``reducer`` (buckets filled during backward), ``zero`` (sharded
+optimizer state and gradients), ``exchange`` and ``dataparallel`` (the wrapper the loop drives).  Reference:
+docs/communication.md, docs/memory.md, docs/topology.md.
 """
 
 from hpcnet import _lazy_exports

@@ -45,82 +45,19 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from hpcnet.agree import mark_agreed
+from hpcnet.comm.buckets import Bucket, Placement, Replicated, plan_buckets
 from hpcnet.comm.transport import CommFailure, FaultyTransport, Transport, abandon, succeeded, wait_all
+from hpcnet.comm.zero import Sharded
 from hpcnet.fault.flightrec import NULL_RECORDER
 
 log = logging.getLogger(__name__)
-
-
-def plan_buckets(sizes_bytes: list[int], bucket_bytes: int, first_bucket_bytes: int = 0) -> list[list[int]]:
-    """Group tensor indices into buckets (pure logic).
-
-    Tensors are taken in reverse order.  A bucket is closed once it holds at
-    least its cap: ``first_bucket_bytes`` for the first (when > 0),
-    ``bucket_bytes`` for the others.  A tensor is never split, so a bucket
-    exceeds its cap by less than its last tensor.
-    """
-    if bucket_bytes <= 0:
-        raise ValueError("bucket_bytes must be greater than 0")
-    buckets: list[list[int]] = []
-    current: list[int] = []
-    filled = 0
-    for index in reversed(range(len(sizes_bytes))):
-        current.append(index)
-        filled += sizes_bytes[index]
-        cap = first_bucket_bytes if (not buckets and first_bucket_bytes > 0) else bucket_bytes
-        if filled >= cap:
-            buckets.append(current)
-            current, filled = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
-
-
-@dataclass(eq=False)
-class _Bucket:
-    index: int
-    params: list[nn.Parameter]
-    names: list[str]
-    buffer: torch.Tensor
-    offsets: list[int]
-    pending: int = 0  # parameters not yet complete
-    arrived: list[int] = field(default_factory=list)  # each parameter's gradients this backward
-    expected: list[int] = field(default_factory=list)  # and how many make it complete (Reducer._uses)
-    launched: bool = False
-    handle: Any = None
-    wire: torch.Tensor | None = None
-    token: int = 0  # its entry in the flight recorder while it runs
-    # The bucket's entries in layout order: a whole parameter, or (dist.zero=2) rows of one (a unit of
-    # hpcnet.comm.zero.ShardLayout).  ``offsets`` are the entries', in elements.
-    entry_param: list[int] = field(default_factory=list)  # the entry's parameter, by its place in ``params``
-    entry_tensor: list[torch.Tensor] = field(default_factory=list)  # what the entry's gradient belongs to
-    entry_rows: list[tuple[int, int] | None] = field(default_factory=list)  # rows of a cut parameter, or None
-    entry_unit: list[int] = field(default_factory=list)  # the entry's unit of ownership (its parameter's index)
-    of_param: list[list[int]] = field(default_factory=list)  # each parameter's entries
-    views: list[torch.Tensor] = field(default_factory=list)  # each entry's gradient in ``buffer``
-    shard: Any = None  # the placement's state of the bucket (dist.zero=2: hpcnet.comm.zero.BucketShard)
-
-    @property
-    def nbytes(self) -> int:
-        """The bucket's size (its buffer is empty between steps at dist.zero=2)."""
-        return self.offsets[-1] * self.params[0].element_size()
-
-    def make_views(self) -> None:
-        """Each entry's gradient in the buffer, laid out as its tensor is (channels-last stays so: fused
-        optimizers read a gradient and its parameter in memory order, and gave wrong updates otherwise).  Made
-        once per buffer, not per step: two tensor ops a parameter cost about 10 us each step here."""
-        if self.buffer.numel() == 0:
-            self.views = []  # a dropped bucket (dist.zero=2): made again with its buffer
-            return
-        self.views = [_grad_view(self.buffer[self.offsets[e]:self.offsets[e + 1]], t)
-                      for e, t in enumerate(self.entry_tensor)]
 
 
 class LateGradient(RuntimeError):
@@ -137,93 +74,6 @@ class ReducerStats:
     steps: int = 0
     bytes_reduced: int = 0
     fallbacks: list[dict[str, Any]] = field(default_factory=list)
-
-
-class Placement(Protocol):
-    """Where a bucket's sums go: what differs between ``dist.zero`` 0/1 (``Replicated``: every rank keeps every
-    sum) and 2 (``hpcnet.comm.zero.Sharded``: each rank keeps the sums it owns).  The ``Reducer`` calls it at
-    those points only, and never asks which one it has."""
-
-    drops_buckets: bool
-    """The buckets are dropped once their sums are handed over, and made again by the next backward's folds."""
-    releases_early: bool
-    """The hooks launch complete buckets on every transport, and the reducer releases each as its sum is in (so
-    a rank holds the buckets being filled and those in flight, not the whole gradient)."""
-
-    def set_transport(self, transport: Transport) -> None:
-        """The transport the buckets go over from now on."""
-
-    def set_owners(self, owners: list[int]) -> None:
-        """New owners of the units (``Reducer.reassign``); ValueError where they do not fit."""
-
-    def entries(self, i: int, p: nn.Parameter) -> list[tuple[int, torch.Tensor, tuple[int, int] | None]]:
-        """Trainable parameter ``i``'s entries in a bucket: (unit index, tensor, rows or None when whole)."""
-
-    def order(self, entries: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        """A bucket's entries, ``(j, unit, tensor, rows)``, in the order its buffer lays them out."""
-
-    def attach(self, bucket: _Bucket) -> None:
-        """Give a newly laid-out bucket the placement's state (``bucket.shard``)."""
-
-    def assign(self, bucket: _Bucket) -> None:
-        """The owners set last (``set_owners``) for a bucket kept as it is laid out."""
-
-    def prepare(self, bucket: _Bucket) -> None:
-        """Ready a bucket for a fold (a dropped buffer is made again)."""
-
-    def start(self, bucket: _Bucket, wire: torch.Tensor | None) -> Any:
-        """Start the bucket's collective, on ``wire`` (its compressed copy) or, when None, its buffer; the handle."""
-
-    def release(self, bucket: _Bucket) -> None:
-        """Hand a bucket's complete sums over as gradients (``.grad``)."""
-
-    def zero_grad(self, bucket: _Bucket) -> None:
-        """Drop what the placement keeps of the bucket's gradients besides ``.grad``."""
-
-    def tensors(self, bucket: _Bucket) -> list[torch.Tensor]:
-        """The tensors that hold the bucket's gradients here (a memory account)."""
-
-
-class Replicated:
-    """``dist.zero`` 0 and 1: each bucket is all-reduced and every rank keeps the whole sum, its views becoming
-    the gradients; the buckets live from step to step (``Placement``)."""
-
-    drops_buckets = False
-    releases_early = False
-
-    def set_transport(self, transport: Transport) -> None:
-        self.transport = transport
-
-    def set_owners(self, owners: list[int]) -> None:
-        raise ValueError("reassign needs a reducer made with owners (dist.zero=2)")
-
-    def entries(self, i: int, p: nn.Parameter) -> list[tuple[int, torch.Tensor, tuple[int, int] | None]]:
-        return [(i, p, None)]
-
-    def order(self, entries: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        return entries
-
-    def attach(self, bucket: _Bucket) -> None:
-        pass
-
-    def assign(self, bucket: _Bucket) -> None:
-        pass
-
-    def prepare(self, bucket: _Bucket) -> None:
-        pass
-
-    def start(self, bucket: _Bucket, wire: torch.Tensor | None) -> Any:
-        return self.transport.start(bucket.buffer if wire is None else wire)
-
-    def release(self, bucket: _Bucket) -> None:
-        for t, view in zip(bucket.entry_tensor, bucket.views):  # every entry a whole parameter
-            t.grad = view
-
-    def zero_grad(self, bucket: _Bucket) -> None:
-        pass
-
-    def tensors(self, bucket: _Bucket) -> list[torch.Tensor]:
-        return [bucket.buffer]
 
 
 class Reducer:
@@ -281,8 +131,6 @@ class Reducer:
         self.rank = control.Get_rank()
         self.placement: Placement = Replicated()
         if owners is not None:
-            from hpcnet.comm.zero import Sharded  # zero.py builds on this module (a cycle at import time)
-
             self.placement = Sharded(owners, units, n_params=len(named), rank=self.rank,
                                      world_size=self.world_size)
         self._set_transport(transport)
@@ -303,7 +151,7 @@ class Reducer:
         groups: dict[tuple[Any, Any], list[int]] = {}
         for i, (_, p) in enumerate(named):
             groups.setdefault((p.device, p.dtype), []).append(i)
-        self.buckets: list[_Bucket] = []
+        self.buckets: list[Bucket] = []
         for members in groups.values():
             sizes = [named[i][1].numel() * named[i][1].element_size() for i in members]
             for plan in plan_buckets(sizes, self._bucket_bytes_cap, self._first_bucket_bytes):
@@ -316,7 +164,7 @@ class Reducer:
                 # Buckets that are dropped are made by the first fold of each backward.
                 buffer = (params[0].new_empty(0) if self.placement.drops_buckets
                           else self._new_buffer(offsets[-1], params[0]))
-                bucket = _Bucket(len(self.buckets), params, names, buffer, offsets)
+                bucket = Bucket(len(self.buckets), params, names, buffer, offsets)
                 bucket.expected = [self._uses.get(p, 1) for p in params]
                 bucket.entry_param = [entry[0] for entry in entries]
                 bucket.entry_unit = [entry[1] for entry in entries]
@@ -328,7 +176,7 @@ class Reducer:
                 self.placement.attach(bucket)
                 self.buckets.append(bucket)
                 bucket.make_views()
-        self._bucket_of: dict[nn.Parameter, tuple[_Bucket, int]] = {
+        self._bucket_of: dict[nn.Parameter, tuple[Bucket, int]] = {
             p: (bucket, j) for bucket in self.buckets for j, p in enumerate(bucket.params)}
 
     def reassign(self, owners: list[int]) -> None:
@@ -393,7 +241,7 @@ class Reducer:
                     t.grad = bucket.views[e]
 
     # -- folding gradients into buckets ----------------------------------------
-    def _fold(self, bucket: _Bucket, j: int) -> None:
+    def _fold(self, bucket: Bucket, j: int) -> None:
         """Write parameter j's gradient, times 1/world size, into its bucket view (one pass) and drop ``.grad``
         (the view becomes it when the sum is in, ``_release``; a later arrival in this backward is then a tensor
         of its own, ``_fold_more``).  No gradient: zeros (an unused parameter).  A cut parameter's rows go to
@@ -416,7 +264,7 @@ class Reducer:
             view.copy_(grad)
         p.grad = None
 
-    def _fold_more(self, bucket: _Bucket, j: int) -> None:
+    def _fold_more(self, bucket: Bucket, j: int) -> None:
         """A later arrival of parameter j's gradient in this backward (reentrant checkpointing: one backward per
         segment): added, times 1/world size, to what its bucket view holds.  Scaling by a power of two is exact,
         so the view then holds the bits of autograd's own sum of the arrivals, folded once."""
@@ -431,7 +279,7 @@ class Reducer:
                 bucket.views[e].add_(part)
         p.grad = None
 
-    def _fold_rows(self, bucket: _Bucket, p: nn.Parameter, entries: list[int]) -> None:
+    def _fold_rows(self, bucket: Bucket, p: nn.Parameter, entries: list[int]) -> None:
         grad = p.grad
         for e in entries:
             lo, hi = bucket.entry_rows[e]  # type: ignore[misc]
@@ -490,7 +338,7 @@ class Reducer:
             if bucket.pending == 0:
                 self._launch_ready()
 
-    def _again(self, bucket: _Bucket, j: int, n: int) -> None:
+    def _again(self, bucket: Bucket, j: int, n: int) -> None:
         """Arrival ``n`` > 1 of parameter j's gradient in this backward (see the module's doc): added into its
         bucket unless the bucket went out already; the most arrivals seen is what completes it from now on."""
         self._repeated = True
@@ -534,7 +382,7 @@ class Reducer:
             self._release(self.buckets[self._next_release])
             self._next_release += 1
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
         bucket.token = self.recorder.start("allreduce.bucket", bucket.index,
                                            bucket.buffer.numel() * bucket.buffer.element_size())
@@ -547,7 +395,7 @@ class Reducer:
             self.recorder.end(bucket.token)  # it ran in start: the flight recorder shows its real duration
 
     # -- finishing -------------------------------------------------------------
-    def _wait(self, buckets: list[_Bucket]) -> BaseException | None:
+    def _wait(self, buckets: list[Bucket]) -> BaseException | None:
         # A synchronous transport's buckets were ended in the recorder as they ran (_launch).
         on_done = None if self._synchronous else (lambda i: self.recorder.end(buckets[i].token))
         return wait_all([b.handle for b in buckets], self.timeout_s, on_done=on_done)
@@ -607,7 +455,7 @@ class Reducer:
         self._completed = True
         self._reset()
 
-    def _release(self, bucket: _Bucket) -> None:
+    def _release(self, bucket: Bucket) -> None:
         """A bucket whose sum is complete here: a compressed wire copied back; the placement hands the sums over
         as gradients (``Placement.release``)."""
         if bucket.wire is not None:
@@ -661,22 +509,6 @@ class Reducer:
             self.transport.close()
         else:
             abandon(self.transport)
-
-
-def _grad_view(flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``flat`` (``p.numel()`` elements) laid out as ``p`` is: a dense parameter in another order of its
-    dimensions (channels-last) gets its strides, any other its shape."""
-    return flat.as_strided(p.shape, p.stride()) if not p.is_contiguous() and _dense(p) else flat.view_as(p)
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill its extent without gaps or overlaps, in some order of its dimensions."""
-    expected = 1
-    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def broadcast_module(module: nn.Module, comm: Any) -> None:

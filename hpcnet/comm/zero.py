@@ -35,9 +35,9 @@ import torch
 from torch import nn
 
 from hpcnet.ckpt.schema import ROW_PIECE
+from hpcnet.comm.buckets import Bucket, dense, grad_view
 from hpcnet.comm.costmodel import LinkCost, ShardPlan, assign_shards, measured_speeds
 from hpcnet.comm.exchange import exchange, pieces
-from hpcnet.comm.reducer import _Bucket, _dense, _grad_view
 from hpcnet.comm.transport import Transport
 
 UPDATE_S_PER_BYTE = 1.0 / 2e9
@@ -183,7 +183,7 @@ class ParamGather:
                 self.types.append(None)
                 continue
             for p in mine:
-                if not p.is_contiguous() and not _dense(p):
+                if not p.is_contiguous() and not dense(p):
                     raise ValueError("a sharded parameter must be dense in memory")
             # A block length is a C int: a tensor of 2 GiB or more is listed in pieces.
             blocks = [(p.data_ptr() + lo, hi - lo) for p in mine for lo, hi in pieces(p.numel() * p.element_size())]
@@ -482,7 +482,7 @@ class ShardedOptimizer:
 
 @dataclass(eq=False)
 class BucketShard:
-    """Stage 2's state of one reducer bucket (``_Bucket.shard``)."""
+    """Stage 2's state of one reducer bucket (``Bucket.shard``)."""
 
     grouped: bool  # laid out owner by owner (reduce-scatter), else in dist.zero=0's order
     counts: list[int] = field(default_factory=list)  # elements each rank owns, in rank order
@@ -493,7 +493,7 @@ class BucketShard:
 
 
 class Sharded:
-    """Stage 2's placement of the reducer's sums (``hpcnet.comm.reducer.Placement``): each bucket is laid out
+    """Stage 2's placement of the reducer's sums (``hpcnet.comm.buckets.Placement``): each bucket is laid out
     owner by owner and reduce-scattered (or all-reduced, where the transport has no reduce-scatter, and its owned
     part kept); after the reducer's ``finish`` a unit's tensor has a ``.grad`` on its owner only, and the
     buckets are dropped until the next backward (unless they live in the transport's memory, shm's window), so
@@ -541,11 +541,11 @@ class Sharded:
         # Owner by owner, so each rank's sums are one contiguous piece to reduce-scatter.
         return sorted(entries, key=lambda entry: self.owners[entry[1]])
 
-    def attach(self, bucket: _Bucket) -> None:
+    def attach(self, bucket: Bucket) -> None:
         bucket.shard = BucketShard(grouped=self.reduce_scatter is not None)  # as ``order`` laid it out
         self.assign(bucket)
 
-    def assign(self, bucket: _Bucket) -> None:
+    def assign(self, bucket: Bucket) -> None:
         shard = bucket.shard
         shard.owner_of = [self.owners[k] for k in bucket.entry_unit]
         shard.counts = [0] * self.world_size
@@ -553,14 +553,14 @@ class Sharded:
             shard.counts[owner] += t.numel()
         shard.owned, shard.owned_views = None, []  # made when its collective starts (_ensure_owned)
 
-    def prepare(self, bucket: _Bucket) -> None:
+    def prepare(self, bucket: Bucket) -> None:
         """A dropped bucket is made again (every element is written by the folds)."""
         if self.drops_buckets and bucket.buffer.numel() == 0 and bucket.offsets[-1] > 0:
             like = bucket.params[0]
             bucket.buffer = torch.empty(bucket.offsets[-1], dtype=like.dtype, device=like.device)
             bucket.make_views()
 
-    def start(self, bucket: _Bucket, wire: torch.Tensor | None) -> Any:
+    def start(self, bucket: Bucket, wire: torch.Tensor | None) -> Any:
         shard = bucket.shard
         shard.scattered = wire is None and shard.grouped and self.reduce_scatter is not None
         if shard.scattered:
@@ -568,7 +568,7 @@ class Sharded:
             return self.reduce_scatter(bucket.buffer, shard.counts, shard.owned)
         return self.transport.start(bucket.buffer if wire is None else wire)
 
-    def release(self, bucket: _Bucket) -> None:
+    def release(self, bucket: Bucket) -> None:
         """The owned gradients kept in ``owned``, the others None; a dropped bucket's buffer freed."""
         shard = bucket.shard
         self._ensure_owned(bucket)
@@ -583,14 +583,14 @@ class Sharded:
             bucket.buffer = bucket.buffer.new_empty(0)
             bucket.views = []
 
-    def zero_grad(self, bucket: _Bucket) -> None:
+    def zero_grad(self, bucket: Bucket) -> None:
         bucket.shard.owned, bucket.shard.owned_views = None, []
 
-    def tensors(self, bucket: _Bucket) -> list[torch.Tensor]:
+    def tensors(self, bucket: Bucket) -> list[torch.Tensor]:
         owned = bucket.shard.owned
         return [bucket.buffer] if owned is None else [bucket.buffer, owned]
 
-    def _ensure_owned(self, bucket: _Bucket) -> None:
+    def _ensure_owned(self, bucket: Bucket) -> None:
         """This rank's sums of the bucket, its parameters' in bucket order, and their gradient views, made when
         the bucket's collective starts.  ``zero_grad`` drops them, so during the next forward and the early
         backward, when the activations are all alive, the last step's gradient shard is not: its peak is lower
@@ -606,7 +606,7 @@ class Sharded:
             if shard.owner_of[e] != self.rank:
                 shard.owned_views.append(None)
                 continue
-            shard.owned_views.append(_grad_view(shard.owned[at:at + t.numel()], t))
+            shard.owned_views.append(grad_view(shard.owned[at:at + t.numel()], t))
             at += t.numel()
 
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from hpcnet.comm.reducer import Reducer, plan_buckets
+from hpcnet.comm.buckets import plan_buckets
+from hpcnet.comm.reducer import Reducer
 from hpcnet.comm.transport import build_transport
 from hpcnet.comm.world import discover
 from tests.helpers.comm import FakeComm, FakeWork, Net, even_nodes, reference_grads
@@ -205,7 +206,7 @@ def test_stage_2_drops_each_bucket_once_its_sum_is_in(comm, data_plane, kind, pr
         live = []  # bucket bytes alive after each parameter's hook (ours run after the reducer's)
         owned = []  # and this rank's owned sums (dist.zero=2) alive then
 
-        def note(_: torch.Tensor) -> None:
+        def note(_: torch.Tensor, live=live, owned=owned, reducer=reducer) -> None:
             live.append(sum(b.buffer.numel() * 4 for b in reducer.buckets))
             owned.append(sum(b.shard.owned.numel() * 4 for b in reducer.buckets
                              if b.shard is not None and b.shard.owned is not None))
