@@ -1,11 +1,13 @@
 """The documentation is tested: links and named paths resolve, the generated reference is current, the
 architecture names every module, and every command of the README runs.
 
-README commands: each ```bash block is run, line by line, in a fresh directory, unless an HTML comment
-``<!-- not-run: reason -->`` stands right before it. A block whose first line is a comment naming a file
-(``# run.toml``, ``# mywork.py``) is that file's content: it is written into the directory first, so the
-commands that use it find it. ``scripts/...`` commands run from the repository; ``scripts/train.sh`` gets a run
-directory of its own, so the test never continues (or leaves) a run in the repository's ``runs/``.
+README commands: each ```bash block is run, line by line, in a fresh directory, unless an HTML comment stands
+right before it: ``<!-- not-run: reason -->`` (not run, and why), or ``<!-- run-in: repository -->`` (run from
+the repository root, for commands that name its files, such as its tests). A block whose first line is a
+comment naming a file (``# run.toml``, ``# mywork.py``) is that file's content: it is written into the
+directory first, so the commands that use it find it. ``scripts/...`` commands run from the repository;
+``scripts/train.sh`` gets a run directory of its own, so the test never continues (or leaves) a run in the
+repository's ``runs/``.
 """
 
 import importlib
@@ -167,7 +169,7 @@ FILE_HEADER = re.compile(r"^#\s*([\w.-]+\.(?:toml|py|json))\s*$")
 
 
 def readme_blocks() -> list[tuple[int, str, list[str], str]]:
-    """(line, language, lines, reason) of every fenced block; reason: why it is not run, '' when it is."""
+    """(line, language, lines, note) of every fenced block; note: the HTML comment right before it, or ''."""
     blocks, lines = [], (ROOT / "README.md").read_text().splitlines()
     i = 0
     while i < len(lines):
@@ -178,8 +180,8 @@ def readme_blocks() -> list[tuple[int, str, list[str], str]]:
             while not lines[j].startswith("```"):
                 j += 1
             before = next((lines[k] for k in range(start - 1, -1, -1) if lines[k].strip()), "")
-            reason = m.group(1) if (m := re.match(r"<!--\s*not-run:\s*(.*?)\s*-->", before)) else ""
-            blocks.append((start + 1, lang, lines[start + 1:j], reason))
+            note = m.group(1) if (m := re.match(r"<!--\s*((?:not-run|run-in):.*?)\s*-->", before)) else ""
+            blocks.append((start + 1, lang, lines[start + 1:j], note))
             i = j
         i += 1
     return blocks
@@ -199,15 +201,17 @@ def _commands(lines: list[str]) -> list[str]:
     return commands
 
 
-COMMAND_BLOCKS = [(line, lines, reason) for line, lang, lines, reason in readme_blocks()
-                  if lang in ("bash", "sh", "shell")]
+COMMAND_BLOCKS = [(line, lines, note) for line, lang, lines, note in readme_blocks() if lang == "bash"]
 
 
-def test_the_readme_says_why_a_command_is_not_run():
-    for line, _, reason in COMMAND_BLOCKS:
-        if reason:
-            assert len(reason) > 10, f"README.md:{line}: say why the block is not run"
-    assert sum(1 for *_, reason in COMMAND_BLOCKS if not reason) >= 3, "the README runs too few commands"
+def test_every_readme_block_says_what_it_is_and_why_a_command_is_not_run():
+    for line, lang, _, note in readme_blocks():
+        assert lang in ("bash", "toml", "python", "text"), f"README.md:{line}: a block without a known language"
+        if note.startswith("not-run:"):
+            assert len(note) > 20, f"README.md:{line}: say why the block is not run"
+        elif note:
+            assert note == "run-in: repository", f"README.md:{line}: unknown note {note!r}"
+    assert sum(1 for *_, note in COMMAND_BLOCKS if not note.startswith("not-run")) >= 4, "too few commands run"
 
 
 def _prepare(directory: Path) -> None:
@@ -228,19 +232,20 @@ def _runnable(command: str, run_dir: Path) -> str:
 
 @pytest.mark.launch
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("line,lines,reason", COMMAND_BLOCKS, ids=[f"README.md:{b[0]}" for b in COMMAND_BLOCKS])
-def test_readme_commands_run(tmp_path, line, lines, reason):
+@pytest.mark.parametrize("line,lines,note", COMMAND_BLOCKS, ids=[f"README.md:{b[0]}" for b in COMMAND_BLOCKS])
+def test_readme_commands_run(tmp_path, line, lines, note):
     if MPI.COMM_WORLD.Get_size() > 1:
         pytest.skip("starts its own processes: runs in the serial pass")
-    if reason:
-        pytest.skip(f"README.md:{line}: {reason}")
+    if note.startswith("not-run"):
+        pytest.skip(f"README.md:{line}: {note}")
     _prepare(tmp_path)
     env = clean_env(PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}")
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     for command in _commands(lines):
         if command.startswith("scripts/test.sh"):
             continue  # the suite itself: CI (.ci/run) runs exactly this command
-        result = subprocess.run(["bash", "-c", _runnable(command, tmp_path / "runs")], cwd=tmp_path, env=env,
+        cwd = ROOT if note == "run-in: repository" else tmp_path
+        result = subprocess.run(["bash", "-c", _runnable(command, tmp_path / "runs")], cwd=cwd, env=env,
                                 capture_output=True, text=True, timeout=540)
         assert result.returncode == 0, (f"README.md:{line}: `{command}` exited {result.returncode}\n"
                                         f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
