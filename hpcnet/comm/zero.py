@@ -124,7 +124,7 @@ class ShardLayout:
 
 def measure_speed(rounds: int = SPEED_PROBE_ROUNDS, size: int = 192, device: torch.device | None = None) -> float:
     """Seconds for one ``size``-square float32 matmul on ``device`` (default this rank's CPU), median of
-    ``rounds`` (about 10 ms on a CPU; on a GPU each timed matmul is synchronised, so call it at a boundary)."""
+    ``rounds`` (milliseconds on a CPU; on a GPU each timed matmul is synchronised, so call it at a boundary)."""
     device = device or torch.device("cpu")
     a = torch.randn(size, size, generator=torch.Generator().manual_seed(0)).to(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -594,7 +594,7 @@ class Sharded:
         """This rank's sums of the bucket, its parameters' in bucket order, and their gradient views, made when
         the bucket's collective starts.  ``zero_grad`` drops them, so during the next forward and the early
         backward, when the activations are all alive, the last step's gradient shard is not: its peak is lower
-        by up to the shard (46 MiB a rank on a 186 MiB transformer at 4 ranks)."""
+        by up to the shard (benchmarks/2026-12-05-memory-zero2-4-ranks.md)."""
         shard = bucket.shard
         if shard.owned is not None:
             return
