@@ -21,6 +21,8 @@ from hpcnet.models.mlp import mlp
 from hpcnet.models.resnet import BasicBlock, Bottleneck, resnet_factory
 from hpcnet.models.transformer import transformer
 
+__all__ = ["build_model", "count_parameters", "mlp", "resnet_factory", "transformer"]
+
 
 def count_parameters(model: nn.Module) -> int:
     """Return the number of distinct parameter elements (tied weights count once).
