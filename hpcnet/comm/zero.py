@@ -594,7 +594,7 @@ class Sharded:
         """This rank's sums of the bucket, its parameters' in bucket order, and their gradient views, made when
         the bucket's collective starts.  ``zero_grad`` drops them, so during the next forward and the early
         backward, when the activations are all alive, the last step's gradient shard is not: its peak is lower
-        by up to the shard (benchmarks/2026-12-05-memory-zero2-4-ranks.md)."""
+        by up to the shard."""
         shard = bucket.shard
         if shard.owned is not None:
             return
