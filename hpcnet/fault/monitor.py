@@ -26,6 +26,7 @@ The reports and dumps it writes, and the stacks signal: ``hpcnet.fault.failure``
 """
 
 import contextlib
+import json
 import logging
 import os
 import random
@@ -77,6 +78,9 @@ from hpcnet.fault.memwatch import MemoryWatch, merge_summaries
 from hpcnet.fault.native import NativeWatchdog
 from hpcnet.fault.watchdog import NULL_DEADLINES, Deadlines, Guard
 from hpcnet.paths import FAILURE_FILE, stall_dump
+
+MERGE_WAIT_S = 0.5
+"""The longest a rank that declared silent peers waits for their other watchers' view in ``failure.json``."""
 
 log = logging.getLogger(__name__)
 
@@ -386,6 +390,22 @@ class Monitor:
                                   detector_step=self.recorder.step)
         self._declare(report)
 
+    def _wait_for_other_watchers(self, silent: list[int], failed: set[int]) -> None:
+        """Give the other live watchers of the silent ranks a moment (``MERGE_WAIT_S`` at most) to add what they
+        saw to ``failure.json`` before this rank's abort ends them.
+
+        The watchers of a rank see its silence from the same beats, so they declare within a tick of each
+        other; each names the silent ranks it watches. Two adjacent ranks that stop together are then named
+        together whoever declares first, instead of by whichever rank's abort wins the race."""
+        size = self.world.size
+        others = {w for r in silent for w in ring_peers(r, size)[0]} - failed - {self.world.rank}
+        deadline = time.monotonic() + MERGE_WAIT_S
+        while others and time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError):
+                merged = json.loads((self.run_dir / FAILURE_FILE).read_text())
+                others -= {merged.get("detected_by"), *merged.get("also_detected_by", [])}
+            time.sleep(self._tick_s)
+
     def _signal_local_peers(self, ranks: list[int]) -> bool:
         """Ask silent ranks on this host to print their stacks (works while they hold the GIL); can any answer?
         A stopped one (SIGSTOP, a debugger) is asked too, but holds the signal until it resumes: no wait for it."""
@@ -482,6 +502,8 @@ class Monitor:
             # A moment for a silent peer to print its stacks, and for its other
             # watcher to add what it saw to failure.json, before the abort.
             time.sleep(0.5)
+        elif silent and report["kind"] == "heartbeat":
+            self._wait_for_other_watchers(silent, {f["rank"] for f in report["failed"]})
         for handler in logging.getLogger("hpcnet").handlers:
             handler.flush()
         self.comm.Abort(ExitCode.RESTARTABLE)
