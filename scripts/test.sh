@@ -11,25 +11,37 @@
 # (scripts/slurm.sh, which installs slurm-wlm and munge when missing), started
 # here and stopped after the pass unless it was running already.  Where it
 # cannot start (not root, no apt) tests/test_slurm.py skips and says why;
-# HPCNET_SLURM=off skips starting it.
+# HPCNET_SLURM=off skips starting it.  Likewise the local multi-host cluster
+# (scripts/cluster.sh: hosts as network namespaces, root only) for
+# tests/test_cluster.py; HPCNET_CLUSTER=off skips it and those tests.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 echo "=== ruff (lint, import order, docstrings: pyproject.toml) ==="
 ruff check hpcnet tests scripts
 slurm_started=0
+cluster_started=0
+stop_started() {
+    if [ "$slurm_started" = 1 ]; then scripts/slurm.sh stop; slurm_started=0; fi
+    if [ "$cluster_started" = 1 ]; then scripts/cluster.sh stop; cluster_started=0; fi
+}
+trap stop_started EXIT
 if [ "${HPCNET_SLURM:-on}" != off ] && ! scripts/slurm.sh status >/dev/null 2>&1; then
     if scripts/slurm.sh start; then
         slurm_started=1
-        trap 'scripts/slurm.sh stop' EXIT
     else
         echo "test.sh: the local SLURM did not start; the SLURM tests will be skipped" >&2
     fi
 fi
-python -m pytest "$@"
-if [ "$slurm_started" = 1 ]; then
-    scripts/slurm.sh stop
-    trap - EXIT
+if [ "${HPCNET_CLUSTER:-on}" != off ] && ! scripts/cluster.sh status >/dev/null 2>&1; then
+    if scripts/cluster.sh start; then
+        cluster_started=1
+    else
+        echo "test.sh: the local cluster did not start; the cluster tests will be skipped" >&2
+    fi
 fi
+python -m pytest "$@"
+stop_started
+trap - EXIT
 for n in 2 3 4; do
     echo "=== MPI tests on $n ranks ==="
     timeout 900 mpiexec -n "$n" python -m mpi4py -m pytest -m mpi -q "$@"

@@ -19,12 +19,12 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    # At more than one rank every rank would start the same mpirun or SLURM job at once.
+    # At more than one rank every rank would start the same mpirun, SLURM or cluster job at once.
     if MPI.COMM_WORLD.Get_size() == 1:
         return
     skip = pytest.mark.skip(reason="starts its own mpirun or SLURM job: runs in the serial pass (scripts/test.sh)")
     for item in items:
-        if item.get_closest_marker("launch") or item.get_closest_marker("slurm"):
+        if any(item.get_closest_marker(name) for name in ("launch", "slurm", "cluster")):
             item.add_marker(skip)
 
 

@@ -1,0 +1,244 @@
+"""The local multi-host cluster of scripts/cluster.sh: hosts as network namespaces on this machine.
+
+scripts/test.sh starts the cluster before the serial pass and stops it after; run alone, this module starts
+one itself (and stops it at the end) when none is running, and skips with the reason where namespaces cannot
+be made (not root, ``ip netns add`` refused) or where HPCNET_CLUSTER=off and none is running.  Every job here
+runs under ``scripts/cluster.sh mpirun`` or the options that ``scripts/cluster.sh env`` prints, as a user
+runs it.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mpi4py import MPI
+
+from tests.helpers.launch import ROOT, clean_env, wait_for
+
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="starts mpirun on the local cluster; serial pass"),
+]
+
+CLUSTER = ROOT / "scripts" / "cluster.sh"
+STATE = Path(os.environ.get("HPCNET_CLUSTER_DIR", "/run/hpcnet-cluster"))
+
+
+def _cli(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+    out = subprocess.run([str(CLUSTER), *args], env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert out.returncode == 0, f"cluster.sh {' '.join(args)}: {out.returncode}\n{out.stdout}{out.stderr}"
+    return out
+
+
+class Cluster:
+    """The running cluster as its state directory describes it."""
+
+    def __init__(self) -> None:
+        self.config = dict(line.split("=", 1) for line in (STATE / "config").read_text().split())
+        # hostmap: namespace hostname address interface veth
+        self.rows = [line.split() for line in (STATE / "hostmap").read_text().splitlines()]
+        self.namespaces = [row[0] for row in self.rows]
+        self.hostnames = [row[1] for row in self.rows]
+        self.addresses = [row[2] for row in self.rows]
+        self.slots = int(self.config["slots"])
+
+    def interface(self, host: str) -> str:
+        return Cluster().rows[self.hostnames.index(host)][3]
+
+    def pids(self, host: str) -> list[str]:
+        ns = self.namespaces[self.hostnames.index(host)]
+        return subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+
+    def mpirun(self, cwd: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run([str(CLUSTER), "mpirun", *args], cwd=cwd, env=clean_env(), capture_output=True,
+                              text=True, timeout=timeout)
+
+    def python(self, cwd: Path, np: int, code: str, *mpirun_args: str, timeout: float = 60):
+        """``scripts/cluster.sh mpirun -np NP python -c CODE``: its output, the job having ended with 0."""
+        out = self.mpirun(cwd, "-np", str(np), *mpirun_args, sys.executable, "-c", code, timeout=timeout)
+        assert out.returncode == 0, f"{out.returncode}\n{out.stdout}{out.stderr}"
+        return out.stdout
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """The running local cluster, or one started here and stopped after the session."""
+    if os.geteuid() != 0:
+        pytest.skip("the local cluster needs root (network namespaces): run as root, see docs/testing.md")
+    started = False
+    if _cli("status", check=False).returncode != 0:
+        if os.environ.get("HPCNET_CLUSTER") == "off":
+            pytest.skip("HPCNET_CLUSTER=off and no local cluster is running")
+        start = _cli("start", check=False)
+        if start.returncode != 0:
+            pytest.skip(f"the local cluster did not start: {(start.stderr or start.stdout).strip()}")
+        started = True
+    yield Cluster()
+    if started:
+        _cli("stop", check=False)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+def test_start_says_why_it_cannot(tmp_path):
+    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(CLUSTER), "start"],
+                         env=clean_env(HPCNET_CLUSTER_DIR=str(tmp_path / "state")), capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 1 and "not root: network namespaces need root" in out.stderr, out.stderr
+
+
+def test_hosts_have_their_own_names_and_addresses(cluster, tmp_path):
+    hosts = cluster.hostnames
+    # Rank 0 prints for all: lines that several ranks print may interleave on mpirun's output.
+    code = ("import socket\nfrom mpi4py import MPI\nname = socket.gethostname()\n"
+            f"others = [socket.gethostbyname(h) for h in {hosts!r}]\n"
+            "row = [MPI.COMM_WORLD.Get_rank(), name, MPI.Get_processor_name(), socket.gethostbyname(name), *others]\n"
+            "rows = MPI.COMM_WORLD.gather(' '.join(map(str, row)))\n"
+            "if rows: print('\\n'.join(rows))")
+    lines = [line.split() for line in cluster.python(tmp_path, 4, code).splitlines() if line[:1].isdigit()]
+    assert len(lines) == 4, lines
+    for rank, name, processor, address, *others in lines:
+        host = int(rank) // cluster.slots  # --host fills each host's slots in turn
+        assert name == processor == hosts[host], lines
+        assert address == cluster.addresses[host], lines  # a host's own name is its bridge address
+        assert others == cluster.addresses[:len(hosts)], lines  # every name resolves on every host
+    assert len({line[1] for line in lines}) == min(len(hosts), 4 // cluster.slots), lines
+
+
+def test_allreduce_across_hosts_with_the_printed_options(cluster, tmp_path):
+    # `mpirun $(scripts/cluster.sh env)`: the options a user copies, not the wrapper.
+    options = _cli("env").stdout.split()
+    assert "plm_rsh_agent" in options and "--host" in options, options
+    code = ("import socket\nimport numpy as np\nfrom mpi4py import MPI\ncomm = MPI.COMM_WORLD\n"
+            "x = np.full(1 << 20, comm.Get_rank() + 1, dtype=np.float64)\ny = np.empty_like(x)\n"
+            "comm.Allreduce(x, y)\nhosts = comm.allgather(socket.gethostname())\n"
+            "sums = comm.gather((y.min(), y.max()))\n"
+            "if sums: print('sum', min(s[0] for s in sums), max(s[1] for s in sums), len(set(hosts)))")
+    out = subprocess.run(["mpirun", *options, "-np", "4", sys.executable, "-c", code], cwd=tmp_path,
+                         env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.findall(r"^sum (\S+) (\S+) (\d+)$", out.stdout, flags=re.M) == [("10.0", "10.0", "2")], out.stdout
+
+
+def test_hostfile(cluster, tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(_cli("hosts").stdout)
+    assert hostfile.read_text().split("\n")[0] == f"{cluster.hostnames[0]} slots={cluster.slots}"
+    code = "import socket\nprint(socket.gethostname())"
+    names = cluster.python(tmp_path, 2, code, "--hostfile", str(hostfile), "--map-by", "node").split()
+    assert sorted(names) == sorted(cluster.hostnames[:2]), names
+
+
+def test_fail_kills_every_process_of_a_host(cluster, tmp_path):
+    victim = cluster.hostnames[1]
+    code = ("import os, time\nfrom mpi4py import MPI\nMPI.COMM_WORLD.Barrier()\n"
+            f"open(os.path.join({str(tmp_path)!r}, f'up-{{MPI.COMM_WORLD.Get_rank()}}'), 'w').close()\n"
+            "time.sleep(120)")
+    job = subprocess.Popen([str(CLUSTER), "mpirun", "-np", "4", sys.executable, "-c", code], cwd=tmp_path,
+                           env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert wait_for(lambda: len(list(tmp_path.glob("up-*"))) == 4, 60), "the job did not start"
+        assert len(cluster.pids(victim)) >= 3  # its daemon and two ranks
+        _cli("fail", victim)
+        assert cluster.pids(victim) == []
+        # mpirun sees its daemon die and ends the job, the ranks on the other host included.
+        out, _ = job.communicate(timeout=60)
+        assert job.returncode != 0, out
+        assert wait_for(lambda: cluster.pids(cluster.hostnames[0]) == [], 10), cluster.pids(cluster.hostnames[0])
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+
+
+def _ping(source: str, target: str) -> bool:
+    return _cli("exec", source, "ping", "-c", "1", "-W", "1", target, check=False).returncode == 0
+
+
+def test_partition_and_heal(cluster):
+    a, b = cluster.hostnames[:2]
+    assert _ping(a, b)
+    _cli("partition", b)
+    try:
+        assert not _ping(a, b) and not _ping(b, a)
+    finally:
+        _cli("heal", b)
+    assert wait_for(lambda: _ping(a, b), 10)
+
+
+def test_link_rate_is_a_tbf_qdisc_that_limits(cluster, tmp_path):
+    def qdisc(host):
+        ns = cluster.namespaces[cluster.hostnames.index(host)]
+        return subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", cluster.interface(host)],
+                              capture_output=True, text=True, check=True).stdout
+
+    before = {host: qdisc(host) for host in cluster.hostnames}
+    a, b = cluster.hostnames[:2]
+    # `start --link-gbit` on a running cluster sets the rate in place, on every host.
+    _cli("start", "--link-gbit", "0.1")
+    try:
+        assert all(re.search(r"tbf .* rate 100Mbit", qdisc(host)) for host in cluster.hostnames)
+        # 4 MiB each way between two hosts at 100 Mbit/s: at least 0.34 s.
+        code = ("import time\nimport numpy as np\nfrom mpi4py import MPI\ncomm = MPI.COMM_WORLD\n"
+                "x = np.zeros(1 << 22, dtype=np.uint8)\ny = np.empty_like(x)\npeer = 1 - comm.rank\n"
+                "comm.Sendrecv(x, peer, recvbuf=y)\nt = time.perf_counter()\ncomm.Sendrecv(x, peer, recvbuf=y)\n"
+                "rates = comm.gather(x.nbytes * 8 / (time.perf_counter() - t) / 1e9)\n"
+                "if rates: print(*(f'gbit {r}' for r in rates), sep='\\n')")
+        out = cluster.python(tmp_path, 2, code, "--host", f"{a}:1,{b}:1")
+        rates = [float(r) for r in re.findall(r"^gbit (\S+)$", out, flags=re.M)]
+        assert len(rates) == 2 and all(0.01 < r < 0.12 for r in rates), out
+        _cli("slow", b, "2")
+        assert "rate 2Gbit" in qdisc(b) and "rate 100Mbit" in qdisc(a)
+    finally:
+        _cli("slow", "all", "off")
+        for host, shown in before.items():
+            rate = re.search(r"tbf .* rate (\S+)", shown)
+            if rate:
+                _cli("slow", host, rate.group(1).lower())
+    assert all(qdisc(host) == before[host] for host in cluster.hostnames)
+
+
+def test_default_job_on_two_hosts_with_the_same_interface_names(cluster, tmp_path):
+    before = cluster.config["ifnames"]
+    _cli("start", "--ifnames", "same")
+    try:
+        assert [Cluster().interface(h) for h in cluster.hostnames] == ["eth0"] * len(cluster.hostnames)
+        out = cluster.mpirun(tmp_path, "-np", "4", sys.executable, "-m", "mpi4py", "-m", "hpcnet.train",
+                             "train.steps=10", "train.eval_every=0", "run.log_every=5", timeout=150)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+        assert re.search(r"4 ranks on 2 node\(s\) \(2 per node\), host\(s\) (\S+), (\S+)", out.stderr), out.stderr
+        assert "done: 10 steps" in out.stderr, out.stderr[-3000:]
+        # Host names resolve on every host, peers' addresses back to names too (c10d warns otherwise).
+        assert "hostname of the client socket cannot be retrieved" not in out.stderr, out.stderr[-3000:]
+    finally:
+        _cli("start", "--ifnames", before)
+
+
+def test_stop_leaves_nothing_behind(cluster, tmp_path):
+    """Last: stops the cluster (every process on it included), then starts it again as it was."""
+    rates = {host: re.search(r"tbf \S+ rate (\S+)", line) for host, line in
+             zip(cluster.hostnames, _cli("status").stdout.splitlines()[1:])}
+    sleeper = subprocess.Popen([str(CLUSTER), "exec", cluster.hostnames[0], "sleep", "300"], env=clean_env())
+    assert wait_for(lambda: cluster.pids(cluster.hostnames[0]), 10)
+    stop_started = time.monotonic()
+    _cli("stop")
+    assert time.monotonic() - stop_started < 20
+    assert sleeper.wait(timeout=10) != 0
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert not set(cluster.namespaces) & set(netns), netns
+    bridge = f"{cluster.config['prefix']}br0"
+    assert not re.search(rf"^\d+: ({bridge}|v-{cluster.config['prefix']}[a-z])[@:]", links, flags=re.M), links
+    assert not STATE.exists()
+    assert _cli("status", check=False).returncode == 1
+    _cli("start", "--hosts", cluster.config["hosts"], "--slots", str(cluster.slots),
+         "--ifnames", cluster.config["ifnames"])
+    for host, rate in rates.items():
+        if rate:
+            _cli("slow", host, rate.group(1).lower())
