@@ -11,11 +11,14 @@ import time
 from pathlib import Path
 
 ATTEMPT_ENV = "HPCNET_ATTEMPT"
+"""Set by ``hpcnet.launch`` for every attempt: 1, 2, ... (absent: 1)."""
+LAUNCH_ID_ENV = "HPCNET_LAUNCH_ID"
+"""Set by ``hpcnet.launch`` for every attempt: a random token of the supervisor's run, the same for all its attempts;
+with ``ATTEMPT_ENV`` it names who may commit checkpoints (``FENCE_NAME``)."""
 STANDBY_ENV = "HPCNET_STANDBY"  # also read in hpcnet/__init__.py, which may import nothing
 STANDBY_OWNER_ENV = "HPCNET_STANDBY_OWNER"  # "host pid" of the supervisor that started a standby
 """Set by ``hpcnet.launch`` on a warm standby attempt: the directory where its ranks report that they are parked.
 Such a rank imports everything, then waits for SIGUSR1 before MPI initialisation (``hpcnet.launch.park``)."""
-"""Set by ``hpcnet.launch`` for every attempt: 1, 2, ... (absent: 1)."""
 READY_ENV = "HPCNET_READY"
 """Set by ``hpcnet.launch`` for every attempt of ``hpcnet.train``: the directory where each rank reports that its
 stop-signal handler is installed (``hpcnet.launch.stop``); the supervisor passes a stop signal on only after that."""
@@ -87,6 +90,9 @@ CKPT_TMP_RE = re.compile(r"^(ckpt-\d{10,19}\.h5)(\.[0-9a-f]{1,64})?\.tmp$")
 group 1 is the name it would have been committed under."""
 LATEST_NAME = "latest"
 """A text file naming the newest committed checkpoint."""
+FENCE_NAME = "fence"
+"""In the checkpoint directory: the attempt (and the supervisor's run) that alone may commit checkpoints there,
+written by ``hpcnet.launch`` before it starts each attempt (``hpcnet.ckpt.fence``)."""
 ASIDE_PREFIX = "aside-"
 """Checkpoints that a run set aside (never deleted) go to ``<dir>/aside-<UTC time>-<why>/``."""
 

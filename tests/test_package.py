@@ -11,8 +11,8 @@ import pytest
 from tests.helpers.launch import ROOT
 
 TOP_LEVEL = {"__init__", "__main__", "train", "loop", "optim", "errors", "agree", "paths"}
-TORCH_FREE = ["hpcnet.launch.supervisor", "hpcnet.launch.stop", "hpcnet.paths", "hpcnet.agree", "hpcnet.errors",
-              "hpcnet.report.build", "hpcnet.config"]
+TORCH_FREE = ["hpcnet.launch.supervisor", "hpcnet.launch.stop", "hpcnet.ckpt.fence", "hpcnet.paths", "hpcnet.agree",
+              "hpcnet.errors", "hpcnet.report.build", "hpcnet.config"]
 """Imported by the supervisor, before torch in a rank, or by the report where torch may be absent."""
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcnet.ckpt.fence import Fence
 from hpcnet.ckpt.schema import CheckpointInfo, Ownership, TensorSpec
 from hpcnet.paths import checkpoint_name, checkpoint_tmp_name
 
@@ -50,6 +51,9 @@ class SaveJob:
     parent: CheckpointInfo | None = None
     base: CheckpointInfo | None = None
     prev_hashes: dict[int, np.ndarray] | None = None
+    fence: Fence | None = None
+    """The attempt of ``hpcnet.launch`` this save belongs to (``hpcnet.ckpt.fence``): rank 0 commits only while it
+    holds the directory's fence; None (no supervisor): unfenced."""
 
     @property
     def path(self) -> Path:

@@ -36,6 +36,7 @@ import torch
 import hpcnet
 from hpcnet.agree import agree_on_error, mark_agreed, ranks_differing, shared_errors
 from hpcnet.ckpt import direct
+from hpcnet.ckpt.fence import own_fence
 from hpcnet.ckpt.job import IoFault, SaveJob, SaveResult
 from hpcnet.ckpt.listing import listing, scan, set_aside
 from hpcnet.ckpt.load import Loaded, load_checkpoint, load_with_choice
@@ -137,6 +138,8 @@ class CheckpointManager:
         self.move_aside = move_aside
         """Whether a run may start afresh in a directory of another run's checkpoints by moving them aside."""
         self.fault = fault
+        self.fence = own_fence()
+        """This job's attempt under ``hpcnet.launch``: its commits need it to hold the directory's fence."""
         self.collective_writes = collective_writes
         self.direct_writes = direct_writes
         from hpcnet.comm.world import usable_cores
@@ -216,7 +219,7 @@ class CheckpointManager:
                       created_unix=created, specs=specs, ownership=ownership, arrays=arrays, meta_bytes=meta_bytes,
                       rank_state_bytes=rank_bytes, keep=self.keep, seq=seq, fault=self.fault,
                       collective_writes=self.collective_writes, direct_writes=self.direct_writes,
-                      io_threads=self.io_threads)
+                      io_threads=self.io_threads, fence=self.fence)
         if incremental:
             job.parent, job.base, job.prev_hashes = previous.info, previous.base, previous.hashes
         since_full = previous.saves_since_full + 1 if incremental else 0

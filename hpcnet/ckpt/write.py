@@ -13,7 +13,8 @@ most.
 ``write_checkpoint`` runs every stretch in the calling thread.
 
 A checkpoint is written as ``ckpt-<step>.h5.<token>.tmp`` and committed by a rename
-on rank 0 once every rank's write succeeded; every error is shared
+on rank 0 once every rank's write succeeded (and, under ``hpcnet.launch``, while its attempt holds the directory's
+fence: ``hpcnet.ckpt.fence``); every error is shared
 (``hpcnet.agree``), so a save fails on every rank alike and leaves no
 half-written file under a committed name (docs/checkpoints.md).
 """
@@ -43,6 +44,7 @@ from hpcnet.ckpt.collective import (
     write_local,
     write_tables,
 )
+from hpcnet.ckpt.fence import refusal
 from hpcnet.ckpt.job import SaveJob, SaveResult
 from hpcnet.ckpt.listing import fsync_path, scan, write_latest
 from hpcnet.ckpt.schema import (
@@ -178,7 +180,8 @@ def save_stretches(comm: Any, job: SaveJob, *, deadlines: Any = NULL_DEADLINES, 
 def _finish_file(job: SaveJob, tmp: Path, offsets: Offsets, index_bytes: bytes, rank_hashes: list[int] | None,
                  all_hashes: np.ndarray | None, all_blocks: np.ndarray | None) -> OSError | None:
     """Rank 0, local: the tables written and fsync'd, then the commit (rename, ``latest``, prune); the error, if
-    any (and then ``tmp`` is removed)."""
+    any (and then ``tmp`` is removed).  A stale attempt (``job.fence`` no longer holds the directory's fence,
+    ``hpcnet.ckpt.fence``) commits nothing: no rename, no ``latest``, no prune; ESTALE."""
     try:
         write_tables(tmp, offsets, {"meta": np.frombuffer(job.meta_bytes, np.uint8),
                                    "index": np.frombuffer(index_bytes, np.uint8), "hashes": all_hashes,
@@ -187,6 +190,10 @@ def _finish_file(job: SaveJob, tmp: Path, offsets: Offsets, index_bytes: bytes, 
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         return os_error(errno_of(exc), f"writing checkpoint {str(tmp)!r} failed: {error_text(exc)}")
+    refused = refusal(job.directory, job.fence)  # right before the rename: nothing of a stale attempt is committed
+    if refused:
+        tmp.unlink(missing_ok=True)
+        return os_error(errno.ESTALE, f"committing checkpoint {str(job.path)!r} refused: {refused}")
     try:
         os.replace(tmp, job.path)
         fsync_path(job.directory)

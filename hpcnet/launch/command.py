@@ -4,14 +4,15 @@ Every attempt runs the user's command with its run and checkpoint directories
 pinned, ``--resume auto`` from the second attempt on, the attempt number
 in ``HPCNET_ATTEMPT`` (docs/fault-tolerance.md says why) and, for
 hpcnet.train, where its ranks report that they handle stop signals in
-``HPCNET_READY`` (``hpcnet.launch.stop``).
+``HPCNET_READY`` (``hpcnet.launch.stop``) and the supervisor's token in ``HPCNET_LAUNCH_ID`` (with the attempt,
+what the checkpoint directory's fence names: ``hpcnet.ckpt.fence``).
 """
 
 import subprocess
 from pathlib import Path
 
 from hpcnet.config.load import parse_command_line
-from hpcnet.paths import ATTEMPT_ENV, READY_ENV
+from hpcnet.paths import ATTEMPT_ENV, LAUNCH_ID_ENV, READY_ENV
 
 MPIRUN_NAMES = ("mpirun", "mpiexec", "orterun", "prterun")
 SIGKILL_TIMEOUT_ENV = "OMPI_MCA_odls_base_sigkill_timeout"
@@ -87,7 +88,7 @@ def attempt_command(base: list[str], attempt: int, *, train_start: int | None, p
         if attempt > 1:
             train_args += resume_args(train_args)
         command = command[:train_start] + train_args
-        exported.append(READY_ENV)
+        exported += [READY_ENV, LAUNCH_ID_ENV]
     if openmpi and launcher_kind(command) == "mpirun":
         command = [command[0], *(arg for name in exported for arg in ("-x", name)), *command[1:]]
     return command

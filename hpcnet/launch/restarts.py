@@ -30,16 +30,154 @@ _DEATH_LINES = (
 )
 
 
+# What a launcher prints when it loses a host: Open MPI's mpirun (help-errmgr-base.txt; PRRTE says PRTE) when one of
+# its daemons dies or cannot be reached, srun when the controller declares a node failed.  "start": a daemon that
+# failed to start or report, which means a lost host only once the attempt's ranks were all running.
+_LOSS_LINES = (
+    (re.compile(r"\b(?:ORTE|PRTE) has lost communication with a remote daemon"), "daemon lost"),
+    (re.compile(r"\bAn (?:ORTE|PRTE) daemon has unexpectedly failed"), "start"),
+    (re.compile(r"\b(?:ORTE|PRTE) was unable to reliably start one or more daemons"), "start"),
+    (re.compile(r"^\s*Remote daemon\s*:\s*\S+ on node (?P<host>\S+)"), ""),
+    (re.compile(r"srun: error: Node failure on (?P<host>\S+)"), "node failure"),
+    (re.compile(r"srun: error: .*\b[Ll]ost (?:connection|communication|contact)\b.*?\bnode (?P<host>[^\s:,;]+)"),
+     "node lost"),
+)
+_ABORT_LINE = re.compile(r"MPI_ABORT was invoked on rank (?P<rank>\d+) in communicator")
+"""Open MPI's report of an MPI_Abort (the monitor ends a job it declared failed with MPI_Abort(75))."""
+
+JOB_VERDICTS = frozenset({ExitCode.OK, ExitCode.USAGE_ERROR, ExitCode.DIVERGED, ExitCode.PREEMPTED,
+                          ExitCode.INTERRUPTED})
+"""Statuses that are the job's own decision: a lost host or a declared failure does not make them restartable."""
+
+
 def normalise_status(returncode: int) -> int:
     """A Popen return code as a shell would report it: -N (killed by signal N) becomes 128 + N."""
     return 128 - returncode if returncode < 0 else returncode
 
 
-def is_restartable(status: int) -> bool:
-    """Whether running the job again may succeed (see ``RESTART_SIGNALS`` and ``ExitCode``)."""
+def is_restartable(status: int, *, declared: bool = False, host_lost: bool = False) -> bool:
+    """Whether running the job again may succeed (see ``RESTART_SIGNALS`` and ``ExitCode``).
+
+    The status alone decides for 75 and the restart signals, and for the job's own verdicts (``JOB_VERDICTS``).
+    Any other status is the launcher's (Open MPI's mpirun ends with 9 when it loses a daemon, whatever the
+    ranks did): restartable when the attempt lost a host (``lost_host``), or, except for status 1 (an
+    exception in the job), when the monitor had declared a failure (``declared``: it wrote ``failure.json``).
+    """
     if status == ExitCode.RESTARTABLE:
         return True
-    return status > 128 and status - 128 in {int(s) for s in RESTART_SIGNALS}
+    if status > 128:
+        return status - 128 in {int(s) for s in RESTART_SIGNALS}
+    if status in JOB_VERDICTS:
+        return False
+    return host_lost or (declared and status != ExitCode.CODE_ERROR)
+
+
+def declared(failure: dict[str, Any] | None) -> bool:
+    """Whether ``failure`` is a report of the job's monitor (``failure.json``), not a launcher's line."""
+    return bool(failure) and failure.get("source") != "launcher"
+
+
+def is_abort_line(line: str) -> bool:
+    """Whether ``line`` is Open MPI's report of an MPI_Abort: the job has declared its failure."""
+    return _ABORT_LINE.search(line) is not None
+
+
+def host_loss_from_line(line: str) -> dict[str, Any] | None:
+    """What a launcher's line says about a lost host: ``{"what": ...}`` and/or ``{"host": ...}``; None if nothing.
+
+    Open MPI names the host on a line of its own after the message ("Remote daemon: [[...],1] on node hostB"),
+    so the lines of one message are merged with ``merge_host_loss``.
+    """
+    for pattern, what in _LOSS_LINES:
+        match = pattern.search(line)
+        if match:
+            found: dict[str, Any] = {"what": what} if what else {}
+            if match.groupdict().get("host"):
+                found["host"] = match.group("host").rstrip(".")
+            if what:
+                found["line"] = line.strip()[:300]
+            return found
+    return None
+
+
+def merge_host_loss(notes: dict[str, Any] | None, found: dict[str, Any]) -> dict[str, Any]:
+    """``notes`` (what the launcher said so far about a lost host) with ``found`` added; the first of each kept."""
+    merged = dict(notes or {})
+    for key, value in found.items():
+        merged.setdefault(key, value)
+    if found.get("what") == "daemon lost" or found.get("what", "").startswith("node"):
+        merged["what"] = found["what"]  # a loss after start-up outranks a start-up message
+    return merged
+
+
+def read_rank_hosts(directory: Path | None, kind: str) -> dict[int, str]:
+    """Rank -> host from the ranks' reports ``<kind>.<rank>`` in ``directory`` (``hpcnet.launch.stop.report_rank``:
+    "<size> <pid> <time> <host>"); {} when there are none."""
+    found: dict[int, str] = {}
+    if directory is None:
+        return found
+    try:
+        paths = list(directory.glob(f"{kind}.*"))
+    except OSError:
+        return found
+    for path in paths:
+        rank = path.name.rpartition(".")[2]
+        try:
+            fields = path.read_text().rstrip("\n").split(" ")
+        except OSError:
+            continue
+        if rank.isdigit() and len(fields) >= 4 and fields[3]:
+            found[int(rank)] = fields[3]
+    return found
+
+
+def lost_host(failure: dict[str, Any] | None, launcher: dict[str, Any] | None, rank_hosts: dict[int, str], *,
+              started: bool) -> dict[str, Any] | None:
+    """The host an attempt lost, and how that is known; None when nothing says a host was lost (pure).
+
+    Args:
+        failure: the monitor's ``failure.json`` (or a launcher's line about a dead rank).
+        launcher: what the launcher printed about a lost daemon or node (``host_loss_from_line``, merged).
+        rank_hosts: rank -> host, from the ranks' ready reports (and ``failure.json``'s own list, where it has one).
+        started: whether every rank of the attempt had started (reported ready, or logged a step).
+
+    Returns ``{"host": name or None, "ranks": [...], "evidence": words}``.  Evidence, in order:
+    ``failure.json`` when every rank it names is on one host and it names every rank known to be there (a
+    heartbeat report naming one host other than the detector's, when the ranks' hosts are unknown); the
+    launcher's message of a lost daemon or node at any time; its message of a daemon that failed or could not be
+    reached once the attempt had started (before that, the same message is a launch that failed: not a lost host).
+    """
+    hosts_of = dict(rank_hosts)
+    if failure and declared(failure):
+        for entry in failure.get("ranks", []) if isinstance(failure.get("ranks"), list) else []:
+            if isinstance(entry, dict) and isinstance(entry.get("rank"), int) and isinstance(entry.get("host"), str):
+                hosts_of.setdefault(entry["rank"], entry["host"])
+        ranks, hosts = failed_where(failure)
+        if len(hosts) == 1 and ranks:
+            there = {r for r, h in hosts_of.items() if h == hosts[0]}
+            whole = bool(there) and there <= set(ranks)
+            if whole or (not there and failure.get("kind") == "heartbeat" and failure.get("detected_host") not in
+                         (None, hosts[0])):
+                return {"host": hosts[0], "ranks": sorted(set(ranks) | there),
+                        "evidence": f"{FAILURE_FILE}: every rank on {hosts[0]} went silent"}
+    what = (launcher or {}).get("what")
+    if what is None or (what == "start" and not started):
+        return None
+    host = (launcher or {}).get("host")
+    if host is None and failure:
+        named = failed_where(failure)[1]
+        host = named[0] if len(named) == 1 else None
+    words = {"daemon lost": "the launcher lost its daemon there",
+             "node failure": "the launcher reported a node failure", "node lost": "the launcher lost the node",
+             "start": "a launcher daemon failed after the ranks had started"}
+    return {"host": host, "ranks": sorted(r for r, h in hosts_of.items() if host is not None and h == host),
+            "evidence": f"{words[what]}: {launcher.get('line', '')}".rstrip(": ")}
+
+
+def describe_loss(loss: dict[str, Any]) -> str:
+    """A lost host in words."""
+    ranks = f" (ranks {', '.join(map(str, loss['ranks']))})" if loss.get("ranks") else ""
+    return f"host {loss['host'] or '(the launcher did not say which)'} lost{ranks}: {loss['evidence']}"
 
 
 def describe_status(status: int) -> str:

@@ -18,6 +18,7 @@ writes ``ready.<rank>`` into the directory named by ``HPCNET_READY`` right after
 
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -81,8 +82,9 @@ def env_int(names: tuple[str, ...]) -> int | None:
 
 
 def report_rank(directory: Path, kind: str) -> None:
-    """Write ``<kind>.<rank>`` into ``directory``: "<number of ranks> <pid> <time>" (the number, on rank 0 at
-    least, tells the reader how many reports to expect); best effort, a report that cannot be written only makes
+    """Write ``<kind>.<rank>`` into ``directory``: "<number of ranks> <pid> <time> <host>" (the number, on rank 0 at
+    least, tells the reader how many reports to expect; the host tells the supervisor which ranks a lost host
+    ran); best effort, a report that cannot be written only makes
     its reader wait longer. A process that no launcher numbered is a job of one."""
     rank, size = env_int(RANK_ENVS), env_int(SIZE_ENVS)
     if rank is None and size is None:
@@ -90,7 +92,8 @@ def report_rank(directory: Path, kind: str) -> None:
     try:
         directory.mkdir(parents=True, exist_ok=True)
         name = f"{kind}.{rank if rank is not None else os.getpid()}"
-        (directory / name).write_text(f"{size if size is not None else ''} {os.getpid()} {time.time():.3f}\n")
+        (directory / name).write_text(f"{size if size is not None else ''} {os.getpid()} {time.time():.3f} "
+                                     f"{socket.gethostname()}\n")
     except OSError:
         pass
 

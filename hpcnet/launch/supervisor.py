@@ -29,6 +29,7 @@ import ctypes
 import functools
 import json
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -41,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from hpcnet.ckpt.fence import Fence, write_fence
 from hpcnet.config import MAX_DURATION_S
 from hpcnet.config.load import load_config, parse_command_line
 from hpcnet.errors import ConfigError, ExitCode
@@ -52,14 +54,21 @@ from hpcnet.launch.restarts import (
     RestartBudget,
     backoff_s,
     committed_checkpoints,
+    declared,
     describe_failure,
+    describe_loss,
     describe_status,
     failed_where,
     failure_from_line,
+    host_loss_from_line,
+    is_abort_line,
     is_restartable,
+    lost_host,
+    merge_host_loss,
     new_checkpoints,
     normalise_status,
     read_failure,
+    read_rank_hosts,
 )
 from hpcnet.launch.standby import (
     IMPORTED_FILE,
@@ -76,7 +85,10 @@ from hpcnet.launch.standby import (
 from hpcnet.launch.stop import READY
 from hpcnet.paths import (
     ATTEMPT_ENV,
+    FAILURE_FILE,
+    FENCE_NAME,
     LAUNCH_FILE,
+    LAUNCH_ID_ENV,
     READY_ENV,
     STANDBY_ENV,
     STANDBY_OWNER_ENV,
@@ -118,6 +130,14 @@ class Attempt:
     """Why no standby was used (none was ready, or it was discarded and why)."""
     standby_started_unix: float | None = None
     """When the standby that ran this attempt was started."""
+    declared_unix: float | None = None
+    """When the job declared its failure (its failure.json appeared, or the launcher reported an MPI_Abort)."""
+    launcher_ended: bool = False
+    """The launcher had not exited ``launcher_grace_s`` after the declared failure: the supervisor ended it."""
+    launcher_loss: dict[str, Any] | None = None
+    """What the launcher printed about a lost daemon or node (``hpcnet.launch.restarts.host_loss_from_line``)."""
+    lost_host: dict[str, Any] | None = None
+    """The host the attempt lost and how that is known (``hpcnet.launch.restarts.lost_host``); None if none was."""
 
 
 def _die_with_parent() -> None:
@@ -170,6 +190,36 @@ def reap_session(sid: int, timeout_s: float = 30.0) -> tuple[list[int], list[int
         time.sleep(0.05)
 
 
+LAUNCHER_GRACE_S = 30.0
+"""Default of ``--launcher-grace-s``: how long a launcher may take to exit once the job declared its failure. Open
+MPI's mpirun tears a job down within a second or two when it can reach every daemon; one that waits longer is
+waiting for a daemon it cannot reach (a partitioned host), which it would do for ever."""
+
+
+def written_since(path: Path, since_unix: float) -> float | None:
+    """When ``path`` was last written, if it exists and was written at or after ``since_unix`` (a file left by an
+    earlier run in a reused directory does not count); else None."""
+    try:
+        mtime = path.stat().st_mtime
+    except OSError:
+        return None
+    return mtime if mtime >= since_unix - 1.0 else None
+
+
+def end_launcher(proc: subprocess.Popen, grace_s: float) -> None:
+    """End a launcher that outlived its grace after a declared failure: it and everything in its session (the
+    ranks and daemons it started here, the rsh/ssh agents that reach the other hosts) get SIGKILL.  Daemons on a
+    host it cannot reach are beyond any signal from here; Open MPI's orted ends itself when it loses its
+    connection to mpirun, and a cut-off rank ends itself when its heartbeats stop (docs/fault-tolerance.md)."""
+    _say(f"the job declared its failure {grace_s:g} s ago and the launcher (pid {proc.pid}) is still running (a "
+         "daemon it cannot reach?): ending it and every process of its session (--launcher-grace-s)")
+    killed, alive = reap_session(proc.pid, timeout_s=10.0)
+    if alive:
+        _say(f"processes {alive[:10]} of the launcher's session are still alive after SIGKILL")
+    elif killed:
+        _say(f"killed {len(killed)} process(es) of the launcher's session")
+
+
 def _tee(stream: Any, out: TextIO, on_line: Any) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace")
@@ -201,16 +251,25 @@ class _Started:
 
 
 def run_attempt(command: list[str], env: dict[str, str], forwarder: Forwarder, record: Attempt,
-                started: "_Started | None" = None, on_line: Any = None, ready: Callable[[], bool] | None = None
-                ) -> None:
+                started: "_Started | None" = None, on_line: Any = None, ready: Callable[[], bool] | None = None,
+                launcher_grace_s: float = LAUNCHER_GRACE_S, on_declared: Callable[[], None] | None = None) -> None:
     """Run one attempt to its end (``started``: already running, a released standby), teeing its output; fill in
-    ``record``. ``ready``: whether its ranks handle stop signals yet (None: pass them on at once)."""
+    ``record``. ``ready``: whether its ranks handle stop signals yet (None: pass them on at once).
+
+    Once the job has declared its failure (``failure.json`` in ``record.run_dir``, or an MPI_Abort the launcher
+    reports), ``on_declared`` is called and the launcher gets ``launcher_grace_s`` to exit; then it and every
+    process of its session are killed (``end_launcher``)."""
     def seen(line: str) -> None:
         if record.launcher_report_unix is None:
             found = failure_from_line(line)
             if found:
                 record.launcher_report_unix = time.time()
                 record.failure = record.failure or found
+        if record.declared_unix is None and is_abort_line(line):
+            record.declared_unix = time.time()
+        loss = host_loss_from_line(line)
+        if loss is not None:
+            record.launcher_loss = merge_host_loss(record.launcher_loss, loss)
         if on_line is not None:
             on_line(line)
 
@@ -227,12 +286,22 @@ def run_attempt(command: list[str], env: dict[str, str], forwarder: Forwarder, r
     started.on_line = seen
     proc = started.proc
     forwarder.attach(proc, ready)
+    failure_path = Path(record.run_dir) / FAILURE_FILE if record.run_dir else None
     while True:
         try:
-            returncode = proc.wait(timeout=0.05 if forwarder.pending else 1.0)
+            returncode = proc.wait(timeout=0.05 if forwarder.pending else min(1.0, max(launcher_grace_s, 0.05)))
             break
         except subprocess.TimeoutExpired:
             forwarder.pass_on()  # a signal held until the ranks are ready
+        if record.declared_unix is None and failure_path is not None:
+            record.declared_unix = written_since(failure_path, record.start_unix)
+        if record.declared_unix is not None and on_declared is not None:
+            on_declared()
+            on_declared = None
+        if (record.declared_unix is not None and not record.launcher_ended
+                and time.time() - record.declared_unix >= launcher_grace_s):
+            record.launcher_ended = True
+            end_launcher(proc, launcher_grace_s)
     record.end_unix = time.time()
     record.duration_s = time.monotonic() - t0
     forwarder.detach()
@@ -330,6 +399,9 @@ class _Job:
     attempts: list[Attempt] = field(default_factory=list)
     launcher: str = ""
     config_file: str | None = None
+    launch_id: str = field(default_factory=lambda: secrets.token_hex(8))
+    """This supervisor's token: with the attempt number, what the checkpoint directory's fence names."""
+    launcher_grace_s: float = LAUNCHER_GRACE_S
     standby_on: bool = False
     standby: Standby | None = None
     """The standby for the next attempt, once started (by the attempt's watcher thread)."""
@@ -378,6 +450,7 @@ def _attempt_plan(job: _Job, attempt: int, environ: dict[str, str]) -> tuple[lis
     env = {**launcher_env(environ, job.openmpi), ATTEMPT_ENV: str(attempt)}
     if run_dir:
         env[READY_ENV] = str(ready_dir(job.launch_dir, attempt))
+        env[LAUNCH_ID_ENV] = job.launch_id
     return cmd, env, run_dir
 
 
@@ -454,6 +527,18 @@ def _run_next(job: _Job, budget: RestartBudget, forwarder: Forwarder, environ: d
             standby.discard()
         return None
     job.attempts.append(record)
+    if run_dir and job.checkpoint_dir is not None:
+        try:  # before any of its processes runs (a standby's ranks are parked before MPI starts)
+            write_fence(job.checkpoint_dir, Fence(job.launch_id, attempt), launch_dir=str(job.launch_dir))
+        except OSError as exc:
+            if standby is not None:
+                standby.discard()
+            record.status, record.end_unix = ExitCode.USAGE_ERROR, time.time()
+            record.cause = (f"cannot write {job.checkpoint_dir / FENCE_NAME} (checkpoint.dir): {exc.strerror or exc}; "
+                            "not starting an attempt that the ones before it could still commit over")
+            _say(f"error: {record.cause}")
+            _write_json(job, None, "")
+            return record
     _say(f"attempt {attempt}/{budget.last_attempt(attempt)}{' (warm standby)' if standby else ''}: {shlex.join(cmd)}")
     before = committed_checkpoints(job.checkpoint_dir)
     started_up, ended = threading.Event(), threading.Event()
@@ -475,23 +560,50 @@ def _run_next(job: _Job, budget: RestartBudget, forwarder: Forwarder, environ: d
 
     if standby is not None:
         standby.release()
+    all_started = False
     try:
         run_attempt(cmd, env, forwarder, record, started=standby.started if standby else None, on_line=on_line,
-                    ready=ready)
+                    ready=ready, launcher_grace_s=job.launcher_grace_s,
+                    on_declared=lambda: _close_fence(job, attempt, "it declared its failure"))
+        all_started = started_up.is_set() or (ready is not None and ready())
     finally:
         ended.set()
         started_up.set()
         if watcher is not None:
             watcher.join()
+    _close_fence(job, attempt, f"its launcher ended with status {record.status}")
     record.new_checkpoints = new_checkpoints(before, committed_checkpoints(job.checkpoint_dir))
     record.failure = read_failure(run_dir) or record.failure
     record.signal_received = forwarder.received
-    record.restartable = is_restartable(record.status)
+    if record.status:
+        rank_hosts = read_rank_hosts(ready_dir(job.launch_dir, attempt), READY) if run_dir else {}
+        record.lost_host = lost_host(record.failure, record.launcher_loss, rank_hosts, started=all_started)
+    record.restartable = is_restartable(record.status, declared=declared(record.failure) or record.launcher_ended,
+                                        host_lost=record.lost_host is not None)
     record.cause = describe_failure(record.failure) if record.status else ""
+    if record.lost_host is not None:
+        record.cause = "; ".join(c for c in (record.cause, describe_loss(record.lost_host)) if c)
+    if record.launcher_ended:
+        record.cause = "; ".join(c for c in (record.cause, f"the launcher was ended {job.launcher_grace_s:g} s after "
+                                                           "the declared failure") if c)
     _say(f"attempt {attempt} ended with status {record.status}: {describe_status(record.status)}{_cause(record)} "
          f"after {record.duration_s:.1f} s")
     _write_json(job, None, "")
     return record
+
+
+def _close_fence(job: _Job, attempt: int, why: str) -> None:
+    """Hand the checkpoint directory's fence on from ``attempt`` (``hpcnet.ckpt.fence``) once it declared its failure
+    or its launcher ended: a rank of it that is still running (cut off) commits nothing from then on, whether or not
+    another attempt follows.  A fence that cannot be written is only reported here: the next attempt's start writes
+    it again and does not start without it."""
+    if job.train_start is None or job.checkpoint_dir is None:
+        return
+    try:
+        write_fence(job.checkpoint_dir, Fence(job.launch_id, attempt + 1), launch_dir=str(job.launch_dir),
+                    closed=attempt, why=f"attempt {attempt}: {why}")
+    except OSError as exc:
+        _say(f"cannot write {job.checkpoint_dir / FENCE_NAME}: {exc.strerror or exc}")
 
 
 def _cause(record: Attempt) -> str:
@@ -514,7 +626,8 @@ def _why_final(record: Attempt, received: int) -> str | None:
 
 def _exclude_failed_hosts(job: _Job, record: Attempt) -> None:
     """Leave the hosts that ``record``'s failure names out of the next attempts."""
-    hosts = [h for h in failed_where(record.failure)[1] if h not in job.excluded]
+    lost = [record.lost_host["host"]] if record.lost_host and record.lost_host.get("host") else []
+    hosts = [h for h in dict.fromkeys([*lost, *failed_where(record.failure)[1]]) if h not in job.excluded]
     if not hosts:
         return
     exclusion = exclude_hosts(job.base, [*job.excluded, *hosts], allocation=job.allocation,
@@ -530,7 +643,8 @@ def _exclude_failed_hosts(job: _Job, record: Attempt) -> None:
 
 def supervise(command: list[str], *, max_restarts: int = 3, backoff_base_s: float = 1.0,
               backoff_cap_s: float = 60.0, exclude_failed_hosts: bool = False, standby: str = "auto",
-              environ: dict[str, str] | None = None, keep_signal_handlers: bool = False) -> int:
+              launcher_grace_s: float = LAUNCHER_GRACE_S, environ: dict[str, str] | None = None,
+              keep_signal_handlers: bool = False) -> int:
     """Run ``command`` until it succeeds, fails for good, or uses up ``max_restarts``; return its status.
 
     ``standby``: 'auto' (a warm standby when the launcher is mpirun or srun, the command runs hpcnet.train and a
@@ -542,6 +656,7 @@ def supervise(command: list[str], *, max_restarts: int = 3, backoff_base_s: floa
     job = _prepare(command, environ)
     if isinstance(job, int):
         return job
+    job.launcher_grace_s = launcher_grace_s
     possible = job.launcher in ("mpirun", "srun") and job.train_start is not None and max_restarts > 0
     if standby == "on" and not possible:
         _say("error: --standby on needs an mpirun or srun command that runs hpcnet.train, and --max-restarts > 0")
@@ -628,6 +743,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--standby", choices=("auto", "on", "off"), default="auto",
                         help="warm standby: start the next attempt ahead, parked before MPI starts, and release it "
                              "at a failure (auto: with mpirun or srun; default auto)")
+    parser.add_argument("--launcher-grace-s", type=float, default=LAUNCHER_GRACE_S,
+                        help="once the job declared a failure (failure.json, MPI_Abort), how long the launcher may "
+                             "take to exit before it and its processes are killed (default %(default)g)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the launcher command")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -635,9 +753,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no command: python -m hpcnet.launch [options] -- mpirun ... python -m mpi4py -m hpcnet.train ...")
     if args.max_restarts < 0:
         parser.error("--max-restarts must be >= 0")
-    for flag, seconds in (("--backoff-s", args.backoff_s), ("--max-backoff-s", args.max_backoff_s)):
+    for flag, seconds in (("--backoff-s", args.backoff_s), ("--max-backoff-s", args.max_backoff_s),
+                          ("--launcher-grace-s", args.launcher_grace_s)):
         if not 0 <= seconds <= MAX_DURATION_S:  # nan too; a longer wait overflows the clock it waits on
             parser.error(f"{flag} must be a number of seconds in [0, {MAX_DURATION_S}] (30 days), got {seconds:g}")
     return supervise(command, max_restarts=args.max_restarts, backoff_base_s=args.backoff_s,
                      backoff_cap_s=args.max_backoff_s, exclude_failed_hosts=args.exclude_failed_hosts,
-                     standby=args.standby, keep_signal_handlers=True)
+                     standby=args.standby, launcher_grace_s=args.launcher_grace_s, keep_signal_handlers=True)

@@ -31,7 +31,8 @@ def test_resume_flag_is_added_once_from_the_second_attempt():
 
 def test_attempt_number_is_exported_to_remote_ranks_by_open_mpi_only():
     cmd = attempt_command(TRAIN, 1, train_start=len(TRAIN), pinned=[], openmpi=True)
-    assert cmd[:5] == ["mpirun", "-x", "HPCNET_ATTEMPT", "-x", "HPCNET_READY"] and cmd[5:] == TRAIN[1:]
+    assert cmd[:7] == ["mpirun", "-x", "HPCNET_ATTEMPT", "-x", "HPCNET_READY", "-x", "HPCNET_LAUNCH_ID"]
+    assert cmd[7:] == TRAIN[1:]  # the token with the attempt: the checkpoint directory's fence
     other = ["mpirun", "-np", "2", "python", "job.py"]  # not hpcnet.train: no readiness reports
     assert attempt_command(other, 1, train_start=None, pinned=[], openmpi=True) == ["mpirun", "-x", "HPCNET_ATTEMPT",
                                                                                     *other[1:]]

@@ -9,13 +9,20 @@ from hpcnet.launch.restarts import (
     RestartBudget,
     backoff_s,
     committed_checkpoints,
+    declared,
     describe_failure,
+    describe_loss,
     failed_where,
     failure_from_line,
+    host_loss_from_line,
+    is_abort_line,
     is_restartable,
+    lost_host,
+    merge_host_loss,
     new_checkpoints,
     normalise_status,
     read_failure,
+    read_rank_hosts,
 )
 
 
@@ -105,3 +112,137 @@ def test_the_monitor_report_is_read_from_the_run_directory(tmp_path):
     assert read_failure(str(tmp_path))["kind"] == "unreadable failure.json"
     (tmp_path / "failure.json").write_text("[1]")
     assert read_failure(str(tmp_path)) == {"kind": "unreadable failure.json"}
+
+
+# --- a lost host: from failure.json, the launcher's own messages, the attempt's state ---------------------------------
+
+# Open MPI 4.1's messages as mpirun prints them (help-errmgr-base.txt, filled in), and srun's.
+MPIRUN_NODE_DIED = """--------------------------------------------------------------------------
+ORTE has lost communication with a remote daemon.
+
+  HNP daemon   : [[41235,0],0] on node hostA
+  Remote daemon: [[41235,0],1] on node hostB
+
+This is usually due to either a failure of the TCP network
+connection to the node, or possibly an internal failure of
+the daemon itself. We cannot recover from this failure, and
+therefore will terminate the job.
+--------------------------------------------------------------------------"""
+MPIRUN_DAEMONS_NOT_STARTED = """--------------------------------------------------------------------------
+ORTE was unable to reliably start one or more daemons.
+This usually is caused by:
+
+* not finding the required libraries and/or binaries on
+  one or more nodes. Please check your PATH and LD_LIBRARY_PATH
+  settings, or configure OMPI with --enable-orterun-prefix-by-default
+--------------------------------------------------------------------------"""
+MPIRUN_DAEMON_FAILED = """--------------------------------------------------------------------------
+An ORTE daemon has unexpectedly failed after launch and before
+communicating back to mpirun. This could be caused by a number
+of factors, including an inability to create a connection back
+to mpirun due to a lack of common network interfaces and/or no
+route found between them. Please check network connectivity
+(including firewalls and network routing requirements).
+--------------------------------------------------------------------------"""
+MPIRUN_ABORT = """--------------------------------------------------------------------------
+MPI_ABORT was invoked on rank 0 in communicator MPI_COMM_WORLD
+with errorcode 75.
+"""
+SRUN_NODE_FAILURE = """srun: error: Node failure on node07
+srun: Job step aborted: Waiting up to 32 seconds for job step to finish.
+srun: error: node07: tasks 4-7: Killed"""
+HOSTS = {0: "hostA", 1: "hostA", 2: "hostB", 3: "hostB"}
+
+
+def _notes(text):
+    notes = None
+    for line in text.splitlines():
+        found = host_loss_from_line(line)
+        if found is not None:
+            notes = merge_host_loss(notes, found)
+    return notes
+
+
+def _heartbeat_failure(ranks, hosts=("hostA", "hostA", "hostB", "hostB")):
+    """failure.json as the monitor on rank 0 writes it when ``ranks`` go silent."""
+    from hpcnet.fault.failure import heartbeat_report
+
+    report = heartbeat_report({r: (6.0, None) for r in ranks}, hosts, detector=0, interval_s=2.0, misses=3)
+    return {**report, "exit_code": 75, "detected_by": 0, "detected_host": hosts[0], "detected_wall": 1.0}
+
+
+def test_the_launchers_messages_of_a_lost_host():
+    assert _notes(MPIRUN_NODE_DIED) == {"what": "daemon lost", "host": "hostB",
+                                        "line": "ORTE has lost communication with a remote daemon."}
+    assert _notes(MPIRUN_DAEMONS_NOT_STARTED)["what"] == "start" and "host" not in _notes(MPIRUN_DAEMONS_NOT_STARTED)
+    assert _notes(MPIRUN_DAEMON_FAILED)["what"] == "start"
+    assert _notes(SRUN_NODE_FAILURE) == {"what": "node failure", "host": "node07",
+                                         "line": "srun: error: Node failure on node07"}
+    assert _notes(MPIRUN_ABORT) is None and _notes("HNP daemon   : [[41235,0],0] on node hostA") is None
+    assert is_abort_line(MPIRUN_ABORT.splitlines()[1]) and not is_abort_line(MPIRUN_NODE_DIED)
+    # a start-up message first, the loss after: the loss is what counts
+    assert _notes(MPIRUN_DAEMONS_NOT_STARTED + "\n" + MPIRUN_NODE_DIED)["what"] == "daemon lost"
+
+
+def test_a_lost_host_from_the_launchers_message_whatever_its_status():
+    loss = lost_host(None, _notes(MPIRUN_NODE_DIED), HOSTS, started=True)
+    assert loss["host"] == "hostB" and loss["ranks"] == [2, 3] and "lost its daemon" in loss["evidence"]
+    assert lost_host(None, _notes(MPIRUN_NODE_DIED), {}, started=False)["host"] == "hostB"  # a loss at any time
+    assert lost_host(None, _notes(SRUN_NODE_FAILURE), {}, started=True)["host"] == "node07"
+    assert is_restartable(9, host_lost=True) and not is_restartable(9)
+    assert "host hostB lost (ranks 2, 3): the launcher lost its daemon there" in describe_loss(loss)
+
+
+def test_a_daemon_that_fails_is_a_lost_host_only_once_the_attempt_had_started():
+    """Open MPI's mpirun prints the same words for daemons that never started (a launch that failed: restarting
+    would fail again) and, seen with a killed host, for one lost mid-run: the attempt's state tells them apart."""
+    for text in (MPIRUN_DAEMONS_NOT_STARTED, MPIRUN_DAEMON_FAILED):
+        assert lost_host(None, _notes(text), {}, started=False) is None
+        loss = lost_host(None, _notes(text), HOSTS, started=True)
+        assert loss["host"] is None and "after the ranks had started" in loss["evidence"]
+        # failure.json names the host where the launcher does not
+        named = lost_host(_heartbeat_failure([2]), _notes(text), HOSTS, started=True)
+        assert named["host"] == "hostB" and named["ranks"] == [2, 3]
+
+
+def test_a_lost_host_from_failure_json():
+    """The monitor's report names a whole host's ranks (a killed or cut-off host): a lost host, status aside."""
+    failure = _heartbeat_failure([2, 3])
+    assert declared(failure) and not declared(failure_from_line("srun: error: n1: task 2: Killed"))
+    loss = lost_host(failure, None, HOSTS, started=True)
+    assert loss["host"] == "hostB" and loss["ranks"] == [2, 3] and loss["evidence"].startswith("failure.json")
+    assert lost_host(failure, None, {}, started=True)["host"] == "hostB"  # hosts unknown: one host, not the detector's
+    # one rank of a host that has two: a hung or dead rank, not a lost host
+    assert lost_host(_heartbeat_failure([2]), None, HOSTS, started=True) is None
+    # the ranks of two hosts
+    assert lost_host(_heartbeat_failure([1, 2]), None, HOSTS, started=True) is None
+    # a stall report lists every rank's host itself
+    stall = {"kind": "stall", "failed": [{"rank": 1, "host": "hostB", "why": "silent"}],
+             "ranks": [{"rank": 0, "host": "hostA"}, {"rank": 1, "host": "hostB"}], "detected_host": "hostA"}
+    assert lost_host(stall, None, {}, started=True)["ranks"] == [1]
+
+
+@pytest.mark.parametrize("status, declared_, host_lost, restart", [
+    (9, True, False, True), (9, False, True, True), (9, False, False, False), (14, True, False, True),
+    (255, True, True, False),  # above 128: a signal's number, which decides
+    (1, True, False, False), (1, False, True, True),  # an exception in the job, unless a host was lost
+    (2, True, True, False), (65, True, True, False), (76, False, True, False), (130, False, True, False),
+    (143, True, True, False), (137, False, False, True), (75, False, False, True),
+])
+def test_a_launchers_own_status_restarts_on_a_declared_failure_or_a_lost_host(status, declared_, host_lost, restart):
+    assert is_restartable(status, declared=declared_, host_lost=host_lost) is restart
+
+
+def test_the_ranks_hosts_come_from_their_ready_reports(tmp_path, monkeypatch):
+    from hpcnet.launch.stop import READY, report_rank
+
+    for rank in (0, 1):
+        monkeypatch.setenv("OMPI_COMM_WORLD_RANK", str(rank))
+        monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "3")
+        report_rank(tmp_path, READY)
+    (tmp_path / "ready.2").write_text(" 123 1.0 hostB\n")  # a rank that could not say how many there are
+    (tmp_path / "ready.3").write_text("4 123 1.0\n")  # an older report without its host
+    import socket
+
+    assert read_rank_hosts(tmp_path, READY) == {0: socket.gethostname(), 1: socket.gethostname(), 2: "hostB"}
+    assert read_rank_hosts(None, READY) == {} and read_rank_hosts(tmp_path / "none", READY) == {}

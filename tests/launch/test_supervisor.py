@@ -287,3 +287,64 @@ def test_sigterm_to_the_supervisor_saves_and_stops_the_job(tmp_path):
     assert "got SIGTERM, sent SIGUSR2 to the job" in err and "stopped by SIGTERM: not restarting" in err
     saved = list((tmp_path / "runs" / "term.ckpt").glob("ckpt-*.h5"))
     assert len(saved) == 1, err  # the checkpoint written on the way out
+
+
+# --- a lost host, a launcher that does not exit, the fence ---------------------------------------------------------
+
+def _lost_host_job(tmp_path, mode, *options, timeout=60):
+    script = tmp_path / "fake" / "hpcnet" / "train.py"  # read as hpcnet.train: directories are pinned
+    script.parent.mkdir(parents=True)
+    shutil.copy(PROGRAMS / "lost_host_job.py", script)
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "hpcnet.launch", "--backoff-s", "0", *options, "--", sys.executable,
+                          str(script), f"run.dir={tmp_path / 'runs' / 'job'}", "run.dir_exact=true", "run.name=job"],
+                         cwd=tmp_path, env=clean_env(FAKE_MODE=mode), capture_output=True, text=True, timeout=timeout)
+    record = json.loads((tmp_path / "runs" / "job" / "launch.json").read_text())
+    seen = [json.loads(line) for line in (tmp_path / "attempts.jsonl").read_text().splitlines()]
+    return out, record, seen, time.monotonic() - t0
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(60)
+def test_a_launcher_that_hangs_after_a_declared_failure_is_ended_within_its_grace_and_the_job_restarts(tmp_path):
+    """A partition: the monitor wrote failure.json, mpirun waits for ever for a daemon it cannot reach. After
+    --launcher-grace-s it and everything it started (here a child that ignores SIGTERM) are killed; attempt 2 runs,
+    and each attempt ran holding the checkpoint directory's fence."""
+    _serial_only()
+    out, record, seen, took = _lost_host_job(tmp_path, "hang", "--launcher-grace-s", "2")
+    assert out.returncode == 0, out.stderr
+    first = record["attempts"][0]
+    assert first["launcher_ended"] and first["restartable"] and first["status"] == 137, first
+    assert first["end_unix"] - first["declared_unix"] < 2 + 5, first  # the grace, the kill, a poll
+    assert first["lost_host"]["host"] == "hostB" and first["lost_host"]["ranks"] == [2, 3]
+    assert "still running (a daemon it cannot reach?): ending it" in out.stderr
+    child = int((tmp_path / "child.pid").read_text())
+    assert not Path(f"/proc/{child}").exists() or Path(f"/proc/{child}/stat").read_text().split(") ")[1][0] == "Z"
+    assert [s["fence"] for s in seen] == [[seen[0]["launch_id"], 1], [seen[0]["launch_id"], 2]]
+    fence = json.loads((tmp_path / "runs" / "job" / "job.ckpt" / "fence").read_text())
+    assert (fence["attempt"], fence["closed"]) == (3, 2)  # attempt 2 ended: none of its ranks commits any more
+    assert took < 40
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["lost", "started", "unstarted"])
+def test_a_lost_host_is_restartable_whatever_status_the_launcher_returns(tmp_path, mode):
+    """Open MPI's mpirun ends with status 9 when a daemon dies: restartable once the ranks had all started (the host
+    named by mpirun's message where it names one), final before (a launch that failed, as any other status 9)."""
+    _serial_only()
+    out, record, seen, _ = _lost_host_job(tmp_path, mode, "--max-restarts", "1")
+    first = record["attempts"][0]
+    assert first["status"] == 9 and first["launcher_loss"]["what"] == ("daemon lost" if mode == "lost" else "start")
+    if mode == "lost":
+        assert out.returncode == 0 and len(seen) == 2, out.stderr
+        assert first["restartable"] and first["lost_host"]["host"] == "hostB" and first["lost_host"]["ranks"] == [2, 3]
+        assert "attempt 1 ended with status 9: failed with status 9 (host hostB lost (ranks 2, 3)" in out.stderr
+    elif mode == "started":
+        assert out.returncode == 0 and len(seen) == 2, out.stderr
+        assert first["restartable"] and first["lost_host"]["host"] is None
+        assert "host (the launcher did not say which) lost: a launcher daemon failed after the ranks" in out.stderr
+    else:
+        assert out.returncode == 9 and len(seen) == 1, out.stderr
+        assert not first["restartable"] and first["lost_host"] is None
+        assert "status 9 is not restartable" in out.stderr
