@@ -180,9 +180,12 @@ def host_interfaces(comm: Any, world: World, address: str, spec: str = "") -> In
     hosts: dict[str, list[int]] = {}
     for rank, host in enumerate(world.hostnames):
         hosts.setdefault(host, []).append(rank)
+    def which(ranks: list[int]) -> str:
+        return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
     missing = [h for h, ranks in hosts.items() if spec and every[ranks[0]][0] is None]
     if missing:
-        lines = [f"host {h} (ranks {', '.join(map(str, hosts[h]))}) has none of them; its interfaces: "
+        lines = [f"host {h} ({which(hosts[h])}) has none of them; its interfaces: "
                  f"{', '.join(every[hosts[h][0]][1]) or 'none'}" for h in missing]
         raise mark_agreed(UsageError(f"dist.interface={spec!r}: " + "; ".join(lines)))
     if world.rank == 0:
@@ -190,7 +193,7 @@ def host_interfaces(comm: Any, world: World, address: str, spec: str = "") -> In
             chosen = every[ranks[0]][0]
             what = (f"{chosen[0]} {chosen[1]} ({chosen[2]})" if chosen else
                     f"none found towards {address}: gloo and NCCL choose")
-            log.info("network interface on %s (ranks %s): %s", host, ", ".join(map(str, ranks)), what)
+            log.info("network interface on %s (%s): %s", host, which(ranks), what)
     return choice.interface if choice else None
 
 

@@ -88,14 +88,14 @@ def test_each_host_chooses_its_own_interface_and_rank_0_logs_one_line_per_host(c
         assert host_interfaces(comm, world, "127.0.0.2") == mine
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("network interface on")]
     if rank == 0:
-        assert lines == [f"network interface on host{r} (ranks {r}): eth{'xyzw'[r % 4]}{r} 127.0.0.{r + 2} "
+        assert lines == [f"network interface on host{r} (rank {r}): eth{'xyzw'[r % 4]}{r} 127.0.0.{r + 2} "
                          f"(same subnet as 127.0.0.2)" for r in range(comm.Get_size())]
     else:
         assert lines == []
     assert host_interfaces(comm, world, "127.0.0.2", "eth*") == mine
     # A name only rank 0's host has: every other host lacks it, an error that names them, on every rank.
     if comm.Get_size() > 1:
-        with pytest.raises(UsageError, match=r"dist.interface='ethx0': host host1 \(ranks 1\) has none of them; "
+        with pytest.raises(UsageError, match=r"dist.interface='ethx0': host host1 \(rank 1\) has none of them; "
                                              r"its interfaces: ethy1") as raised:
             host_interfaces(comm, world, "127.0.0.2", "ethx0")
         assert is_agreed(raised.value) and exit_code_of(raised.value) == 2
