@@ -58,6 +58,7 @@ from hpcnet.data.sampler import GlobalBatchSampler
 from hpcnet.errors import ExitCode, exit_code_of
 from hpcnet.fault.inject import FaultInjector
 from hpcnet.fault.monitor import Monitor
+from hpcnet.fault.watchdog import startup_phase
 from hpcnet.launch.park import park
 from hpcnet.launch.stop import StopRequest
 from hpcnet.loop import Loop
@@ -110,12 +111,18 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
         # impossible choice stops every rank before the probe, the rendezvous,
         # the data and the model; the torch.distributed group is the one it needs, if any.
         plan = decide_plan(comm, world, cfg.dist, device_type=device.type)
-        interface, link = _probe(cfg, comm, world, device, run_dir)
+        faults = FaultInjector(cfg.fault, world, checkpoint_dir=checkpoint_dir(cfg.run.dir, cfg.run.name,
+                                                                               cfg.checkpoint.dir))
+        # Each start-up phase on the network runs under dist.startup_timeout_s (hpcnet.fault.watchdog).
+        faults.before_phase("probe")
+        prefer, link = _probe(cfg, comm, world, device, run_dir, monitor)
         if plane is None and world.size > 1 and plan.torch_backend:
+            faults.before_phase("rendezvous")
             plane = init_data_plane(comm, world, backend=plan.torch_backend, device=device,
-                                    timeout_s=cfg.dist.timeout_s, interface=interface)
+                                    timeout_s=cfg.dist.timeout_s, interface=cfg.dist.interface, prefer=prefer,
+                                    deadlines=monitor.deadlines, startup_timeout_s=cfg.dist.startup_timeout_s)
             own_plane = True
-        result = _train(cfg, comm, world, device, plan, run_dir, monitor, stop, link)
+        result = _train(cfg, comm, world, device, plan, run_dir, monitor, stop, faults, link)
         result.summary.update(wall_s=time.perf_counter() - t_start)
         _finish(result, world, run_dir, cfg.train.steps)
         return result
@@ -155,26 +162,30 @@ def _start(cfg: Config, comm: Any) -> tuple[World, Path, torch.device, Monitor]:
     return world, run_dir, device, monitor
 
 
-def _probe(cfg: Config, comm: Any, world: World, device: torch.device, run_dir: Path
+def _probe(cfg: Config, comm: Any, world: World, device: torch.device, run_dir: Path, monitor: Monitor
            ) -> tuple[str, LinkCost | None]:
-    """Measured latency/bandwidth pick the network interface (``dist.probe``); the interface to use, and the
-    slowest measured link (inter-node where there are nodes) for the cost model (None: not measured)."""
-    interface = cfg.dist.interface
+    """Measured latency/bandwidth (``dist.probe``): the interface name rank 0 tries first for the rendezvous
+    address (the fastest every node has; empty: none, or ``dist.interface`` decides), and the slowest measured link
+    (inter-node where there are nodes) for the cost model (None: not measured).
+
+    Each host still uses its own interface towards that address (``hpcnet.comm.bootstrap.host_interfaces``)."""
     if not cfg.dist.probe or world.size == 1:
-        return interface, None
-    topology = probe(comm, world, budget_s=2.0)
+        return "", None
+    with startup_phase(monitor.deadlines, "dist.probe", cfg.dist.startup_timeout_s):
+        topology = probe(comm, world, budget_s=2.0)
     advice = recommend(topology)
     if world.is_main:
         OptionalFile(run_dir / "topology.json").write_text(topology.to_json() + "\n")
         log.info("%s", topology.summary())
-    if not interface and world.num_nodes > 1 and advice["nccl_socket_ifname"]:
-        interface = advice["nccl_socket_ifname"]
+    prefer = ""
+    if not cfg.dist.interface and world.num_nodes > 1 and advice["nccl_socket_ifname"]:
+        prefer = advice["nccl_socket_ifname"]
     if advice["nccl_ib_disable"] and device.type == "cuda":
         os.environ.setdefault("NCCL_IB_DISABLE", "1")
     where = "inter" if advice["inter_node_latency_us"] and advice["inter_node_bandwidth_gbps"] else "intra"
     latency, bandwidth = advice[f"{where}_node_latency_us"], advice[f"{where}_node_bandwidth_gbps"]
     link = LinkCost.from_probe(latency, bandwidth) if latency and bandwidth else None
-    return interface, link
+    return prefer, link
 
 
 def _data(cfg: Config, comm: Any, world: World) -> tuple[Any, Any, GlobalBatchSampler]:
@@ -201,7 +212,9 @@ def _model(cfg: Config, comm: Any, world: World, device: torch.device, info: Any
         model = build_model(cfg.model.name, info, cfg.model.options, factory=cfg.model.factory).to(device)
     settings = device_settings(cfg.cuda, device, model)
     model = apply_settings(settings, model)
-    dp = DataParallel(model, comm, world, cfg.dist, device=device, plan=plan, recorder=monitor.recorder, link=link)
+    with startup_phase(monitor.deadlines, "dist.groups", cfg.dist.startup_timeout_s):
+        dp = DataParallel(model, comm, world, cfg.dist, device=device, plan=plan, recorder=monitor.recorder,
+                          link=link)
     try:
         with shared_errors(comm):  # what torch refuses (optim.*) stops every rank alike, before any collective
             optimizer = build_optimizer(model, cfg.optim, fused=settings.fused_optimizer)
@@ -215,9 +228,11 @@ def _model(cfg: Config, comm: Any, world: World, device: torch.device, info: Any
 
 
 def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any, run_dir: Path,
-           monitor: Monitor, stop: StopRequest | None, link: LinkCost | None = None) -> TrainResult:
+           monitor: Monitor, stop: StopRequest | None, faults: FaultInjector, link: LinkCost | None = None
+           ) -> TrainResult:
     """Data, model, checkpoints, then the loop from where the checkpoints say; closed whatever happens."""
     train_split, eval_split, sampler = _data(cfg, comm, world)
+    faults.before_phase("groups")
     dp, optimizer, settings = _model(cfg, comm, world, device, train_split.info, plan, monitor, link, run_dir)
     metrics = MetricsWriter(run_dir / metrics_file(world.rank)
                             if cfg.run.metrics == "all" or (cfg.run.metrics == "rank0" and world.is_main) else None)
@@ -228,7 +243,6 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any
         log.info("%s", dp.describe())
         log.info("device settings (cuda.*): %s", settings.describe())
     directory = checkpoint_dir(cfg.run.dir, cfg.run.name, cfg.checkpoint.dir)
-    faults = FaultInjector(cfg.fault, world, checkpoint_dir=directory)  # fault.*: off unless testing recovery
     manager = CheckpointManager(comm, directory,
                                 keep=cfg.checkpoint.keep, full_every=cfg.checkpoint.full_every,
                                 async_save=cfg.checkpoint.async_save, move_aside=cfg.checkpoint.move_aside,

@@ -9,6 +9,14 @@ port the kernel gives it, so there is no race for a port and nothing listens
 on the other interfaces.  The address and port travel to the other ranks
 over MPI.  ``MASTER_ADDR``/``MASTER_PORT`` win when the user sets them.
 
+Each host then picks its own interface towards that address (``netif.interface_towards``: the one that holds
+it, else the one on its subnet, else the one the kernel routes through), and its ranks set
+``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` to it: hosts of different kinds name their interfaces
+differently.  Rank 0 logs one line per host.
+
+Every phase here runs under a start-up deadline (``dist.startup_timeout_s``, ``hpcnet.fault.watchdog``):
+a rank that never arrives ends the job with status 75 and a report naming the phase and the missing ranks.
+
 The store has no authentication: whoever reaches its address and port can
 read and write its keys (docs/communication.md).
 """
@@ -25,10 +33,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from hpcnet.agree import agree_on_error
-from hpcnet.comm.netif import has_rdma_devices, interfaces
+from hpcnet.agree import agree_on_error, mark_agreed
+from hpcnet.comm.netif import Interface, has_rdma_devices, interface_towards, interfaces, matching
 from hpcnet.comm.world import World
 from hpcnet.errors import RestartableError, UsageError
+from hpcnet.fault.watchdog import NULL_DEADLINES, STARTUP_OPTION, startup_phase
 
 log = logging.getLogger(__name__)
 
@@ -84,25 +93,25 @@ def _probe_listeners(addresses: list[str]) -> Iterator[list[int | None]]:
             sock.close()
 
 
-def choose_address(comm: Any, world: World, *, interface: str = "") -> tuple[str, str]:
-    """Collective: the rendezvous address (and interface name) every rank can reach.
+def choose_address(comm: Any, world: World, *, interface: str = "", prefer: str = "") -> tuple[str, str]:
+    """Collective: the rendezvous address (and rank 0's interface name) every rank can reach.
 
     Args:
         comm: the communicator of the job.
         world: its layout.
-        interface: a user-chosen interface name (``dist.interface``), or empty.
+        interface: ``dist.interface``: names or glob patterns, comma-separated, or empty.
+        prefer: an interface name to try first on rank 0 (the probe's advice), or empty.
     """
     if world.num_nodes == 1 and not interface:
         return "127.0.0.1", "lo"
     error = None
     candidates: list[tuple[str, str]] = []
     if world.rank == 0:
-        found = interfaces()
-        if interface:
-            found = [i for i in found if i.name == interface]
-            if not found:
-                error = UsageError(f"dist.interface: rank 0 on {world.hostname} has no interface {interface!r} "
-                                   "that is up with an IPv4 address")
+        found = matching(interfaces(), interface)
+        if interface and not found:
+            error = UsageError(f"dist.interface={interface!r}: rank 0 on {world.hostname} has no interface it "
+                               "names that is up with an IPv4 address")
+        found.sort(key=lambda i: i.name != prefer)  # stable: the preference order otherwise
         candidates = [(i.address, i.name) for i in found]
         if not found and error is None:
             error = RestartableError(f"rank 0 on {world.hostname} has no usable network interface")
@@ -154,8 +163,43 @@ class DataPlane:
 BACKENDS = ("nccl", "gloo")
 
 
+def host_interfaces(comm: Any, world: World, address: str, spec: str = "") -> Interface | None:
+    """Collective: this host's interface towards ``address`` (rank 0's rendezvous address), chosen per host.
+
+    Rank 0 logs one line per host.  A host that has none of the interfaces ``spec`` (``dist.interface``) names
+    is a ``UsageError`` naming the host and its ranks, raised on every rank.  None: no interface found (without
+    ``spec``): gloo and NCCL choose on that host.
+    """
+    try:
+        choice = interface_towards(address, spec)
+        have = sorted(i.name for i in interfaces(loopback=True))
+        mine = ((choice.interface.name, choice.interface.address, choice.reason) if choice else None, have)
+    except Exception as exc:  # noqa: BLE001 - shared below: every rank decides alike
+        choice, mine = None, (None, [f"error: {exc}"])
+    every = comm.allgather(mine)
+    hosts: dict[str, list[int]] = {}
+    for rank, host in enumerate(world.hostnames):
+        hosts.setdefault(host, []).append(rank)
+    def which(ranks: list[int]) -> str:
+        return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+    missing = [h for h, ranks in hosts.items() if spec and every[ranks[0]][0] is None]
+    if missing:
+        lines = [f"host {h} ({which(hosts[h])}) has none of them; its interfaces: "
+                 f"{', '.join(every[hosts[h][0]][1]) or 'none'}" for h in missing]
+        raise mark_agreed(UsageError(f"dist.interface={spec!r}: " + "; ".join(lines)))
+    if world.rank == 0:
+        for host, ranks in hosts.items():
+            chosen = every[ranks[0]][0]
+            what = (f"{chosen[0]} {chosen[1]} ({chosen[2]})" if chosen else
+                    f"none found towards {address}: gloo and NCCL choose")
+            log.info("network interface on %s (%s): %s", host, which(ranks), what)
+    return choice.interface if choice else None
+
+
 def init_data_plane(comm: Any, world: World, *, backend: str, device: Any, timeout_s: float,
-                    interface: str = "") -> DataPlane:
+                    interface: str = "", prefer: str = "", deadlines: Any = NULL_DEADLINES,
+                    startup_timeout_s: float = 120.0) -> DataPlane:
     """Collective: initialise torch.distributed's default group over the ranks of ``comm``.
 
     Args:
@@ -165,7 +209,12 @@ def init_data_plane(comm: Any, world: World, *, backend: str, device: Any, timeo
             (``hpcnet.comm.plan.Plan.torch_backend``), decided before.
         device: this rank's torch device.
         timeout_s: store and collective timeout.
-        interface: network interface to use across nodes, or empty to choose.
+        interface: ``dist.interface``: the interfaces to use (names or glob patterns, comma-separated; every
+            host must have one), or empty to choose.
+        prefer: the interface name rank 0 tries first for the rendezvous address (the probe's advice).
+        deadlines: this rank's guarded waits (``Monitor.deadlines``): the rendezvous and the first
+            collective each run under ``startup_timeout_s`` (``dist.startup_timeout_s``).
+        startup_timeout_s: that deadline, per phase.
     """
     import torch.distributed as dist
 
@@ -174,31 +223,56 @@ def init_data_plane(comm: Any, world: World, *, backend: str, device: Any, timeo
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process")
     timeout = datetime.timedelta(seconds=timeout_s)
-    env_addr = os.environ.get("MASTER_ADDR")
-    if env_addr:
-        address, ifname = env_addr, interface
-    else:
-        address, ifname = choose_address(comm, world, interface=interface)
-    if ifname and (world.num_nodes > 1 or ifname == "lo"):
-        # NCCL and gloo each pick an interface on their own (on one node, one
-        # that other hosts can reach); make them use the one chosen here.
-        _set_default_env("NCCL_SOCKET_IFNAME", ifname)
-        _set_default_env("GLOO_SOCKET_IFNAME", ifname)
-    if backend == "nccl" and not has_rdma_devices():
-        _set_default_env("NCCL_IB_DISABLE", "1")
-    store, port = _connect_store(comm, world, address, timeout)
-    kwargs: dict[str, Any] = {}
-    if backend == "nccl":
-        kwargs["device_id"] = device  # eager NCCL communicator creation
-    error = None
+    # Open by hand, not ``with``: a rank whose init_process_group failed leaves the phase before it waits to
+    # share the error, so the report names it as not arrived while the others still wait to connect to it.
+    guard = deadlines.open("dist.rendezvous", startup_timeout_s, kind="startup", option=STARTUP_OPTION,
+                           what="the rendezvous (address, TCPStore, init_process_group)")
     try:
-        dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size,
-                                timeout=timeout, **kwargs)
-    except Exception as exc:  # noqa: BLE001
-        error = RestartableError(f"rank {world.rank}: init_process_group({backend!r}) failed: {exc}")
-    agree_on_error(comm, error)
-    log.info("torch.distributed %s: %d ranks, rendezvous %s:%d (%s)", backend, world.size, address, port, ifname)
+        env_addr = os.environ.get("MASTER_ADDR")
+        if env_addr:
+            address = env_addr
+        else:
+            address, _ = choose_address(comm, world, interface=interface, prefer=prefer)
+        # NCCL and gloo each pick an interface on their own (on one node, one that other hosts can reach;
+        # elsewhere whatever the host name resolves to): make them use this host's one towards rank 0.
+        local = (Interface("lo", "127.0.0.1", "loopback") if address == "127.0.0.1" and world.num_nodes == 1
+                 else host_interfaces(comm, world, address, interface))
+        ifname = local.name if local else ""
+        if ifname:
+            _set_default_env("NCCL_SOCKET_IFNAME", ifname)
+            _set_default_env("GLOO_SOCKET_IFNAME", ifname)
+        if backend == "nccl" and not has_rdma_devices():
+            _set_default_env("NCCL_IB_DISABLE", "1")
+        store, port = _connect_store(comm, world, address, timeout)
+        kwargs: dict[str, Any] = {}
+        if backend == "nccl":
+            kwargs["device_id"] = device  # eager NCCL communicator creation
+        error = None
+        try:
+            dist.init_process_group(backend, store=store, rank=world.rank, world_size=world.size,
+                                    timeout=timeout, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            error = RestartableError(f"rank {world.rank} on {world.hostname}: init_process_group({backend!r}) "
+                                     f"failed: {exc}")
+            # Said now: the ranks that did connect wait in the rendezvous until the start-up deadline.
+            log.error("%s", error)
+            deadlines.close(guard)
+        agree_on_error(comm, error)
+    finally:
+        deadlines.close(guard)
+    with startup_phase(deadlines, "dist.first", startup_timeout_s, "the first collective on the data plane"):
+        _first_collective(device)
+    log.info("torch.distributed %s: %d ranks, rendezvous %s:%d (%s on this host)", backend, world.size, address,
+             port, ifname or "chosen by the backend")
     return DataPlane(backend, address, port, ifname, dist.group.WORLD, store)
+
+
+def _first_collective(device: Any) -> None:
+    """An all-reduce of one element on the new group: every pair of ranks can talk before anything relies on it."""
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(1, device=device))
 
 
 def _connect_store(comm: Any, world: World, address: str, timeout: datetime.timedelta) -> tuple[Any, int]:

@@ -6,6 +6,8 @@ the same list (docs/communication.md, docs/topology.md).
 """
 
 import fcntl
+import fnmatch
+import ipaddress
 import socket
 import struct
 from collections.abc import Callable
@@ -22,6 +24,7 @@ veth, usually unreachable from other hosts."""
 VIRTUAL_PREFIXES = ("docker", "virbr", "veth", "br-")
 _ARPHRD_INFINIBAND, _ARPHRD_LOOPBACK = "32", "772"  # /sys/class/net/<name>/type
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+_SIOCGIFNETMASK = 0x891B  # ... and its netmask
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,12 +112,101 @@ def interfaces(sys_net: Path = SYS_NET, *, loopback: bool = False,
 
 def ipv4_address(name: str) -> str | None:
     """The IPv4 address of interface ``name``, or None."""
+    return _ioctl_ipv4(name, _SIOCGIFADDR)
+
+
+def ipv4_netmask(name: str) -> str | None:
+    """The IPv4 netmask of interface ``name``, or None."""
+    return _ioctl_ipv4(name, _SIOCGIFNETMASK)
+
+
+def _ioctl_ipv4(name: str, request: int) -> str | None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
-            packed = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+            packed = fcntl.ioctl(sock.fileno(), request, struct.pack("256s", name[:15].encode()))
         except OSError:
             return None
     return socket.inet_ntoa(packed[20:24])
+
+
+def route_source(address: str) -> str | None:
+    """The local address the kernel sends from to reach ``address`` (``ip route get``), or None (no route).
+
+    A UDP socket's ``connect`` picks the route and the source address without sending anything.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((address, 9))
+            return sock.getsockname()[0]
+    except OSError:
+        return None
+
+
+def parse_patterns(spec: str) -> list[str]:
+    """``dist.interface``'s names: comma-separated, each a name or a glob pattern (``eth*,ens*``)."""
+    return [p.strip() for p in spec.split(",") if p.strip()]
+
+
+def matching(found: list[Interface], spec: str) -> list[Interface]:
+    """The interfaces of ``found`` whose name matches one of ``spec``'s names or patterns (all when empty),
+    in ``found``'s order."""
+    patterns = parse_patterns(spec)
+    if not patterns:
+        return list(found)
+    return [i for i in found if any(fnmatch.fnmatchcase(i.name, p) for p in patterns)]
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The interface a host uses to reach rank 0's rendezvous address, and why."""
+
+    interface: Interface
+    reason: str
+    """``holds <address>``, ``same subnet as <address>``, ``route to <address>`` or ``named by dist.interface``."""
+
+
+def interface_towards(target: str, spec: str = "", *, found: list[Interface] | None = None,
+                      netmask_of: Callable[[str], str | None] | None = None,
+                      source_of: Callable[[str], str | None] | None = None) -> Choice | None:
+    """The interface of this host that reaches ``target`` (rank 0's rendezvous address), or None.
+
+    In order: the one that holds ``target`` (rank 0's own host), the one whose subnet contains it, the one the
+    kernel routes to it from (``route_source``); with ``spec`` (``dist.interface``) only among the interfaces it
+    names, and when none of those reaches ``target`` by these rules, the first named one (the data plane then
+    goes where the user said). None: no interface at all (with ``spec``: none that it names).
+
+    Args:
+        target: an IPv4 address (or a host name, resolved here).
+        spec: ``dist.interface``: names or glob patterns, comma-separated; empty: any interface.
+        found: this host's interfaces (default ``interfaces(loopback=True)``).
+        netmask_of: an interface's netmask (default: asked of the kernel).
+        source_of: the source address of the route to an address (default ``route_source``).
+    """
+    found = interfaces(loopback=True) if found is None else found
+    netmask_of = netmask_of or ipv4_netmask
+    source_of = source_of or route_source
+    candidates = matching(found, spec)
+    if not candidates:
+        return None
+    try:
+        target = socket.gethostbyname(target)
+        wanted = ipaddress.IPv4Address(target)
+    except (OSError, ValueError):
+        return Choice(candidates[0], "named by dist.interface") if spec else None
+    for iface in candidates:
+        if iface.address == target:
+            return Choice(iface, f"holds {target}")
+    for iface in candidates:
+        mask = netmask_of(iface.name)
+        if mask and mask != "0.0.0.0" and wanted in ipaddress.IPv4Network(f"{iface.address}/{mask}", strict=False):
+            return Choice(iface, f"same subnet as {target}")
+    source = source_of(target)
+    for iface in candidates:
+        if source is not None and iface.address == source:
+            return Choice(iface, f"route to {target}")
+    if spec:
+        return Choice(candidates[0], "named by dist.interface")
+    return None
 
 
 @dataclass(kw_only=True, slots=True)

@@ -242,7 +242,13 @@ class DistConfig:
     timeout_s: float = 600.0
     """Timeout of torch.distributed set-up and of each step's gradient all-reduce, in seconds."""
     interface: str = ""
-    """Network interface for the data plane (e.g. ib0); empty chooses one reachable by every rank."""
+    """Network interfaces for the data plane: names or glob patterns, comma-separated (e.g. 'ib0' or 'eth*,ens*');
+    each host uses the one of them that reaches rank 0's rendezvous address, and a host that has none is an error.
+    Empty: each host chooses the interface that reaches rank 0 (same subnet, else the kernel's route)."""
+    startup_timeout_s: float = 120.0
+    """Deadline of each start-up phase on the network once MPI is up: the topology probe, the rendezvous, the first
+    collective, the transport's process groups. Past it: stacks, failure.json (kind 'startup', the phase and the ranks
+    that did not arrive), status 75. Needs monitor.enabled; monitor.startup_timeout_s bounds the whole start-up."""
     bucket_mb: float | str = 25.0
     """Gradient bucket size in MiB, or 'auto': from the probed latency and bandwidth, the smallest bucket whose latency
     is at most 5% of its all-reduce time (1-64 MiB, at most half the gradients; 25 without a probe)."""
@@ -288,6 +294,9 @@ class DistConfig:
             raise ConfigError(f"dist.device: {self.device!r} is not one of 'auto', 'cpu', 'cuda'")
         if not self.timeout_s > 0:
             raise ConfigError(f"dist.timeout_s must be positive, got {self.timeout_s}")
+        if not (math.isfinite(self.startup_timeout_s) and self.startup_timeout_s > 0):
+            raise ConfigError(f"dist.startup_timeout_s must be a positive number of seconds, "
+                              f"got {self.startup_timeout_s}")
         if isinstance(self.bucket_mb, str):
             if self.bucket_mb != "auto":
                 raise ConfigError(f"dist.bucket_mb: expected a number of MiB or 'auto', got {self.bucket_mb!r}")
@@ -470,6 +479,9 @@ class FaultConfig:
     stuck_fs_at_step: int = 0
     """Fault injection: in the save of this step, every rank's save blocks for good in the collective create, holding
     the GIL (a stuck file system)."""
+    hang_at_startup: str = ""
+    """Fault injection: the chosen rank blocks for good just before this start-up phase ('probe', 'rendezvous' or
+    'groups'; see dist.startup_timeout_s), so the others wait there for it; empty = never."""
     rank: int = -1
     """The rank the fault hits; -1 = the last rank."""
     only_attempt: int = 0
@@ -479,6 +491,9 @@ class FaultConfig:
         if self.write_error not in ("", "ENOSPC", "EDQUOT", "EIO", "fill"):
             raise ConfigError(f"fault.write_error: {self.write_error!r} is not one of 'ENOSPC', 'EDQUOT', 'EIO', "
                               "'fill'")
+        if self.hang_at_startup not in ("", "probe", "rendezvous", "groups"):
+            raise ConfigError(f"fault.hang_at_startup: {self.hang_at_startup!r} is not one of 'probe', 'rendezvous', "
+                              "'groups'")
         for name in ("kill_at_step", "hang_at_step", "sleep_at_step", "fill_disk_at_step", "only_attempt",
                      "write_error_at_step", "stuck_save_at_step", "stuck_fs_at_step"):
             if getattr(self, name) < 0:

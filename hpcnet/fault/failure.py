@@ -25,7 +25,7 @@ from typing import Any
 
 from hpcnet.errors import ExitCode
 from hpcnet.fault.flightrec import FlightRecorder, analyze_stall, describe_op, format_entries
-from hpcnet.fault.watchdog import Deadlines, Guard, analyze_io
+from hpcnet.fault.watchdog import STARTUP_PHASES, Deadlines, Guard, analyze_io, analyze_phase
 from hpcnet.paths import FAILURE_FILE
 
 DUMP_SIGNAL = getattr(signal, "SIGRTMIN", signal.SIGXCPU) + (4 if hasattr(signal, "SIGRTMIN") else 0)
@@ -86,27 +86,41 @@ def heartbeat_report(silent: dict[int, tuple[float, dict[str, Any] | None]], hos
 
 
 def stall_report(kind: str, detail: str, states: dict[int, dict[str, Any] | None], hostnames: tuple[str, ...], *,
-                 detector: int, mismatched: tuple[int, ...] = ()) -> dict[str, Any]:
+                 detector: int, mismatched: tuple[int, ...] = (), phase: str = "") -> dict[str, Any]:
     """The report of a stall or desync from every rank's answer (pure).
 
-    ``mismatched``: ranks already known to disagree (the pair a desync was seen between).
+    ``mismatched``: ranks already known to disagree (the pair a desync was seen between); ``phase``: the expired
+    guard's name, for a start-up phase (``watchdog.STARTUP_PHASES``).
     """
-    analysis = analyze_io(states) if kind == "checkpoint" else analyze_stall(states, mismatched)
-    if kind == "startup" and not (analysis["behind"] or analysis["mismatched"] or analysis["silent"]):
+    if kind == "startup" and phase in STARTUP_PHASES:
+        analysis = analyze_phase(states, phase, hostnames)
+    elif kind == "checkpoint":
+        analysis = analyze_io(states)
+    else:
+        analysis = analyze_stall(states, mismatched)
+    if kind == "startup" and phase not in STARTUP_PHASES and not (
+            analysis["behind"] or analysis["mismatched"] or analysis["silent"]):
         analysis["lines"][-1] = ("no rank is behind in the recorded collectives: the ranks wait for each other "
                                  "elsewhere (see the stacks)")
     suspects = analysis["mismatched"] or analysis["behind"] or analysis["silent"]
+    if phase in STARTUP_PHASES:
+        suspects = sorted(analysis["behind"] + analysis["silent"])  # the ranks that never arrived
     failed = [{"rank": r, "host": hostnames[r],
                "last_step": states[r]["step"] if states[r] else None,
                "why": ("mismatched" if r in analysis["mismatched"] else "behind" if r in analysis["behind"]
                        else "silent")} for r in suspects]
     what = {"checkpoint": "checkpoint I/O past its deadline", "startup": "start-up past its deadline"}.get(kind, kind)
+    if kind == "startup" and phase in STARTUP_PHASES:
+        what = f"start-up phase {phase} past its deadline"
     message = (f"{what} detected by rank {detector} on {hostnames[detector]}: {detail}\n  "
                + "\n  ".join(analysis["lines"])
                + f"\n  stacks and flight recorders: stall.rank<r>.txt in the run directory; "
                  f"ending the job with status {int(ExitCode.RESTARTABLE)} (restartable).")
     ranks = [{"rank": r, "host": hostnames[r], **(s or {"answered": False})} for r, s in sorted(states.items())]
-    return {"kind": kind, "detail": detail, "failed": failed, "ranks": ranks, "message": message}
+    report = {"kind": kind, "detail": detail, "failed": failed, "ranks": ranks, "message": message}
+    if phase:
+        report["phase"] = phase
+    return report
 
 
 def merge_reports(earlier: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:

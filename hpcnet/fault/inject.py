@@ -134,6 +134,8 @@ class FaultInjector:
             parts.append(f"{who} SIGKILLs itself at step {c.kill_at_step}")
         if c.hang_at_step:
             parts.append(f"{who} SIGSTOPs itself at step {c.hang_at_step}")
+        if c.hang_at_startup:
+            parts.append(f"{who} blocks for good before the start-up phase {c.hang_at_startup!r}")
         if c.sleep_at_step and c.sleep_s:
             parts.append(f"{who} sleeps {c.sleep_s:g} s at step {c.sleep_at_step}")
         if c.slow_s:
@@ -165,6 +167,14 @@ class FaultInjector:
             # The product is not an option, so it is bounded here: longer than MAX_DURATION_S is a hang anyway,
             # and time.sleep overflows past about 9.2e9 s.
             time.sleep(min(self.cfg.slow_per_sample_s * samples, MAX_DURATION_S))
+
+    def before_phase(self, phase: str) -> None:
+        """Called by every rank before start-up phase ``phase`` ('probe', 'rendezvous', 'groups'): with
+        ``fault.hang_at_startup`` equal to it, the chosen rank blocks here for good (GIL released, its monitor
+        thread still beats and answers), so the others wait for it in the phase."""
+        if self.mine and self.cfg.hang_at_startup == phase:
+            log.error("fault injection: rank %d blocks for good before the start-up phase %r", self.rank, phase)
+            threading.Event().wait()
 
     def at_step(self, step: int) -> None:
         """Called by every rank after optimizer step ``step``; acts on the chosen rank only."""

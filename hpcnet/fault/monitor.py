@@ -288,7 +288,7 @@ class Monitor:
         expired = self.deadlines.expired(now)
         if expired is not None:
             self._coordinate(expired.kind, f"{expired.what} has not finished after {expired.elapsed_s(now):.1f} s "
-                                           f"({expired.option} = {expired.timeout_s:.0f} s)")
+                                           f"({expired.option} = {expired.timeout_s:.0f} s)", phase=expired.name)
             return
         self._check_stall(now)
 
@@ -417,7 +417,7 @@ class Monitor:
                     answering = answering or not halted(process_threads(self._pids[rank], None))
         return answering
 
-    def _coordinate(self, kind: str, detail: str, mismatched: tuple[int, ...] = ()) -> None:
+    def _coordinate(self, kind: str, detail: str, mismatched: tuple[int, ...] = (), phase: str = "") -> None:
         """Ask every rank for its dump and state, wait a little for answers, report (monitor thread).
 
         Several ranks may see the same stall at once; only the lowest of them
@@ -451,7 +451,8 @@ class Monitor:
                     return
             self._beat_if_due(now)
             time.sleep(self._tick_s)
-        self._declare(stall_report(kind, detail, states, self.world.hostnames, detector=rank, mismatched=mismatched))
+        self._declare(stall_report(kind, detail, states, self.world.hostnames, detector=rank, mismatched=mismatched,
+                                   phase=phase))
 
     def _answer(self, source: int, notice: dict[str, Any]) -> None:
         """Another rank saw a stall or desync: dump, and tell it where this rank is (and whether it reports too)."""

@@ -8,7 +8,12 @@ the other waits a job can hang in are guarded here, each with a deadline:
   background write, the wait for it, a load.  Its duration grows with the
   model and the file system, so the deadline is generous (``io_timeout_s``);
 - start-up (``monitor.startup_timeout_s``): from the monitor's start to the
-  first step, minus the time spent in checkpoint loads (they have their own).
+  first step, minus the time spent in checkpoint loads (they have their own);
+- the start-up phases on the network once MPI is up (``dist.startup_timeout_s`` each,
+  ``STARTUP_PHASES``): the topology probe, the torch.distributed rendezvous, its first
+  collective, and the process groups and first collectives of the transport.  They are
+  collective, so when one expires the report says which ranks are in the phase (waiting)
+  and which never arrived (``analyze_phase``).
 
 A ``Guard`` is opened around the wait (``with deadlines.guard(...)``) by the
 thread that waits.  The monitor thread ends the job when one outlives its
@@ -32,8 +37,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+STARTUP_PHASES: dict[str, str] = {
+    "dist.probe": "the topology probe",
+    "dist.rendezvous": "the rendezvous",
+    "dist.first": "the first collective on the data plane",
+    "dist.groups": "the transport's process groups and first collectives",
+}
+"""The collective start-up phases under ``dist.startup_timeout_s``, in the order a rank goes through them."""
+STARTUP_OPTION = "dist.startup_timeout_s"
+
 GUARDS: tuple[str, ...] = ("none", "startup", "checkpoint.save", "checkpoint.write", "checkpoint.create",
-                           "checkpoint.meet", "checkpoint.wait", "checkpoint.load")
+                           "checkpoint.meet", "checkpoint.wait", "checkpoint.load", *STARTUP_PHASES)
 """Names of guarded waits; a beat carries the index, so the table is the same on every rank.
 ``checkpoint.meet``: a writer waiting for the others before the collective create (``ckpt.store.wait_for_peers``)."""
 GUARD_CODES: dict[str, int] = {name: code for code, name in enumerate(GUARDS)}
@@ -182,6 +196,13 @@ class Deadlines:
             return any(g.kind == kind for g in self._open)
 
 
+def startup_phase(deadlines: Any, name: str, timeout_s: float, what: str = "") -> Any:
+    """``with startup_phase(...)``: the block is start-up phase ``name`` (a key of ``STARTUP_PHASES``), bounded by
+    ``timeout_s`` (``dist.startup_timeout_s``); on expiry the job ends with status 75 (kind 'startup')."""
+    return deadlines.guard(name, timeout_s, kind="startup", option=STARTUP_OPTION,
+                           what=what or STARTUP_PHASES[name])
+
+
 class NullDeadlines:
     """The deadlines when monitoring is off: nothing is timed."""
 
@@ -249,5 +270,52 @@ def analyze_io(states: dict[int, dict[str, Any] | None]) -> dict[str, Any]:
         verdict = "every rank is inside checkpoint I/O: the file system (or MPI-IO) is stuck"
     else:
         verdict = "no rank is in checkpoint I/O any more"
+    lines.append(verdict)
+    return {"behind": behind, "mismatched": [], "silent": silent, "lines": lines}
+
+
+def analyze_phase(states: dict[int, dict[str, Any] | None], phase: str,
+                  hostnames: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """Say which ranks a start-up phase waits for (pure).
+
+    Args:
+        states: per rank, its answer (``guard``: its innermost guarded wait, ``guard_s``), or None when it did not
+            answer.
+        phase: the expired phase (a key of ``STARTUP_PHASES``).
+        hostnames: the host of every rank.
+
+    Returns ``behind`` (ranks that answered from before the phase: they never arrived), ``silent`` (no answer),
+    ``mismatched`` (empty) and ``lines``: one per rank, then a verdict naming the missing ranks and their hosts.
+    """
+    order = list(STARTUP_PHASES)
+    at = order.index(phase)
+    name = STARTUP_PHASES[phase]
+    silent = sorted(r for r, s in states.items() if s is None)
+    behind, waiting, lines = [], [], []
+    for r in sorted(states):
+        s = states[r]
+        if s is None:
+            lines.append(f"rank {r} on {hostnames[r]}: no answer (hung, dead, or its monitor thread is blocked)")
+            continue
+        guard = s["guard"]
+        if guard == phase:
+            waiting.append(r)
+            lines.append(f"rank {r} on {hostnames[r]}: in {name} for {s['guard_s']:.1f} s")
+        elif guard in STARTUP_PHASES and order.index(guard) > at:
+            lines.append(f"rank {r} on {hostnames[r]}: past it, in {STARTUP_PHASES[guard]}")
+        else:
+            behind.append(r)
+            where = "not in a start-up phase" if guard in ("none", "startup") else f"in {guard}"
+            lines.append(f"rank {r} on {hostnames[r]}: did not arrive ({where}; its log says why)")
+    missing = sorted(behind + silent)
+    if missing:
+        hosts = sorted({hostnames[r] for r in missing})
+        verdict = (f"{name} ({phase}) waits for ranks {missing} on {', '.join(hosts)}: "
+                   f"{'they' if len(missing) > 1 else 'it'} did not arrive")
+    elif waiting:
+        verdict = (f"every rank is in {name} ({phase}): they cannot reach each other "
+                   "(network interfaces, routes, firewalls: see docs/communication.md)")
+    else:
+        verdict = f"no rank is in {name} any more"
     lines.append(verdict)
     return {"behind": behind, "mismatched": [], "silent": silent, "lines": lines}

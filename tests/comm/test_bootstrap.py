@@ -1,7 +1,9 @@
 """torch.distributed bootstrapped from MPI: address choice, store, collectives."""
 
+import dataclasses
 import ipaddress
 import json
+import logging
 import re
 import socket
 
@@ -10,11 +12,12 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
+from hpcnet.agree import is_agreed
 from hpcnet.comm import bootstrap
-from hpcnet.comm.bootstrap import choose_address, init_data_plane
-from hpcnet.comm.netif import interfaces
+from hpcnet.comm.bootstrap import choose_address, host_interfaces, init_data_plane
+from hpcnet.comm.netif import Choice, Interface, interfaces, matching
 from hpcnet.comm.world import discover
-from hpcnet.errors import UsageError
+from hpcnet.errors import UsageError, exit_code_of
 from tests.helpers.comm import fake_net, listening_sockets
 from tests.helpers.launch import PROGRAMS
 
@@ -55,8 +58,49 @@ def test_the_rendezvous_prefers_ipoib_from_the_one_lister(comm, tmp_path, monkey
     expected = ("127.0.0.2", "ibp65s0") if comm.Get_size() > 1 else ("127.0.0.1", "lo")
     assert choose_address(comm, nodes) == expected
     assert choose_address(comm, nodes, interface="eth0") == ("127.0.0.3", "eth0")
-    with pytest.raises(UsageError, match="dist.interface: rank 0 .* no interface 'ib9'"):
+    # A list of patterns, in preference order (named: used on one node too)
+    assert choose_address(comm, nodes, interface="ib*,eth*") == ("127.0.0.2", "ibp65s0")
+    assert choose_address(comm, nodes, prefer="eth0") == (("127.0.0.3", "eth0") if comm.Get_size() > 1 else
+                                                          ("127.0.0.1", "lo"))  # the probe's advice first
+    with pytest.raises(UsageError, match="dist.interface='ib9': rank 0 .* has no interface it names"):
         choose_address(comm, nodes, interface="ib9")
+
+
+def _hosts(world, per_host=1):
+    """``world`` as if every ``per_host`` ranks were a host of their own, named host<i>."""
+    names = tuple(f"host{r // per_host}" for r in range(world.size))
+    return dataclasses.replace(world, hostname=names[world.rank], hostnames=names,
+                               num_nodes=len(set(names)), node_index=world.rank // per_host)
+
+
+@pytest.mark.mpi
+def test_each_host_chooses_its_own_interface_and_rank_0_logs_one_line_per_host(comm, monkeypatch, caplog):
+    """Hosts whose interfaces have different names (ethx0, ethy0, ...): each rank gets its own host's interface
+    towards rank 0's address, not rank 0's name."""
+    rank = comm.Get_rank()
+    world = _hosts(discover(comm))
+    mine = Interface(f"eth{'xyzw'[rank % 4]}{rank}", f"127.0.0.{rank + 2}", "ethernet", 1000)
+    monkeypatch.setattr(bootstrap, "interfaces", lambda loopback=False: [mine])
+    monkeypatch.setattr(bootstrap, "interface_towards",
+                        lambda address, spec="": Choice(mine, "same subnet as " + address) if matching([mine], spec)
+                        else None)
+    with caplog.at_level(logging.INFO, logger="hpcnet.comm.bootstrap"):
+        assert host_interfaces(comm, world, "127.0.0.2") == mine
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("network interface on")]
+    if rank == 0:
+        assert lines == [f"network interface on host{r} (rank {r}): eth{'xyzw'[r % 4]}{r} 127.0.0.{r + 2} "
+                         f"(same subnet as 127.0.0.2)" for r in range(comm.Get_size())]
+    else:
+        assert lines == []
+    assert host_interfaces(comm, world, "127.0.0.2", "eth*") == mine
+    # A name only rank 0's host has: every other host lacks it, an error that names them, on every rank.
+    if comm.Get_size() > 1:
+        with pytest.raises(UsageError, match=r"dist.interface='ethx0': host host1 \(rank 1\) has none of them; "
+                                             r"its interfaces: ethy1") as raised:
+            host_interfaces(comm, world, "127.0.0.2", "ethx0")
+        assert is_agreed(raised.value) and exit_code_of(raised.value) == 2
+    else:
+        assert host_interfaces(comm, world, "127.0.0.2", "ethx0") == mine
 
 
 @pytest.mark.mpi

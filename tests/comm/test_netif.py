@@ -3,14 +3,20 @@
 import pytest
 
 from hpcnet.comm.netif import (
+    Choice,
     IbPort,
     Interface,
     has_rdma_devices,
     ib_ports,
+    interface_towards,
     interfaces,
     ipv4_address,
+    ipv4_netmask,
     kind_of,
+    matching,
+    parse_patterns,
     preference,
+    route_source,
 )
 from tests.helpers.comm import fake_net
 
@@ -87,3 +93,52 @@ def test_this_machine():
     found = interfaces()
     assert all(i.kind != "loopback" and i.address.count(".") == 3 for i in found)
     assert [i.kind for i in interfaces(loopback=True) if i.name == "lo"] == ["loopback"]
+
+
+def _host(tmp_path, table, **links):
+    """A fake host: interfaces ``name=speed`` with addresses from ``table`` (name -> address)."""
+    for name, speed in links.items():
+        fake_net(tmp_path, name, speed=speed)
+    return interfaces(tmp_path, address_of=addresses(**table))
+
+
+def test_dist_interface_names_lists_and_patterns(tmp_path):
+    found = _host(tmp_path, {"eth0": "10.0.0.1", "ens1f0": "10.1.0.1", "ib0": "10.2.0.1"},
+                  eth0=1000, ens1f0=1000, ib0=1000)
+    assert parse_patterns(" eth*, ens* ,") == ["eth*", "ens*"]
+    assert [i.name for i in matching(found, "")] == ["ib0", "ens1f0", "eth0"]  # empty: all, in preference order
+    assert [i.name for i in matching(found, "eth*,ens*")] == ["ens1f0", "eth0"]
+    assert [i.name for i in matching(found, "eth0")] == ["eth0"]
+    assert matching(found, "eno*,hsn0") == []
+
+
+def test_each_host_uses_its_own_interface_towards_rank_0(tmp_path):
+    """Two hosts of different kinds: rank 0's has ethx0, the other ethy0 on the same subnet; a third reaches
+    rank 0 only through a route (another subnet); names differ on each, and each finds its own."""
+    masks = {"ethx0": "255.255.255.0", "ethy0": "255.255.255.0", "mgmt0": "255.255.0.0", "ens9": "255.255.255.0",
+             "lo": "255.0.0.0"}
+    host_x = _host(tmp_path / "x", {"ethx0": "10.78.0.1", "mgmt0": "192.168.0.1"}, ethx0=10000, mgmt0=100000)
+    host_y = _host(tmp_path / "y", {"ethy0": "10.78.0.2", "mgmt0": "192.168.0.2"}, ethy0=1000, mgmt0=100000)
+    host_z = _host(tmp_path / "z", {"ens9": "10.79.0.7", "mgmt0": "192.168.0.3"}, ens9=1000, mgmt0=100000)
+    no_route = {"source_of": lambda address: None, "netmask_of": masks.get}
+    assert interface_towards("10.78.0.1", found=host_x, **no_route) == Choice(host_x[1], "holds 10.78.0.1")
+    assert interface_towards("10.78.0.1", found=host_y, **no_route) == Choice(host_y[1], "same subnet as 10.78.0.1")
+    routed = interface_towards("10.78.0.1", found=host_z, netmask_of=masks.get,
+                               source_of={"10.78.0.1": "10.79.0.7"}.get)
+    assert routed == Choice(host_z[1], "route to 10.78.0.1")
+    assert interface_towards("10.78.0.1", found=host_z, **no_route) is None  # nothing reaches it: gloo chooses
+    # dist.interface narrows the choice on every host; a host without any of the named ones has no choice.
+    assert interface_towards("10.78.0.1", "eth*", found=host_y, **no_route).interface.name == "ethy0"
+    assert interface_towards("10.78.0.1", "eth*", found=host_z, **no_route) is None
+    named = interface_towards("10.78.0.1", "eth*,ens*", found=host_z, **no_route)
+    assert named == Choice(host_z[1], "named by dist.interface")  # named, reaching rank 0 or not: the user's word
+    assert interface_towards("10.78.0.1", "mgmt0", found=host_y, **no_route).interface.name == "mgmt0"
+    assert interface_towards("10.78.0.1", found=[], **no_route) is None
+
+
+def test_route_source_and_netmask_on_this_machine():
+    assert route_source("127.0.0.1") == "127.0.0.1"
+    assert ipv4_netmask("lo") == "255.0.0.0" and ipv4_netmask("no-such-if0") is None
+    assert interface_towards("127.0.0.1").interface.name == "lo"
+    for iface in interfaces():
+        assert interface_towards(iface.address).interface == iface

@@ -20,12 +20,19 @@ import pytest
 from mpi4py import MPI
 
 from hpcnet.comm.world import discover
-from hpcnet.config import CheckpointConfig, FaultConfig, MonitorConfig
+from hpcnet.config import CheckpointConfig, DistConfig, FaultConfig, MonitorConfig
 from hpcnet.errors import ConfigError, ExitCode
-from hpcnet.fault.failure import DUMP_SIGNAL
+from hpcnet.fault.failure import DUMP_SIGNAL, stall_report
 from hpcnet.fault.heartbeat import decode
 from hpcnet.fault.monitor import Monitor
-from hpcnet.fault.watchdog import IO_TIMEOUT_FLOOR_S, Deadlines, io_timeout_s
+from hpcnet.fault.watchdog import (
+    IO_TIMEOUT_FLOOR_S,
+    STARTUP_PHASES,
+    Deadlines,
+    analyze_phase,
+    io_timeout_s,
+    startup_phase,
+)
 from tests.helpers.dirs import made_dir
 from tests.helpers.launch import PROGRAMS, ROOT, clean_env, wait_for
 
@@ -77,6 +84,40 @@ def test_new_options_are_validated():
     for name in ("stuck_save_at_step", "stuck_fs_at_step"):
         with pytest.raises(ConfigError, match=f"fault.{name}"):
             FaultConfig(**{name: -1})
+    for bad in (0.0, -5.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="dist.startup_timeout_s"):
+            DistConfig(startup_timeout_s=bad)
+    assert DistConfig().startup_timeout_s == 120.0
+    with pytest.raises(ConfigError, match="fault.hang_at_startup"):
+        FaultConfig(hang_at_startup="first-step")
+
+
+def _answer(guard, guard_s=0.0):
+    return {"guard": guard, "guard_s": guard_s, "step": 0}
+
+
+def test_a_start_up_phase_names_the_ranks_and_hosts_that_did_not_arrive():
+    hosts = ("hostA", "hostA", "hostB", "hostB", "hostC")
+    states = {0: _answer("dist.rendezvous", 120.0), 1: _answer("dist.rendezvous", 119.5),
+              2: _answer("startup"), 3: None, 4: _answer("dist.groups")}
+    analysis = analyze_phase(states, "dist.rendezvous", hosts)
+    assert analysis["behind"] == [2] and analysis["silent"] == [3]
+    assert analysis["lines"] == [
+        "rank 0 on hostA: in the rendezvous for 120.0 s", "rank 1 on hostA: in the rendezvous for 119.5 s",
+        "rank 2 on hostB: did not arrive (not in a start-up phase; its log says why)",
+        "rank 3 on hostB: no answer (hung, dead, or its monitor thread is blocked)",
+        "rank 4 on hostC: past it, in the transport's process groups and first collectives",
+        "the rendezvous (dist.rendezvous) waits for ranks [2, 3] on hostB: they did not arrive"]
+    report = stall_report("startup", "the rendezvous has not finished after 120.0 s (dist.startup_timeout_s = 120 s)",
+                          states, hosts, detector=0, phase="dist.rendezvous")
+    assert report["phase"] == "dist.rendezvous" and report["kind"] == "startup"
+    assert [(f["rank"], f["host"], f["why"]) for f in report["failed"]] == [(2, "hostB", "behind"),
+                                                                           (3, "hostB", "silent")]
+    assert report["message"].startswith("start-up phase dist.rendezvous past its deadline detected by rank 0 on hostA")
+    everyone = analyze_phase({r: _answer("dist.probe", 5.0) for r in range(2)}, "dist.probe", hosts)
+    assert everyone["behind"] == everyone["silent"] == []
+    assert "every rank is in the topology probe" in everyone["lines"][-1]
+    assert list(STARTUP_PHASES) == ["dist.probe", "dist.rendezvous", "dist.first", "dist.groups"]  # start-up order
 
 
 # --- the monitor's deadlines under MPI ---------------------------------------------------
@@ -146,6 +187,36 @@ def test_start_up_has_a_deadline(comm, mpi_tmp_path):
     comm.Barrier()
     monitor.stop()
     assert calm == []
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_a_start_up_phase_that_a_rank_never_joins_is_reported_with_that_rank(comm, mpi_tmp_path):
+    """The last rank never reaches the rendezvous; the others wait there: the report names the phase and that rank."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    run_dir = made_dir(comm, mpi_tmp_path / "phase")
+    found = []
+    monitor = _monitor(comm, run_dir, found).start()
+    joined = rank < size - 1 or size == 1
+    phase = startup_phase(monitor.deadlines, "dist.rendezvous", 0.6 if rank == 0 else 30.0) if joined else None
+    guard = phase.__enter__() if phase else None
+    if rank == 0:
+        wait_for(lambda: found, 20)
+    wait_for(lambda: (run_dir / f"stall.rank{rank}.txt").exists(), 20)
+    comm.Barrier()
+    monitor.deadlines.close(guard)
+    monitor.step(1)
+    monitor.stop()
+    if rank == 0:
+        assert found, "the expired phase was not reported"
+        report = found[0]
+        assert report["kind"] == "startup" and report["phase"] == "dist.rendezvous"
+        assert "(dist.startup_timeout_s = 1 s)" in report["detail"]
+        if size > 1:
+            assert [(f["rank"], f["host"]) for f in report["failed"]] == [(size - 1, MPI.Get_processor_name())]
+            assert f"waits for ranks [{size - 1}] on {MPI.Get_processor_name()}: it did not arrive" in report["message"]
+        else:
+            assert report["failed"] == [] and "every rank is in the rendezvous" in report["message"]
 
 
 @pytest.mark.mpi
@@ -249,6 +320,27 @@ def test_a_hang_at_start_up_ends_within_the_start_up_deadline(launch, tmp_path):
     assert report["kind"] == "startup" and "monitor.startup_timeout_s = 10 s" in report["detail"]
     assert "in make_dataset" in (tmp_path / "run" / "stall.rank1.txt").read_text()
     assert elapsed < 120
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(120)
+def test_a_rank_that_never_joins_the_rendezvous_ends_the_job_within_the_deadline(launch, tmp_path):
+    """fault.hang_at_startup: rank 1 never joins the torch.distributed rendezvous; rank 0 waits in it."""
+    started = time.time()
+    out = launch(2, *_train(tmp_path, "dist.backend=gloo", "dist.startup_timeout_s=4",
+                            "fault.hang_at_startup=rendezvous", "fault.rank=1"), timeout=100)
+    elapsed = time.time() - started
+    assert out.returncode == ExitCode.RESTARTABLE, out.stderr
+    report = json.loads((tmp_path / "run" / "failure.json").read_text())
+    print(f"rank 1 never joins the rendezvous: status 75 after {elapsed:.1f} s "
+          f"({report['detected_wall'] - started:.1f} s to the report)")
+    assert report["kind"] == "startup" and report["phase"] == "dist.rendezvous"
+    assert "(dist.startup_timeout_s = 4 s)" in report["detail"]
+    assert [f["rank"] for f in report["failed"]] == [1]
+    assert "start-up phase dist.rendezvous past its deadline" in out.stderr
+    assert "waits for ranks [1] on" in out.stderr
+    assert "in before_phase" in (tmp_path / "run" / "stall.rank1.txt").read_text()
+    assert elapsed < 60
 
 
 @pytest.mark.launch
