@@ -204,16 +204,25 @@ def test_link_rate_is_a_tbf_qdisc_that_limits(cluster, tmp_path):
     assert all(qdisc(host) == before[host] for host in cluster.hostnames)
 
 
-def test_default_job_on_two_hosts_with_the_same_interface_names(cluster, tmp_path):
+def test_default_job_on_two_hosts_whose_interfaces_are_named_differently(cluster, tmp_path):
+    """Each host picks its own interface towards rank 0 (a name forced from rank 0's host hung the rendezvous)."""
     before = cluster.config["ifnames"]
-    _cli("start", "--ifnames", "same")
+    _cli("start", "--ifnames", "distinct")
     try:
-        assert [Cluster().interface(h) for h in cluster.hostnames] == ["eth0"] * len(cluster.hostnames)
+        names = [Cluster().interface(h) for h in cluster.hostnames]
+        assert len(set(names)) == len(names), names
+        run = tmp_path / "run"
         out = cluster.mpirun(tmp_path, "-np", "4", sys.executable, "-m", "mpi4py", "-m", "hpcnet.train",
-                             "train.steps=10", "train.eval_every=0", "run.log_every=5", timeout=150)
+                             "train.steps=10", "train.eval_every=0", "run.log_every=5", f"run.dir={run}",
+                             "run.dir_exact=true", "dist.startup_timeout_s=60", timeout=150)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
         assert re.search(r"4 ranks on 2 node\(s\) \(2 per node\), host\(s\) (\S+), (\S+)", out.stderr), out.stderr
         assert "done: 10 steps" in out.stderr, out.stderr[-3000:]
+        log = (run / "rank0.log").read_text()
+        (a, b), (ia, ib), (aa, ab) = cluster.hostnames[:2], names[:2], cluster.addresses[:2]
+        assert f"network interface on {a} (ranks 0, 1): {ia} {aa} (holds {aa})" in log, log
+        assert f"network interface on {b} (ranks 2, 3): {ib} {ab} (same subnet as {aa})" in log, log
+        assert f"GLOO_SOCKET_IFNAME={ib}" in (run / "rank2.log").read_text()
         # Host names resolve on every host, peers' addresses back to names too (c10d warns otherwise).
         assert "hostname of the client socket cannot be retrieved" not in out.stderr, out.stderr[-3000:]
     finally:
