@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
+from tests.helpers.cluster import Cluster, cli
 from tests.helpers.launch import clean_env
 
 
@@ -66,3 +67,21 @@ def launch(tmp_path):
                               text=True, timeout=timeout)
 
     return _launch
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """The running local cluster, or one started here and stopped after the session."""
+    if os.geteuid() != 0:
+        pytest.skip("the local cluster needs root (network namespaces): run as root, see docs/testing.md")
+    started = False
+    if cli("status", check=False).returncode != 0:
+        if os.environ.get("HPCNET_CLUSTER") == "off":
+            pytest.skip("HPCNET_CLUSTER=off and no local cluster is running")
+        start = cli("start", check=False)
+        if start.returncode != 0:
+            pytest.skip(f"the local cluster did not start: {(start.stderr or start.stdout).strip()}")
+        started = True
+    yield Cluster()
+    if started:
+        cli("stop", check=False)

@@ -13,77 +13,18 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from mpi4py import MPI
 
-from tests.helpers.launch import ROOT, clean_env, wait_for
+from tests.helpers.cluster import CLUSTER, STATE, Cluster, cli
+from tests.helpers.launch import clean_env, wait_for
 
 pytestmark = [
     pytest.mark.cluster,
     pytest.mark.timeout(180),
     pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="starts mpirun on the local cluster; serial pass"),
 ]
-
-CLUSTER = ROOT / "scripts" / "cluster.sh"
-STATE = Path(os.environ.get("HPCNET_CLUSTER_DIR", "/run/hpcnet-cluster"))
-
-
-def _cli(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
-    out = subprocess.run([str(CLUSTER), *args], env=clean_env(), capture_output=True, text=True, timeout=timeout)
-    if check:
-        assert out.returncode == 0, f"cluster.sh {' '.join(args)}: {out.returncode}\n{out.stdout}{out.stderr}"
-    return out
-
-
-class Cluster:
-    """The running cluster as its state directory describes it."""
-
-    def __init__(self) -> None:
-        self.config = dict(line.split("=", 1) for line in (STATE / "config").read_text().split())
-        # hostmap: namespace hostname address interface veth
-        self.rows = [line.split() for line in (STATE / "hostmap").read_text().splitlines()]
-        self.namespaces = [row[0] for row in self.rows]
-        self.hostnames = [row[1] for row in self.rows]
-        self.addresses = [row[2] for row in self.rows]
-        self.slots = int(self.config["slots"])
-
-    def interface(self, host: str) -> str:
-        return Cluster().rows[self.hostnames.index(host)][3]
-
-    def pids(self, host: str) -> list[str]:
-        ns = self.namespaces[self.hostnames.index(host)]
-        return subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-
-    def mpirun(self, cwd: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-        return subprocess.run([str(CLUSTER), "mpirun", *args], cwd=cwd, env=clean_env(), capture_output=True,
-                              text=True, timeout=timeout)
-
-    def python(self, cwd: Path, np: int, code: str, *mpirun_args: str, timeout: float = 60):
-        """``scripts/cluster.sh mpirun -np NP python -c CODE``: its output, the job having ended with 0."""
-        out = self.mpirun(cwd, "-np", str(np), *mpirun_args, sys.executable, "-c", code, timeout=timeout)
-        assert out.returncode == 0, f"{out.returncode}\n{out.stdout}{out.stderr}"
-        return out.stdout
-
-
-@pytest.fixture(scope="session")
-def cluster():
-    """The running local cluster, or one started here and stopped after the session."""
-    if os.geteuid() != 0:
-        pytest.skip("the local cluster needs root (network namespaces): run as root, see docs/testing.md")
-    started = False
-    if _cli("status", check=False).returncode != 0:
-        if os.environ.get("HPCNET_CLUSTER") == "off":
-            pytest.skip("HPCNET_CLUSTER=off and no local cluster is running")
-        start = _cli("start", check=False)
-        if start.returncode != 0:
-            pytest.skip(f"the local cluster did not start: {(start.stderr or start.stdout).strip()}")
-        started = True
-    yield Cluster()
-    if started:
-        _cli("stop", check=False)
-
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
 def test_start_says_why_it_cannot(tmp_path):
@@ -113,7 +54,7 @@ def test_hosts_have_their_own_names_and_addresses(cluster, tmp_path):
 
 def test_allreduce_across_hosts_with_the_printed_options(cluster, tmp_path):
     # `mpirun $(scripts/cluster.sh env)`: the options a user copies, not the wrapper.
-    options = _cli("env").stdout.split()
+    options = cli("env").stdout.split()
     assert "plm_rsh_agent" in options and "--host" in options, options
     code = ("import socket\nimport numpy as np\nfrom mpi4py import MPI\ncomm = MPI.COMM_WORLD\n"
             "x = np.full(1 << 20, comm.Get_rank() + 1, dtype=np.float64)\ny = np.empty_like(x)\n"
@@ -128,7 +69,7 @@ def test_allreduce_across_hosts_with_the_printed_options(cluster, tmp_path):
 
 def test_hostfile(cluster, tmp_path):
     hostfile = tmp_path / "hosts"
-    hostfile.write_text(_cli("hosts").stdout)
+    hostfile.write_text(cli("hosts").stdout)
     assert hostfile.read_text().split("\n")[0] == f"{cluster.hostnames[0]} slots={cluster.slots}"
     code = "import socket\nprint(socket.gethostname())"
     names = cluster.python(tmp_path, 2, code, "--hostfile", str(hostfile), "--map-by", "node").split()
@@ -145,7 +86,7 @@ def test_fail_kills_every_process_of_a_host(cluster, tmp_path):
     try:
         assert wait_for(lambda: len(list(tmp_path.glob("up-*"))) == 4, 60), "the job did not start"
         assert len(cluster.pids(victim)) >= 3  # its daemon and two ranks
-        _cli("fail", victim)
+        cli("fail", victim)
         assert cluster.pids(victim) == []
         # mpirun sees its daemon die and ends the job, the ranks on the other host included.
         out, _ = job.communicate(timeout=60)
@@ -158,17 +99,17 @@ def test_fail_kills_every_process_of_a_host(cluster, tmp_path):
 
 
 def _ping(source: str, target: str) -> bool:
-    return _cli("exec", source, "ping", "-c", "1", "-W", "1", target, check=False).returncode == 0
+    return cli("exec", source, "ping", "-c", "1", "-W", "1", target, check=False).returncode == 0
 
 
 def test_partition_and_heal(cluster):
     a, b = cluster.hostnames[:2]
     assert _ping(a, b)
-    _cli("partition", b)
+    cli("partition", b)
     try:
         assert not _ping(a, b) and not _ping(b, a)
     finally:
-        _cli("heal", b)
+        cli("heal", b)
     assert wait_for(lambda: _ping(a, b), 10)
 
 
@@ -181,7 +122,7 @@ def test_link_rate_is_a_tbf_qdisc_that_limits(cluster, tmp_path):
     before = {host: qdisc(host) for host in cluster.hostnames}
     a, b = cluster.hostnames[:2]
     # `start --link-gbit` on a running cluster sets the rate in place, on every host.
-    _cli("start", "--link-gbit", "0.1")
+    cli("start", "--link-gbit", "0.1")
     try:
         assert all(re.search(r"tbf .* rate 100Mbit", qdisc(host)) for host in cluster.hostnames)
         # 4 MiB each way between two hosts at 100 Mbit/s: at least 0.34 s.
@@ -193,21 +134,21 @@ def test_link_rate_is_a_tbf_qdisc_that_limits(cluster, tmp_path):
         out = cluster.python(tmp_path, 2, code, "--host", f"{a}:1,{b}:1")
         rates = [float(r) for r in re.findall(r"^gbit (\S+)$", out, flags=re.M)]
         assert len(rates) == 2 and all(0.01 < r < 0.12 for r in rates), out
-        _cli("slow", b, "2")
+        cli("slow", b, "2")
         assert "rate 2Gbit" in qdisc(b) and "rate 100Mbit" in qdisc(a)
     finally:
-        _cli("slow", "all", "off")
+        cli("slow", "all", "off")
         for host, shown in before.items():
             rate = re.search(r"tbf .* rate (\S+)", shown)
             if rate:
-                _cli("slow", host, rate.group(1).lower())
+                cli("slow", host, rate.group(1).lower())
     assert all(qdisc(host) == before[host] for host in cluster.hostnames)
 
 
 def test_default_job_on_two_hosts_whose_interfaces_are_named_differently(cluster, tmp_path):
     """Each host picks its own interface towards rank 0 (a name forced from rank 0's host hung the rendezvous)."""
     before = cluster.config["ifnames"]
-    _cli("start", "--ifnames", "distinct")
+    cli("start", "--ifnames", "distinct")
     try:
         names = [Cluster().interface(h) for h in cluster.hostnames]
         assert len(set(names)) == len(names), names
@@ -226,17 +167,17 @@ def test_default_job_on_two_hosts_whose_interfaces_are_named_differently(cluster
         # Host names resolve on every host, peers' addresses back to names too (c10d warns otherwise).
         assert "hostname of the client socket cannot be retrieved" not in out.stderr, out.stderr[-3000:]
     finally:
-        _cli("start", "--ifnames", before)
+        cli("start", "--ifnames", before)
 
 
 def test_stop_leaves_nothing_behind(cluster, tmp_path):
     """Last: stops the cluster (every process on it included), then starts it again as it was."""
     rates = {host: re.search(r"tbf \S+ rate (\S+)", line) for host, line in
-             zip(cluster.hostnames, _cli("status").stdout.splitlines()[1:])}
+             zip(cluster.hostnames, cli("status").stdout.splitlines()[1:])}
     sleeper = subprocess.Popen([str(CLUSTER), "exec", cluster.hostnames[0], "sleep", "300"], env=clean_env())
     assert wait_for(lambda: cluster.pids(cluster.hostnames[0]), 10)
     stop_started = time.monotonic()
-    _cli("stop")
+    cli("stop")
     assert time.monotonic() - stop_started < 20
     assert sleeper.wait(timeout=10) != 0
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
@@ -245,9 +186,9 @@ def test_stop_leaves_nothing_behind(cluster, tmp_path):
     bridge = f"{cluster.config['prefix']}br0"
     assert not re.search(rf"^\d+: ({bridge}|v-{cluster.config['prefix']}[a-z])[@:]", links, flags=re.M), links
     assert not STATE.exists()
-    assert _cli("status", check=False).returncode == 1
-    _cli("start", "--hosts", cluster.config["hosts"], "--slots", str(cluster.slots),
+    assert cli("status", check=False).returncode == 1
+    cli("start", "--hosts", cluster.config["hosts"], "--slots", str(cluster.slots),
          "--ifnames", cluster.config["ifnames"])
     for host, rate in rates.items():
         if rate:
-            _cli("slow", host, rate.group(1).lower())
+            cli("slow", host, rate.group(1).lower())

@@ -59,17 +59,28 @@ def is_restartable(status: int, *, declared: bool = False, host_lost: bool = Fal
     """Whether running the job again may succeed (see ``RESTART_SIGNALS`` and ``ExitCode``).
 
     The status alone decides for 75 and the restart signals, and for the job's own verdicts (``JOB_VERDICTS``).
-    Any other status is the launcher's (Open MPI's mpirun ends with 9 when it loses a daemon, whatever the
-    ranks did): restartable when the attempt lost a host (``lost_host``), or, except for status 1 (an
-    exception in the job), when the monitor had declared a failure (``declared``: it wrote ``failure.json``).
+    Any other status is the launcher's (Open MPI's mpirun ends with 9 or 205 when it loses a daemon, whatever
+    the ranks did, or is killed by a signal): restartable when the attempt lost a host (``lost_host``; not for
+    the stop signals, ``STOP_SIGNALS``), or, except for status 1 (an exception in the job) and the signals,
+    when the monitor had declared a failure (``declared``: it wrote ``failure.json``).
     """
     if status == ExitCode.RESTARTABLE:
         return True
-    if status > 128:
-        return status - 128 in {int(s) for s in RESTART_SIGNALS}
     if status in JOB_VERDICTS:
         return False
+    if status > 128 and _is_signal(status - 128):
+        return status - 128 in {int(s) for s in RESTART_SIGNALS} or (host_lost and status - 128 not in STOP_SIGNALS)
     return host_lost or (declared and status != ExitCode.CODE_ERROR)
+
+
+STOP_SIGNALS = frozenset({int(signal.SIGINT), int(signal.SIGTERM), int(signal.SIGHUP), int(signal.SIGQUIT)})
+"""Requests to stop: a launcher killed by one of these is not restarted, lost host or not."""
+
+
+def _is_signal(number: int) -> bool:
+    """Whether ``number`` is a signal of this system (a status above 128 may be a launcher's own: mpirun ends with
+    205 when it loses a daemon to a host that died)."""
+    return 0 < number < signal.NSIG
 
 
 def declared(failure: dict[str, Any] | None) -> bool:
@@ -189,7 +200,7 @@ def describe_status(status: int) -> str:
              ExitCode.PREEMPTED: "preempted after saving", ExitCode.INTERRUPTED: "interrupted"}
     if status in names:
         return names[status]
-    if status > 128:
+    if status > 128 and _is_signal(status - 128):
         return f"killed by {_signal_words(status - 128)}"
     return f"failed with status {status}"
 

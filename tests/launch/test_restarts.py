@@ -12,6 +12,7 @@ from hpcnet.launch.restarts import (
     declared,
     describe_failure,
     describe_loss,
+    describe_status,
     failed_where,
     failure_from_line,
     host_loss_from_line,
@@ -190,6 +191,7 @@ def test_a_lost_host_from_the_launchers_message_whatever_its_status():
     assert lost_host(None, _notes(MPIRUN_NODE_DIED), {}, started=False)["host"] == "hostB"  # a loss at any time
     assert lost_host(None, _notes(SRUN_NODE_FAILURE), {}, started=True)["host"] == "node07"
     assert is_restartable(9, host_lost=True) and not is_restartable(9)
+    assert is_restartable(205, host_lost=True) and describe_status(205) == "failed with status 205"
     assert "host hostB lost (ranks 2, 3): the launcher lost its daemon there" in describe_loss(loss)
 
 
@@ -224,7 +226,9 @@ def test_a_lost_host_from_failure_json():
 
 @pytest.mark.parametrize("status, declared_, host_lost, restart", [
     (9, True, False, True), (9, False, True, True), (9, False, False, False), (14, True, False, True),
-    (255, True, True, False),  # above 128: a signal's number, which decides
+    # above 128: a signal's number decides; a number above the last signal is the launcher's own status (Open MPI's
+    # mpirun ends with 205 when a host it runs on dies)
+    (205, False, True, True), (205, False, False, False), (255, True, False, True), (129, True, True, False),
     (1, True, False, False), (1, False, True, True),  # an exception in the job, unless a host was lost
     (2, True, True, False), (65, True, True, False), (76, False, True, False), (130, False, True, False),
     (143, True, True, False), (137, False, False, True), (75, False, False, True),

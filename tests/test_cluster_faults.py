@@ -1,0 +1,257 @@
+"""A host lost and a network partitioned under ``python -m hpcnet.launch``, for real, on the local cluster.
+
+Every job is the supervisor over ``mpirun $(scripts/cluster.sh env) -np 4`` on two hosts (two ranks each, the same
+interface names on both); rank 3 (on the second host) sleeps in every step of the first attempt only
+(``fault.slow_s``, ``fault.only_attempt=1``) so that the fault lands mid-training.  What the tests show about Open
+MPI's mpirun is in docs/fault-tolerance.md ("A lost host", "A launcher that does not exit").
+"""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from tests.helpers.ckpt import assert_same_tensors
+from tests.helpers.cluster import cli
+from tests.helpers.launch import clean_env, wait_for
+
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="starts mpirun on the local cluster; serial pass"),
+]
+
+STEPS = 30
+FAULT_AT = 15
+HEARTBEAT_S = 1.0
+MISSES = 3
+DETECTION_S = MISSES * HEARTBEAT_S + 1.0
+"""A lost host's ranks are named within this many seconds of the fault: 3 missed heartbeats + 1 s."""
+
+
+def _train_args(data: Path, runs: Path) -> list[str]:
+    return [f"data.dir={data}", f"run.dir={runs}", "run.name=x", "model.name=mlp", "model.options.hidden=[32]",
+            "train.batch_size=8", f"train.steps={STEPS}", "train.eval_every=0", "run.log_every=1",
+            "checkpoint.every_s=0", "checkpoint.every_steps=10", "checkpoint.full_every=1", "dist.probe=false",
+            f"monitor.heartbeat_interval_s={HEARTBEAT_S:g}", f"monitor.heartbeat_misses={MISSES}"]
+
+
+def _mpirun(*args: str) -> list[str]:
+    return ["mpirun", *cli("env").stdout.split(), "-np", "4", sys.executable, "-m", "mpi4py", "-m", "hpcnet.train",
+            *args]
+
+
+@pytest.fixture(scope="module")
+def hosts(cluster):
+    """The cluster's first two hosts, as the cluster has them (distinct interface names by default); every link
+    healed afterwards."""
+    yield cluster.hostnames[:2]
+    for host in cluster.hostnames:
+        cli("heal", host, check=False)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return tmp_path_factory.mktemp("cluster-faults-data")
+
+
+def _final_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    from hpcnet.ckpt.load import load_checkpoint
+
+    loaded = load_checkpoint(MPI.COMM_SELF, str(directory))
+    assert loaded is not None and loaded.step == STEPS, f"no checkpoint at step {STEPS} in {directory}"
+    return loaded.tensors
+
+
+@pytest.fixture(scope="module")
+def reference(hosts, data, tmp_path_factory):
+    """The final checkpoint's tensors of the same job on the same hosts, uninterrupted."""
+    runs = tmp_path_factory.mktemp("cluster-faults-reference")
+    out = subprocess.run(_mpirun(*_train_args(data, runs)), cwd=runs, env=clean_env(), capture_output=True, text=True,
+                         timeout=150)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return _final_tensors(runs / "x.ckpt")
+
+
+class Supervised:
+    """``python -m hpcnet.launch ... -- mpirun <cluster options> -np 4 ... hpcnet.train``, its output read as it
+    comes."""
+
+    def __init__(self, tmp_path: Path, data: Path, *launch_args: str) -> None:
+        self.runs = tmp_path / "runs"
+        cmd = [sys.executable, "-m", "hpcnet.launch", "--max-restarts", "2", "--standby", "off", *launch_args, "--",
+               *_mpirun(*_train_args(data, self.runs), "fault.slow_s=0.3", "fault.rank=3", "fault.only_attempt=1")]
+        self.proc = subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.lines: list[tuple[float, str]] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append((time.time(), line))
+
+    @property
+    def output(self) -> str:
+        return "".join(line for _, line in self.lines)
+
+    def said(self, words: str) -> float | None:
+        """When the job first printed a line with ``words``; None if it has not."""
+        return next((when for when, line in list(self.lines) if words in line), None)
+
+    def wait_for_step(self, step: int, timeout_s: float = 60) -> None:
+        assert wait_for(lambda: self.said(f"step {step:2d}/{STEPS}") or self.proc.poll() is not None, timeout_s), \
+            self.output[-3000:]
+        assert self.proc.poll() is None, f"the job ended before step {step}:\n{self.output[-3000:]}"
+
+    def wait(self, timeout_s: float = 100) -> int:
+        try:
+            status = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            pytest.fail(f"the supervised job did not end in {timeout_s} s:\n{self.output[-4000:]}")
+        self.reader.join(10)
+        return status
+
+    def stop(self) -> None:
+        """End a job that is still running: SIGTERM first (the supervisor ends its attempt's launcher), then SIGKILL."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def launch_record(self) -> dict:
+        (path,) = self.runs.glob("x-*/launch.json")
+        return json.loads(path.read_text())
+
+    def failure_path(self, attempt: int = 1) -> Path:
+        return next(self.runs.glob("x-*")) / f"attempt-{attempt}" / "failure.json"
+
+    def failure(self, attempt: int = 1) -> dict | None:
+        paths = list(self.runs.glob(f"x-*/attempt-{attempt}/failure.json"))
+        return json.loads(paths[0].read_text()) if paths else None
+
+
+def _train_pids(cluster, host: str) -> list[str]:
+    """The hpcnet.train processes in a host's namespace."""
+    found = []
+    for pid in cluster.pids(host):
+        try:
+            if b"hpcnet.train" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def _verify(directory: Path) -> str:
+    out = subprocess.run([sys.executable, "-m", "hpcnet.ckpt", "verify", str(directory)], env=clean_env(),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"step {STEPS}" in out.stdout, out.stdout
+    return out.stdout
+
+
+def test_a_killed_host_is_named_restarted_and_the_run_ends_bit_identical(cluster, hosts, data, reference, tmp_path):
+    a, b = hosts
+    # The host is back as soon as `fail` returns; `fail` kills whatever appears on the host until nothing is left, so
+    # a restart within its loop (--backoff-s 0) would lose its new daemon there and mpirun would wait for it forever.
+    job = Supervised(tmp_path, data, "--backoff-s", "1")
+    try:
+        job.wait_for_step(FAULT_AT)
+        killed = time.time()
+        cli("fail", b)
+        assert wait_for(lambda: cluster.pids(b) == [], 5), cluster.pids(b)
+        status = job.wait()
+    finally:
+        job.stop()
+    record = job.launch_record()
+    first, *later = record["attempts"]
+    # Open MPI's mpirun sees the TCP connection to the killed host's daemon close and ends the whole job at once
+    # ("ORTE has lost communication with a remote daemon", naming the host; status 205), before the surviving ranks'
+    # monitors miss a heartbeat: the supervisor names the host and its ranks from that message.
+    assert first["lost_host"] and first["lost_host"]["host"] == b and first["lost_host"]["ranks"] == [2, 3], first
+    assert first["restartable"], first
+    failure = job.failure(1)
+    if failure is not None:  # the surviving ranks' monitors got there first
+        named = {entry["rank"]: entry["host"] for entry in failure["failed"]}
+        assert named.get(2) == b and named.get(3) == b and failure["detected_host"] == a, failure
+        detected = failure["detected_wall"]
+    else:
+        detected = first["end_unix"]
+    print(f"host kill: named after {detected - killed:.2f} s ({'failure.json' if failure else 'mpirun'}), mpirun "
+          f"status {first['status']}")
+    assert detected - killed <= DETECTION_S, (detected - killed, first)
+    assert f"host {b} lost (ranks 2, 3)" in job.output, job.output[-3000:]
+    # the host back (nothing to do: `fail` leaves it up, empty), the next attempt resumes and finishes
+    assert status == 0, job.output[-4000:]
+    assert [attempt["status"] for attempt in later] == [0], record["attempts"]
+    assert "resumed from" in job.output and f"done: {STEPS} steps" in job.output, job.output[-3000:]
+    _verify(job.runs / "x.ckpt")
+    assert_same_tensors(_final_tensors(job.runs / "x.ckpt"), reference)
+
+
+def test_a_partition_mid_step_ends_both_sides_and_the_launcher_then_restarts(cluster, hosts, data, reference,
+                                                                              tmp_path):
+    _, b = hosts
+    grace_s = 5.0
+    # The backoff leaves time to heal the link after the launcher ended and before the next attempt starts.
+    job = Supervised(tmp_path, data, "--backoff-s", "3", "--launcher-grace-s", f"{grace_s:g}")
+    healed = False
+    try:
+        job.wait_for_step(FAULT_AT)
+        cut = time.time()
+        cli("partition", b)
+        assert wait_for(lambda: job.failure(1) is not None or job.proc.poll() is not None, 30), job.output[-3000:]
+        failure = job.failure(1)
+        assert failure is not None, job.output[-3000:]
+        # The cut-off host's ranks end by themselves: their monitors miss the other side's heartbeats too.
+        assert wait_for(lambda: _train_pids(cluster, b) == [], MISSES * HEARTBEAT_S + 10), \
+            (_train_pids(cluster, b), job.output[-3000:])
+        ranks_gone = time.time()
+        # The launcher, which cannot reach its daemon there, is ended within the grace; then heal before the restart.
+        assert wait_for(lambda: job.said("restarting from the newest checkpoint") or job.proc.poll() is not None,
+                        grace_s + 20), job.output[-3000:]
+        cli("heal", b)
+        healed = True
+        status = job.wait()
+    finally:
+        if not healed:
+            cli("heal", b, check=False)
+        job.stop()
+    # Rank 0's side names the cut-off host's ranks within 3 missed heartbeats + 1 s (each side names the other: the
+    # reports of both sides are merged into one failure.json on the shared file system).
+    # The first report is either side's; the first host's ranks merge theirs into it by the time the launcher ended.
+    assert failure["detected_wall"] - cut <= DETECTION_S, (failure, cut)
+    merged_at = job.failure_path(1).stat().st_mtime
+    failure = job.failure(1)
+    assert {failure["detected_by"], *failure.get("also_detected_by", [])} & {0, 1}, failure
+    # The first detector names the peers it watches on the cut-off host (one or both of its ranks).
+    named = {entry["rank"]: entry["host"] for entry in failure["failed"]}
+    assert {rank for rank, host in named.items() if host == b} & {2, 3}, failure
+    assert f"on {b} missed {MISSES} heartbeats" in failure["message"], failure["message"]
+    assert ranks_gone - cut <= MISSES * HEARTBEAT_S + 10, ranks_gone - cut
+    record = job.launch_record()
+    first, *later = record["attempts"]
+    assert first["restartable"] and first["declared_unix"], first
+    # mpirun ended (by itself, or killed by the supervisor) within the grace after the declared failure
+    assert first["end_unix"] - first["declared_unix"] <= grace_s + 2, first
+    print(f"partition: declared after {failure['detected_wall'] - cut:.2f} s (by rank {failure['detected_by']}, "
+          f"last merge after {merged_at - cut:.2f} s), host's ranks gone after "
+          f"{ranks_gone - cut:.2f} s, launcher status {first['status']} ended "
+          f"{first['end_unix'] - first['declared_unix']:.2f} s after the declaration (ended by the supervisor: "
+          f"{first['launcher_ended']})")
+    assert status == 0, job.output[-4000:]
+    assert [attempt["status"] for attempt in later] == [0], record["attempts"]
+    _verify(job.runs / "x.ckpt")
+    assert_same_tensors(_final_tensors(job.runs / "x.ckpt"), reference)
