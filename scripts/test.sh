@@ -11,9 +11,11 @@
 # (scripts/slurm.sh, which installs slurm-wlm and munge when missing), started
 # here and stopped after the pass unless it was running already.  Where it
 # cannot start (not root, no apt) tests/test_slurm.py skips and says why;
-# HPCNET_SLURM=off skips starting it.  Likewise the local multi-host cluster
+# HPCNET_SLURM=off skips starting it.  The local multi-host cluster
 # (scripts/cluster.sh: hosts as network namespaces, root only) for
-# tests/test_cluster.py; HPCNET_CLUSTER=off skips it and those tests.
+# tests/test_cluster.py and tests/test_cluster_faults.py is opt-in for now:
+# HPCNET_CLUSTER=on starts it for the serial pass (about two minutes more,
+# past the suite's 15-minute budget on a 2-core machine).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 echo "=== ruff (lint, import order, docstrings: pyproject.toml) ==="
@@ -32,7 +34,7 @@ if [ "${HPCNET_SLURM:-on}" != off ] && ! scripts/slurm.sh status >/dev/null 2>&1
         echo "test.sh: the local SLURM did not start; the SLURM tests will be skipped" >&2
     fi
 fi
-if [ "${HPCNET_CLUSTER:-on}" != off ] && ! scripts/cluster.sh status >/dev/null 2>&1; then
+if [ "${HPCNET_CLUSTER:-off}" = on ] && ! scripts/cluster.sh status >/dev/null 2>&1; then
     if scripts/cluster.sh start; then
         cluster_started=1
     else
