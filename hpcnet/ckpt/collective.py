@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from hpcnet.ckpt import direct
+from hpcnet.ckpt.durable import fsync_path
 from hpcnet.ckpt.job import SaveJob
-from hpcnet.ckpt.listing import fsync_path
 from hpcnet.ckpt.schema import DTYPES, WRITE_PIECE_BYTES, TensorSpec, block_hashes, write_pieces
 from hpcnet.comm.world import wait_sleeping
 from hpcnet.errors import errno_of, error_text, os_error

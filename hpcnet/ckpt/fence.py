@@ -15,7 +15,6 @@ checks nothing.  Torch-free and h5py-free: the supervisor imports it.
 
 import json
 import os
-import secrets
 import socket
 import time
 from collections.abc import Mapping
@@ -23,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcnet.paths import ATTEMPT_ENV, FENCE_NAME, LAUNCH_ID_ENV, TMP_SUFFIX
+from hpcnet.ckpt.durable import replace_file
+from hpcnet.paths import ATTEMPT_ENV, FENCE_NAME, LAUNCH_ID_ENV
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,28 +53,9 @@ def write_fence(directory: Path, fence: Fence, **info: Any) -> Path:
     it for people."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / FENCE_NAME
-    tmp = directory / f"{FENCE_NAME}.{secrets.token_hex(8)}{TMP_SUFFIX}"
     record = {"launch": fence.launch, "attempt": fence.attempt, "host": socket.gethostname(), "pid": os.getpid(),
               "written_unix": time.time(), **info}
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        with open(fd, "w", closefd=False) as handle:
-            handle.write(json.dumps(record) + "\n")
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    finally:
-        if fd >= 0:
-            os.close(fd)
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    replace_file(path, json.dumps(record) + "\n")
     return path
 
 

@@ -7,43 +7,18 @@ rank 0 and shares the result.  Torch-free (the tool and fault injection use it).
 
 import contextlib
 import os
-import secrets
 import time
 from pathlib import Path
 
+from hpcnet.ckpt.durable import fsync_path, replace_file
 from hpcnet.ckpt.schema import CheckpointInfo
 from hpcnet.ckpt.validate import open_read, read_attrs
-from hpcnet.paths import ASIDE_PREFIX, CKPT_NAME_RE, CKPT_TMP_RE, LATEST_NAME, TMP_SUFFIX
-
-
-def fsync_path(path: Path) -> None:
-    """Fsync a file or a directory (a rename is durable once its directory is)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from hpcnet.paths import ASIDE_PREFIX, CKPT_NAME_RE, CKPT_TMP_RE, LATEST_NAME
 
 
 def write_latest(directory: Path, name: str) -> None:
-    """Point ``latest`` at ``name`` atomically (for people and scripts; loading scans the directory).
-
-    Written first under a fresh name, created exclusively and never through a
-    link (the directory may be writable by others), then renamed.
-    """
-    tmp = directory / f"{LATEST_NAME}.{secrets.token_hex(8)}{TMP_SUFFIX}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        with open(fd, "w", closefd=False) as handle:
-            handle.write(name + "\n")
-        os.fsync(fd)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    finally:
-        os.close(fd)
-    os.replace(tmp, directory / LATEST_NAME)
-    fsync_path(directory)
+    """Point ``latest`` at ``name`` atomically and durably (for people and scripts; loading scans the directory)."""
+    replace_file(directory / LATEST_NAME, name + "\n")
 
 
 def read_info(path: Path) -> CheckpointInfo:

@@ -44,9 +44,10 @@ from hpcnet.ckpt.collective import (
     write_local,
     write_tables,
 )
+from hpcnet.ckpt.durable import fsync_path
 from hpcnet.ckpt.fence import refusal
 from hpcnet.ckpt.job import SaveJob, SaveResult
-from hpcnet.ckpt.listing import fsync_path, scan, write_latest
+from hpcnet.ckpt.listing import scan, write_latest
 from hpcnet.ckpt.schema import (
     FORMAT,
     FORMAT_VERSION,
