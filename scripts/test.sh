@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
-# Set up (if needed), then run the whole test suite: a serial pass (every
-# test, MPI tests on one rank, plus the tests that launch mpirun or submit
-# SLURM jobs themselves), then the MPI tests on 2, 3 and 4 ranks (an odd
-# size finds what even ones hide: virtual nodes of unequal sizes, sums of
-# more than two in another order), after ruff.  pyproject.toml passes pytest-mpi's
-# --with-mpi (without it every MPI test is skipped); python -m mpi4py aborts
-# the job when one rank fails instead of leaving the others hanging.
+# Set up (if needed), then run the whole test suite after ruff: a serial pass
+# (every test, MPI tests on one rank, plus the tests that launch mpirun, submit
+# SLURM jobs or run jobs on the local cluster themselves), then the MPI tests
+# on 2 and 3 ranks on this host (an odd size finds what even ones hide: virtual
+# nodes of unequal sizes, sums of more than two in another order) and on 4
+# ranks as 2 hosts x 2 ranks of the local cluster (distinct interface names,
+# every collective between the hosts over TCP).  pyproject.toml passes
+# pytest-mpi's --with-mpi (without it every MPI test is skipped); python -m
+# mpi4py aborts the job when one rank fails instead of leaving the others
+# hanging.
 #
 # The serial pass runs beside a one-node SLURM on this machine
-# (scripts/slurm.sh, which installs slurm-wlm and munge when missing), started
-# here and stopped after the pass unless it was running already.  Where it
-# cannot start (not root, no apt) tests/test_slurm.py skips and says why;
-# HPCNET_SLURM=off skips starting it.  The local multi-host cluster
-# (scripts/cluster.sh: hosts as network namespaces, root only) for
-# tests/test_cluster.py and tests/test_cluster_faults.py is opt-in for now:
-# HPCNET_CLUSTER=on starts it for the serial pass (about two minutes more,
-# past the suite's 15-minute budget on a 2-core machine).
+# (scripts/slurm.sh, which installs slurm-wlm and munge when missing) and the
+# local multi-host cluster (scripts/cluster.sh: hosts as network namespaces),
+# both started here and stopped afterwards unless they were running already.
+# Where one cannot start (not root, no apt, no namespaces) its tests skip and
+# say why, and the 4-rank pass runs on this host; HPCNET_SLURM=off and
+# HPCNET_CLUSTER=off skip starting them.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 echo "=== ruff (lint, import order, docstrings: pyproject.toml) ==="
@@ -34,7 +35,7 @@ if [ "${HPCNET_SLURM:-on}" != off ] && ! scripts/slurm.sh status >/dev/null 2>&1
         echo "test.sh: the local SLURM did not start; the SLURM tests will be skipped" >&2
     fi
 fi
-if [ "${HPCNET_CLUSTER:-off}" = on ] && ! scripts/cluster.sh status >/dev/null 2>&1; then
+if [ "${HPCNET_CLUSTER:-on}" != off ] && ! scripts/cluster.sh status >/dev/null 2>&1; then
     if scripts/cluster.sh start; then
         cluster_started=1
     else
@@ -42,9 +43,18 @@ if [ "${HPCNET_CLUSTER:-off}" = on ] && ! scripts/cluster.sh status >/dev/null 2
     fi
 fi
 python -m pytest "$@"
-stop_started
-trap - EXIT
-for n in 2 3 4; do
+if [ "$slurm_started" = 1 ]; then scripts/slurm.sh stop; slurm_started=0; fi
+for n in 2 3; do
     echo "=== MPI tests on $n ranks ==="
     timeout 900 mpiexec -n "$n" python -m mpi4py -m pytest -m mpi -q "$@"
 done
+if [ "${HPCNET_CLUSTER:-on}" != off ] && scripts/cluster.sh status >/dev/null 2>&1; then
+    echo "=== MPI tests on 4 ranks: 2 hosts x 2 ranks of the local cluster ==="
+    timeout 900 scripts/cluster.sh mpirun --host "$(scripts/cluster.sh hosts | awk 'NR<=2 {printf "%s%s:2", sep, $1; sep=","}')" \
+        -np 4 python -m mpi4py -m pytest -m mpi -q "$@"
+else
+    echo "=== MPI tests on 4 ranks (no local cluster: on this host) ==="
+    timeout 900 mpiexec -n 4 python -m mpi4py -m pytest -m mpi -q "$@"
+fi
+stop_started
+trap - EXIT

@@ -7,6 +7,7 @@ runs under ``scripts/cluster.sh mpirun`` or the options that ``scripts/cluster.s
 runs it.
 """
 
+import json
 import os
 import re
 import shutil
@@ -168,6 +169,41 @@ def test_default_job_on_two_hosts_whose_interfaces_are_named_differently(cluster
         assert "hostname of the client socket cannot be retrieved" not in out.stderr, out.stderr[-3000:]
     finally:
         cli("start", "--ifnames", before)
+
+
+def test_checkpoints_written_from_two_hosts_verify_and_resume_on_one_host_and_back(cluster, tmp_path):
+    """ZeRO-2 (each rank writes its own optimizer-state rows) on two hosts, into one checkpoint on the shared file
+    system: it verifies, a run on one host resumes from it at half the world size, and a run on two hosts again
+    resumes from what the one host saved."""
+    from tests.helpers.data import tiny_images
+
+    dataset = tiny_images(MPI.COMM_SELF, tmp_path, "two-hosts.h5", num_train=96, num_eval=16, seed=5)
+    a = cluster.hostnames[0]
+    common = [sys.executable, "-m", "mpi4py", "-m", "hpcnet.train", f"data.dataset={dataset}", "run.dir_exact=true",
+              f"checkpoint.dir={tmp_path / 'ckpt'}", "model.name=mlp", "model.options.hidden=[16]",
+              "train.batch_size=8", "train.eval_every=0", "run.log_every=1", "checkpoint.every_steps=3",
+              "checkpoint.every_s=0", "dist.zero=2", "dist.probe=false", "dist.startup_timeout_s=60"]
+
+    def leg(name, steps, *hosts, resume=True):
+        out = cluster.mpirun(tmp_path, *hosts, *common, f"run.dir={tmp_path / name}", f"train.steps={steps}",
+                             *(["--resume", "auto"] if resume else []), timeout=150)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        verify = subprocess.run([sys.executable, "-m", "hpcnet.ckpt", "verify", str(tmp_path / "ckpt")],
+                                env=clean_env(), capture_output=True, text=True, timeout=60)
+        assert verify.returncode == 0, verify.stdout + verify.stderr
+        assert f"step {steps}" in verify.stdout, verify.stdout
+        return out.stderr, summary
+
+    log, summary = leg("two", 6, "-np", "4", resume=False)
+    assert "4 rank(s) on 2 node(s)" in log, log[-3000:]
+    assert (summary["start_step"], summary["steps"], summary["world_size"]) == (0, 6, 4), summary
+    log, summary = leg("one", 9, "--host", f"{a}:2", "-np", "2")
+    assert "at step 6 (saved by 4 rank(s)" in log, log[-3000:]
+    assert (summary["start_step"], summary["steps"], summary["world_size"]) == (6, 9, 2), summary
+    log, summary = leg("back", 12, "-np", "4")
+    assert "at step 9 (saved by 2 rank(s)" in log, log[-3000:]
+    assert (summary["start_step"], summary["steps"], summary["world_size"]) == (9, 12, 4), summary
 
 
 def test_stop_leaves_nothing_behind(cluster, tmp_path):

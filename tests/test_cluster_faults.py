@@ -83,10 +83,11 @@ class Supervised:
     """``python -m hpcnet.launch ... -- mpirun <cluster options> -np 4 ... hpcnet.train``, its output read as it
     comes."""
 
-    def __init__(self, tmp_path: Path, data: Path, *launch_args: str) -> None:
+    def __init__(self, tmp_path: Path, data: Path, *launch_args: str, faults: tuple[str, ...] = ()) -> None:
         self.runs = tmp_path / "runs"
         cmd = [sys.executable, "-m", "hpcnet.launch", "--max-restarts", "2", "--standby", "off", *launch_args, "--",
-               *_mpirun(*_train_args(data, self.runs), "fault.slow_s=0.3", "fault.rank=3", "fault.only_attempt=1")]
+               *_mpirun(*_train_args(data, self.runs), "fault.slow_s=0.3", "fault.rank=3", "fault.only_attempt=1",
+                        *faults)]
         self.proc = subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self.lines: list[tuple[float, str]] = []
@@ -253,5 +254,50 @@ def test_a_partition_mid_step_ends_both_sides_and_the_launcher_then_restarts(clu
           f"{first['launcher_ended']})")
     assert status == 0, job.output[-4000:]
     assert [attempt["status"] for attempt in later] == [0], record["attempts"]
+    _verify(job.runs / "x.ckpt")
+    assert_same_tensors(_final_tensors(job.runs / "x.ckpt"), reference)
+
+
+def test_a_partition_mid_checkpoint_commits_nothing_of_that_save_and_the_run_ends_bit_identical(
+        cluster, hosts, data, reference, tmp_path):
+    """The cut lands while the save of step 20 is in flight (rank 3, on the cut-off host, takes 4 s to arrive in
+    it): the others wait for it outside HDF5, beating, and declare the failure; that save is never committed
+    (rank 0 commits; attempt 1's fence is closed before attempt 2 starts), every committed file verifies, and the
+    restart from step 10 ends bit-identical to an uninterrupted run."""
+    _, b = hosts
+    grace_s = 5.0
+    job = Supervised(tmp_path, data, "--backoff-s", "3", "--launcher-grace-s", f"{grace_s:g}",
+                     faults=("fault.slow_save_s=4",))
+    healed = False
+    try:
+        assert wait_for(lambda: job.said("checkpoint at step 20") or job.proc.poll() is not None, 90), \
+            job.output[-3000:]
+        assert job.proc.poll() is None, job.output[-3000:]
+        cut = time.time()
+        cli("partition", b)
+        assert wait_for(lambda: job.failure(1) is not None or job.proc.poll() is not None, 30), job.output[-3000:]
+        failure = job.failure(1)
+        assert failure is not None, job.output[-3000:]
+        assert wait_for(lambda: _train_pids(cluster, b) == [], MISSES * HEARTBEAT_S + 10), \
+            (_train_pids(cluster, b), job.output[-3000:])
+        assert wait_for(lambda: job.said("restarting from the newest checkpoint") or job.proc.poll() is not None,
+                        grace_s + 20), job.output[-3000:]
+        cli("heal", b)
+        healed = True
+        status = job.wait()
+    finally:
+        if not healed:
+            cli("heal", b, check=False)
+        job.stop()
+    assert failure["detected_wall"] - cut <= DETECTION_S, (failure, cut)
+    record = job.launch_record()
+    first, *later = record["attempts"]
+    print(f"partition mid-checkpoint: declared after {failure['detected_wall'] - cut:.2f} s ({failure['kind']}), "
+          f"launcher status {first['status']}, attempt 1 committed {first['new_checkpoints']}")
+    assert first["restartable"] and first["end_unix"] - first["declared_unix"] <= grace_s + 2, first
+    assert first["new_checkpoints"] == ["ckpt-0000000010.h5"], first
+    assert status == 0, job.output[-4000:]
+    assert [attempt["status"] for attempt in later] == [0], record["attempts"]
+    assert "resumed from" in job.output and "at step 10" in job.output, job.output[-3000:]
     _verify(job.runs / "x.ckpt")
     assert_same_tensors(_final_tensors(job.runs / "x.ckpt"), reference)

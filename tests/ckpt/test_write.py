@@ -143,6 +143,12 @@ def small_fs(comm, mpi_tmp_path):
     refused = comm.bcast(refused, root=0)
     if refused:
         pytest.skip(f"needs a tmpfs mount (root): {refused}")
+    unseen = [r for r, seen in enumerate(comm.allgather(os.path.ismount(mount))) if not seen]
+    if unseen:  # ranks on another host (their own mount namespace on the local cluster) see a plain directory
+        comm.Barrier()
+        if comm.Get_rank() == 0:
+            subprocess.run(["umount", str(mount)], check=True)
+        pytest.skip(f"the tmpfs rank 0 mounted is not seen by ranks {unseen} (on another host)")
     try:
         yield mount
     finally:

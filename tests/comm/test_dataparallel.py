@@ -123,9 +123,9 @@ def _run(comm, plane, tmp, name, *extra):
 
 @pytest.mark.mpi
 def test_backends_train_alike(comm, data_plane, mpi_tmp_path, monkeypatch):
-    base, summary = _run(comm, data_plane, mpi_tmp_path, "mpi", "dist.backend=mpi")
+    base, summary = _run(comm, data_plane, mpi_tmp_path, "mpi", "dist.backend=mpi", "dist.hierarchical=off")
     assert summary["comm"]["backend"] == "mpi"
-    for name, extra in [("gloo", ["dist.backend=gloo"]), ("hier", ["dist.hierarchical=on"])]:
+    for name, extra in [("gloo", ["dist.backend=gloo", "dist.hierarchical=off"]), ("hier", ["dist.hierarchical=on"])]:
         monkeypatch.setenv("HPCNET_RANKS_PER_NODE", even_nodes(comm)["HPCNET_RANKS_PER_NODE"])
         params, summary = _run(comm, data_plane, mpi_tmp_path, name, *extra)
         torch.testing.assert_close(params, base, rtol=1e-4, atol=1e-5)
@@ -134,9 +134,10 @@ def test_backends_train_alike(comm, data_plane, mpi_tmp_path, monkeypatch):
 
 @pytest.mark.mpi
 def test_fallback_mid_run_gives_the_same_parameters(comm, data_plane, mpi_tmp_path):
-    base, _ = _run(comm, data_plane, mpi_tmp_path, "nofault", "dist.backend=gloo")
+    flat = ("dist.backend=gloo", "dist.hierarchical=off")  # on one host and on the local cluster's hosts alike
+    base, _ = _run(comm, data_plane, mpi_tmp_path, "nofault", *flat)
     last = comm.Get_size() - 1
-    params, summary = _run(comm, data_plane, mpi_tmp_path, "fault", "dist.backend=gloo", "dist.fail_at_step=3",
+    params, summary = _run(comm, data_plane, mpi_tmp_path, "fault", *flat, "dist.fail_at_step=3",
                            f"dist.fail_ranks=[{last}]")
     fallbacks = summary["comm"]["fallbacks"]
     assert [(f["step"], f["from"], f["to"]) for f in fallbacks] == [(3, "gloo", "mpi")]
@@ -159,8 +160,9 @@ def test_accumulation_matches_a_large_batch(comm, data_plane, mpi_tmp_path):
 def test_fail_at_step_counts_global_steps_like_fault_options(comm, data_plane, mpi_tmp_path):
     """A resumed run injects at the same step as an uninterrupted one (fault.* count global steps too)."""
     ckpt = f"checkpoint.dir={mpi_tmp_path / 'global-steps.ckpt'}"
-    _run(comm, data_plane, mpi_tmp_path, "first-half", "dist.backend=gloo", "train.steps=2", ckpt)
-    _, summary = _run(comm, data_plane, mpi_tmp_path, "second-half", "dist.backend=gloo", "train.steps=4", ckpt,
+    flat = ("dist.backend=gloo", "dist.hierarchical=off")
+    _run(comm, data_plane, mpi_tmp_path, "first-half", *flat, "train.steps=2", ckpt)
+    _, summary = _run(comm, data_plane, mpi_tmp_path, "second-half", *flat, "train.steps=4", ckpt,
                       "checkpoint.resume=auto", "dist.fail_at_step=3")
     assert summary["start_step"] == 2
     assert [(f["step"], f["from"], f["to"]) for f in summary["comm"]["fallbacks"]] == [(3, "gloo", "mpi")]

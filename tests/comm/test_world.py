@@ -8,6 +8,7 @@ import torch
 from hpcnet.agree import agree_on_error, is_agreed, shared_errors
 from hpcnet.comm.world import SCHEDULER_ENV, choose_device, cpu_threads, discover, launcher_env, node_layout
 from hpcnet.errors import ConfigError, UsageError
+from tests.helpers.comm import hostnames
 
 
 def test_launcher_env_table():
@@ -33,9 +34,12 @@ def test_node_layout_pure():
 def test_discover(comm):
     world = discover(comm, environ={})
     assert (world.rank, world.size) == (comm.Get_rank(), comm.Get_size())
-    # one machine: one node, every rank local
-    assert world.num_nodes == 1 and world.node_index == 0
-    assert world.local_size == comm.Get_size() and world.local_rank == comm.Get_rank()
+    # a node per host (one here, or the local cluster's hosts), in the order of their first rank
+    names = hostnames(comm)
+    hosts = list(dict.fromkeys(names))
+    mine = [r for r, name in enumerate(names) if name == names[comm.Get_rank()]]
+    assert world.num_nodes == len(hosts) and world.node_index == hosts.index(names[comm.Get_rank()])
+    assert world.local_size == len(mine) and world.local_rank == mine.index(comm.Get_rank())
     assert len(world.hostnames) == world.size and world.hostname in world.hostnames
     assert world.launcher == "singleton"
 

@@ -3,6 +3,7 @@ stand-ins for works and communicators, and parameters with owners."""
 
 import ipaddress
 import os
+import socket
 from pathlib import Path
 
 import torch
@@ -13,6 +14,11 @@ def nodes_of(local_sizes: list[int]) -> list[list[int]]:
     """Consecutive global ranks grouped into nodes of the given sizes: ``[2, 1]`` -> ``[[0, 1], [2]]``."""
     ranks = iter(range(sum(local_sizes)))
     return [[next(ranks) for _ in range(n)] for n in local_sizes]
+
+
+def hostnames(comm) -> list[str]:
+    """Every rank's host name (a collective): one name when the ranks share a host, several on the local cluster."""
+    return comm.allgather(socket.gethostname())
 
 
 def even_nodes(comm) -> dict[str, str]:
