@@ -113,7 +113,7 @@ def test_a_lost_host_shrinks_the_job_and_its_return_grows_it_back(cluster, hosts
         job.wait_said(rf"step {FAULT_AT:2d}/{STEPS}")
         cli("partition", b)
         shrunk = job.wait_said(r"shrinking: 4 -> 2 rank\(s\)", timeout_s=60)
-        job.wait_said(rf"attempt 2/", after=shrunk)
+        job.wait_said(r"attempt 2/", after=shrunk)
         job.wait_said(r"resumed from", after=shrunk)
         job.wait_said(rf"step \d+/{STEPS}", after=shrunk)  # training on the survivors
         cli("heal", b)
