@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="elastic shrink and grow on the running local cluster (scripts/cluster.sh): host lost "
                              "-> first step on the survivors, host back -> first step at full size")
     parser.add_argument("--np", type=int, default=None, help="ranks (default 2; --cluster: 4)")
-    parser.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default 40; --cluster 80)")
     parser.add_argument("--every-steps", type=int, default=10, help="checkpoint.every_steps (default 10)")
     parser.add_argument("--kill-at", type=int, default=None,
                         help="step after which the rank is killed/stopped (--cluster: the host cut off; default 25, "
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("train_args", nargs="*", help="extra hpcnet.train options, e.g. dist.probe=false")
     args = parser.parse_args(argv)
-    for name, default, cluster in (("np", 2, 4), ("kill_at", 25, 13), ("trials", 5, 2), ("settle_s", 10.0, 3.0)):
+    for name, default, cluster in (("np", 2, 4), ("steps", 40, 80), ("kill_at", 25, 13), ("trials", 5, 2), ("settle_s", 10.0, 3.0)):
         if getattr(args, name) is None:
             setattr(args, name, cluster if args.cluster else default)
     if not 2 < args.every_steps < args.kill_at < args.steps:

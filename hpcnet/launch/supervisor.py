@@ -592,16 +592,14 @@ def _run_next(job: _Job, budget: RestartBudget, forwarder: Forwarder, environ: d
         if TRIGGER.match(line):
             started_up.set()
 
+    grow_since: list[float] = []
+
     def poll(proc: subprocess.Popen) -> None:
-        watch = job.watch
-        if (watch is None or not watch.answered.is_set() or record.grow or forwarder.received
-                or record.declared_unix is not None or (ready is not None and not ready())):
+        if (job.watch is None or not job.watch.answered.is_set() or record.grow or forwarder.received
+                or record.declared_unix is not None or (ready is not None and not ready())
+                or (watcher is not None and watcher.is_alive())):
             return
-        record.grow, record.grow_unix = list(watch.back), time.time()
-        _say(f"excluded host {', '.join(record.grow)} answers again: asking attempt {attempt} to save and stop "
-             "(SIGUSR2) so that the next one runs with it")
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGUSR2)
+        _grow_step(job, attempt, record, proc, environ, grow_since)
 
     if standby is not None:
         standby.release()
@@ -750,11 +748,44 @@ def _watch_excluded(job: _Job) -> None:
 
 
 def _grow(job: _Job) -> str | None:
-    """Let the hosts that answered again back in."""
+    """Let the hosts that answered again back in (nothing when they are in already)."""
     back = job.watch.back if job.watch is not None else []
-    if not back:
+    remaining = [h for h in job.excluded if h not in back]
+    if remaining == job.excluded:
         return None
-    return _place(job, [h for h in job.excluded if h not in back])
+    return _place(job, remaining)
+
+
+def _grow_step(job: _Job, attempt: int, record: Attempt, proc: subprocess.Popen, environ: dict[str, str],
+               since: list[float]) -> None:
+    """An excluded host answers again while ``attempt`` runs: ask it to save and stop (SIGUSR2, which the launcher
+    passes on to the ranks) so that the next attempt runs with the host.  With standbys on, first start one for
+    that next attempt (the command with the host back) and wait, up to ``PARK_WAIT_S``, for its ranks to park, so
+    that the attempt after the stop is warm; ``since`` holds when that standby was started."""
+    if job.standby_on and not since:
+        since.append(time.time())
+        _grow(job)  # the next attempt's command, with the host back
+        if job.standby is not None:
+            job.standby.discard()
+            job.standby = None
+        cmd, env, _ = _attempt_plan(job, attempt + 1, environ)
+        try:
+            job.standby = job.spawner.submit(
+                Standby, attempt + 1, cmd, env, job.launch_dir / f"standby-{attempt + 1}",
+                fingerprint(cmd, env, job.config_file), launcher=job.launcher, openmpi=job.openmpi).result()
+            _say(f"excluded host {', '.join(job.watch.back)} answers again: starting a standby for attempt "
+                 f"{attempt + 1} with it; attempt {attempt} saves and stops once the standby's ranks have parked")
+            return
+        except OSError as exc:
+            _say(f"cannot start a standby for attempt {attempt + 1}: {exc.strerror or exc}")
+    if since and job.standby is not None and job.standby.alive() and not job.standby.wait_parked(0.0) \
+            and time.time() - since[0] < PARK_WAIT_S:
+        return
+    record.grow, record.grow_unix = list(job.watch.back), time.time()
+    _say(f"excluded host {', '.join(record.grow)} answers again: asking attempt {attempt} to save and stop "
+         "(SIGUSR2) so that the next one runs with it")
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGUSR2)
 
 
 def _elastic_setup(job: _Job, min_ranks: int) -> str | None:
