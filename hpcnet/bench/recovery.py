@@ -306,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("train_args", nargs="*", help="extra hpcnet.train options, e.g. dist.probe=false")
     args = parser.parse_args(argv)
-    for name, default, cluster in (("np", 2, 4), ("steps", 40, 80), ("kill_at", 25, 13), ("trials", 5, 2), ("settle_s", 10.0, 3.0)):
+    defaults = (("np", 2, 4), ("steps", 40, 80), ("kill_at", 25, 13), ("trials", 5, 2), ("settle_s", 10.0, 3.0))
+    for name, default, cluster in defaults:
         if getattr(args, name) is None:
             setattr(args, name, cluster if args.cluster else default)
     if not 2 < args.every_steps < args.kill_at < args.steps:

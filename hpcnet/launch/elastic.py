@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcnet.launch.command import launcher_kind
+from hpcnet.launch.hosts import exclude_hosts
 
 PROBE_EVERY_S = 5.0
 """Default of ``--probe-every-s``: how often an excluded host is asked whether it answers again."""
@@ -187,6 +188,88 @@ def fit_ranks(command: list[str], wanted: int, slots: list[tuple[str, int]], min
         raise ElasticError(f"the hosts left ({', '.join(hosts) or 'none'}) hold {total} slot(s), fewer than "
                            f"--min-ranks {min_ranks}")
     return Fit(set_ranks(command, ranks, nodes=len(slots)) if ranks != wanted else list(command), wanted, ranks, hosts)
+
+
+def elastic_ranks(command: list[str], min_ranks: int, *, allocation: list[tuple[str, int]] | None = None,
+                  read_file: Callable[[str], str] | None = None) -> int:
+    """The ranks ``command`` runs at its full size (what a grow goes back to), checked against ``--min-ranks``;
+    ``ElasticError`` (a usage error) when the command cannot run elastically."""
+    if launcher_kind(command) not in ("mpirun", "srun"):
+        raise ElasticError("--min-ranks needs an mpirun or srun command (it rewrites -np or -n)")
+    try:
+        ranks = ranks_of(command)
+        slots = host_slots(command, allocation=allocation, read_file=read_file)
+    except (ElasticError, OSError) as exc:
+        raise ElasticError(f"--min-ranks: {exc}") from None
+    if ranks is None:
+        if slots is None:
+            raise ElasticError("--min-ranks: the command names no number of ranks (-np, -n) and no hosts with slots "
+                               "(--host, --hostfile, a SLURM allocation): cannot tell how many ranks it runs")
+        ranks = sum(n for _, n in slots)
+    if min_ranks > ranks:
+        raise ElasticError(f"--min-ranks {min_ranks} is more than the {ranks} rank(s) the command runs")
+    return ranks
+
+
+@dataclass(slots=True)
+class Placement:
+    """The next attempts' command: the user's without the excluded hosts, and how (``place``)."""
+
+    command: list[str]
+    excluded: list[str]
+    note: str
+    """What the supervisor says, on one line."""
+    changed: bool = True
+    """False: the command could not be changed (``exclude_hosts`` says why in ``note``); keep the current one."""
+    hostfile: str | None = None
+    """The filtered hostfile to write at ``hostfile_path`` first, if one is needed."""
+    hostfile_path: str | None = None
+    error: str | None = None
+    """Why no attempt may follow: the hosts left hold fewer than ``min_ranks`` slots."""
+
+
+def place(command: list[str], excluded: list[str], *, allocation: list[tuple[str, int]] | None,
+          min_ranks: int | None, ranks: int, ranks_now: int | None, read_file: Callable[[str], str],
+          hostfile_path: str) -> Placement:
+    """The user's ``command`` without the ``excluded`` hosts (pure but for ``read_file``, which reads a hostfile).
+
+    ``min_ranks`` None: ``-np`` is kept (``exclude_hosts`` alone).  Else (elastic) the ranks are what the hosts left
+    hold, at most ``ranks`` (the command's full size), at least ``min_ranks`` (``error`` otherwise); ``ranks_now``,
+    the current attempt's, is what the note compares with.  No host excluded: the user's command as it is.
+    """
+    if not excluded:
+        change = (f" ({ranks_now} -> {ranks} ranks); the run resumes at the full world size"
+                  if min_ranks is not None and ranks_now not in (None, ranks) else "")
+        return Placement(list(command), [], f"every host is back: {ranks} rank(s) on the full host list{change}")
+    exclusion = exclude_hosts(command, excluded, allocation=allocation, read_file=read_file,
+                              hostfile_path=hostfile_path)
+    if exclusion.command == command:
+        return Placement(list(command), list(excluded), f"excluding {', '.join(excluded)}: {exclusion.note}",
+                         changed=False)
+    placed = Placement(exclusion.command, list(excluded), f"excluding {', '.join(excluded)}: {exclusion.note}",
+                       hostfile=exclusion.hostfile, hostfile_path=exclusion.hostfile_path)
+    if min_ranks is None:
+        return placed
+
+    def read(name: str) -> str:
+        if name == hostfile_path and exclusion.hostfile is not None:
+            return exclusion.hostfile
+        return read_file(name)
+
+    slots = host_slots(exclusion.command, allocation=allocation, excluded=excluded, read_file=read)
+    if slots is None:
+        placed.note += "; cannot tell how many slots the hosts left hold: the rank count is kept"
+        return placed
+    try:
+        fit = fit_ranks(exclusion.command, ranks, slots, min_ranks)
+    except ElasticError as exc:
+        return Placement(list(command), list(excluded), "", changed=False,
+                         error=f"cannot run without {', '.join(excluded)}: {exc}")
+    placed.command = fit.command
+    placed.note += f"; {fit.line(excluded)}"
+    if ranks_now not in (None, fit.ranks_after, ranks):  # a host back, others still out
+        placed.note += f" (from {ranks_now} rank(s) now: {ranks_now} -> {fit.ranks_after})"
+    return placed
 
 
 def probe_command(command: list[str], host: str, template: str | None = None) -> list[str] | None:

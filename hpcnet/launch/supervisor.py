@@ -53,15 +53,15 @@ from hpcnet.launch.elastic import (
     ElasticError,
     HostWatch,
     check_template,
-    fit_ranks,
-    host_slots,
+    elastic_ranks,
+    place,
     probe_command,
     probe_hosts,
     ranks_of,
     unreachable,
 )
 from hpcnet.launch.forward import Forwarder, ranks_ready, stop_status
-from hpcnet.launch.hosts import exclude_hosts, slurm_allocation
+from hpcnet.launch.hosts import slurm_allocation
 from hpcnet.launch.park import RELEASE_SIGNAL
 from hpcnet.launch.restarts import (
     RestartBudget,
@@ -694,41 +694,19 @@ def _reap_probe(sid: int) -> None:
 
 
 def _place(job: _Job, excluded: list[str]) -> str | None:
-    """Set the next attempts' command to the user's without ``excluded`` (elastic: with as many ranks as the hosts
-    left hold, at most the user's); say so.  Returns why no attempt may follow, else None."""
-    before = ranks_of(job.base) if job.min_ranks is not None else None
-    if not excluded:
-        job.base, job.excluded = list(job.command), []
-        _say(f"every host is back: {job.ranks} rank(s) on the full host list"
-             + (f" ({before} -> {job.ranks} ranks); the run resumes at the full world size" if before else ""))
-        return None
-    path = str(job.launch_dir / f"hostfile.attempt-{len(job.attempts) + 1}")
-    exclusion = exclude_hosts(job.command, excluded, allocation=job.allocation, read_file=lambda p: Path(p).read_text(),
-                              hostfile_path=path)
-    if exclusion.command == job.command:
-        _say(f"excluding {', '.join(excluded)}: {exclusion.note}")
-        return None
-    command, note = exclusion.command, exclusion.note
-    if job.min_ranks is not None:
-        def read(name: str) -> str:
-            return exclusion.hostfile if name == path and exclusion.hostfile is not None else Path(name).read_text()
-
-        slots = host_slots(command, allocation=job.allocation, excluded=excluded, read_file=read)
-        if slots is None:
-            _say(f"cannot tell how many slots the hosts without {', '.join(excluded)} hold: keeping the rank count")
-        else:
-            try:
-                fit = fit_ranks(command, job.ranks, slots, job.min_ranks)
-            except ElasticError as exc:
-                return f"cannot run without {', '.join(excluded)}: {exc}"
-            command = fit.command
-            note = f"{note}; {fit.line(excluded)}"
-            if before is not None and before != fit.ranks_after and fit.ranks_after == job.ranks:
-                note += f" ({before} -> {fit.ranks_after} ranks)"
-    if exclusion.hostfile is not None:
-        Path(path).write_text(exclusion.hostfile)
-    job.base, job.excluded = command, list(excluded)
-    _say(f"excluding {', '.join(excluded)}: {note}")
+    """Set the next attempts' command to the user's without ``excluded`` (``hpcnet.launch.elastic.place``) and say
+    so.  Returns why no attempt may follow (elastic: too few slots left), else None."""
+    placed = place(job.command, excluded, allocation=job.allocation, min_ranks=job.min_ranks, ranks=job.ranks,
+                   ranks_now=ranks_of(job.base) if job.min_ranks is not None else None,
+                   read_file=lambda p: Path(p).read_text(),
+                   hostfile_path=str(job.launch_dir / f"hostfile.attempt-{len(job.attempts) + 1}"))
+    if placed.error:
+        return placed.error
+    if placed.changed:
+        if placed.hostfile is not None and placed.hostfile_path is not None:
+            Path(placed.hostfile_path).write_text(placed.hostfile)
+        job.base, job.excluded = placed.command, placed.excluded
+    _say(placed.note)
     return None
 
 
@@ -789,22 +767,14 @@ def _grow_step(job: _Job, attempt: int, record: Attempt, proc: subprocess.Popen,
 
 
 def _elastic_setup(job: _Job, min_ranks: int) -> str | None:
-    """Check ``--min-ranks`` against the command; why it cannot run elastically, else None."""
-    if job.launcher not in ("mpirun", "srun"):
-        return "--min-ranks needs an mpirun or srun command (it rewrites -np or -n)"
+    """Check ``--min-ranks`` against the command (``hpcnet.launch.elastic.elastic_ranks``); why it cannot run
+    elastically, else None."""
     try:
-        ranks = ranks_of(job.command)
-        slots = host_slots(job.command, allocation=job.allocation, read_file=lambda p: Path(p).read_text())
-    except (ElasticError, OSError) as exc:
-        return f"--min-ranks: {exc}"
-    if ranks is None:
-        if slots is None:
-            return ("--min-ranks: the command names no number of ranks (-np, -n) and no hosts with slots (--host, "
-                    "--hostfile, a SLURM allocation): cannot tell how many ranks it runs")
-        ranks = sum(n for _, n in slots)
-    if min_ranks > ranks:
-        return f"--min-ranks {min_ranks} is more than the {ranks} rank(s) the command runs"
-    job.min_ranks, job.ranks = min_ranks, ranks
+        job.ranks = elastic_ranks(job.command, min_ranks, allocation=job.allocation,
+                                  read_file=lambda p: Path(p).read_text())
+    except ElasticError as exc:
+        return str(exc)
+    job.min_ranks = min_ranks
     return None
 
 

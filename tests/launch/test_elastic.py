@@ -16,6 +16,7 @@ from hpcnet.launch.elastic import (
     host_slots,
     parse_host_list,
     parse_hostfile,
+    place,
     probe_command,
     probe_hosts,
     program_index,
@@ -161,6 +162,25 @@ def test_the_supervisor_shrinks_to_the_survivors_and_grows_back(tmp_path):
     job = _job(tmp_path, ["srun", "-n", "8", *TRAIN], allocation=[("n1", 4), ("n2", 4)])
     assert _elastic_setup(job, 4) is None and _place(job, ["n2"]) is None
     assert job.base[:4] == ["srun", "--exclude=n2", "-n", "4"]
+
+
+def test_place_says_what_it_did_in_one_line():
+    cmd = ["mpirun", "--host", "a:2,b:2,c:2", "-np", "6", *TRAIN]
+    common = {"allocation": None, "read_file": lambda p: "", "hostfile_path": "hf"}
+    shrunk = place(cmd, ["c"], min_ranks=2, ranks=6, ranks_now=6, **common)
+    assert shrunk.note == ("excluding c: mpirun --host a:2,b:2; shrinking: 6 -> 4 rank(s) on a, b (without c); the run "
+                           "resumes at the smaller world size") and shrunk.changed and shrunk.error is None
+    partly = place(cmd, ["c"], min_ranks=2, ranks=6, ranks_now=2, **common)  # b came back, c is still out
+    assert partly.note.endswith("shrinking: 6 -> 4 rank(s) on a, b (without c); the run resumes at the smaller "
+                                "world size (from 2 rank(s) now: 2 -> 4)")
+    back = place(cmd, [], min_ranks=2, ranks=6, ranks_now=4, **common)
+    assert back.command == cmd and back.note == ("every host is back: 6 rank(s) on the full host list (4 -> 6 ranks); "
+                                                 "the run resumes at the full world size")
+    kept = place(cmd, ["c"], min_ranks=None, ranks=0, ranks_now=None, **common)
+    assert ranks_of(kept.command) == 6 and kept.note == "excluding c: mpirun --host a:2,b:2"
+    short = place(cmd, ["b", "c"], min_ranks=3, ranks=6, ranks_now=6, **common)
+    assert not short.changed and short.error == ("cannot run without b, c: the hosts left (a) hold 2 slot(s), fewer "
+                                                 "than --min-ranks 3")
 
 
 def test_min_ranks_that_cannot_hold_is_a_usage_error(tmp_path, capsys):
