@@ -6,7 +6,8 @@ import pkgutil
 import sys
 from pathlib import Path
 
-_NOT_BENCHMARKS = {"common", "stepsplit"}  # helper modules of the package (stepsplit: bench train's instrumented block)
+# helper modules of the package (stepsplit: bench train's instrumented block; recovery_cluster: recovery --cluster)
+_NOT_BENCHMARKS = {"common", "stepsplit", "recovery_cluster"}
 
 
 def benchmarks() -> dict[str, str]:

@@ -27,6 +27,9 @@ notices nothing, and the heartbeat monitor (``hpcnet.fault.monitor``) must decla
 it failed (failure.json, status 75); detection is the SIGSTOP -> the time in
 failure.json.
 
+``--cluster``: elastic shrink and grow on the running local cluster instead (``hpcnet.bench.recovery_cluster``):
+a host lost -> the first step on the survivors, the host back -> the first step at the full size.
+
 ``--startup`` (default on) also times the pieces of a process start on their
 own (mpirun, python, import torch, MPI init, torch._dynamo, which the first
 optimizer constructor imports), to show what the restart phase is made of.
@@ -269,17 +272,33 @@ def report(trials: dict[str, dict[str, list[dict[str, Any]]]], startup: dict[str
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpcnet.bench recovery", description=__doc__.splitlines()[0])
-    parser.add_argument("--np", type=int, default=2, help="ranks (default 2)")
-    parser.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    parser.add_argument("--cluster", action="store_true",
+                        help="elastic shrink and grow on the running local cluster (scripts/cluster.sh): host lost "
+                             "-> first step on the survivors, host back -> first step at full size")
+    parser.add_argument("--np", type=int, default=None, help="ranks (default 2; --cluster: 4)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default 40; --cluster 80)")
     parser.add_argument("--every-steps", type=int, default=10, help="checkpoint.every_steps (default 10)")
-    parser.add_argument("--kill-at", type=int, default=25, help="step after which the rank is killed/stopped")
+    parser.add_argument("--kill-at", type=int, default=None,
+                        help="step after which the rank is killed/stopped (--cluster: the host cut off; default 25, "
+                             "--cluster 13)")
     parser.add_argument("--backoff-s", type=float, default=0.0, help="hpcnet.launch --backoff-s (default 0)")
-    parser.add_argument("--trials", type=int, default=5, help="trials of each fault and mode (default 5)")
+    parser.add_argument("--trials", type=int, default=None, help="trials of each fault and mode (default 5; "
+                                                                 "--cluster 2)")
     parser.add_argument("--modes", default="cold,warm",
                         help="cold (hpcnet.launch --standby off), warm (--standby on), or both (default cold,warm)")
-    parser.add_argument("--settle-s", type=float, default=10.0,
+    parser.add_argument("--settle-s", type=float, default=None,
                         help="the first attempt sleeps this long at step 2, so its standby has parked before the "
-                             "fault (default 10; a real failure comes long after the start)")
+                             "fault (default 10; a real failure comes long after the start); --cluster: the wait "
+                             "between the shrunk attempt's first step and the heal (default 3)")
+    parser.add_argument("--slow-s", type=float, default=0.2,
+                        help="--cluster: rank 0 sleeps this long in every step, so the faults land mid-training "
+                             "(default 0.2)")
+    parser.add_argument("--grace-s", type=float, default=5.0, help="--cluster: hpcnet.launch --launcher-grace-s "
+                                                                   "(default 5)")
+    parser.add_argument("--probe-every-s", type=float, default=1.0, help="--cluster: hpcnet.launch "
+                                                                         "--probe-every-s (default 1)")
+    parser.add_argument("--probe-timeout-s", type=float, default=3.0, help="--cluster: hpcnet.launch "
+                                                                           "--probe-timeout-s (default 3)")
     parser.add_argument("--dir", default="", help="where runs go (default: a new directory under /tmp)")
     parser.add_argument("--data-dir", default="data", help="data.dir with the synthetic dataset (default data)")
     parser.add_argument("--no-hang", action="store_true", help="skip the hang measurement")
@@ -287,11 +306,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("train_args", nargs="*", help="extra hpcnet.train options, e.g. dist.probe=false")
     args = parser.parse_args(argv)
+    defaults = (("np", 2, 4), ("steps", 40, 80), ("kill_at", 25, 13), ("trials", 5, 2), ("settle_s", 10.0, 3.0))
+    for name, default, cluster in defaults:
+        if getattr(args, name) is None:
+            setattr(args, name, cluster if args.cluster else default)
     if not 2 < args.every_steps < args.kill_at < args.steps:
         parser.error("need 2 < --every-steps < --kill-at < --steps")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - {"cold", "warm"} or args.trials < 1:
         parser.error("--modes takes cold, warm or both; --trials must be at least 1")
+    if args.cluster:
+        from hpcnet.bench.recovery_cluster import main_cluster
+
+        return main_cluster(args)
     out_dir = Path(args.dir) if args.dir else Path(f"/tmp/hpcnet-recovery-{os.getpid()}")
     out_dir.mkdir(parents=True, exist_ok=True)
     train_args = [f"data.dir={Path(args.data_dir).absolute()}", "model.name=mlp", "train.batch_size=16",

@@ -47,8 +47,21 @@ from hpcnet.config import MAX_DURATION_S
 from hpcnet.config.load import load_config, parse_command_line
 from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.launch.command import attempt_command, is_openmpi, launcher_env, launcher_kind, train_args_start
+from hpcnet.launch.elastic import (
+    PROBE_EVERY_S,
+    PROBE_TIMEOUT_S,
+    ElasticError,
+    HostWatch,
+    check_template,
+    elastic_ranks,
+    place,
+    probe_command,
+    probe_hosts,
+    ranks_of,
+    unreachable,
+)
 from hpcnet.launch.forward import Forwarder, ranks_ready, stop_status
-from hpcnet.launch.hosts import exclude_hosts, slurm_allocation
+from hpcnet.launch.hosts import slurm_allocation
 from hpcnet.launch.park import RELEASE_SIGNAL
 from hpcnet.launch.restarts import (
     RestartBudget,
@@ -138,6 +151,12 @@ class Attempt:
     """What the launcher printed about a lost daemon or node (``hpcnet.launch.restarts.host_loss_from_line``)."""
     lost_host: dict[str, Any] | None = None
     """The host the attempt lost and how that is known (``hpcnet.launch.restarts.lost_host``); None if none was."""
+    ranks: int | None = None
+    """The ranks its command asks for (``-np``, ``-n``; None when it names none)."""
+    grow: list[str] = field(default_factory=list)
+    """Excluded hosts that answered again while it ran: it was asked to save and stop to let them back in."""
+    grow_unix: float | None = None
+    """When it was asked to save and stop for them."""
 
 
 def _die_with_parent() -> None:
@@ -252,13 +271,14 @@ class _Started:
 
 def run_attempt(command: list[str], env: dict[str, str], forwarder: Forwarder, record: Attempt,
                 started: "_Started | None" = None, on_line: Any = None, ready: Callable[[], bool] | None = None,
-                launcher_grace_s: float = LAUNCHER_GRACE_S, on_declared: Callable[[], None] | None = None) -> None:
+                launcher_grace_s: float = LAUNCHER_GRACE_S, on_declared: Callable[[], None] | None = None,
+                poll: Callable[[subprocess.Popen], None] | None = None) -> None:
     """Run one attempt to its end (``started``: already running, a released standby), teeing its output; fill in
     ``record``. ``ready``: whether its ranks handle stop signals yet (None: pass them on at once).
 
     Once the job has declared its failure (``failure.json`` in ``record.run_dir``, or an MPI_Abort the launcher
     reports), ``on_declared`` is called and the launcher gets ``launcher_grace_s`` to exit; then it and every
-    process of its session are killed (``end_launcher``)."""
+    process of its session are killed (``end_launcher``).  ``poll(launcher)`` is called about once a second."""
     def seen(line: str) -> None:
         if record.launcher_report_unix is None:
             found = failure_from_line(line)
@@ -293,6 +313,8 @@ def run_attempt(command: list[str], env: dict[str, str], forwarder: Forwarder, r
             break
         except subprocess.TimeoutExpired:
             forwarder.pass_on()  # a signal held until the ranks are ready
+        if poll is not None:
+            poll(proc)
         if record.declared_unix is None and failure_path is not None:
             record.declared_unix = written_since(failure_path, record.start_unix)
         if record.declared_unix is not None and on_declared is not None:
@@ -405,6 +427,16 @@ class _Job:
     standby_on: bool = False
     standby: Standby | None = None
     """The standby for the next attempt, once started (by the attempt's watcher thread)."""
+    min_ranks: int | None = None
+    """``--min-ranks``: run on fewer ranks when hosts are lost (elastic), never fewer than this; None: keep ``-np``."""
+    ranks: int = 0
+    """The ranks the user's command runs (elastic only): what a grow goes back to."""
+    probe_template: str | None = None
+    probe_every_s: float = PROBE_EVERY_S
+    probe_timeout_s: float = PROBE_TIMEOUT_S
+    probe_env: dict[str, str] | None = None
+    watch: HostWatch | None = None
+    """Asks whether an excluded host answers again (elastic only, while hosts are excluded)."""
     spawner: Any = None
     """The one thread that starts standbys, alive as long as the supervisor: Linux sends the parent-death signal
     (``_die_with_parent``) when the *thread* that started a child ends, so a short-lived thread would kill its
@@ -517,6 +549,8 @@ def _run_next(job: _Job, budget: RestartBudget, forwarder: Forwarder, environ: d
     cmd, env, run_dir = _attempt_plan(job, attempt, environ)
     record = Attempt(attempt=attempt, command=cmd, run_dir=run_dir, start_unix=time.time(),
                      excluded_hosts=list(job.excluded))
+    with contextlib.suppress(ElasticError):
+        record.ranks = ranks_of(cmd)
 
     def stopping() -> bool:
         return bool(forwarder.received)
@@ -558,13 +592,22 @@ def _run_next(job: _Job, budget: RestartBudget, forwarder: Forwarder, environ: d
         if TRIGGER.match(line):
             started_up.set()
 
+    grow_since: list[float] = []
+
+    def poll(proc: subprocess.Popen) -> None:
+        if (job.watch is None or not job.watch.answered.is_set() or record.grow or forwarder.received
+                or record.declared_unix is not None or (ready is not None and not ready())
+                or (watcher is not None and watcher.is_alive())):
+            return
+        _grow_step(job, attempt, record, proc, environ, grow_since)
+
     if standby is not None:
         standby.release()
     all_started = False
     try:
         run_attempt(cmd, env, forwarder, record, started=standby.started if standby else None, on_line=on_line,
                     ready=ready, launcher_grace_s=job.launcher_grace_s,
-                    on_declared=lambda: _close_fence(job, attempt, "it declared its failure"))
+                    on_declared=lambda: _close_fence(job, attempt, "it declared its failure"), poll=poll)
         all_started = started_up.is_set() or (ready is not None and ready())
     finally:
         ended.set()
@@ -624,39 +667,141 @@ def _why_final(record: Attempt, received: int) -> str | None:
     return None
 
 
-def _exclude_failed_hosts(job: _Job, record: Attempt) -> None:
-    """Leave the hosts that ``record``'s failure names out of the next attempts."""
+def _exclude_failed_hosts(job: _Job, record: Attempt) -> str | None:
+    """Leave the hosts that ``record``'s failure names out of the next attempts: those of them that do not answer
+    the launcher's probe (``hpcnet.launch.elastic.unreachable``; all of them where no probe can be made).  Returns
+    why no attempt may follow (elastic: the hosts left hold fewer than ``--min-ranks``), else None."""
     lost = [record.lost_host["host"]] if record.lost_host and record.lost_host.get("host") else []
-    hosts = [h for h in dict.fromkeys([*lost, *failed_where(record.failure)[1]]) if h not in job.excluded]
+    candidates = [h for h in dict.fromkeys([*lost, *failed_where(record.failure)[1]]) if h not in job.excluded]
+    if not candidates:
+        return None
+    reachable = probe_hosts(candidates, functools.partial(_probe_for, job), job.probe_timeout_s, job.probe_env,
+                            _reap_probe)
+    hosts, why = unreachable(candidates, reachable)
+    if reachable is not None:
+        _say(f"the failure names {', '.join(candidates)}: {why}")
     if not hosts:
+        return None
+    return _place(job, [*job.excluded, *hosts])
+
+
+def _probe_for(job: _Job, host: str) -> list[str] | None:
+    return probe_command(job.command, host, job.probe_template)
+
+
+def _reap_probe(sid: int) -> None:
+    reap_session(sid, timeout_s=5.0)
+
+
+def _place(job: _Job, excluded: list[str]) -> str | None:
+    """Set the next attempts' command to the user's without ``excluded`` (``hpcnet.launch.elastic.place``) and say
+    so.  Returns why no attempt may follow (elastic: too few slots left), else None."""
+    placed = place(job.command, excluded, allocation=job.allocation, min_ranks=job.min_ranks, ranks=job.ranks,
+                   ranks_now=ranks_of(job.base) if job.min_ranks is not None else None,
+                   read_file=lambda p: Path(p).read_text(),
+                   hostfile_path=str(job.launch_dir / f"hostfile.attempt-{len(job.attempts) + 1}"))
+    if placed.error:
+        return placed.error
+    if placed.changed:
+        if placed.hostfile is not None and placed.hostfile_path is not None:
+            Path(placed.hostfile_path).write_text(placed.hostfile)
+        job.base, job.excluded = placed.command, placed.excluded
+    _say(placed.note)
+    return None
+
+
+def _watch_excluded(job: _Job) -> None:
+    """Elastic: (re)start asking whether the excluded hosts answer again; stop when none is excluded."""
+    if job.watch is not None and (not job.excluded or sorted(job.watch.hosts) != sorted(job.excluded)):
+        job.watch.stop()
+        job.watch = None
+    if job.min_ranks is None or not job.excluded or job.watch is not None:
         return
-    exclusion = exclude_hosts(job.base, [*job.excluded, *hosts], allocation=job.allocation,
-                              read_file=lambda p: Path(p).read_text(),
-                              hostfile_path=str(job.launch_dir / f"hostfile.attempt-{record.attempt + 1}"))
-    if exclusion.command != job.base:
-        if exclusion.hostfile is not None:
-            Path(exclusion.hostfile_path).write_text(exclusion.hostfile)
-        job.base = exclusion.command
-        job.excluded.extend(hosts)
-    _say(f"excluding {', '.join(hosts)}: {exclusion.note}")
+    if _probe_for(job, job.excluded[0]) is None:
+        _say("no probe for this launcher (--probe-command): the excluded hosts stay out")
+        return
+    job.watch = HostWatch(list(job.excluded), functools.partial(_probe_for, job), every_s=job.probe_every_s,
+                          timeout_s=job.probe_timeout_s, env=job.probe_env, reap=_reap_probe).start()
+    _say(f"asking every {job.probe_every_s:g} s whether {', '.join(job.excluded)} answer(s) again")
+
+
+def _grow(job: _Job) -> str | None:
+    """Let the hosts that answered again back in (nothing when they are in already)."""
+    back = job.watch.back if job.watch is not None else []
+    remaining = [h for h in job.excluded if h not in back]
+    if remaining == job.excluded:
+        return None
+    return _place(job, remaining)
+
+
+def _grow_step(job: _Job, attempt: int, record: Attempt, proc: subprocess.Popen, environ: dict[str, str],
+               since: list[float]) -> None:
+    """An excluded host answers again while ``attempt`` runs: ask it to save and stop (SIGUSR2, which the launcher
+    passes on to the ranks) so that the next attempt runs with the host.  With standbys on, first start one for
+    that next attempt (the command with the host back) and wait, up to ``PARK_WAIT_S``, for its ranks to park, so
+    that the attempt after the stop is warm; ``since`` holds when that standby was started."""
+    if job.standby_on and not since:
+        since.append(time.time())
+        _grow(job)  # the next attempt's command, with the host back
+        if job.standby is not None:
+            job.standby.discard()
+            job.standby = None
+        cmd, env, _ = _attempt_plan(job, attempt + 1, environ)
+        try:
+            job.standby = job.spawner.submit(
+                Standby, attempt + 1, cmd, env, job.launch_dir / f"standby-{attempt + 1}",
+                fingerprint(cmd, env, job.config_file), launcher=job.launcher, openmpi=job.openmpi).result()
+            _say(f"excluded host {', '.join(job.watch.back)} answers again: starting a standby for attempt "
+                 f"{attempt + 1} with it; attempt {attempt} saves and stops once the standby's ranks have parked")
+            return
+        except OSError as exc:
+            _say(f"cannot start a standby for attempt {attempt + 1}: {exc.strerror or exc}")
+    if since and job.standby is not None and job.standby.alive() and not job.standby.wait_parked(0.0) \
+            and time.time() - since[0] < PARK_WAIT_S:
+        return
+    record.grow, record.grow_unix = list(job.watch.back), time.time()
+    _say(f"excluded host {', '.join(record.grow)} answers again: asking attempt {attempt} to save and stop "
+         "(SIGUSR2) so that the next one runs with it")
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGUSR2)
+
+
+def _elastic_setup(job: _Job, min_ranks: int) -> str | None:
+    """Check ``--min-ranks`` against the command (``hpcnet.launch.elastic.elastic_ranks``); why it cannot run
+    elastically, else None."""
+    try:
+        job.ranks = elastic_ranks(job.command, min_ranks, allocation=job.allocation,
+                                  read_file=lambda p: Path(p).read_text())
+    except ElasticError as exc:
+        return str(exc)
+    job.min_ranks = min_ranks
+    return None
 
 
 def supervise(command: list[str], *, max_restarts: int = 3, backoff_base_s: float = 1.0,
               backoff_cap_s: float = 60.0, exclude_failed_hosts: bool = False, standby: str = "auto",
               launcher_grace_s: float = LAUNCHER_GRACE_S, environ: dict[str, str] | None = None,
-              keep_signal_handlers: bool = False) -> int:
+              keep_signal_handlers: bool = False, min_ranks: int | None = None, probe_template: str | None = None,
+              probe_every_s: float = PROBE_EVERY_S, probe_timeout_s: float = PROBE_TIMEOUT_S) -> int:
     """Run ``command`` until it succeeds, fails for good, or uses up ``max_restarts``; return its status.
 
     ``standby``: 'auto' (a warm standby when the launcher is mpirun or srun, the command runs hpcnet.train and a
     restart is allowed), 'on' (the same, an error where it cannot be), 'off'. ``keep_signal_handlers``: leave the
     stop-signal handlers installed on return (``python -m hpcnet.launch``: a signal as it exits then changes
     nothing, where the default action would end it with a death by signal instead of the job's status).
+    ``min_ranks`` (with ``exclude_failed_hosts``): elastic shrink and grow (``hpcnet.launch.elastic``), the
+    excluded hosts probed with ``probe_template`` (or the launcher's own probe) every ``probe_every_s``.
     """
     environ = dict(os.environ if environ is None else environ)
     job = _prepare(command, environ)
     if isinstance(job, int):
         return job
     job.launcher_grace_s = launcher_grace_s
+    job.probe_template, job.probe_every_s, job.probe_timeout_s = probe_template, probe_every_s, probe_timeout_s
+    job.probe_env = launcher_env(environ, job.openmpi)
+    if min_ranks is not None and (error := _elastic_setup(job, min_ranks)) is not None:
+        _say(f"error: {error}")
+        return ExitCode.USAGE_ERROR
     possible = job.launcher in ("mpirun", "srun") and job.train_start is not None and max_restarts > 0
     if standby == "on" and not possible:
         _say("error: --standby on needs an mpirun or srun command that runs hpcnet.train, and --max-restarts > 0")
@@ -678,6 +823,13 @@ def supervise(command: list[str], *, max_restarts: int = 3, backoff_base_s: floa
                            else f"stopped by {name} before the first attempt: nothing was started")
                 return status
             status = record.status
+            if record.grow and status == ExitCode.PREEMPTED and not forwarder.received and not record.survivors:
+                _say(f"attempt {record.attempt} saved and stopped for {', '.join(record.grow)}: restarting with it")
+                if (final := _grow(job)) is not None:
+                    message = final
+                    return status
+                _watch_excluded(job)
+                continue  # no failure: no restart used, no backoff
             final = _why_final(record, forwarder.received)
             if final is not None:
                 message = final
@@ -689,7 +841,12 @@ def supervise(command: list[str], *, max_restarts: int = 3, backoff_base_s: floa
             if restart is None:
                 break
             if exclude_failed_hosts:
-                _exclude_failed_hosts(job, record)
+                final = _grow(job) if job.watch is not None and job.watch.answered.is_set() else None
+                final = final or _exclude_failed_hosts(job, record)
+                if final is not None:
+                    message = final
+                    return status
+                _watch_excluded(job)
             delay = backoff_s(restart, backoff_base_s, backoff_cap_s)
             _say(f"restarting from the newest checkpoint in {delay:.1f} s (restart {restart} of {max_restarts}{since})")
             forwarder.wake.wait(delay)  # a stop signal ends it: the next _run_next starts nothing
@@ -698,6 +855,8 @@ def supervise(command: list[str], *, max_restarts: int = 3, backoff_base_s: floa
                    f"{describe_status(status)}{_cause(record)}")
         return status
     finally:
+        if job.watch is not None:
+            job.watch.stop()
         if job.standby is not None:  # not needed: its processes end with us
             job.standby.discard()
             job.standby = None
@@ -740,6 +899,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-backoff-s", type=float, default=60.0, help="longest wait (default 60)")
     parser.add_argument("--exclude-failed-hosts", action="store_true",
                         help="leave a host that a failure is pinned to out of the next attempts (mpirun, srun)")
+    parser.add_argument("--min-ranks", type=int, default=None, metavar="N",
+                        help="with --exclude-failed-hosts: when the hosts left hold fewer slots than the command's "
+                             "ranks, run on them with fewer ranks (at least N; else give up), and go back to the "
+                             "full size once an excluded host answers again (elastic shrink and grow)")
+    parser.add_argument("--probe-command", default=None, metavar="CMD",
+                        help="how to ask whether a host answers (with --min-ranks, and to tell which side of a "
+                             "partition was lost): a command line with {host}, status 0 when it does (default: "
+                             "the launcher's own: mpirun <its options> --host {host}:1 -np 1 true; srun -w {host} "
+                             "-N1 -n1 true)")
+    parser.add_argument("--probe-every-s", type=float, default=PROBE_EVERY_S,
+                        help="how often an excluded host is probed (default %(default)g)")
+    parser.add_argument("--probe-timeout-s", type=float, default=PROBE_TIMEOUT_S,
+                        help="how long one probe may take before the host counts as unreachable "
+                             "(default %(default)g)")
     parser.add_argument("--standby", choices=("auto", "on", "off"), default="auto",
                         help="warm standby: start the next attempt ahead, parked before MPI starts, and release it "
                              "at a failure (auto: with mpirun or srun; default auto)")
@@ -757,6 +930,21 @@ def main(argv: list[str] | None = None) -> int:
                           ("--launcher-grace-s", args.launcher_grace_s)):
         if not 0 <= seconds <= MAX_DURATION_S:  # nan too; a longer wait overflows the clock it waits on
             parser.error(f"{flag} must be a number of seconds in [0, {MAX_DURATION_S}] (30 days), got {seconds:g}")
+    for flag, seconds in (("--probe-every-s", args.probe_every_s), ("--probe-timeout-s", args.probe_timeout_s)):
+        if not 0 < seconds <= MAX_DURATION_S:
+            parser.error(f"{flag} must be a number of seconds in (0, {MAX_DURATION_S}], got {seconds:g}")
+    if args.min_ranks is not None:
+        if args.min_ranks < 1:
+            parser.error(f"--min-ranks must be at least 1, got {args.min_ranks}")
+        if not args.exclude_failed_hosts:
+            parser.error("--min-ranks needs --exclude-failed-hosts (it runs on the hosts left after excluding one)")
+    if args.probe_command is not None:
+        try:
+            check_template(args.probe_command)
+        except ElasticError as exc:
+            parser.error(str(exc))
     return supervise(command, max_restarts=args.max_restarts, backoff_base_s=args.backoff_s,
                      backoff_cap_s=args.max_backoff_s, exclude_failed_hosts=args.exclude_failed_hosts,
-                     standby=args.standby, launcher_grace_s=args.launcher_grace_s, keep_signal_handlers=True)
+                     standby=args.standby, launcher_grace_s=args.launcher_grace_s, keep_signal_handlers=True,
+                     min_ranks=args.min_ranks, probe_template=args.probe_command, probe_every_s=args.probe_every_s,
+                     probe_timeout_s=args.probe_timeout_s)

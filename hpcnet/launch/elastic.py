@@ -1,0 +1,412 @@
+"""Elastic shrink and grow (``hpcnet.launch --exclude-failed-hosts --min-ranks N``; docs/fault-tolerance.md).
+
+Shrink: once a lost host is left out (``hpcnet.launch.hosts.exclude_hosts``), the next attempt runs as many ranks
+as the surviving hosts hold (``host_slots``), never more than the user asked for and never fewer than
+``--min-ranks`` (``fit_ranks``, which rewrites mpirun's ``-np`` or srun's ``-n``).  Grow: while hosts are left out,
+a background thread (``HostWatch``) asks the launcher every few seconds whether one of them answers again
+(``probe_command``: the launcher's own way of reaching a host, under a timeout); when one does, the supervisor asks
+the running attempt to save and stop and restarts it with the host back.  The same probe decides which host a
+failure lost when the failure names hosts on both sides of a partition (``unreachable``).
+
+Everything here is pure but ``run_probe``, ``probe_hosts`` and ``HostWatch``, which run probe commands.
+"""
+
+import re
+import shlex
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpcnet.launch.command import launcher_kind
+from hpcnet.launch.hosts import exclude_hosts
+
+PROBE_EVERY_S = 5.0
+"""Default of ``--probe-every-s``: how often an excluded host is asked whether it answers again."""
+PROBE_TIMEOUT_S = 10.0
+"""Default of ``--probe-timeout-s``: how long one probe may take (a host that does not answer makes the launcher
+wait for its daemon for ever: the probe is killed then, and the host counts as unreachable)."""
+HOST_PLACEHOLDER = "{host}"
+
+_MPIRUN_NP = ("-np", "--np", "-n", "--n", "-c")
+_MPIRUN_HOSTS = ("--host", "-host", "-H", "--H")
+_MPIRUN_HOSTFILES = ("--hostfile", "-hostfile", "--machinefile", "-machinefile", "--default-hostfile")
+_MPIRUN_PLACEMENT = (*_MPIRUN_NP, *_MPIRUN_HOSTS, *_MPIRUN_HOSTFILES, "--map-by", "-map-by", "--rank-by",
+                     "-rank-by", "-npernode", "--npernode", "-N", "-npersocket", "--npersocket", "--ppr")
+"""mpirun options (each with a value) that place the job's ranks: a probe of one host leaves them out."""
+_SRUN_NTASKS = ("--ntasks", "-n")
+_SRUN_NODES = ("--nodes", "-N")
+_PROGRAM = re.compile(r"^(python[\d.]*|hpcnet-train)$")
+
+
+class ElasticError(ValueError):
+    """The job cannot run elastically as asked (a message for the user, naming the option or host)."""
+
+
+def _same_host(a: str, b: str) -> bool:
+    return a == b or a.split(".")[0] == b.split(".")[0]
+
+
+def _find(command: list[str], names: tuple[str, ...], stop: int | None = None) -> tuple[int, int, str] | None:
+    """(index of the option, index of its value, value) of the first of ``names`` before ``stop``."""
+    end = len(command) if stop is None else stop
+    for i in range(1, end):
+        arg = command[i]
+        for name in names:
+            if arg == name and i + 1 < end:
+                return i, i + 1, command[i + 1]
+            if arg.startswith(name + "=") and name.startswith("--"):
+                return i, i, arg.split("=", 1)[1]
+    return None
+
+
+def program_index(command: list[str]) -> int | None:
+    """Where the program starts in a launcher command (the first python, or hpcnet-train); None if not found."""
+    for i, arg in enumerate(command[1:], start=1):
+        if _PROGRAM.match(Path(arg).name) or arg.endswith("hpcnet/train.py"):
+            return i
+    return None
+
+
+def _launcher_part(command: list[str]) -> int:
+    found = program_index(command)
+    return len(command) if found is None else found
+
+
+def ranks_of(command: list[str]) -> int | None:
+    """The number of ranks a launcher command asks for (mpirun ``-np``, srun ``-n``); None when it names none."""
+    kind = launcher_kind(command)
+    names = _MPIRUN_NP if kind == "mpirun" else _SRUN_NTASKS if kind == "srun" else ()
+    found = _find(command, names, _launcher_part(command)) if names else None
+    if found is None:
+        return None
+    if not found[2].isdigit():
+        raise ElasticError(f"cannot read the number of ranks {command[found[0]]} {found[2]!r}")
+    return int(found[2])
+
+
+def parse_host_list(text: str) -> list[tuple[str, int]]:
+    """The value of mpirun's ``--host`` as (host, slots): ``a:2,b`` is a with 2 slots, b 1; a repeated host adds up."""
+    slots: dict[str, int] = {}
+    for entry in (e for e in text.split(",") if e):
+        host, _, count = entry.partition(":")
+        if count and not count.isdigit():
+            raise ElasticError(f"cannot read the slots of {entry!r} in --host {text}")
+        slots[host] = slots.get(host, 0) + (int(count) if count else 1)
+    return list(slots.items())
+
+
+def parse_hostfile(text: str) -> list[tuple[str, int]]:
+    """An Open MPI hostfile as (host, slots): ``host slots=N`` (``host`` alone: 1 slot); comments skipped."""
+    slots: dict[str, int] = {}
+    for line in text.splitlines():
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        count = 1
+        for word in words[1:]:
+            key, _, value = word.partition("=")
+            if key in ("slots", "count", "cpu"):
+                if not value.isdigit():
+                    raise ElasticError(f"cannot read the slots in the hostfile line {line.strip()!r}")
+                count = int(value)
+        slots[words[0]] = slots.get(words[0], 0) + count
+    return list(slots.items())
+
+
+def host_slots(command: list[str], *, allocation: list[tuple[str, int]] | None = None, excluded: Iterable[str] = (),
+               read_file: Callable[[str], str] | None = None) -> list[tuple[str, int]] | None:
+    """The (host, slots) a launcher command may place ranks on, ``excluded`` hosts left out; None when unknown.
+
+    mpirun: its ``--host`` list or hostfile, else the SLURM ``allocation``.  srun: the ``allocation``.
+    """
+    kind = launcher_kind(command)
+    found: list[tuple[str, int]] | None = None
+    stop = _launcher_part(command)
+    if kind == "mpirun":
+        if (hosts := _find(command, _MPIRUN_HOSTS, stop)) is not None:
+            found = parse_host_list(hosts[2])
+        elif (hostfile := _find(command, _MPIRUN_HOSTFILES, stop)) is not None and read_file is not None:
+            found = parse_hostfile(read_file(hostfile[2]))
+    if found is None and kind in ("mpirun", "srun") and allocation:
+        found = list(allocation)
+    if found is None:
+        return None
+    gone = list(excluded)
+    return [(h, n) for h, n in found if not any(_same_host(h, x) for x in gone)]
+
+
+def set_ranks(command: list[str], ranks: int, nodes: int | None = None) -> list[str]:
+    """``command`` with ``ranks`` ranks: mpirun's ``-np`` or srun's ``-n`` rewritten (added when absent); srun's
+    ``-N`` lowered to ``nodes`` when it asks for more."""
+    kind = launcher_kind(command)
+    out = list(command)
+    stop = _launcher_part(out)
+    names = _MPIRUN_NP if kind == "mpirun" else _SRUN_NTASKS
+    found = _find(out, names, stop)
+    if found is None:
+        out[1:1] = ["-np" if kind == "mpirun" else "-n", str(ranks)]
+    else:
+        i, j, _ = found
+        out[j] = str(ranks) if i != j else f"{out[i].split('=', 1)[0]}={ranks}"
+    if kind == "srun" and nodes is not None:
+        node_opt = _find(out, _SRUN_NODES, _launcher_part(out))
+        if node_opt is not None and node_opt[2].isdigit() and int(node_opt[2]) > nodes:
+            i, j, _ = node_opt
+            out[j] = str(nodes) if i != j else f"{out[i].split('=', 1)[0]}={nodes}"
+    return out
+
+
+@dataclass(slots=True)
+class Fit:
+    """The ranks of the next attempt on the hosts that are left."""
+
+    command: list[str]
+    ranks_before: int
+    ranks_after: int
+    hosts: list[str] = field(default_factory=list)
+
+    def line(self, excluded: list[str]) -> str:
+        """What the supervisor says about it, on one line."""
+        left = ", ".join(self.hosts)
+        if self.ranks_after == self.ranks_before:
+            return f"{self.ranks_after} rank(s) on {left} (without {', '.join(excluded)})"
+        return (f"shrinking: {self.ranks_before} -> {self.ranks_after} rank(s) on {left} (without "
+                f"{', '.join(excluded)}); the run resumes at the smaller world size")
+
+
+def fit_ranks(command: list[str], wanted: int, slots: list[tuple[str, int]], min_ranks: int) -> Fit:
+    """The next attempt's command on ``slots`` (the hosts left): ``wanted`` ranks (the user's), or as many as the
+    slots hold when they hold fewer, never below ``min_ranks`` (``ElasticError`` then)."""
+    total = sum(n for _, n in slots)
+    ranks = min(wanted, total)
+    hosts = [h for h, _ in slots]
+    if ranks < min_ranks:
+        raise ElasticError(f"the hosts left ({', '.join(hosts) or 'none'}) hold {total} slot(s), fewer than "
+                           f"--min-ranks {min_ranks}")
+    return Fit(set_ranks(command, ranks, nodes=len(slots)) if ranks != wanted else list(command), wanted, ranks, hosts)
+
+
+def elastic_ranks(command: list[str], min_ranks: int, *, allocation: list[tuple[str, int]] | None = None,
+                  read_file: Callable[[str], str] | None = None) -> int:
+    """The ranks ``command`` runs at its full size (what a grow goes back to), checked against ``--min-ranks``;
+    ``ElasticError`` (a usage error) when the command cannot run elastically."""
+    if launcher_kind(command) not in ("mpirun", "srun"):
+        raise ElasticError("--min-ranks needs an mpirun or srun command (it rewrites -np or -n)")
+    try:
+        ranks = ranks_of(command)
+        slots = host_slots(command, allocation=allocation, read_file=read_file)
+    except (ElasticError, OSError) as exc:
+        raise ElasticError(f"--min-ranks: {exc}") from None
+    if ranks is None:
+        if slots is None:
+            raise ElasticError("--min-ranks: the command names no number of ranks (-np, -n) and no hosts with slots "
+                               "(--host, --hostfile, a SLURM allocation): cannot tell how many ranks it runs")
+        ranks = sum(n for _, n in slots)
+    if min_ranks > ranks:
+        raise ElasticError(f"--min-ranks {min_ranks} is more than the {ranks} rank(s) the command runs")
+    return ranks
+
+
+@dataclass(slots=True)
+class Placement:
+    """The next attempts' command: the user's without the excluded hosts, and how (``place``)."""
+
+    command: list[str]
+    excluded: list[str]
+    note: str
+    """What the supervisor says, on one line."""
+    changed: bool = True
+    """False: the command could not be changed (``exclude_hosts`` says why in ``note``); keep the current one."""
+    hostfile: str | None = None
+    """The filtered hostfile to write at ``hostfile_path`` first, if one is needed."""
+    hostfile_path: str | None = None
+    error: str | None = None
+    """Why no attempt may follow: the hosts left hold fewer than ``min_ranks`` slots."""
+
+
+def place(command: list[str], excluded: list[str], *, allocation: list[tuple[str, int]] | None,
+          min_ranks: int | None, ranks: int, ranks_now: int | None, read_file: Callable[[str], str],
+          hostfile_path: str) -> Placement:
+    """The user's ``command`` without the ``excluded`` hosts (pure but for ``read_file``, which reads a hostfile).
+
+    ``min_ranks`` None: ``-np`` is kept (``exclude_hosts`` alone).  Else (elastic) the ranks are what the hosts left
+    hold, at most ``ranks`` (the command's full size), at least ``min_ranks`` (``error`` otherwise); ``ranks_now``,
+    the current attempt's, is what the note compares with.  No host excluded: the user's command as it is.
+    """
+    if not excluded:
+        change = (f" ({ranks_now} -> {ranks} ranks); the run resumes at the full world size"
+                  if min_ranks is not None and ranks_now not in (None, ranks) else "")
+        return Placement(list(command), [], f"every host is back: {ranks} rank(s) on the full host list{change}")
+    exclusion = exclude_hosts(command, excluded, allocation=allocation, read_file=read_file,
+                              hostfile_path=hostfile_path)
+    if exclusion.command == command:
+        return Placement(list(command), list(excluded), f"excluding {', '.join(excluded)}: {exclusion.note}",
+                         changed=False)
+    placed = Placement(exclusion.command, list(excluded), f"excluding {', '.join(excluded)}: {exclusion.note}",
+                       hostfile=exclusion.hostfile, hostfile_path=exclusion.hostfile_path)
+    if min_ranks is None:
+        return placed
+
+    def read(name: str) -> str:
+        if name == hostfile_path and exclusion.hostfile is not None:
+            return exclusion.hostfile
+        return read_file(name)
+
+    slots = host_slots(exclusion.command, allocation=allocation, excluded=excluded, read_file=read)
+    if slots is None:
+        placed.note += "; cannot tell how many slots the hosts left hold: the rank count is kept"
+        return placed
+    try:
+        fit = fit_ranks(exclusion.command, ranks, slots, min_ranks)
+    except ElasticError as exc:
+        return Placement(list(command), list(excluded), "", changed=False,
+                         error=f"cannot run without {', '.join(excluded)}: {exc}")
+    placed.command = fit.command
+    placed.note += f"; {fit.line(excluded)}"
+    if ranks_now not in (None, fit.ranks_after, ranks):  # a host back, others still out
+        placed.note += f" (from {ranks_now} rank(s) now: {ranks_now} -> {fit.ranks_after})"
+    return placed
+
+
+def probe_command(command: list[str], host: str, template: str | None = None) -> list[str] | None:
+    """A command that succeeds when the launcher of ``command`` can start a process on ``host``; None when there is
+    no way to build one (a launcher other than mpirun or srun, no ``template``).
+
+    ``template`` (``--probe-command``): a shell-style command line with ``{host}``.  mpirun: its own options (the
+    rsh agent, the interfaces) without those that place the ranks, then ``--host HOST:1 -np 1 true``; srun:
+    ``srun -w HOST -N1 -n1 true`` (a step within the allocation).
+    """
+    if template:
+        return [arg.replace(HOST_PLACEHOLDER, host) for arg in shlex.split(template)]
+    kind = launcher_kind(command)
+    if kind == "srun":
+        return [command[0], "-w", host, "-N1", "-n1", "true"]
+    if kind != "mpirun":
+        return None
+    options: list[str] = []
+    args = command[1:_launcher_part(command)]
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg in _MPIRUN_PLACEMENT:
+            i += 2
+            continue
+        if any(arg.startswith(name + "=") for name in _MPIRUN_PLACEMENT if name.startswith("--")):
+            i += 1
+            continue
+        options.append(arg)
+        i += 1
+    return [command[0], *options, "--host", f"{host}:1", "-np", "1", "true"]
+
+
+def check_template(template: str) -> str:
+    """A ``--probe-command`` template, or ``ElasticError`` saying what is wrong with it."""
+    try:
+        words = shlex.split(template)
+    except ValueError as exc:
+        raise ElasticError(f"--probe-command: cannot split {template!r}: {exc}") from None
+    if not words:
+        raise ElasticError("--probe-command is empty")
+    if not any(HOST_PLACEHOLDER in w for w in words):
+        raise ElasticError(f"--probe-command must name the host as {HOST_PLACEHOLDER}: {template!r}")
+    return template
+
+
+def unreachable(candidates: list[str], reachable: dict[str, bool] | None) -> tuple[list[str], str]:
+    """Which of the hosts a failure names to leave out, and why (pure).
+
+    ``reachable``: the probe's answer per host; None when no probe can be made (the named hosts are all left out,
+    as the evidence says).  With a probe, a host that answers stays (each side of a partition names the other:
+    only the side the launcher cannot reach is lost), and one that does not is left out.
+    """
+    if reachable is None:
+        return list(candidates), "named by the failure (no probe for this launcher)"
+    lost = [h for h in candidates if not reachable.get(h, False)]
+    kept = [h for h in candidates if reachable.get(h, False)]
+    parts = []
+    if lost:
+        parts.append(f"{', '.join(lost)} did not answer the probe")
+    if kept:
+        parts.append(f"{', '.join(kept)} answered it (kept)")
+    return lost, "; ".join(parts)
+
+
+def run_probe(command: list[str], timeout_s: float, env: dict[str, str] | None,
+              reap: Callable[[int], Any]) -> bool:
+    """Run a probe in a session of its own; True if it ended with 0 within ``timeout_s``. ``reap(sid)`` ends what is
+    left of its session (a launcher waiting for a daemon it cannot reach does not end by itself)."""
+    try:
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    except OSError:
+        return False
+    try:
+        status = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        status = -1
+    reap(proc.pid)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    return status == 0
+
+
+def probe_hosts(hosts: list[str], make: Callable[[str], list[str] | None], timeout_s: float,
+                env: dict[str, str] | None, reap: Callable[[int], Any]) -> dict[str, bool] | None:
+    """Probe ``hosts`` at once (one thread each); None when ``make`` cannot build a probe."""
+    commands = {h: make(h) for h in hosts}
+    if any(c is None for c in commands.values()):
+        return None
+    answers: dict[str, bool] = {}
+    threads = [threading.Thread(target=lambda h=h, c=c: answers.__setitem__(h, run_probe(c, timeout_s, env, reap)),
+                                daemon=True) for h, c in commands.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return answers
+
+
+class HostWatch:
+    """Ask, in a background thread, whether one of the excluded ``hosts`` answers again: each in turn, one probe at a
+    time, a probe started every ``every_s`` at most.  ``back`` holds the hosts that answered; ``answered`` is set
+    at the first. Never blocks its caller; ``stop`` ends the thread after the probe in flight."""
+
+    def __init__(self, hosts: list[str], make: Callable[[str], list[str] | None], *, every_s: float,
+                 timeout_s: float, env: dict[str, str] | None, reap: Callable[[int], Any]) -> None:
+        self.hosts, self.make, self.every_s, self.timeout_s, self.env, self.reap = hosts, make, every_s, timeout_s, \
+            env, reap
+        self.back: list[str] = []
+        self.answered = threading.Event()
+        self.answered_unix: float | None = None
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="hpcnet-hostwatch")
+
+    def start(self) -> "HostWatch":
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for host in [h for h in self.hosts if h not in self.back]:
+                began = time.monotonic()
+                command = self.make(host)
+                if command is None or self._stop.is_set():
+                    return
+                if run_probe(command, self.timeout_s, self.env, self.reap):
+                    self.back.append(host)
+                    if self.answered_unix is None:
+                        self.answered_unix = time.time()
+                    self.answered.set()
+                if self._stop.wait(max(0.0, self.every_s - (time.monotonic() - began))):
+                    return
+            if len(self.back) == len(self.hosts):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=self.timeout_s + 5)
