@@ -112,6 +112,13 @@ def ranks_ready(directory: Path, started_up: threading.Event) -> bool:
     return (size is not None and count >= size) or started_up.is_set()
 
 
+def ranks_started(directory: Path, started_up: threading.Event) -> bool:
+    """Whether an attempt's ranks are past their launch, for ``--start-timeout-s``: every rank reported ready, or,
+    where the ranks cannot say how many they are, one of them did, or the attempt logged its first step."""
+    count, size = parked_ranks(directory, READY)
+    return (count >= size if size is not None else count > 0) or started_up.is_set()
+
+
 def stop_status(received: int) -> int:
     """The status of a job that a stop signal ended before an attempt could stop and save: 130 for Ctrl-C,
     else 76 (preempted: requeue; nothing was lost, no attempt ran since the last one's checkpoints)."""

@@ -60,7 +60,7 @@ from hpcnet.launch.elastic import (
     ranks_of,
     unreachable,
 )
-from hpcnet.launch.forward import Forwarder, ranks_ready, stop_status
+from hpcnet.launch.forward import Forwarder, ranks_ready, ranks_started, stop_status
 from hpcnet.launch.hosts import slurm_allocation
 from hpcnet.launch.park import RELEASE_SIGNAL
 from hpcnet.launch.restarts import (
@@ -147,6 +147,8 @@ class Attempt:
     """When the job declared its failure (its failure.json appeared, or the launcher reported an MPI_Abort)."""
     launcher_ended: bool = False
     """The launcher had not exited ``launcher_grace_s`` after the declared failure: the supervisor ended it."""
+    start_timed_out: bool = False
+    """Its ranks had not all started ``--start-timeout-s`` after the launcher did: the supervisor ended it."""
     launcher_loss: dict[str, Any] | None = None
     """What the launcher printed about a lost daemon or node (``hpcnet.launch.restarts.host_loss_from_line``)."""
     lost_host: dict[str, Any] | None = None
@@ -210,6 +212,10 @@ def reap_session(sid: int, timeout_s: float = 30.0) -> tuple[list[int], list[int
 
 
 LAUNCHER_GRACE_S = 30.0
+START_TIMEOUT_S = 300.0
+"""``--start-timeout-s``: every rank of an attempt reports ready (``hpcnet.launch.stop``) within this many seconds of
+the launcher's start, or the attempt is ended and restarted.  Generous: imports from a shared file system at many
+ranks per node take minutes."""
 """Default of ``--launcher-grace-s``: how long a launcher may take to exit once the job declared its failure. Open
 MPI's mpirun tears a job down within a second or two when it can reach every daemon; one that waits longer is
 waiting for a daemon it cannot reach (a partitioned host), which it would do for ever."""
@@ -272,13 +278,17 @@ class _Started:
 def run_attempt(command: list[str], env: dict[str, str], forwarder: Forwarder, record: Attempt,
                 started: "_Started | None" = None, on_line: Any = None, ready: Callable[[], bool] | None = None,
                 launcher_grace_s: float = LAUNCHER_GRACE_S, on_declared: Callable[[], None] | None = None,
-                poll: Callable[[subprocess.Popen], None] | None = None) -> None:
+                poll: Callable[[subprocess.Popen], None] | None = None, start_timeout_s: float = 0.0,
+                started_ranks: Callable[[], bool] | None = None) -> None:
     """Run one attempt to its end (``started``: already running, a released standby), teeing its output; fill in
     ``record``. ``ready``: whether its ranks handle stop signals yet (None: pass them on at once).
 
     Once the job has declared its failure (``failure.json`` in ``record.run_dir``, or an MPI_Abort the launcher
     reports), ``on_declared`` is called and the launcher gets ``launcher_grace_s`` to exit; then it and every
-    process of its session are killed (``end_launcher``).  ``poll(launcher)`` is called about once a second."""
+    process of its session are killed (``end_launcher``).  ``poll(launcher)`` is called about once a second.
+    When ``started_ranks`` is still false ``start_timeout_s`` (> 0) after the start, the launcher and its session
+    are killed too (``record.start_timed_out``): a launcher waiting for a daemon that never came up waits for ever.
+    """
     def seen(line: str) -> None:
         if record.launcher_report_unix is None:
             found = failure_from_line(line)
@@ -315,6 +325,13 @@ def run_attempt(command: list[str], env: dict[str, str], forwarder: Forwarder, r
             forwarder.pass_on()  # a signal held until the ranks are ready
         if poll is not None:
             poll(proc)
+        if (start_timeout_s > 0 and started_ranks is not None and not record.start_timed_out
+                and time.monotonic() - t0 > start_timeout_s and not started_ranks()):
+            record.start_timed_out = True
+            _say(f"the ranks have not all started {start_timeout_s:g} s after the launcher (pid {proc.pid}) did (a "
+                 "host that does not answer, a daemon that died?): ending it and every process of its session "
+                 "(--start-timeout-s)")
+            reap_session(proc.pid, timeout_s=10.0)
         if record.declared_unix is None and failure_path is not None:
             record.declared_unix = written_since(failure_path, record.start_unix)
         if record.declared_unix is not None and on_declared is not None:
@@ -424,6 +441,8 @@ class _Job:
     launch_id: str = field(default_factory=lambda: secrets.token_hex(8))
     """This supervisor's token: with the attempt number, what the checkpoint directory's fence names."""
     launcher_grace_s: float = LAUNCHER_GRACE_S
+    start_timeout_s: float = 0.0
+    """``--start-timeout-s``: how long the ranks of an attempt may take to start (0: for ever)."""
     standby_on: bool = False
     standby: Standby | None = None
     """The standby for the next attempt, once started (by the attempt's watcher thread)."""
@@ -607,7 +626,9 @@ def _run_next(job: _Job, budget: RestartBudget, forwarder: Forwarder, environ: d
     try:
         run_attempt(cmd, env, forwarder, record, started=standby.started if standby else None, on_line=on_line,
                     ready=ready, launcher_grace_s=job.launcher_grace_s,
-                    on_declared=lambda: _close_fence(job, attempt, "it declared its failure"), poll=poll)
+                    on_declared=lambda: _close_fence(job, attempt, "it declared its failure"), poll=poll,
+                    start_timeout_s=job.start_timeout_s,
+                    started_ranks=functools.partial(ranks_started, reports, started_up) if run_dir else None)
         all_started = started_up.is_set() or (ready is not None and ready())
     finally:
         ended.set()
@@ -621,9 +642,17 @@ def _run_next(job: _Job, budget: RestartBudget, forwarder: Forwarder, environ: d
     if record.status:
         rank_hosts = read_rank_hosts(ready_dir(job.launch_dir, attempt), READY) if run_dir else {}
         record.lost_host = lost_host(record.failure, record.launcher_loss, rank_hosts, started=all_started)
+    if record.start_timed_out and record.status:
+        record.status = ExitCode.RESTARTABLE  # the supervisor's verdict: the launch failed, not the job
     record.restartable = is_restartable(record.status, declared=declared(record.failure) or record.launcher_ended,
                                         host_lost=record.lost_host is not None)
     record.cause = describe_failure(record.failure) if record.status else ""
+    if record.start_timed_out and record.status:
+        count, size = parked_ranks(ready_dir(job.launch_dir, attempt), READY)
+        hosts = sorted(set(read_rank_hosts(ready_dir(job.launch_dir, attempt), READY).values()))
+        record.cause = "; ".join(c for c in (record.cause, (
+            f"{count} of {size if size is not None else 'its'} rank(s) had started "
+            f"{'on ' + ', '.join(hosts) + ' ' if hosts else ''}{job.start_timeout_s:g} s after the launcher did")) if c)
     if record.lost_host is not None:
         record.cause = "; ".join(c for c in (record.cause, describe_loss(record.lost_host)) if c)
     if record.launcher_ended:
@@ -782,7 +811,8 @@ def supervise(command: list[str], *, max_restarts: int = 3, backoff_base_s: floa
               backoff_cap_s: float = 60.0, exclude_failed_hosts: bool = False, standby: str = "auto",
               launcher_grace_s: float = LAUNCHER_GRACE_S, environ: dict[str, str] | None = None,
               keep_signal_handlers: bool = False, min_ranks: int | None = None, probe_template: str | None = None,
-              probe_every_s: float = PROBE_EVERY_S, probe_timeout_s: float = PROBE_TIMEOUT_S) -> int:
+              probe_every_s: float = PROBE_EVERY_S, probe_timeout_s: float = PROBE_TIMEOUT_S,
+              start_timeout_s: float = START_TIMEOUT_S) -> int:
     """Run ``command`` until it succeeds, fails for good, or uses up ``max_restarts``; return its status.
 
     ``standby``: 'auto' (a warm standby when the launcher is mpirun or srun, the command runs hpcnet.train and a
@@ -796,7 +826,7 @@ def supervise(command: list[str], *, max_restarts: int = 3, backoff_base_s: floa
     job = _prepare(command, environ)
     if isinstance(job, int):
         return job
-    job.launcher_grace_s = launcher_grace_s
+    job.launcher_grace_s, job.start_timeout_s = launcher_grace_s, start_timeout_s
     job.probe_template, job.probe_every_s, job.probe_timeout_s = probe_template, probe_every_s, probe_timeout_s
     job.probe_env = launcher_env(environ, job.openmpi)
     if min_ranks is not None and (error := _elastic_setup(job, min_ranks)) is not None:
@@ -919,6 +949,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launcher-grace-s", type=float, default=LAUNCHER_GRACE_S,
                         help="once the job declared a failure (failure.json, MPI_Abort), how long the launcher may "
                              "take to exit before it and its processes are killed (default %(default)g)")
+    parser.add_argument("--start-timeout-s", type=float, default=START_TIMEOUT_S,
+                        help="how long the ranks of an attempt may take to start (each reports ready as the first "
+                             "thing hpcnet.train does) before the launcher and its processes are killed and the "
+                             "attempt counts as a restartable failure; 0: no limit (default %(default)g)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the launcher command")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -927,7 +961,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_restarts < 0:
         parser.error("--max-restarts must be >= 0")
     for flag, seconds in (("--backoff-s", args.backoff_s), ("--max-backoff-s", args.max_backoff_s),
-                          ("--launcher-grace-s", args.launcher_grace_s)):
+                          ("--launcher-grace-s", args.launcher_grace_s), ("--start-timeout-s", args.start_timeout_s)):
         if not 0 <= seconds <= MAX_DURATION_S:  # nan too; a longer wait overflows the clock it waits on
             parser.error(f"{flag} must be a number of seconds in [0, {MAX_DURATION_S}] (30 days), got {seconds:g}")
     for flag, seconds in (("--probe-every-s", args.probe_every_s), ("--probe-timeout-s", args.probe_timeout_s)):
@@ -947,4 +981,4 @@ def main(argv: list[str] | None = None) -> int:
                      backoff_cap_s=args.max_backoff_s, exclude_failed_hosts=args.exclude_failed_hosts,
                      standby=args.standby, launcher_grace_s=args.launcher_grace_s, keep_signal_handlers=True,
                      min_ranks=args.min_ranks, probe_template=args.probe_command, probe_every_s=args.probe_every_s,
-                     probe_timeout_s=args.probe_timeout_s)
+                     probe_timeout_s=args.probe_timeout_s, start_timeout_s=args.start_timeout_s)

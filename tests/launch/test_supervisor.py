@@ -328,6 +328,29 @@ def test_a_launcher_that_hangs_after_a_declared_failure_is_ended_within_its_grac
 
 @pytest.mark.launch
 @pytest.mark.timeout(60)
+def test_ranks_that_never_all_start_end_the_attempt_after_the_start_timeout_and_the_job_restarts(tmp_path):
+    """mpirun waits for ever for a daemon that died as it started (two of four ranks ready, nothing declared, since
+    the ranks are not up): --start-timeout-s ends it and everything it started, the attempt is restartable (75),
+    its cause names what had started, and attempt 2 runs."""
+    _serial_only()
+    out, record, seen, took = _lost_host_job(tmp_path, "halfstart", "--start-timeout-s", "3")
+    assert out.returncode == 0, out.stderr
+    first = record["attempts"][0]
+    assert first["start_timed_out"] and first["restartable"] and first["status"] == 75, first
+    assert "2 of 4 rank(s) had started on hostA 3 s after the launcher did" in first["cause"], first
+    assert 3 <= first["duration_s"] < 3 + 5, first
+    assert "have not all started 3 s after the launcher" in out.stderr and len(seen) == 2, out.stderr
+    assert took < 30
+
+
+def test_the_start_timeout_must_be_a_number_of_seconds():
+    out = subprocess.run([sys.executable, "-m", "hpcnet.launch", "--start-timeout-s", "-1", "--", "true"],
+                         capture_output=True, text=True, env=clean_env(), timeout=30)
+    assert out.returncode == 2 and "--start-timeout-s must be a number of seconds" in out.stderr, out.stderr
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["lost", "started", "unstarted"])
 def test_a_lost_host_is_restartable_whatever_status_the_launcher_returns(tmp_path, mode):
     """Open MPI's mpirun ends with status 9 when a daemon dies: restartable once the ranks had all started (the host

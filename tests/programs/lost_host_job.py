@@ -6,7 +6,9 @@ it after a partition) and the launcher then hangs for good, ignoring SIGTERM, wi
 daemon it started); ``lost``: the ranks report ready on hostA and hostB, then the launcher prints Open MPI's message
 of a lost daemon (naming hostB) and exits with 9, as mpirun does when every process of hostB is killed;
 ``started``: the same with mpirun's message of daemons it could not start (which names no host); ``unstarted``: that
-message and status before any rank started (a launch that failed).  Each attempt notes its pid, the fence it saw
+message and status before any rank started (a launch that failed); ``halfstart``: ranks 0 and 1 report ready on
+hostA, ranks 2 and 3 never do, and the launcher waits for good, ignoring SIGTERM (mpirun waiting for a daemon that
+died as it started).  Each attempt notes its pid, the fence it saw
 and, for ``hang``, its child's pid in the working directory.
 """
 import json
@@ -39,6 +41,14 @@ if mode == "hang":
               "message": "rank 2 on hostB missed 3 heartbeats", "exit_code": 75, "detected_by": 0,
               "detected_host": "hostA", "detected_wall": time.time()}
     (run_dir / "failure.json").write_text(json.dumps(report))
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(600)
+    sys.exit(3)
+if mode == "halfstart":
+    ready = pathlib.Path(os.environ["HPCNET_READY"])
+    ready.mkdir(parents=True, exist_ok=True)
+    for rank in (0, 1):
+        (ready / f"ready.{rank}").write_text(f"4 {1000 + rank} {time.time():.3f} hostA\n")
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     time.sleep(600)
     sys.exit(3)
