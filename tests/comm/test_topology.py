@@ -10,7 +10,18 @@ import pytest
 
 from hpcnet.comm.netif import IbPort, Interface, interfaces, kind_of
 from hpcnet.comm.pingpong import pair_key, plan_rounds
-from hpcnet.comm.topology import Gpu, Node, RankInfo, Topology, common_interface, local_gpus, main, probe, recommend
+from hpcnet.comm.topology import (
+    Gpu,
+    InterfaceUse,
+    Node,
+    RankInfo,
+    Topology,
+    common_interface,
+    local_gpus,
+    main,
+    probe,
+    recommend,
+)
 from hpcnet.comm.world import discover, node_layout, wait_sleeping
 from tests.helpers.comm import nodes_of
 
@@ -90,11 +101,11 @@ def test_json_round_trip(tmp_path):
     assert Topology.from_json(t.to_json()) == t
     path = t.write(tmp_path / "topology.json")
     data = json.loads(path.read_text())
-    assert data["format"] == "hpcnet-topology/1" and data["latency_us"]["0-2"] == 20.0
+    assert data["format"] == "hpcnet-topology/2" and data["latency_us"]["0-2"] == 20.0
     assert data["summary"]["inter_bandwidth_gbps"] == 10.0 and data["summary"]["intra_latency_us"] == 2.0
     assert Topology.from_dict(data) == t
     text = t.summary()
-    assert "inter-node" in text and "intra-node" in text and len(text.splitlines()) <= 8
+    assert "inter-node" in text and "intra-node" in text and len(text.splitlines()) <= 8 + len(t.nodes)
     with pytest.raises(ValueError, match="budget_s"):
         probe(None, None, budget_s=0)
 
@@ -106,9 +117,12 @@ def _check_probe(topology: Topology, comm, layout: list[tuple[int, int, int]]) -
     nodes = [n.ranks for n in topology.nodes]
     required = {pair_key(*p) for rnd in plan_rounds(nodes) for p in rnd}
     assert set(topology.latency_us) == required == set(topology.bandwidth_gbps)
+    assert set(topology.directed_gbps) == {f"{a}->{b}" for key in required for a, b in
+                                           (key.split("-"), key.split("-")[::-1])}
     for key in required:
         lat, bw = topology.latency_us[key], topology.bandwidth_gbps[key]
         assert math.isfinite(lat) and lat > 0 and math.isfinite(bw) and bw > 0, (key, lat, bw)
+    assert all(math.isfinite(v) and v > 0 for v in topology.directed_gbps.values()), topology.directed_gbps
     # the same Topology on every rank
     assert comm.allgather(topology.to_json()) == [topology.to_json()] * size
 
@@ -125,6 +139,8 @@ def test_probe_any_size(comm):
     # the leader reports the one lister's interfaces (one host here: the same as this rank's)
     assert [(i.name, i.infiniband) for i in topology.nodes[0].interfaces] == [(i.name, i.infiniband)
                                                                               for i in interfaces()]
+    # one node: the data plane's rendezvous is on the loopback, which the host "uses" towards rank 0
+    assert topology.nodes[0].uses == InterfaceUse(name="lo", address="127.0.0.1", reason="holds 127.0.0.1")
 
 
 @pytest.mark.mpi
