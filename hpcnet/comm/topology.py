@@ -257,6 +257,8 @@ class HostLinks:
     host: str
     name: str
     """How messages name it: the host, or ``host/node<i>`` where virtual nodes share a host."""
+    shared: bool
+    """Its host has other nodes too (virtual nodes): no NIC of its own, so ``slow_hosts`` leaves it out."""
     ranks: list[int]
     interface: InterfaceUse | None
     intra_latency_us: float | None
@@ -357,6 +359,7 @@ def host_links(topology: Topology) -> list[HostLinks]:
         result.append(HostLinks(
             node=node.index, host=node.host, ranks=list(node.ranks), interface=node.uses,
             name=node.host if hosts.count(node.host) == 1 else f"{node.host}/node{node.index}",
+            shared=hosts.count(node.host) > 1,
             intra_latency_us=median(intra_lat), intra_bandwidth_gbps=median(intra_bw),
             inter_latency_us=median(inter_lat), inter_bandwidth_gbps=median(inter_bw),
             send_gbps=max(sends, default=None), receive_gbps=max(receives, default=None), peers=len(peers)))
@@ -368,8 +371,10 @@ def slow_hosts(hosts: list[HostLinks], ratio: float = SLOW_RATIO) -> list[SlowHo
 
     On two nodes both figures are the same pair's slower direction, so nothing is named: which end is slow
     cannot be told (``slow_links`` says which direction).  Equal nodes are never named; when most nodes are
-    slow, the median is theirs and only a minority can stand out.
+    slow, the median is theirs and only a minority can stand out.  Virtual nodes (``shared``) take no part:
+    their links are their host's memory, not a NIC.
     """
+    hosts = [h for h in hosts if not h.shared]
     found = []
     for host in hosts:
         link = host.link_gbps
@@ -386,7 +391,7 @@ def slow_hosts(hosts: list[HostLinks], ratio: float = SLOW_RATIO) -> list[SlowHo
 def slow_links(hosts: list[HostLinks], topology: Topology, ratio: float = SLOW_RATIO) -> list[SlowLink]:
     """On exactly two nodes: the direction between their leaders that is under ``ratio`` times the other
     (pure logic; empty otherwise: on more nodes ``slow_hosts`` names the host)."""
-    if len(hosts) != 2:
+    if len(hosts) != 2 or any(h.shared for h in hosts):
         return []
     a, b = hosts
     forward = topology.directed_gbps.get(direction_key(topology.nodes[a.node].leader, topology.nodes[b.node].leader))

@@ -68,8 +68,12 @@ def test_host_links_give_each_node_its_ranks_interface_and_links():
     assert a.inter_bandwidth_gbps == pytest.approx((2 / (1 / 1.0 + 1 / 0.2) + 1.0) / 2)  # median of its 2 pairs
     one = host_links(_topology([4]))
     assert len(one) == 1 and one[0].send_gbps is None and one[0].link_gbps is None and one[0].peers == 0
-    # virtual nodes share a host: each is named by host and node
-    assert [h.name for h in host_links(_topology([1, 1], hosts=["box", "box"]))] == ["box/node0", "box/node1"]
+    # virtual nodes share a host: each is named by host and node, and no NIC of theirs is judged
+    virtual = _topology([1, 1, 1], hosts=["box"] * 3, send=[1.0, 1.0, 0.1])
+    assert [(h.name, h.shared) for h in host_links(virtual)] == [("box/node0", True), ("box/node1", True),
+                                                                 ("box/node2", True)]
+    assert slow_hosts(host_links(virtual)) == [] and link_warnings(virtual) == []
+    assert link_warnings(_topology([1, 1], hosts=["box"] * 2, send=[1.0, 0.1])) == []
 
 
 @pytest.mark.parametrize("send,receive", [([1.0, 1.0, 0.2], None),  # a rate limit on sending (tc tbf)
