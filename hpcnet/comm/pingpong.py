@@ -19,8 +19,10 @@ _HELLO, _PING, _PONG, _STOP, _PUSH, _PULL = 11, 12, 13, 14, 15, 16
 # Repetition caps per pair: enough for stable figures; the time slot usually
 # ends the loop first on slow links.
 _LATENCY_WARMUP, _LATENCY_REPS = 20, 1000
-_BANDWIDTH_WARMUP, _BANDWIDTH_REPS = 1, 50
-"""Of each direction: 50 one-way messages out and 50 back move as many bytes as 50 ping-pongs."""
+_BANDWIDTH_WARMUP, _BANDWIDTH_REPS = 1, 25
+"""Of each direction.  A repetition of both (a message out and its answer, a request and the message back) hands
+the turn between the two ranks four times, a ping-pong twice: 25 of each cost as many hand-overs as 50 ping-pongs
+(each one a wait for the other rank to be scheduled, on a busy machine)."""
 INTRA_SAMPLES = 3
 """Local ranks each node leader is timed against: the first, middle and last."""
 

@@ -565,13 +565,8 @@ def probe(comm: Any, world: World, *, budget_s: float = 3.0, sizes: tuple[int, i
             leader_view = world.local_rank == 0
             gpu_count, gpus = local_gpus(properties=leader_view)
             hardware = (interfaces(), ib_ports(), gpus) if leader_view else None
-        nodes_ranks = _nodes_ranks(comm, world)
-        found = comm.gather((gpu_count, hardware), root=0)
-        target = None
-        if comm.Get_rank() == 0:
-            target = expected_rendezvous(_nodes(world, nodes_ranks, found), interface)
-        target = comm.bcast(target, root=0)
-        uses = _interface_use(target, interface) if leader_view and target else None
+        # Rank 0 (node 0's leader) sends its interfaces along: the addresses it may offer for the rendezvous.
+        nodes_ranks, offered = _nodes_ranks(comm, world, hardware[0] if comm.Get_rank() == 0 else None)
         rounds = plan_rounds(nodes_ranks, intra_pairs)
         # Written, so every page is real: an untouched buffer maps to the one
         # shared zero page, stays in cache and flatters the sender (as
@@ -579,60 +574,68 @@ def probe(comm: Any, world: World, *, budget_s: float = 3.0, sizes: tuple[int, i
         small = np.ones(small_bytes, dtype=np.uint8)
         large = np.ones(large_bytes, dtype=np.uint8)
         measured, probe_s = play_rounds(comm, rounds, small, large, budget_s=budget_s)
-        gathered = comm.gather((uses, measured), root=0)
+        # Each leader's interface towards each address rank 0 may offer (no extra round trip: rank 0 picks
+        # the one for the address it will offer first once it knows every node's interfaces).
+        uses = _interface_uses(offered, interface) if leader_view else {}
+        gathered = comm.gather((gpu_count, hardware, uses, measured), root=0)
         data = None
         if comm.Get_rank() == 0:
             # Ibarrier completed on rank 0 only once every rank had finished: its clock is the job's.
-            data = _assemble(world, nodes_ranks, found, gathered, rounds=len(rounds), budget_s=budget_s,
-                             probe_s=probe_s, sizes=(small_bytes, large_bytes)).to_dict()
+            data = _assemble(world, nodes_ranks, gathered, interface=interface, rounds=len(rounds),
+                             budget_s=budget_s, probe_s=probe_s, sizes=(small_bytes, large_bytes)).to_dict()
         # A plain dict travels (small, pickled once); every rank rebuilds the same Topology.
         return Topology.from_dict(comm.bcast(data, root=0))
     finally:
         comm.Free()
 
 
-def _nodes_ranks(comm: Any, world: World) -> list[list[int]]:
-    """Collective: the global ranks of each node, in local-rank order (leader first)."""
-    placement = comm.allgather((world.node_index, world.local_rank))
-    nodes_ranks: list[list[int]] = [[] for _ in range(max(n for n, _ in placement) + 1)]
-    for rank, (node, _) in sorted(enumerate(placement), key=lambda item: item[1]):
+def _nodes_ranks(comm: Any, world: World, extra: Any = None) -> tuple[list[list[int]], Any]:
+    """Collective: the global ranks of each node, in local-rank order (leader first), and rank 0's ``extra``."""
+    placement = comm.allgather((world.node_index, world.local_rank, extra))
+    nodes_ranks: list[list[int]] = [[] for _ in range(max(n for n, _, _ in placement) + 1)]
+    for rank, (node, _local, _) in sorted(enumerate(placement), key=lambda item: item[1][:2]):
         nodes_ranks[node].append(rank)
-    return nodes_ranks
+    return nodes_ranks, placement[0][2]
 
 
-def _interface_use(target: str, spec: str) -> InterfaceUse | None:
-    """This host's interface towards ``target`` (``netif.interface_towards``); None when none, or on an error:
-    a description, decided on each host alone, that no collective depends on."""
+def _interface_uses(offered: list[Interface] | None, spec: str) -> dict[str, InterfaceUse | None]:
+    """This host's interface towards each address rank 0 may offer for the rendezvous (its interfaces,
+    ``MASTER_ADDR``, the loopback): ``netif.interface_towards``, None where none is found or on an error (a
+    description, decided on each host alone, that no collective depends on)."""
+    targets = {i.address for i in offered or []} | {"127.0.0.1"}
+    if os.environ.get("MASTER_ADDR"):
+        targets.add(os.environ["MASTER_ADDR"])
     try:
-        choice = interface_towards(target, spec)
-    except Exception:  # noqa: BLE001 - a lookup that fails describes nothing; the bootstrap reports it
-        return None
-    if choice is None:
-        return None
-    return InterfaceUse(name=choice.interface.name, address=choice.interface.address, reason=choice.reason)
+        found = interfaces(loopback=True)
+    except OSError:
+        return {}
+    uses: dict[str, InterfaceUse | None] = {}
+    for target in sorted(targets):
+        try:
+            choice = interface_towards(target, spec, found=found)
+        except Exception:  # noqa: BLE001 - a lookup that fails describes nothing; the bootstrap reports it
+            choice = None
+        uses[target] = (InterfaceUse(name=choice.interface.name, address=choice.interface.address,
+                                     reason=choice.reason) if choice else None)
+    return uses
 
 
-def _nodes(world: World, nodes_ranks: list[list[int]], found: list[Any],
-           gathered: list[Any] | None = None) -> list[Node]:
-    """The nodes from the leaders' hardware (``found``: each rank's ``(gpu_count, hardware)``) and, when
-    given, their interface towards rank 0 (``gathered``: each rank's ``(uses, measured)``)."""
+def _assemble(world: World, nodes_ranks: list[list[int]], gathered: list[Any], *, interface: str, rounds: int,
+              budget_s: float, probe_s: float, sizes: tuple[int, int]) -> Topology:
     nodes = []
     for index, members in enumerate(nodes_ranks):
-        nets, ports, gpus = found[members[0]][1]
+        nets, ports, gpus = gathered[members[0]][1]
         nodes.append(Node(index=index, host=world.hostnames[members[0]], ranks=members, interfaces=nets,
-                          ib_ports=ports, gpus=gpus, uses=gathered[members[0]][0] if gathered else None))
-    return nodes
-
-
-def _assemble(world: World, nodes_ranks: list[list[int]], found: list[Any], gathered: list[Any], *, rounds: int,
-              budget_s: float, probe_s: float, sizes: tuple[int, int]) -> Topology:
-    nodes = _nodes(world, nodes_ranks, found, gathered)
+                          ib_ports=ports, gpus=gpus))
+    target = expected_rendezvous(nodes, interface)
+    for node in nodes:
+        node.uses = gathered[node.leader][2].get(target) if target else None
     ranks = [RankInfo(rank=r, host=world.hostnames[r], node_index=i, local_rank=members.index(r),
-                      gpu_count=found[r][0])
+                      gpu_count=gathered[r][0])
              for i, members in enumerate(nodes_ranks) for r in members]
     ranks.sort(key=lambda info: info.rank)
     latency_us, bandwidth_gbps, directed_gbps = {}, {}, {}
-    for _, measured in gathered:
+    for *_, measured in gathered:
         for key, (lat, bw, out_gbps, in_gbps) in measured.items():
             latency_us[key], bandwidth_gbps[key] = lat, bw
             low, high = key.split("-")  # the initiator is the lower rank
