@@ -17,9 +17,11 @@ from hpcnet.comm.topology import (
     host_lines,
     host_links,
     link_warnings,
+    probe,
     slow_hosts,
     slow_links,
 )
+from hpcnet.comm.world import discover
 from hpcnet.report.markdown import topology_section
 from tests.helpers.comm import nodes_of
 
@@ -201,3 +203,22 @@ def test_report_section_shows_hosts_links_and_the_warning():
     old = "\n".join(topology_section({"size": 4, "num_nodes": 2, "summary": {"inter_bandwidth_gbps": 0.9}}))
     assert "0.90 Gbit/s" in old and "No per-host figures" in old
     assert topology_section(None) == []
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_probe_gives_each_host_its_interface_towards_rank_0(comm):
+    """On one host, the loopback; on several (the cluster pass), rank 0's host holds the address and every other
+    host uses one of its own interfaces."""
+    topology = probe(comm, discover(comm, environ={}), budget_s=0.5, sizes=(8, 1 << 16))
+    hosts = host_links(topology)
+    assert [h.ranks for h in hosts] == [n.ranks for n in topology.nodes]
+    first = topology.nodes[0].uses
+    if topology.num_nodes == 1:
+        assert first == InterfaceUse(name="lo", address="127.0.0.1", reason="holds 127.0.0.1")
+        return
+    assert first is not None and first.reason == f"holds {first.address}", first
+    for node, host in zip(topology.nodes, hosts):
+        assert node.uses is not None and node.uses.address in {i.address for i in node.interfaces}, node
+        assert host.interface == node.uses and host.peers == topology.num_nodes - 1, host
+        assert host.send_gbps > 0 and host.receive_gbps > 0, host
