@@ -172,11 +172,13 @@ def _probe(cfg: Config, comm: Any, world: World, device: torch.device, run_dir: 
     if not cfg.dist.probe or world.size == 1:
         return "", None
     with startup_phase(monitor.deadlines, "dist.probe", cfg.dist.startup_timeout_s):
-        topology = probe(comm, world, budget_s=2.0)
+        topology = probe(comm, world, budget_s=2.0, interface=cfg.dist.interface)
     advice = recommend(topology)
     if world.is_main:
         OptionalFile(run_dir / "topology.json").write_text(topology.to_json() + "\n")
         log.info("%s", topology.summary())
+        for line in topology.warnings():  # a slow host: a slow or misconfigured NIC
+            log.warning("%s", line)
     prefer = ""
     if not cfg.dist.interface and world.num_nodes > 1 and advice["nccl_socket_ifname"]:
         prefer = advice["nccl_socket_ifname"]

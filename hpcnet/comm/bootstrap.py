@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpcnet.agree import agree_on_error, mark_agreed
-from hpcnet.comm.netif import Interface, has_rdma_devices, interface_towards, interfaces, matching
+from hpcnet.comm.netif import Interface, has_rdma_devices, interface_towards, interfaces, rendezvous_order
 from hpcnet.comm.world import World
 from hpcnet.errors import RestartableError, UsageError
 from hpcnet.fault.watchdog import NULL_DEADLINES, STARTUP_OPTION, startup_phase
@@ -107,11 +107,10 @@ def choose_address(comm: Any, world: World, *, interface: str = "", prefer: str 
     error = None
     candidates: list[tuple[str, str]] = []
     if world.rank == 0:
-        found = matching(interfaces(), interface)
+        found = rendezvous_order(interfaces(), interface, prefer)
         if interface and not found:
             error = UsageError(f"dist.interface={interface!r}: rank 0 on {world.hostname} has no interface it "
                                "names that is up with an IPv4 address")
-        found.sort(key=lambda i: i.name != prefer)  # stable: the preference order otherwise
         candidates = [(i.address, i.name) for i in found]
         if not found and error is None:
             error = RestartableError(f"rank 0 on {world.hostname} has no usable network interface")

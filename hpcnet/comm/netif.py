@@ -156,6 +156,13 @@ def matching(found: list[Interface], spec: str) -> list[Interface]:
     return [i for i in found if any(fnmatch.fnmatchcase(i.name, p) for p in patterns)]
 
 
+def rendezvous_order(found: list[Interface], spec: str = "", prefer: str = "") -> list[Interface]:
+    """The interfaces rank 0 offers for the rendezvous address, in the order it tries them (pure logic):
+    those of ``found`` that ``spec`` (``dist.interface``) names, the one named ``prefer`` first, else in
+    ``found``'s order."""
+    return sorted(matching(found, spec), key=lambda i: i.name != prefer)  # stable
+
+
 @dataclass(frozen=True, slots=True)
 class Choice:
     """The interface a host uses to reach rank 0's rendezvous address, and why."""

@@ -1,7 +1,9 @@
 """The topology probe's ping-pong: which rank pairs meet in which round (pure), and the timing of one pair.
 
 Pairs are played in rounds of a round-robin tournament so disjoint pairs run at the same time; each round
-has a time slot, so the whole probe takes about its budget at any size (docs/topology.md).
+has a time slot, so the whole probe takes about its budget at any size (docs/topology.md).  The bandwidth of a
+pair is timed in each direction (a large message one way, a 1-byte answer back), so a link that is slow one way
+only shows which way.
 """
 
 import statistics
@@ -10,13 +12,17 @@ from typing import Any
 
 from hpcnet.comm.world import wait_sleeping
 
-# Ping-pong tags.  The responder echoes every message until STOP, so the
+# Ping-pong tags.  The responder answers every message until STOP (PING: the
+# same message back; PUSH: one byte back; PULL: a large message back), so the
 # initiator alone decides (by the clock) how many repetitions to time.
-_HELLO, _PING, _PONG, _STOP = 11, 12, 13, 14
+_HELLO, _PING, _PONG, _STOP, _PUSH, _PULL = 11, 12, 13, 14, 15, 16
 # Repetition caps per pair: enough for stable figures; the time slot usually
 # ends the loop first on slow links.
 _LATENCY_WARMUP, _LATENCY_REPS = 20, 1000
-_BANDWIDTH_WARMUP, _BANDWIDTH_REPS = 1, 50
+_BANDWIDTH_WARMUP, _BANDWIDTH_REPS = 1, 25
+"""Of each direction.  A repetition of both (a message out and its answer, a request and the message back) hands
+the turn between the two ranks four times, a ping-pong twice: 25 of each cost as many hand-overs as 50 ping-pongs
+(each one a wait for the other rank to be scheduled, on a busy machine)."""
 INTRA_SAMPLES = 3
 """Local ranks each node leader is timed against: the first, middle and last."""
 
@@ -24,6 +30,11 @@ INTRA_SAMPLES = 3
 def pair_key(i: int, j: int) -> str:
     """The key of a rank pair in ``Topology.latency_us``/``bandwidth_gbps``."""
     return f"{min(i, j)}-{max(i, j)}"
+
+
+def direction_key(source: int, target: int) -> str:
+    """The key of one direction of a pair in ``Topology.directed_gbps``: ``"source->target"``."""
+    return f"{source}->{target}"
 
 
 def tournament(players: list[int]) -> list[list[tuple[int, int]]]:
@@ -85,10 +96,14 @@ def plan_rounds(nodes: list[list[int]], samples: int = INTRA_SAMPLES) -> list[li
     return rounds
 
 
-def time_pair(comm: Any, peer: int, small: Any, large: Any, end: float) -> tuple[float, float]:
-    """Initiator side of one pair: (latency_us, bandwidth_gbps), done by ``end`` (MPI.Wtime).
+def time_pair(comm: Any, peer: int, small: Any, large: Any, end: float) -> tuple[float, float, float, float]:
+    """Initiator side of one pair, done by ``end`` (MPI.Wtime): ``(latency_us, bandwidth_gbps, out_gbps,
+    in_gbps)``.
 
-    At least one repetition of each size runs, even when ``end`` has passed.
+    ``latency_us``: half the round trip of ``small``, the median.  ``out_gbps`` / ``in_gbps``: ``large`` sent
+    to ``peer`` / received from it, each answered by one byte, its size over the median time.
+    ``bandwidth_gbps``: the size over the mean of the two directions' mean times (what a ping-pong of
+    ``large`` measures).  At least one repetition of each runs, even when ``end`` has passed.
     """
     from mpi4py import MPI
 
@@ -97,53 +112,79 @@ def time_pair(comm: Any, peer: int, small: Any, large: Any, end: float) -> tuple
     wait_sleeping(comm.Irecv(hello, peer, _HELLO))  # the responder has finished its earlier rounds
     begin = wtime()
     # A quarter of what is left for latency (small messages are cheap), the rest for bandwidth.
-    results = []
-    for buf, warmup, reps, deadline in ((small, _LATENCY_WARMUP, _LATENCY_REPS, begin + 0.25 * (end - begin)),
-                                        (large, _BANDWIDTH_WARMUP, _BANDWIDTH_REPS, end)):
-        for i in range(warmup):
-            if i and wtime() > deadline:
-                break
-            comm.Send(buf, peer, _PING)
-            comm.Recv(buf, peer, _PONG)
-        half_trips: list[float] = []
-        while not half_trips or (len(half_trips) < reps and wtime() < deadline):
-            t0 = wtime()
-            comm.Send(buf, peer, _PING)
-            comm.Recv(buf, peer, _PONG)
-            half_trips.append((wtime() - t0) / 2)
-        # Latency: the median, the typical small message on a busy machine.
-        # Bandwidth: bytes over the mean time (total bytes over total time),
-        # the throughput a stream of buckets gets, as mpi4py.bench and
-        # nccl-tests define it.
-        results.append(statistics.median(half_trips) if buf is small else statistics.fmean(half_trips))
+    deadline = begin + 0.25 * (end - begin)
+    for i in range(_LATENCY_WARMUP):
+        if i and wtime() > deadline:
+            break
+        comm.Send(small, peer, _PING)
+        comm.Recv(small, peer, _PONG)
+    half_trips: list[float] = []
+    while not half_trips or (len(half_trips) < _LATENCY_REPS and wtime() < deadline):
+        t0 = wtime()
+        comm.Send(small, peer, _PING)
+        comm.Recv(small, peer, _PONG)
+        half_trips.append((wtime() - t0) / 2)
+    # Latency: the median, the typical small message on a busy machine.
+    latency_s = statistics.median(half_trips)
+
+    def push() -> float:  # large out, one byte back
+        t0 = wtime()
+        comm.Send(large, peer, _PUSH)
+        comm.Recv(hello, peer, _PONG)
+        return wtime() - t0
+
+    def pull() -> float:  # one byte out, large back
+        t0 = wtime()
+        comm.Send(hello, peer, _PULL)
+        comm.Recv(large, peer, _PONG)
+        return wtime() - t0
+
+    for _ in range(_BANDWIDTH_WARMUP):
+        push()
+        pull()
+    # Alternated, so both directions see the same moments of a busy machine.
+    outs: list[float] = []
+    ins: list[float] = []
+    while not outs or (len(outs) < _BANDWIDTH_REPS and wtime() < end):
+        outs.append(push())
+        ins.append(pull())
     comm.Send(hello, peer, _STOP)
-    latency_s, large_s = results
-    return latency_s * 1e6, len(large) * 8 / large_s / 1e9
+    bits = len(large) * 8
+    # The pair's figure: bytes over the mean time (total bytes over total
+    # time), the throughput a stream of buckets gets, as mpi4py.bench and
+    # nccl-tests define it.  Each direction's: over the median time, the
+    # link's typical rate, which a rank descheduled for a moment on a busy
+    # machine does not drag down (links are compared with each other).
+    pair_s = (statistics.fmean(outs) + statistics.fmean(ins)) / 2
+    out_s, in_s = statistics.median(outs), statistics.median(ins)
+    return latency_s * 1e6, bits / pair_s / 1e9, bits / out_s / 1e9, bits / in_s / 1e9
 
 
 def echo_pair(comm: Any, peer: int, buf: Any) -> None:
-    """Responder side of one pair: send every message back until STOP."""
+    """Responder side of one pair: answer every message until STOP (``buf``: the large message's size)."""
     from mpi4py import MPI
 
     comm.Send(bytearray(1), peer, _HELLO)
     status = MPI.Status()
     # Sleep until the first message: the initiator may still be busy elsewhere.
     wait_sleeping(comm.Irecv(buf, peer, MPI.ANY_TAG), status=status)
-    while status.Get_tag() != _STOP:
-        comm.Send([buf, status.Get_count(MPI.BYTE), MPI.BYTE], peer, _PONG)
+    while (tag := status.Get_tag()) != _STOP:
+        count = {_PING: status.Get_count(MPI.BYTE), _PUSH: 1, _PULL: len(buf)}[tag]
+        comm.Send([buf, count, MPI.BYTE], peer, _PONG)
         comm.Recv(buf, peer, MPI.ANY_TAG, status)
 
 
 def play_rounds(comm: Any, rounds: list[list[tuple[int, int]]], small: Any, large: Any, *,
-                budget_s: float) -> tuple[dict[str, tuple[float, float]], float]:
-    """Collective: play this rank's pairs of ``rounds``; its ``{pair_key: (latency_us, bandwidth_gbps)}``
-    (the pairs it initiated) and the wall time of the whole measurement, seconds.
+                budget_s: float) -> tuple[dict[str, tuple[float, float, float, float]], float]:
+    """Collective: play this rank's pairs of ``rounds``; its ``{pair_key: time_pair's figures}`` (the pairs it
+    initiated, the lower rank of each: ``out`` is from it to the higher) and the wall time of the whole
+    measurement, seconds.
     """
     from mpi4py import MPI
 
     slot_s = budget_s / max(1, len(rounds))
     rank = comm.Get_rank()
-    measured: dict[str, tuple[float, float]] = {}
+    measured: dict[str, tuple[float, float, float, float]] = {}
     wait_sleeping(comm.Ibarrier())  # start the clocks together (within a latency)
     start = time.perf_counter()
     wtime_start = MPI.Wtime()

@@ -1,12 +1,17 @@
 """What the job runs on: hosts, GPUs, network, and measured latency and bandwidth.
 
 ``probe(comm, world)`` collects every rank's host, local rank and GPUs, each
-node's network interfaces and InfiniBand ports, and times MPI ping-pong
-between all pairs of node leaders and between each leader and a few ranks of
-its own node (``pingpong``: rounds of disjoint pairs, each in a time slot, so
-the whole probe takes about ``budget_s`` seconds at any size).  Rank 0
+node's network interfaces and InfiniBand ports and the interface its host uses
+towards rank 0, and times MPI ping-pong between all pairs of node leaders and
+between each leader and a few ranks of its own node (``pingpong``: rounds of
+disjoint pairs, each in a time slot, so the whole probe takes about
+``budget_s`` seconds at any size; bandwidth in each direction).  Rank 0
 assembles a ``Topology`` and broadcasts it, so every rank holds the same one.
 The interfaces and ports are ``netif``'s.
+
+``host_links(topology)`` sums it up per node (its ranks, its interface, its
+intra-node link and its link to the other nodes) and ``slow_hosts`` names a
+node whose link to the others is far below theirs; both are pure.
 
 ``recommend(topology)`` turns it into decisions (NCCL interface, whether to
 disable NCCL's InfiniBand transport, flat or hierarchical all-reduce); it is
@@ -16,9 +21,10 @@ Figures: latency is half the round trip of a small message, the *median* over
 the repetitions; bandwidth is the large message's size over the *mean* half
 round trip (one-way throughput: total bytes over total time, as
 ``mpi4py.bench pingpong`` computes it), in Gbit/s (1e9 bit/s; divide by 8 for
-GB/s).  Run on its own:
+GB/s); each direction's figure is the size over the median time of the message
+one way and a 1-byte answer.  Run on its own:
 
-    mpirun -np 4 python -m mpi4py -m hpcnet.comm.topology [--out DIR] [--budget-s S]
+    mpirun -np 4 python -m mpi4py -m hpcnet.comm.topology [--out DIR] [--budget-s S] [--interface SPEC]
 """
 
 import argparse
@@ -33,13 +39,18 @@ from pathlib import Path
 from typing import Any
 
 from hpcnet.agree import shared_errors
-from hpcnet.comm.netif import IbPort, Interface, ib_ports, interfaces, preference
-from hpcnet.comm.pingpong import INTRA_SAMPLES, plan_rounds, play_rounds
+from hpcnet.comm.netif import IbPort, Interface, ib_ports, interface_towards, interfaces, preference, rendezvous_order
+from hpcnet.comm.pingpong import INTRA_SAMPLES, direction_key, plan_rounds, play_rounds
 from hpcnet.comm.plan import hierarchical_layout
 from hpcnet.comm.world import World, discover
 
-FORMAT = "hpcnet-topology/1"
+FORMAT = "hpcnet-topology/2"
 """Written as ``format`` in topology.json; bumped when the layout changes."""
+READABLE = (FORMAT, "hpcnet-topology/1")
+"""Formats ``Topology.from_dict`` reads (a /1 document has no ``uses`` nor ``directed_gbps``)."""
+
+SLOW_RATIO = 0.5
+"""``slow_hosts``: a node whose link to the others is under this fraction of the other nodes' median is named."""
 
 @dataclass(kw_only=True, slots=True)
 class Gpu:
@@ -48,6 +59,16 @@ class Gpu:
     index: int
     name: str
     memory_bytes: int
+
+
+@dataclass(kw_only=True, slots=True)
+class InterfaceUse:
+    """The interface a host uses towards rank 0's rendezvous address (``netif.interface_towards``)."""
+
+    name: str
+    address: str
+    reason: str
+    """``holds <address>``, ``same subnet as <address>``, ``route to <address>`` or ``named by dist.interface``."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -62,6 +83,8 @@ class Node:
     """Up, non-loopback IPv4 interfaces, best first (``netif.interfaces``)."""
     ib_ports: list[IbPort] = field(default_factory=list)
     gpus: list[Gpu] = field(default_factory=list)
+    uses: InterfaceUse | None = None
+    """The interface its host uses towards the address rank 0 offers first for the rendezvous; None: none found."""
 
     @property
     def leader(self) -> int:
@@ -103,6 +126,9 @@ class Topology:
     """Half round trip of ``small_bytes`` messages, median over repetitions, microseconds."""
     bandwidth_gbps: dict[str, float]
     """``large_bytes`` over its mean half round trip, Gbit/s (1e9 bit/s; /8 for GB/s)."""
+    directed_gbps: dict[str, float] = field(default_factory=dict)
+    """``large_bytes`` one way over the median time of it and a 1-byte answer, per direction ``"i->j"``
+    (``pingpong.direction_key``): both directions of every probed pair."""
     small_bytes: int
     large_bytes: int
     rounds: int
@@ -142,17 +168,24 @@ class Topology:
         for node, record in zip(self.nodes, data["nodes"]):
             record["interfaces"] = [i.to_dict() for i in node.interfaces]
         data["summary"] = {name: getattr(self, name) for name in _SUMMARY_FIELDS}
+        hosts = host_links(self)
+        data["hosts"] = [h.to_dict() for h in hosts]
+        data["slow_hosts"] = [dataclasses.asdict(s) for s in slow_hosts(hosts)]
+        data["slow_links"] = [dataclasses.asdict(s) for s in slow_links(hosts, self)]
+        data["warnings"] = link_warnings(self, hosts)
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Topology":
         data = dict(data)
-        if data.pop("format", FORMAT) != FORMAT:
+        if data.pop("format", FORMAT) not in READABLE:
             raise ValueError(f"not a {FORMAT} document")
-        data.pop("summary", None)  # derived from the pair figures
+        for derived in _DERIVED:  # from the pair figures
+            data.pop(derived, None)
         data["nodes"] = [
             Node(**{**n, "interfaces": [Interface.from_dict(i) for i in n["interfaces"]],
-                    "ib_ports": [IbPort(**p) for p in n["ib_ports"]], "gpus": [Gpu(**g) for g in n["gpus"]]})
+                    "ib_ports": [IbPort(**p) for p in n["ib_ports"]], "gpus": [Gpu(**g) for g in n["gpus"]],
+                    "uses": InterfaceUse(**n["uses"]) if n.get("uses") else None})
             for n in data["nodes"]]
         data["ranks"] = [RankInfo(**r) for r in data["ranks"]]
         return cls(**data)
@@ -195,10 +228,18 @@ class Topology:
                 lines.append(f"  {kind}: latency {lat:.2f} us ({self.small_bytes} B), bandwidth {bw:.2f} Gbit/s "
                              f"= {bw / 8:.2f} GB/s ({_size(self.large_bytes)}), median of {count} pair(s)")
         lines.append(f"  probe: {len(self.latency_us)} pair(s) in {self.rounds} round(s), {self.probe_s:.2f} s")
+        lines += ["  " + line for line in host_lines(host_links(self))]
         return "\n".join(lines)
+
+    def warnings(self) -> list[str]:
+        """``link_warnings``: a slow host (or, on two hosts, a slow direction), one line each; empty when none."""
+        return link_warnings(self, host_links(self))
 
 
 _SUMMARY_FIELDS = ("intra_latency_us", "inter_latency_us", "intra_bandwidth_gbps", "inter_bandwidth_gbps")
+_DERIVED = ("summary", "hosts", "slow_hosts", "slow_links", "warnings")
+MAX_HOST_LINES = 16
+"""The console summary lists this many nodes (the slow ones first); topology.json has them all."""
 
 
 def _size(nbytes: int) -> str:
@@ -206,6 +247,210 @@ def _size(nbytes: int) -> str:
 
 
 # --------------------------------------------------------------------------- pure logic
+
+
+@dataclass(kw_only=True, slots=True)
+class HostLinks:
+    """One node's ranks, interface and measured links (``host_links``)."""
+
+    node: int
+    host: str
+    name: str
+    """How messages name it: the host, or ``host/node<i>`` where virtual nodes share a host."""
+    shared: bool
+    """Its host has other nodes too (virtual nodes): no NIC of its own, so ``slow_hosts`` leaves it out."""
+    ranks: list[int]
+    interface: InterfaceUse | None
+    intra_latency_us: float | None
+    """Median over its leader's pairs with ranks of its own node; None when it has one rank."""
+    intra_bandwidth_gbps: float | None
+    inter_latency_us: float | None
+    """Median over its leader's pairs with the other nodes' leaders; None on one node."""
+    inter_bandwidth_gbps: float | None
+    """Median of those pairs' (two-way) bandwidth."""
+    send_gbps: float | None
+    """Its best one-way figure towards another node: what its own sending reaches when a peer is healthy."""
+    receive_gbps: float | None
+    """Its best one-way figure from another node."""
+    peers: int
+    """Other nodes its leader was timed against."""
+
+    @property
+    def link_gbps(self) -> float | None:
+        """Its link to the others: the lower of ``send_gbps`` and ``receive_gbps`` (None: not measured)."""
+        if self.send_gbps is None or self.receive_gbps is None:
+            return None
+        return min(self.send_gbps, self.receive_gbps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "link_gbps": self.link_gbps}
+
+
+@dataclass(kw_only=True, slots=True)
+class SlowHost:
+    """A node whose link to the others is under ``SLOW_RATIO`` of the other nodes' median (``slow_hosts``)."""
+
+    node: int
+    host: str
+    link_gbps: float
+    send_gbps: float
+    receive_gbps: float
+    others_median_gbps: float
+
+
+@dataclass(kw_only=True, slots=True)
+class SlowLink:
+    """On two nodes: one direction under ``SLOW_RATIO`` of the other (``slow_links``); either end may be at fault."""
+
+    source: str
+    """The sending node's name (``HostLinks.name``)."""
+    target: str
+    gbps: float
+    reverse_gbps: float
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """``rank 3``, ``ranks 0-3`` (consecutive) or ``ranks 0, 2, 5``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
+def _median_or_none(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _gbit(value: float) -> str:
+    return f"{value:.0f}" if value >= 10 else f"{value:.1f}" if value >= 1 else f"{value:.2f}"
+
+
+def host_links(topology: Topology) -> list[HostLinks]:
+    """Per node, in node order: its ranks, interface, and intra- and inter-node figures (pure logic).
+
+    The inter-node ``send_gbps``/``receive_gbps`` are the *best* one-way figures of its leader towards/from
+    the other leaders: a pair is as slow as its slower end, so a node's best pair shows its own link whenever
+    one peer is healthy, and a slow peer does not drag a healthy node down.
+    """
+    node_of = {r.rank: r.node_index for r in topology.ranks}
+    hosts = [n.host for n in topology.nodes]
+    result = []
+    for node in topology.nodes:
+        intra_lat, intra_bw, inter_lat, inter_bw = [], [], [], []
+        for key, latency in topology.latency_us.items():
+            i, j = (int(r) for r in key.split("-"))
+            if node.leader not in (i, j):
+                continue
+            peer = j if i == node.leader else i
+            same = node_of.get(peer) == node.index
+            (intra_lat if same else inter_lat).append(latency)
+            bandwidth = topology.bandwidth_gbps.get(key)
+            if bandwidth is not None:
+                (intra_bw if same else inter_bw).append(bandwidth)
+        sends, receives, peers = [], [], set()
+        for key, gbps in topology.directed_gbps.items():
+            source, target = (int(r) for r in key.split("->"))
+            if node.leader not in (source, target) or node_of.get(source) == node_of.get(target):
+                continue
+            (sends if source == node.leader else receives).append(gbps)
+            peers.add(target if source == node.leader else source)
+        median = _median_or_none
+        result.append(HostLinks(
+            node=node.index, host=node.host, ranks=list(node.ranks), interface=node.uses,
+            name=node.host if hosts.count(node.host) == 1 else f"{node.host}/node{node.index}",
+            shared=hosts.count(node.host) > 1,
+            intra_latency_us=median(intra_lat), intra_bandwidth_gbps=median(intra_bw),
+            inter_latency_us=median(inter_lat), inter_bandwidth_gbps=median(inter_bw),
+            send_gbps=max(sends, default=None), receive_gbps=max(receives, default=None), peers=len(peers)))
+    return result
+
+
+def slow_hosts(hosts: list[HostLinks], ratio: float = SLOW_RATIO) -> list[SlowHost]:
+    """The nodes whose ``link_gbps`` is under ``ratio`` times the median of the other nodes' (pure logic).
+
+    On two nodes both figures are the same pair's slower direction, so nothing is named: which end is slow
+    cannot be told (``slow_links`` says which direction).  Equal nodes are never named; when most nodes are
+    slow, the median is theirs and only a minority can stand out.  Virtual nodes (``shared``) take no part:
+    their links are their host's memory, not a NIC.
+    """
+    hosts = [h for h in hosts if not h.shared]
+    found = []
+    for host in hosts:
+        link = host.link_gbps
+        others = [o.link_gbps for o in hosts if o is not host and o.link_gbps is not None]
+        if link is None or not others:
+            continue
+        median = statistics.median(others)
+        if link < ratio * median:
+            found.append(SlowHost(node=host.node, host=host.name, link_gbps=link, send_gbps=host.send_gbps,
+                                  receive_gbps=host.receive_gbps, others_median_gbps=median))
+    return found
+
+
+def slow_links(hosts: list[HostLinks], topology: Topology, ratio: float = SLOW_RATIO) -> list[SlowLink]:
+    """On exactly two nodes: the direction between their leaders that is under ``ratio`` times the other
+    (pure logic; empty otherwise: on more nodes ``slow_hosts`` names the host)."""
+    if len(hosts) != 2 or any(h.shared for h in hosts):
+        return []
+    a, b = hosts
+    forward = topology.directed_gbps.get(direction_key(topology.nodes[a.node].leader, topology.nodes[b.node].leader))
+    backward = topology.directed_gbps.get(direction_key(topology.nodes[b.node].leader, topology.nodes[a.node].leader))
+    if forward is None or backward is None:
+        return []
+    if forward < ratio * backward:
+        return [SlowLink(source=a.name, target=b.name, gbps=forward, reverse_gbps=backward)]
+    if backward < ratio * forward:
+        return [SlowLink(source=b.name, target=a.name, gbps=backward, reverse_gbps=forward)]
+    return []
+
+
+def link_warnings(topology: Topology, hosts: list[HostLinks] | None = None) -> list[str]:
+    """One line per slow host (``slow_hosts``) or, on two nodes, slow direction (``slow_links``) (pure logic)."""
+    hosts = host_links(topology) if hosts is None else hosts
+    lines = [f"host {s.host}: link to the others measured {_gbit(s.link_gbps)} Gbit/s (sending "
+             f"{_gbit(s.send_gbps)}, receiving {_gbit(s.receive_gbps)}), under half of the others' median "
+             f"{_gbit(s.others_median_gbps)} Gbit/s: a slow or misconfigured NIC?" for s in slow_hosts(hosts)]
+    lines += [f"link {s.source} -> {s.target} measured {_gbit(s.gbps)} Gbit/s, under half of {s.target} -> "
+              f"{s.source} ({_gbit(s.reverse_gbps)} Gbit/s): {s.source}'s sending or {s.target}'s receiving is "
+              "slow (with two hosts the slow end cannot be told)" for s in slow_links(hosts, topology)]
+    return lines
+
+
+def host_lines(hosts: list[HostLinks], limit: int = MAX_HOST_LINES) -> list[str]:
+    """One line per node for the console and the log (pure logic): the slow ones first, at most ``limit``."""
+    slow = {s.node for s in slow_hosts(hosts)}
+    shown = sorted(hosts, key=lambda h: h.node not in slow)[:limit]
+    lines = []
+    for h in sorted(shown, key=lambda h: h.node):
+        where = (f"{h.interface.name} {h.interface.address} ({h.interface.reason})" if h.interface
+                 else "no interface found towards rank 0")
+        parts = [f"host {h.name} ({_ranks_text(h.ranks)}): {where}"]
+        if h.intra_latency_us is not None and h.intra_bandwidth_gbps is not None:
+            parts.append(f"intra-host {h.intra_latency_us:.1f} us, {_gbit(h.intra_bandwidth_gbps)} Gbit/s")
+        if h.inter_latency_us is not None and h.send_gbps is not None and h.receive_gbps is not None:
+            parts.append(f"to {h.peers} other(s) {h.inter_latency_us:.1f} us, send {_gbit(h.send_gbps)} / "
+                         f"receive {_gbit(h.receive_gbps)} Gbit/s")
+        lines.append("; ".join(parts))
+    if len(hosts) > len(shown):
+        lines.append(f"... and {len(hosts) - len(shown)} more host(s) in topology.json")
+    return lines
+
+
+def expected_rendezvous(nodes: list[Node], spec: str = "", environ: Any = None) -> str | None:
+    """The address rank 0 offers first for the rendezvous, as known before it (pure logic): ``MASTER_ADDR``
+    when set; 127.0.0.1 on one node without ``dist.interface``; else rank 0's first candidate
+    (``netif.rendezvous_order``, the fastest interface name every node has first, as ``hpcnet.train``
+    prefers it).  None: rank 0 has no candidate.
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("MASTER_ADDR"):
+        return environ["MASTER_ADDR"]
+    if len(nodes) == 1 and not spec:
+        return "127.0.0.1"
+    prefer = "" if spec else (common_interface(nodes) or "")
+    order = rendezvous_order(nodes[0].interfaces, spec, prefer) if nodes else []
+    return order[0].address if order else None
 
 
 def common_interface(nodes: list[Node]) -> str | None:
@@ -292,7 +537,7 @@ def _gpu_driver_present() -> bool:
 
 
 def probe(comm: Any, world: World, *, budget_s: float = 3.0, sizes: tuple[int, int] = (8, 4 << 20),
-          intra_pairs: int = INTRA_SAMPLES) -> Topology:
+          intra_pairs: int = INTRA_SAMPLES, interface: str = "") -> Topology:
     """Collective: describe the ranks of ``comm`` and time ping-pong between them.
 
     Args:
@@ -304,6 +549,8 @@ def probe(comm: Any, world: World, *, budget_s: float = 3.0, sizes: tuple[int, i
             slow for one repetition of the large message in its slot overruns).
         sizes: ``(small_bytes, large_bytes)``: the latency and the bandwidth message.
         intra_pairs: how many ranks of its node each leader is timed against.
+        interface: ``dist.interface`` (names or patterns): each node's ``uses`` is the interface among them
+            that reaches rank 0's first rendezvous candidate (``expected_rendezvous``).
     """
     if not budget_s > 0:
         raise ValueError("budget_s must be greater than 0")
@@ -318,7 +565,8 @@ def probe(comm: Any, world: World, *, budget_s: float = 3.0, sizes: tuple[int, i
             leader_view = world.local_rank == 0
             gpu_count, gpus = local_gpus(properties=leader_view)
             hardware = (interfaces(), ib_ports(), gpus) if leader_view else None
-        nodes_ranks = _nodes_ranks(comm, world)
+        # Rank 0 (node 0's leader) sends its interfaces along: the addresses it may offer for the rendezvous.
+        nodes_ranks, offered = _nodes_ranks(comm, world, hardware[0] if comm.Get_rank() == 0 else None)
         rounds = plan_rounds(nodes_ranks, intra_pairs)
         # Written, so every page is real: an untouched buffer maps to the one
         # shared zero page, stays in cache and flatters the sender (as
@@ -326,47 +574,79 @@ def probe(comm: Any, world: World, *, budget_s: float = 3.0, sizes: tuple[int, i
         small = np.ones(small_bytes, dtype=np.uint8)
         large = np.ones(large_bytes, dtype=np.uint8)
         measured, probe_s = play_rounds(comm, rounds, small, large, budget_s=budget_s)
-        gathered = comm.gather((gpu_count, hardware, measured), root=0)
+        # Each leader's interface towards each address rank 0 may offer (no extra round trip: rank 0 picks
+        # the one for the address it will offer first once it knows every node's interfaces).
+        uses = _interface_uses(offered, interface) if leader_view else {}
+        gathered = comm.gather((gpu_count, hardware, uses, measured), root=0)
         data = None
         if comm.Get_rank() == 0:
             # Ibarrier completed on rank 0 only once every rank had finished: its clock is the job's.
-            data = _assemble(world, nodes_ranks, gathered, rounds=len(rounds), budget_s=budget_s,
-                             probe_s=probe_s, sizes=(small_bytes, large_bytes)).to_dict()
+            data = _assemble(world, nodes_ranks, gathered, interface=interface, rounds=len(rounds),
+                             budget_s=budget_s, probe_s=probe_s, sizes=(small_bytes, large_bytes)).to_dict()
         # A plain dict travels (small, pickled once); every rank rebuilds the same Topology.
         return Topology.from_dict(comm.bcast(data, root=0))
     finally:
         comm.Free()
 
 
-def _nodes_ranks(comm: Any, world: World) -> list[list[int]]:
-    """Collective: the global ranks of each node, in local-rank order (leader first)."""
-    placement = comm.allgather((world.node_index, world.local_rank))
-    nodes_ranks: list[list[int]] = [[] for _ in range(max(n for n, _ in placement) + 1)]
-    for rank, (node, _) in sorted(enumerate(placement), key=lambda item: item[1]):
+def _nodes_ranks(comm: Any, world: World, extra: Any = None) -> tuple[list[list[int]], Any]:
+    """Collective: the global ranks of each node, in local-rank order (leader first), and rank 0's ``extra``."""
+    placement = comm.allgather((world.node_index, world.local_rank, extra))
+    nodes_ranks: list[list[int]] = [[] for _ in range(max(n for n, _, _ in placement) + 1)]
+    for rank, (node, _local, _) in sorted(enumerate(placement), key=lambda item: item[1][:2]):
         nodes_ranks[node].append(rank)
-    return nodes_ranks
+    return nodes_ranks, placement[0][2]
 
 
-def _assemble(world: World, nodes_ranks: list[list[int]], gathered: list[Any], *, rounds: int, budget_s: float,
-              probe_s: float, sizes: tuple[int, int]) -> Topology:
+def _interface_uses(offered: list[Interface] | None, spec: str) -> dict[str, InterfaceUse | None]:
+    """This host's interface towards each address rank 0 may offer for the rendezvous (its interfaces,
+    ``MASTER_ADDR``, the loopback): ``netif.interface_towards``, None where none is found or on an error (a
+    description, decided on each host alone, that no collective depends on)."""
+    targets = {i.address for i in offered or []} | {"127.0.0.1"}
+    if os.environ.get("MASTER_ADDR"):
+        targets.add(os.environ["MASTER_ADDR"])
+    try:
+        found = interfaces(loopback=True)
+    except Exception:  # noqa: BLE001 - never raise on one rank alone before the gather
+        return {}
+    uses: dict[str, InterfaceUse | None] = {}
+    for target in sorted(targets):
+        try:
+            choice = interface_towards(target, spec, found=found)
+        except Exception:  # noqa: BLE001 - a lookup that fails describes nothing; the bootstrap reports it
+            choice = None
+        uses[target] = (InterfaceUse(name=choice.interface.name, address=choice.interface.address,
+                                     reason=choice.reason) if choice else None)
+    return uses
+
+
+def _assemble(world: World, nodes_ranks: list[list[int]], gathered: list[Any], *, interface: str, rounds: int,
+              budget_s: float, probe_s: float, sizes: tuple[int, int]) -> Topology:
     nodes = []
     for index, members in enumerate(nodes_ranks):
         nets, ports, gpus = gathered[members[0]][1]
         nodes.append(Node(index=index, host=world.hostnames[members[0]], ranks=members, interfaces=nets,
                           ib_ports=ports, gpus=gpus))
+    target = expected_rendezvous(nodes, interface)
+    for node in nodes:
+        node.uses = gathered[node.leader][2].get(target) if target else None
     ranks = [RankInfo(rank=r, host=world.hostnames[r], node_index=i, local_rank=members.index(r),
                       gpu_count=gathered[r][0])
              for i, members in enumerate(nodes_ranks) for r in members]
     ranks.sort(key=lambda info: info.rank)
-    latency_us, bandwidth_gbps = {}, {}
-    for _, _, measured in gathered:
-        for key, (lat, bw) in measured.items():
+    latency_us, bandwidth_gbps, directed_gbps = {}, {}, {}
+    for *_, measured in gathered:
+        for key, (lat, bw, out_gbps, in_gbps) in measured.items():
             latency_us[key], bandwidth_gbps[key] = lat, bw
+            low, high = key.split("-")  # the initiator is the lower rank
+            directed_gbps[f"{low}->{high}"], directed_gbps[f"{high}->{low}"] = out_gbps, in_gbps
     order = sorted(latency_us, key=lambda k: tuple(map(int, k.split("-"))))
     return Topology(size=world.size, num_nodes=len(nodes), virtual_nodes=len({n.host for n in nodes}) < len(nodes),
                     nodes=nodes, ranks=ranks,
                     latency_us={k: latency_us[k] for k in order},
                     bandwidth_gbps={k: bandwidth_gbps[k] for k in order},
+                    directed_gbps={k: directed_gbps[k] for k in sorted(
+                        directed_gbps, key=lambda k: tuple(map(int, k.split("->"))))},
                     small_bytes=sizes[0], large_bytes=sizes[1], rounds=rounds, budget_s=budget_s, probe_s=probe_s)
 
 
@@ -379,15 +659,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=3.0, help="about how long the timing takes, seconds")
     parser.add_argument("--small-bytes", type=int, default=8, help="latency message size")
     parser.add_argument("--large-bytes", type=int, default=4 << 20, help="bandwidth message size")
+    parser.add_argument("--interface", default="", help="as dist.interface: the interfaces each host may use "
+                        "towards rank 0 (names or patterns, comma-separated)")
     args = parser.parse_args(argv)
     comm = MPI.COMM_WORLD
     world = discover(comm)
-    topology = probe(comm, world, budget_s=args.budget_s, sizes=(args.small_bytes, args.large_bytes))
+    topology = probe(comm, world, budget_s=args.budget_s, sizes=(args.small_bytes, args.large_bytes),
+                     interface=args.interface)
     if comm.Get_rank() == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         path = topology.write(out / "topology.json")
         print(topology.summary())
+        for line in topology.warnings():
+            print(f"warning: {line}")
         print(f"  wrote {path}", flush=True)
     return 0
 

@@ -100,6 +100,63 @@ def rank_rows(runs: list[tuple[str, Run]], step_times: dict[int, list[float]]) -
     return [cells for _, cells in rows], source
 
 
+def _gbit(value: Any) -> str:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return "-"
+    return f"{value:.0f}" if value >= 10 else f"{value:.1f}" if value >= 1 else f"{value:.2f}"
+
+
+def _us(value: Any) -> str:
+    return _num(value, ".1f", " us")
+
+
+def _ranks(ranks: Any) -> str:
+    if not isinstance(ranks, list) or not ranks:
+        return "-"
+    if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))
+
+
+def topology_section(topology: dict[str, Any] | None) -> list[str]:
+    """The "Hosts and links" section from topology.json (empty without one): per host its ranks, the interface
+    it uses towards rank 0, its measured intra- and inter-host link, and the probe's warnings (a slow host)."""
+    if not isinstance(topology, dict):
+        return []
+    md = ["## Hosts and links", ""]
+    summary = topology.get("summary") or {}
+    md.append(f"From topology.json: {topology.get('size', '-')} rank(s) on {topology.get('num_nodes', '-')} "
+              f"node(s); median intra-node {_us(summary.get('intra_latency_us'))}, "
+              f"{_gbit(summary.get('intra_bandwidth_gbps'))} Gbit/s; inter-node "
+              f"{_us(summary.get('inter_latency_us'))}, {_gbit(summary.get('inter_bandwidth_gbps'))} Gbit/s.")
+    hosts = topology.get("hosts")
+    if not isinstance(hosts, list):
+        return md + ["", "No per-host figures (topology.json from an older hpcnet).", ""]
+    md += ["", "Send / receive: the host's best one-way bandwidth towards / from another host; link: the lower "
+               "of the two (docs/topology.md).", ""]
+    rows = []
+    for h in hosts[:MAX_TABLE_RANKS]:
+        iface = h.get("interface") or {}
+        where = f"{iface.get('name')} {iface.get('address')}" if iface else "-"
+        rows.append([str(h.get("name", h.get("host", "-"))), _ranks(h.get("ranks")), where,
+                     _us(h.get("intra_latency_us")), _gbit(h.get("intra_bandwidth_gbps")),
+                     _us(h.get("inter_latency_us")), _gbit(h.get("send_gbps")), _gbit(h.get("receive_gbps")),
+                     _gbit(h.get("link_gbps"))])
+    md += _table(["host", "ranks", "interface", "intra latency", "intra Gbit/s", "inter latency",
+                  "send Gbit/s", "receive Gbit/s", "link Gbit/s"], rows)
+    if len(hosts) > MAX_TABLE_RANKS:
+        md += ["", f"The first {MAX_TABLE_RANKS} of {len(hosts)} hosts; topology.json has them all."]
+    warnings = [w for w in topology.get("warnings") or [] if isinstance(w, str)]
+    if warnings:
+        md += [""] + [f"- **warning:** {w}" for w in warnings]
+    elif len(hosts) > 2:
+        md += ["", "No host's link is far below the others'."]
+    elif len(hosts) == 2:
+        md += ["", "Two hosts share their one measured link: a slow host cannot be told from its peer "
+                   "(docs/topology.md)."]
+    return md + [""]
+
+
 def attempt_table(launch: Launch, rows: list[dict[str, Any]]) -> list[str]:
     out = ["| attempt | start (s) | end (s) | status | cause | first step (at s) | last logged step | "
            "recovery (s) |", "|---|---|---|---|---|---|---|---|"]
@@ -161,6 +218,8 @@ def render(source: Path, out: Path, runs: list[tuple[str, Run]], plots: list[Any
             md += ["", f"{run.skipped_lines} incomplete metrics line(s) left out (a line still being written, or "
                        "cut by a crash)."]
         md.append("")
+    topologies = [run.topology for _, run in runs if run.topology]
+    md += topology_section(topologies[-1] if topologies else None)
     rows, where = rank_rows(runs, step_times)
     if rows:
         md += ["## Step time per rank", "", f"From {where}. Jitter: `100 * (p95 - p5) / (2 * p50)` of the step "

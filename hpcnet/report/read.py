@@ -15,7 +15,7 @@ from typing import Any
 from hpcnet.paths import CONFIG_FILE, FAILURE_FILE, LAUNCH_FILE, PLAN_FILE, SUMMARY_FILE, TRACE_FILE, attempt_dir
 
 TOPOLOGY_FILE = "topology.json"
-"""Written by the trainer at start-up (docs/outputs.md); only its ``size`` is read here."""
+"""Written by the trainer at start-up (docs/outputs.md); its ``size``, and its per-host figures for the report."""
 _METRICS_RE = re.compile(r"^metrics\.rank(\d+)\.jsonl$")
 _ATTEMPT_RE = re.compile(r"^attempt-(\d+)$")
 

@@ -56,8 +56,8 @@ def test_play_rounds_times_every_pair_once_at_any_size(comm):
     small, large = np.ones(8, np.uint8), np.ones(1 << 16, np.uint8)
     measured, probe_s = play_rounds(comm, rounds, small, large, budget_s=0.3)
     assert set(measured) == {pair_key(a, b) for rnd in rounds for a, b in rnd if a == rank}
-    for latency_us, bandwidth_gbps in measured.values():
-        assert latency_us > 0 and bandwidth_gbps > 0
+    for latency_us, bandwidth_gbps, out_gbps, in_gbps in measured.values():
+        assert latency_us > 0 and bandwidth_gbps > 0 and out_gbps > 0 and in_gbps > 0
     everything = {k: v for part in comm.allgather(measured) for k, v in part.items()}
     assert sorted(everything) == sorted(pair_key(a, b) for a, b in itertools.combinations(range(size), 2))
     assert probe_s > 0

@@ -10,7 +10,18 @@ import pytest
 
 from hpcnet.comm.netif import IbPort, Interface, interfaces, kind_of
 from hpcnet.comm.pingpong import pair_key, plan_rounds
-from hpcnet.comm.topology import Gpu, Node, RankInfo, Topology, common_interface, local_gpus, main, probe, recommend
+from hpcnet.comm.topology import (
+    Gpu,
+    InterfaceUse,
+    Node,
+    RankInfo,
+    Topology,
+    common_interface,
+    local_gpus,
+    main,
+    probe,
+    recommend,
+)
 from hpcnet.comm.world import discover, node_layout, wait_sleeping
 from tests.helpers.comm import nodes_of
 
@@ -90,11 +101,11 @@ def test_json_round_trip(tmp_path):
     assert Topology.from_json(t.to_json()) == t
     path = t.write(tmp_path / "topology.json")
     data = json.loads(path.read_text())
-    assert data["format"] == "hpcnet-topology/1" and data["latency_us"]["0-2"] == 20.0
+    assert data["format"] == "hpcnet-topology/2" and data["latency_us"]["0-2"] == 20.0
     assert data["summary"]["inter_bandwidth_gbps"] == 10.0 and data["summary"]["intra_latency_us"] == 2.0
     assert Topology.from_dict(data) == t
     text = t.summary()
-    assert "inter-node" in text and "intra-node" in text and len(text.splitlines()) <= 8
+    assert "inter-node" in text and "intra-node" in text and len(text.splitlines()) <= 8 + len(t.nodes)
     with pytest.raises(ValueError, match="budget_s"):
         probe(None, None, budget_s=0)
 
@@ -106,9 +117,12 @@ def _check_probe(topology: Topology, comm, layout: list[tuple[int, int, int]]) -
     nodes = [n.ranks for n in topology.nodes]
     required = {pair_key(*p) for rnd in plan_rounds(nodes) for p in rnd}
     assert set(topology.latency_us) == required == set(topology.bandwidth_gbps)
+    assert set(topology.directed_gbps) == {f"{a}->{b}" for key in required for a, b in
+                                           (key.split("-"), key.split("-")[::-1])}
     for key in required:
         lat, bw = topology.latency_us[key], topology.bandwidth_gbps[key]
         assert math.isfinite(lat) and lat > 0 and math.isfinite(bw) and bw > 0, (key, lat, bw)
+    assert all(math.isfinite(v) and v > 0 for v in topology.directed_gbps.values()), topology.directed_gbps
     # the same Topology on every rank
     assert comm.allgather(topology.to_json()) == [topology.to_json()] * size
 
@@ -118,13 +132,19 @@ def _check_probe(topology: Topology, comm, layout: list[tuple[int, int, int]]) -
 def test_probe_any_size(comm):
     world = discover(comm, environ={})
     topology = probe(comm, world, budget_s=BUDGET_S)
-    _check_probe(topology, comm, node_layout(list(world.hostnames)))
-    assert topology.num_nodes == 1 and topology.inter_latency_us is None
-    assert (topology.intra_latency_us is None) == (comm.Get_size() == 1)
-    assert not recommend(topology)["hierarchical"]
-    # the leader reports the one lister's interfaces (one host here: the same as this rank's)
-    assert [(i.name, i.infiniband) for i in topology.nodes[0].interfaces] == [(i.name, i.infiniband)
-                                                                              for i in interfaces()]
+    layout = node_layout(list(world.hostnames))
+    _check_probe(topology, comm, layout)
+    # a node per host: one on this machine, several on the local cluster (scripts/test.sh's 2 x 2 pass)
+    assert topology.num_nodes == len(set(world.hostnames)) and not topology.virtual_nodes
+    assert (topology.inter_latency_us is None) == (topology.num_nodes == 1)
+    assert (topology.intra_latency_us is None) == all(len(n.ranks) == 1 for n in topology.nodes)
+    sizes = {len(n.ranks) for n in topology.nodes}
+    assert recommend(topology)["hierarchical"] == (topology.num_nodes > 1 and len(sizes) == 1 and sizes != {1})
+    # each leader reports the one lister's interfaces: this rank's own where it shares the leader's host
+    mine = topology.nodes[layout[comm.Get_rank()][0]]
+    assert [(i.name, i.infiniband) for i in mine.interfaces] == [(i.name, i.infiniband) for i in interfaces()]
+    if topology.num_nodes == 1:  # the data plane's rendezvous is on the loopback, which the host uses
+        assert topology.nodes[0].uses == InterfaceUse(name="lo", address="127.0.0.1", reason="holds 127.0.0.1")
 
 
 @pytest.mark.mpi
@@ -138,7 +158,8 @@ def test_probe_virtual_nodes_make_leaders(comm, ranks_per_node):
     _check_probe(topology, comm, layout)
     leaders = [r for r, (_, local, _) in enumerate(layout) if local == 0]
     assert [n.leader for n in topology.nodes] == leaders
-    assert topology.num_nodes == len(leaders) and topology.virtual_nodes == (len(leaders) > 1)
+    assert topology.num_nodes == len(leaders)
+    assert topology.virtual_nodes == (len(leaders) > len(set(world.hostnames)))  # nodes share a host
     # every pair of leaders is inter-node and measured
     for a, b in itertools.combinations(leaders, 2):
         assert not topology.is_intra(pair_key(a, b)) and pair_key(a, b) in topology.latency_us

@@ -329,9 +329,9 @@ def test_a_launcher_that_hangs_after_a_declared_failure_is_ended_within_its_grac
 @pytest.mark.launch
 @pytest.mark.timeout(60)
 def test_ranks_that_never_all_start_end_the_attempt_after_the_start_timeout_and_the_job_restarts(tmp_path):
-    """mpirun waits for ever for a daemon that died as it started (two of four ranks ready, nothing declared, since
-    the ranks are not up): --start-timeout-s ends it and everything it started, the attempt is restartable (75),
-    its cause names what had started, and attempt 2 runs."""
+    """Open MPI's mpirun waits for ever for a daemon that died as it started (two of four ranks ready, nothing
+    declared, since the ranks are not up): --start-timeout-s ends it and everything it started, the attempt is
+    restartable (75), its cause names what had started, and attempt 2 runs."""
     _serial_only()
     out, record, seen, took = _lost_host_job(tmp_path, "halfstart", "--start-timeout-s", "3")
     assert out.returncode == 0, out.stderr
