@@ -2,8 +2,9 @@
 the measured inter-host bandwidth against the link rate set with tc, and a slow host named.
 
 Each test sets the link rates it needs with ``cluster.sh slow`` and puts back the rates the cluster had.  The
-slow-host test needs 3 hosts (``scripts/cluster.sh start --hosts 3``) and skips on fewer: with two hosts a slow
-link is one link, and which end is slow cannot be told (the two-host test checks what is said instead).
+slow-host test needs 3 hosts: with two a slow link is one link, and which end is slow cannot be told (the
+two-host test checks what is said instead); it starts a cluster of 3 hosts of its own beside the suite's
+(another prefix, subnet and state directory: ``another_cluster``) and stops it afterwards.
 
 The rates are real only while the machine can drive them: when a figure is off twice and the load average is
 over twice the cores (other jobs starve the ranks, and the CPU, not the link, sets the rate), a test skips
@@ -21,7 +22,7 @@ from contextlib import contextmanager
 import pytest
 from mpi4py import MPI
 
-from tests.helpers.cluster import Cluster, cli
+from tests.helpers.cluster import Cluster, another_cluster, cli
 from tests.helpers.launch import clean_env
 
 pytestmark = [
@@ -38,17 +39,30 @@ SLOW_GBIT = 0.2
 def rates(cluster: Cluster, **per_host: str):
     """Every host at LINK_GBIT, those named at their rate, for the block; then each host's rate as it was."""
     before = {host: re.search(r" tbf (\S+) ", line + " ") for host, line in
-              zip(cluster.hostnames, cli("status").stdout.splitlines()[1:])}
-    cli("slow", "all", str(LINK_GBIT))
+              zip(cluster.hostnames, cluster.cli("status").stdout.splitlines()[1:])}
+    cluster.cli("slow", "all", str(LINK_GBIT))
     try:
         for host, rate in per_host.items():
-            cli("slow", host, rate)
+            cluster.cli("slow", host, rate)
         yield
     finally:
-        cli("slow", "all", "off")
+        cluster.cli("slow", "all", "off")
         for host, rate in before.items():
             if rate:
-                cli("slow", host, rate.group(1).lower())
+                cluster.cli("slow", host, rate.group(1).lower())
+
+
+@pytest.fixture
+def three_hosts(cluster):
+    """A cluster of 3 hosts x 1 slot beside the suite's, stopped afterwards."""
+    env = another_cluster(cluster, "t")
+    start = cli("start", "--hosts", "3", "--slots", "1", check=False, env=env)
+    if start.returncode != 0:
+        pytest.skip(f"a second cluster of 3 hosts did not start: {(start.stderr or start.stdout).strip()}")
+    try:
+        yield Cluster(env)
+    finally:
+        cli("stop", check=False, env=env)
 
 
 def _twice(measure: Callable[[], tuple[bool, str]]) -> None:
@@ -130,10 +144,8 @@ def test_two_hosts_with_one_slowed_name_the_direction_in_the_log_the_json_and_th
     assert "## Hosts and links" in text and f"- **warning:** {warning}" in text, text
 
 
-def test_a_slow_host_among_three_is_named(cluster, tmp_path):
-    if len(cluster.hostnames) < 3:
-        pytest.skip(f"needs 3 hosts to tell a slow host from its peers; the cluster has {len(cluster.hostnames)} "
-                    "(scripts/cluster.sh start --hosts 3)")
+def test_a_slow_host_among_three_is_named(three_hosts, tmp_path):
+    cluster = three_hosts
     a, b, c = cluster.hostnames[:3]
 
     def measure():
