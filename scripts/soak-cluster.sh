@@ -15,7 +15,7 @@
 # The cluster (HPCNET_CLUSTER_PREFIX / _NET / _DIR as for scripts/cluster.sh) is started with
 # `--hosts 4 --slots 8 --ifnames same` when it is not up, and stopped at the end if this script started it.
 # One line a run on stdout and in DIR/results.tsv: kind, run, status, wall s, median step s, comm share,
-# load average. Exit status 0 when every run ended with 0.
+# load average (status 124: ended at the timeout). Exit status 0 when every run ended with 0.
 set -uo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -66,12 +66,16 @@ one() {  # kind run_number: one run under the timeout, a line in results.tsv
     rm -rf "$dir"
     if [ "$kind" = cluster ]; then opts=("${cluster_opts[@]}"); else opts=(--oversubscribe -x PYTHONPATH); fi
     t0=$(date +%s.%N)
+    : > "$log"  # appended to by mpirun and by this script alike
     (cd "$root" && exec mpirun "${opts[@]}" -np 32 python -m mpi4py -m hpcnet.train "${job[@]}" "run.dir=$dir") \
-        > "$log" 2>&1 &
+        >> "$log" 2>&1 &
     pid=$!
+    local timed_out=0
     while kill -0 "$pid" 2>/dev/null; do
         if (( $(date +%s) - ${t0%.*} > timeout_s )); then
+            timed_out=1
             echo "soak-cluster.sh: run $kind-$n still going after $timeout_s s: stacks of every rank, then ended" >> "$log"
+            # A rank still importing has not registered the signal yet: it ends there (signal 38 in mpirun's notice).
             for rank_pid in $(ranks "$dir"); do kill -s "$dump_signal" "$rank_pid" 2>/dev/null; done
             sleep 10
             kill -TERM "$pid" 2>/dev/null; sleep 5; kill -KILL "$pid" 2>/dev/null
@@ -81,6 +85,7 @@ one() {  # kind run_number: one run under the timeout, a line in results.tsv
         sleep 1
     done
     wait "$pid"; status=$?
+    [ "$timed_out" = 1 ] && status=124  # as timeout(1) says it
     t1=$(date +%s.%N)
     local stats
     stats=$(python - "$dir" <<'EOF'

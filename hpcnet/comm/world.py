@@ -189,6 +189,10 @@ def machine_sharing(comm: Any) -> tuple[int, int]:
     return sharing(comm.allgather((machine_id(), usable_cores())), comm.Get_rank())
 
 
+YIELD_ENV = "OMPI_MCA_mpi_yield_when_idle"
+"""Where ``mpirun --mca mpi_yield_when_idle N`` reaches a rank: an explicit choice, kept."""
+
+
 def mpi_yield_when_idle() -> bool | None:
     """Make Open MPI's blocked calls give the core away (``sched_yield``) when they have nothing to progress.
 
@@ -200,9 +204,15 @@ def mpi_yield_when_idle() -> bool | None:
     that computes.  The switch is read once at ``MPI_Init``; this sets it in
     the running library (Open MPI's ``opal_progress_set_yield_when_idle``).
 
-    Returns True when it is now on, False when it was on already, None when
-    the MPI library has no such switch (not Open MPI): nothing changed.
+    An explicit ``mpi_yield_when_idle`` (``mpirun --mca mpi_yield_when_idle 0``,
+    ``OMPI_MCA_mpi_yield_when_idle``) is left as it is.
+
+    Returns True when it is now on, False when it was on already or was set
+    explicitly, None when the MPI library has no such switch (not Open MPI):
+    nothing changed.
     """
+    if os.environ.get(YIELD_ENV, "") != "":
+        return False
     try:
         lib = ctypes.CDLL(None)
         setter = lib.opal_progress_set_yield_when_idle

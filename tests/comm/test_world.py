@@ -119,9 +119,10 @@ def test_machine_id_is_the_kernel_boot_id(comm):
     assert ranks == comm.Get_size() and cores >= 1  # the test ranks run on this machine
 
 
-def test_mpi_yield_when_idle_sets_open_mpi_once(comm):
+def test_mpi_yield_when_idle_sets_open_mpi_once(comm, monkeypatch):
     from mpi4py import MPI
 
+    monkeypatch.delenv(world_module.YIELD_ENV, raising=False)
     if "Open MPI" not in MPI.Get_library_version():
         assert mpi_yield_when_idle() is None
         return
@@ -130,7 +131,14 @@ def test_mpi_yield_when_idle_sets_open_mpi_once(comm):
     assert mpi_yield_when_idle() is False  # on now
 
 
+def test_mpi_yield_when_idle_leaves_an_explicit_setting_alone(monkeypatch):
+    monkeypatch.setattr(world_module.ctypes, "CDLL", None)  # would fail if it were looked at
+    monkeypatch.setenv(world_module.YIELD_ENV, "0")
+    assert mpi_yield_when_idle() is False
+
+
 def test_mpi_yield_when_idle_without_the_switch_changes_nothing(monkeypatch):
+    monkeypatch.delenv(world_module.YIELD_ENV, raising=False)
     class NoSwitch:  # an MPI library that is not Open MPI
         def __init__(self, name):
             pass
