@@ -41,7 +41,7 @@ from hpcnet.comm.costmodel import LinkCost
 from hpcnet.comm.dataparallel import DataParallel
 from hpcnet.comm.plan import decide_plan
 from hpcnet.comm.topology import probe, recommend
-from hpcnet.comm.world import World, choose_device, cpu_threads, discover
+from hpcnet.comm.world import World, choose_device, cpu_threads, discover, machine_sharing, mpi_yield_when_idle
 from hpcnet.config import Config
 from hpcnet.config.importing import import_for_training
 from hpcnet.config.load import (
@@ -141,6 +141,13 @@ def _start(cfg: Config, comm: Any) -> tuple[World, Path, torch.device, Monitor]:
     check_same_config(comm, cfg)
     run_dir = make_run_dir(comm, cfg.run.dir, cfg.run.name, exact=cfg.run.dir_exact)
     setup_logging(run_dir, world.rank)
+    # More ranks than cores on this machine (hosts that share one count together): blocked MPI calls must give the
+    # core away, or waiting ranks take it from computing ones (docs/communication.md, "Oversubscribed machines").
+    ranks, cores = machine_sharing(comm)
+    yielding = mpi_yield_when_idle() if ranks > cores else None
+    if comm.allreduce(int(bool(yielding))) and world.is_main:
+        log.info("more ranks than cores on a machine (%d on %d here): Open MPI's blocked calls now yield the core "
+                 "(mpi_yield_when_idle)", ranks, cores)
     torch.set_num_threads(cpu_threads(world, cfg.train.threads))
     with shared_errors(comm):
         device = choose_device(world, cfg.dist.device)

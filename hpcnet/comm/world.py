@@ -7,6 +7,8 @@ without ``--mpi=pmix`` starts N singleton MPI processes that each think they
 are alone.
 """
 
+import ctypes
+import logging
 import os
 import socket
 import time
@@ -16,6 +18,11 @@ from typing import Any
 
 from hpcnet.errors import UsageError
 from hpcnet.paths import RANKS_PER_NODE_ENV
+
+log = logging.getLogger(__name__)
+
+MACHINE_ID_FILE = "/proc/sys/kernel/random/boot_id"
+"""The running kernel's id: processes that read the same one share a machine, and its cores."""
 
 # One table for every scheduler variable hpcnet reads (after submitit's
 # slurm.py): launcher -> our name -> environment variable.
@@ -152,6 +159,72 @@ def usable_cores() -> frozenset[int]:
         return frozenset(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return frozenset(range(os.cpu_count() or 1))
+
+
+def machine_id() -> str:
+    """This machine's kernel boot id (hostname when unreadable).
+
+    Hosts made of network namespaces or containers on one machine have their
+    own hostnames and addresses but one kernel and one set of cores: the boot
+    id tells them apart from real hosts, which is what oversubscription is
+    about (``machine_sharing``).
+    """
+    try:
+        with open(MACHINE_ID_FILE) as f:
+            return f.read().strip() or socket.gethostname()
+    except OSError:
+        return socket.gethostname()
+
+
+def sharing(ids: list[tuple[str, frozenset[int]]], rank: int) -> tuple[int, int]:
+    """``(ranks, cores)`` on ``rank``'s machine (pure): the ranks with its machine id and the union of their
+    CPU affinities. ``ids`` holds every rank's ``(machine_id(), usable_cores())``."""
+    mine = ids[rank][0]
+    here = [cores for machine, cores in ids if machine == mine]
+    return len(here), len(frozenset().union(*here))
+
+
+def machine_sharing(comm: Any) -> tuple[int, int]:
+    """``(ranks, cores)`` on this rank's machine, across the job's hosts on it (collective; see ``sharing``)."""
+    return sharing(comm.allgather((machine_id(), usable_cores())), comm.Get_rank())
+
+
+YIELD_ENV = "OMPI_MCA_mpi_yield_when_idle"
+"""Where ``mpirun --mca mpi_yield_when_idle N`` reaches a rank: an explicit choice, kept."""
+
+
+def mpi_yield_when_idle() -> bool | None:
+    """Make Open MPI's blocked calls give the core away (``sched_yield``) when they have nothing to progress.
+
+    Open MPI busy-polls inside every blocking call.  ``mpirun`` turns yielding
+    on (``mpi_yield_when_idle``) only where it knows a node holds more ranks
+    than the slots it was given; ranks on hosts that share one machine's cores
+    (namespaces, containers), or a host file with more slots than cores, get
+    the aggressive polling, and a waiting rank then takes the core from one
+    that computes.  The switch is read once at ``MPI_Init``; this sets it in
+    the running library (Open MPI's ``opal_progress_set_yield_when_idle``).
+
+    An explicit ``mpi_yield_when_idle`` (``mpirun --mca mpi_yield_when_idle 0``,
+    ``OMPI_MCA_mpi_yield_when_idle``) is left as it is.
+
+    Returns True when it is now on, False when it was on already or was set
+    explicitly, None when the MPI library has no such switch (not Open MPI):
+    nothing changed.
+    """
+    if os.environ.get(YIELD_ENV, "") != "":
+        return False
+    try:
+        lib = ctypes.CDLL(None)
+        setter = lib.opal_progress_set_yield_when_idle
+        current = ctypes.c_bool.in_dll(lib, "opal_progress_yield_when_idle")
+    except (AttributeError, OSError, ValueError):
+        return None
+    if current.value:
+        return False
+    setter.argtypes = [ctypes.c_bool]
+    setter.restype = None
+    setter(True)
+    return True
 
 
 def cores_per_rank(world: World) -> float:

@@ -64,6 +64,10 @@ STALL_FACTOR = 10.0
 """A derived stall timeout is this many median step times (at least ``monitor.stall_floor_s``)."""
 WARMUP_FACTOR = 4.0
 """Before any step time is known the timeout is this many ``stall_floor_s``: first steps initialise lazily."""
+FLOOR_SCALED_MAX_S = 120.0
+"""Scaling ``monitor.stall_floor_s`` by ranks per core stops here (``stall_floor``)."""
+WARMUP_MAX_S = 240.0
+"""... and the timeout before any step time is known stops here (``stall_timeout``), unless the floor is higher."""
 
 
 def op_name(code: int) -> str:
@@ -208,16 +212,33 @@ class NullRecorder:
 NULL_RECORDER = NullRecorder()
 
 
-def oversubscription(ranks_on_host: int, cores: int) -> float:
-    """Ranks per core on a host (at least 1; pure).
+def oversubscription(ranks_on_machine: int, cores: int) -> float:
+    """Ranks per core on a machine (at least 1; pure).
 
-    On a host with more ranks than cores every collective waits for ranks that
-    the scheduler has not run yet, and Open MPI's busy-polling waits take the
-    cores from the ranks still computing: an all-reduce can then take many
-    times its usual time while every rank is alive and in it.  The stall floor
-    is scaled by this factor there.
+    On a machine with more ranks than cores every collective waits for ranks
+    that the scheduler has not run yet: an all-reduce can then take many times
+    its usual time while every rank is alive and in it.  The stall floor is
+    scaled by this factor there (``stall_floor``).  The ranks counted are
+    those on one kernel (``hpcnet.comm.world.machine_sharing``): hosts that are
+    namespaces or containers of one machine share its cores.
     """
-    return max(1.0, ranks_on_host / max(1, cores))
+    return max(1.0, ranks_on_machine / max(1, cores))
+
+
+def stall_floor(configured_s: float, factor: float, *, scaled_max_s: float = FLOOR_SCALED_MAX_S) -> float:
+    """The stall floor (pure): ``monitor.stall_floor_s`` times the ranks per core, at most ``scaled_max_s``.
+
+    The cap bounds the time to catch a real stall however many ranks share a
+    core (16 a core would otherwise make it 8 minutes, 32 minutes before the
+    first step); a floor configured above the cap is kept as it is.
+    """
+    return max(configured_s, min(configured_s * factor, scaled_max_s))
+
+
+def warmup_timeout(floor_s: float, *, warmup_factor: float = WARMUP_FACTOR, max_s: float = WARMUP_MAX_S) -> float:
+    """The stall timeout before any step time is known, and the silence allowed before a rank's first step
+    (pure): ``warmup_factor`` floors, at most ``max_s`` unless the floor itself is higher."""
+    return max(floor_s, min(warmup_factor * floor_s, max_s))
 
 
 def stall_timeout(configured_s: float, floor_s: float, step_times: Sequence[float], *,
@@ -226,14 +247,49 @@ def stall_timeout(configured_s: float, floor_s: float, step_times: Sequence[floa
 
     Args:
         configured_s: ``monitor.stall_timeout_s``; > 0 is used as is.
-        floor_s: ``monitor.stall_floor_s``, the least a derived timeout may be.
+        floor_s: the stall floor (``stall_floor``), the least a derived timeout may be.
         step_times: recent step durations in seconds.
     """
     if configured_s > 0:
         return configured_s
     if not step_times:
-        return warmup_factor * floor_s
+        return warmup_timeout(floor_s, warmup_factor=warmup_factor)
     return max(floor_s, factor * statistics.median(step_times))
+
+
+class StallClock:
+    """How long the oldest open collective has been open, on time this rank observed (pure, clock passed in).
+
+    The monitor thread looks every tick.  A gap longer than ``frozen_s``
+    between two looks (the thread stopped, or starved of a core or of the GIL)
+    counts as ``frozen_s``: a rank is not judged on time it did not observe,
+    yet a machine busy enough to starve the thread for a few seconds now and
+    then (many ranks a core) still gets its stalls declared, a little later.
+    Time during which ``tick`` is told not to count (checkpoint I/O, which has
+    its own deadline) does not count at all.
+    """
+
+    def __init__(self, frozen_s: float) -> None:
+        self.frozen_s = frozen_s
+        self.observed_s = 0.0
+        self._last: float | None = None
+        self._seq = 0
+        self._since = 0.0
+
+    def tick(self, now: float, counting: bool = True) -> None:
+        if self._last is not None and counting:
+            self.observed_s += min(max(0.0, now - self._last), self.frozen_s)
+        self._last = now
+
+    def open_for(self, seq: int, start: float, now: float) -> float:
+        """Observed seconds collective ``seq`` (started at ``start``) has been open; 0 for no collective (seq 0)."""
+        if seq == 0:
+            self._seq = 0
+            return 0.0
+        if seq != self._seq:  # first seen now: count what passed since it started, up to frozen_s
+            self._seq = seq
+            self._since = self.observed_s - min(max(0.0, now - start), self.frozen_s)
+        return self.observed_s - self._since
 
 
 def desync(mine: Collective | None, seq: int, op: str, bucket: int, digest: int | None = None) -> str | None:

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcnet.comm.world import World, usable_cores
+from hpcnet.comm.world import World, machine_id, sharing, usable_cores
 from hpcnet.config import MonitorConfig
 from hpcnet.errors import ExitCode
 from hpcnet.fault.failure import (
@@ -53,13 +53,16 @@ from hpcnet.fault.failure import (
     write_failure,
 )
 from hpcnet.fault.flightrec import (
+    FLOOR_SCALED_MAX_S,
     NULL_RECORDER,
-    WARMUP_FACTOR,
     FlightRecorder,
+    StallClock,
     describe_op,
     desync,
     oversubscription,
+    stall_floor,
     stall_timeout,
+    warmup_timeout,
 )
 from hpcnet.fault.heartbeat import (
     LEAVING,
@@ -118,7 +121,7 @@ class Monitor:
         self._step_times: deque[float] = deque(maxlen=100)
         self._last_step_at: float | None = None
         self.floor_s = cfg.stall_floor_s
-        """``monitor.stall_floor_s`` times this host's ranks per core (``oversubscription``), set at start."""
+        """``monitor.stall_floor_s`` times this machine's ranks per core, capped (``stall_floor``), set at start."""
         self._timeout_s = stall_timeout(cfg.stall_timeout_s, self.floor_s, [])
         self._timeout_at = 0.0
         self._link: HeartbeatLink | None = None
@@ -138,8 +141,7 @@ class Monitor:
         self._beat_now = False
         self._pids: tuple[int, ...] = ()
         self._local = LocalLiveness({})
-        self._last_once = 0.0
-        self._stall_clock_from = 0.0  # stalls are judged on time this rank observed, outside checkpoint I/O
+        self._stall_clock = StallClock(cfg.heartbeat_interval_s)  # time observed, outside checkpoint I/O
         self._coordination_s = max(2.0, 2 * cfg.heartbeat_interval_s)
         """How long a rank that reports waits for the others' answers."""
         misses_s = cfg.heartbeat_misses * cfg.heartbeat_interval_s
@@ -159,21 +161,23 @@ class Monitor:
             return self
         hb_comm = self.comm.Dup()
         session = hb_comm.bcast(random.getrandbits(48) if self.world.rank == 0 else None, root=0)
-        ids = hb_comm.allgather((os.getpid(), start_time(os.getpid()), usable_cores()))
-        self._pids = tuple(pid for pid, _, _ in ids)  # whom to ask for stacks on this host
+        ids = hb_comm.allgather((os.getpid(), start_time(os.getpid()), machine_id(), usable_cores()))
+        self._pids = tuple(pid for pid, *_ in ids)  # whom to ask for stacks on this host
         here = [r for r in range(self.world.size) if self.world.hostnames[r] == self.world.hostname]
         self._local = LocalLiveness({r: ids[r][:2] for r in self.watch if r in here and r != self.world.rank},
                                     idle_s=self.cfg.heartbeat_misses * self.cfg.heartbeat_interval_s)
-        cores = set().union(*(ids[r][2] for r in here))
-        factor = oversubscription(len(here), len(cores))
-        self.floor_s = self.cfg.stall_floor_s * factor
+        # Ranks per core on this machine: hosts that are namespaces or containers of one machine share its cores.
+        ranks, cores = sharing([(machine, cpus) for _, _, machine, cpus in ids], self.world.rank)
+        factor = oversubscription(ranks, cores)
+        self.floor_s = stall_floor(self.cfg.stall_floor_s, factor)
         self._timeout_s = stall_timeout(self.cfg.stall_timeout_s, self.floor_s, [])
         if factor > 1 and self.world.rank == 0 and self.cfg.stall_timeout_s <= 0:
-            log.info("%d ranks share %d core(s) on %s: the stall floor is %.0f s (%.0f x monitor.stall_floor_s)",
-                     len(here), len(cores), self.world.hostname, self.floor_s, factor)
+            log.info("%d ranks share %d core(s) on %s's machine: the stall floor is %.0f s (monitor.stall_floor_s x "
+                     "%.1f ranks per core, at most %.0f s), %.0f s before the first step", ranks, cores,
+                     self.world.hostname, self.floor_s, factor, FLOOR_SCALED_MAX_S, warmup_timeout(self.floor_s))
         self._link = HeartbeatLink(hb_comm, session)
         self._tracker = PeerTracker(self.watch, self.cfg.heartbeat_interval_s, self.cfg.heartbeat_misses,
-                                    time.monotonic(), startup_deadline_s=WARMUP_FACTOR * self.floor_s,
+                                    time.monotonic(), startup_deadline_s=warmup_timeout(self.floor_s),
                                     guard_slack_s=2 * self._coordination_s)
         register_dump_signal()
         self._native = NativeWatchdog(int(ExitCode.RESTARTABLE))
@@ -258,11 +262,8 @@ class Monitor:
 
     def _once(self, now: float) -> None:
         assert self._tracker is not None
-        if now - self._last_once > self._tracker.frozen_s or self.deadlines.any_open("checkpoint"):
-            # Not observed (this thread was starved or frozen behind the GIL), or possibly held up
-            # by checkpoint I/O, which has its own deadline: that time does not count towards a stall.
-            self._stall_clock_from = now
-        self._last_once = now
+        # Checkpoint I/O has its own deadline: that time does not count towards a stall (StallClock).
+        self._stall_clock.tick(now, counting=not self.deadlines.any_open("checkpoint"))
         self._tracker.tick(now)
         self._receive(now)
         if self.recorder.all_alive_at is not None:
@@ -365,7 +366,10 @@ class Monitor:
             self._timeout_s = stall_timeout(self.cfg.stall_timeout_s, self.floor_s, list(self._step_times))
             self._timeout_at = now + 1.0
         oldest = self.recorder.oldest_open()
-        if oldest is not None and now - max(oldest.start, self._stall_clock_from) > self._timeout_s:
+        if oldest is None:
+            self._stall_clock.open_for(0, now, now)
+            return
+        if self._stall_clock.open_for(oldest.seq, oldest.start, now) > self._timeout_s:
             self._coordinate("stall", f"{describe_op(oldest.op, oldest.bucket, oldest.seq)} at step {oldest.step} "
                                       f"has not finished after {now - oldest.start:.1f} s "
                                       f"(stall timeout {self._timeout_s:.1f} s)")

@@ -6,7 +6,20 @@ import pytest
 import torch
 
 from hpcnet.agree import agree_on_error, is_agreed, shared_errors
-from hpcnet.comm.world import SCHEDULER_ENV, choose_device, cpu_threads, discover, launcher_env, node_layout
+from hpcnet.comm import world as world_module
+from hpcnet.comm.world import (
+    MACHINE_ID_FILE,
+    SCHEDULER_ENV,
+    choose_device,
+    cpu_threads,
+    discover,
+    launcher_env,
+    machine_id,
+    machine_sharing,
+    mpi_yield_when_idle,
+    node_layout,
+    sharing,
+)
 from hpcnet.errors import ConfigError, UsageError
 from tests.helpers.comm import hostnames
 
@@ -94,3 +107,45 @@ def test_shared_errors_raise_on_every_rank(comm):
 
 def test_hostname_is_real():
     assert socket.gethostname()
+
+
+def test_sharing_counts_the_ranks_and_cores_of_one_machine_across_its_hosts():
+    # Four hosts (namespaces) of one machine, 8 ranks each on cores {0, 1}, and a real second machine.
+    ids = [("boot-a", frozenset({0, 1}))] * 32 + [("boot-b", frozenset({0})), ("boot-b", frozenset({1, 2}))]
+    assert sharing(ids, 0) == sharing(ids, 31) == (32, 2)
+    assert sharing(ids, 32) == sharing(ids, 33) == (2, 3)  # the union of the affinities
+
+
+def test_machine_id_is_the_kernel_boot_id(comm):
+    with open(MACHINE_ID_FILE) as f:
+        assert machine_id() == f.read().strip() != ""
+    ranks, cores = machine_sharing(comm)
+    assert ranks == comm.Get_size() and cores >= 1  # the test ranks run on this machine
+
+
+def test_mpi_yield_when_idle_sets_open_mpi_once(comm, monkeypatch):
+    from mpi4py import MPI
+
+    monkeypatch.delenv(world_module.YIELD_ENV, raising=False)
+    if "Open MPI" not in MPI.Get_library_version():
+        assert mpi_yield_when_idle() is None
+        return
+    first = mpi_yield_when_idle()
+    assert first in (True, False)  # False: mpirun had turned it on (an oversubscribed node)
+    assert mpi_yield_when_idle() is False  # on now
+
+
+def test_mpi_yield_when_idle_leaves_an_explicit_setting_alone(monkeypatch):
+    monkeypatch.setattr(world_module.ctypes, "CDLL", None)  # would fail if it were looked at
+    monkeypatch.setenv(world_module.YIELD_ENV, "0")
+    assert mpi_yield_when_idle() is False
+
+
+def test_mpi_yield_when_idle_without_the_switch_changes_nothing(monkeypatch):
+    monkeypatch.delenv(world_module.YIELD_ENV, raising=False)
+    class NoSwitch:  # an MPI library that is not Open MPI
+        def __init__(self, name):
+            pass
+
+    monkeypatch.setattr(world_module.ctypes, "CDLL", NoSwitch)
+    assert mpi_yield_when_idle() is None

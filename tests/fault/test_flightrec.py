@@ -5,12 +5,17 @@ import time
 import pytest
 
 from hpcnet.fault.flightrec import (
+    FLOOR_SCALED_MAX_S,
+    WARMUP_MAX_S,
     FlightRecorder,
+    StallClock,
     analyze_stall,
     desync,
     format_entries,
     oversubscription,
+    stall_floor,
     stall_timeout,
+    warmup_timeout,
 )
 from tests.helpers.fault import rank_state
 
@@ -71,6 +76,60 @@ def test_oversubscription_is_ranks_per_core_and_never_below_one():
     assert oversubscription(3, 2) == 1.5
     assert oversubscription(1, 64) == oversubscription(8, 8) == 1.0
     assert oversubscription(4, 0) == 4.0  # no affinity known: one core
+
+
+def test_the_stall_floor_scales_with_ranks_per_core_up_to_a_cap():
+    assert stall_floor(30.0, 1.0) == 30.0  # a core a rank or more: the option as is
+    assert stall_floor(30.0, 2.0) == 60.0
+    assert stall_floor(30.0, 4.0) == FLOOR_SCALED_MAX_S == 120.0  # 8 ranks on 2 cores
+    assert stall_floor(30.0, 16.0) == 120.0  # 32 ranks on 2 cores: not 480 s
+    assert stall_floor(300.0, 16.0) == 300.0  # a floor configured above the cap is kept
+    assert stall_floor(0.0, 16.0) == 0.0
+
+
+def test_the_timeout_before_the_first_step_is_bounded():
+    assert warmup_timeout(30.0) == 120.0  # 4 floors
+    assert warmup_timeout(120.0) == WARMUP_MAX_S == 240.0  # not 480 s
+    assert warmup_timeout(300.0) == 300.0  # never below the floor
+    # Every rank per core the defaults can meet: a stall before the first step is declared within 240 s.
+    assert max(stall_timeout(0.0, stall_floor(30.0, factor), []) for factor in (1, 2, 4, 8, 16, 64)) == 240.0
+    assert stall_timeout(0.0, stall_floor(30.0, 16.0), [0.5]) == 120.0  # then the floor
+
+
+def test_the_stall_clock_counts_a_starved_gap_as_frozen_s_and_checkpoint_time_not_at_all():
+    clock = StallClock(frozen_s=2.0)
+    now = 0.0
+    clock.tick(now)
+    assert clock.open_for(0, now, now) == 0.0
+    opened = now
+    for _ in range(10):  # a tick every 0.5 s, then the thread starved for 6 s: 5 + 2
+        now += 0.5
+        clock.tick(now)
+    now += 6.0
+    clock.tick(now)
+    assert clock.open_for(7, opened, now) == pytest.approx(2.0)  # first seen now: at most frozen_s before
+    for _ in range(10):
+        now += 0.5
+        clock.tick(now)
+    now += 6.0
+    clock.tick(now)
+    assert clock.open_for(7, opened, now) == pytest.approx(2.0 + 5.0 + 2.0)
+    for _ in range(4):  # checkpoint I/O: not counted
+        now += 0.5
+        clock.tick(now, counting=False)
+    assert clock.open_for(7, opened, now) == pytest.approx(9.0)
+    # A machine that starves the thread for 3 s in every 10 s still reaches any timeout: the count grows.
+    for _ in range(100):
+        for _ in range(14):
+            now += 0.5
+            clock.tick(now)
+        now += 3.0
+        clock.tick(now)
+    assert clock.open_for(7, opened, now) == pytest.approx(9.0 + 100 * (7.0 + 2.0))
+    now += 1.0
+    clock.tick(now)
+    assert clock.open_for(8, now - 0.2, now) == pytest.approx(0.2)  # the next collective starts from its start
+    assert clock.open_for(0, now, now) == 0.0
 
 
 def test_desync_compares_the_same_position():

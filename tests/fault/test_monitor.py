@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcnet.comm.world import discover
+from hpcnet.comm.world import discover, machine_sharing
 from hpcnet.config import MonitorConfig
 from hpcnet.config.load import load_config
 from hpcnet.errors import ExitCode
 from hpcnet.fault.failure import DUMP_SIGNAL
+from hpcnet.fault.flightrec import FLOOR_SCALED_MAX_S, warmup_timeout
 from hpcnet.fault.heartbeat import ring_peers
 from hpcnet.fault.liveness import halted, process_threads
 from hpcnet.fault.monitor import Monitor
@@ -65,15 +66,15 @@ def test_beats_flow_without_false_alarms(comm, mpi_tmp_path):
 
 @pytest.mark.mpi
 @pytest.mark.timeout(60)
-def test_the_stall_floor_grows_with_the_ranks_per_core_of_the_host(comm, mpi_tmp_path):
-    """The floor is scaled by this host's ranks per core: the union of the local ranks' affinities."""
-    cores = set().union(*comm.allgather(sorted(os.sched_getaffinity(0))))
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
+def test_the_stall_floor_grows_with_the_ranks_per_core_of_the_machine(comm, mpi_tmp_path):
+    """The floor is scaled by this machine's ranks per core (the union of their affinities), up to the cap."""
+    ranks, cores = machine_sharing(comm)
+    assert ranks >= comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size() and cores >= 1
     monitor = _monitor(comm, mpi_tmp_path, [], stall_floor_s=10.0).start()
-    floor, warmup_timeout = monitor.floor_s, monitor._timeout_s
+    floor, first_timeout = monitor.floor_s, monitor._timeout_s
     monitor.stop()
-    assert floor == pytest.approx(10.0 * max(1.0, local / len(cores)))
-    assert warmup_timeout == pytest.approx(4 * floor)
+    assert floor == pytest.approx(min(10.0 * max(1.0, ranks / cores), FLOOR_SCALED_MAX_S)) and floor >= 10.0
+    assert first_timeout == pytest.approx(warmup_timeout(floor))
     fixed = _monitor(comm, mpi_tmp_path, [], stall_floor_s=10.0, stall_timeout_s=7.0).start()
     timeout = fixed._timeout_s
     fixed.stop()
