@@ -132,10 +132,25 @@ def choose_address(comm: Any, world: World, *, interface: str = "", prefer: str 
         + ", ".join(f"{n} ({a})" for a, n in candidates) + "; set dist.interface")
 
 
+SET_ENV: dict[str, str] = {}
+"""The variables this process's data plane set (and their values): ``DataPlane.close`` takes them back, and a
+process that starts jobs of its own (the tests) leaves them out of their environment, where they would pin
+another job's sockets to this one's interface."""
+
+
 def _set_default_env(name: str, value: str) -> None:
     if name not in os.environ:
         os.environ[name] = value
+        SET_ENV[name] = value
         log.debug("set %s=%s", name, value)
+
+
+def unset_own_env() -> None:
+    """Take back the variables the data plane set (``SET_ENV``) that still hold what it set."""
+    for name, value in list(SET_ENV.items()):
+        if os.environ.get(name) == value:
+            del os.environ[name]
+        SET_ENV.pop(name, None)
 
 
 @dataclass(slots=True)
@@ -157,6 +172,7 @@ class DataPlane:
             dist.destroy_process_group()
         self.group = None
         self.store = None
+        unset_own_env()
 
 
 BACKENDS = ("nccl", "gloo")

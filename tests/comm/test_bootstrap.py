@@ -4,6 +4,7 @@ import dataclasses
 import ipaddress
 import json
 import logging
+import os
 import re
 import socket
 
@@ -160,3 +161,20 @@ def test_bootstrap_across_virtual_nodes_and_master_addr(launch, tmp_path):
                  timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("RESULT") == 2 and out.stdout.count(" 127.0.0.1 ") == 2
+
+
+def test_what_the_data_plane_set_stays_out_of_the_jobs_this_process_starts(monkeypatch):
+    """An in-process plane on one host sets GLOO_SOCKET_IFNAME=lo: a job this process starts on several hosts must
+    not inherit it (its gloo would listen on loopback on every host); a value set before is the user's and kept."""
+    from hpcnet.comm.bootstrap import SET_ENV, _set_default_env, unset_own_env
+    from tests.helpers.launch import clean_env
+
+    monkeypatch.delenv("HPCNET_TEST_IFNAME", raising=False)
+    monkeypatch.setenv("HPCNET_TEST_USERS", "eth9")
+    _set_default_env("HPCNET_TEST_IFNAME", "lo")
+    _set_default_env("HPCNET_TEST_USERS", "lo")
+    assert os.environ["HPCNET_TEST_IFNAME"] == "lo" and SET_ENV["HPCNET_TEST_IFNAME"] == "lo"
+    env = clean_env()
+    assert "HPCNET_TEST_IFNAME" not in env and env["HPCNET_TEST_USERS"] == "eth9"
+    unset_own_env()
+    assert "HPCNET_TEST_IFNAME" not in os.environ and os.environ["HPCNET_TEST_USERS"] == "eth9" and not SET_ENV

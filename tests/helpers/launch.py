@@ -11,7 +11,12 @@ PROGRAMS = ROOT / "tests" / "programs"
 
 def clean_env(**extra):
     """The environment for a child mpirun: none of this process's MPI wiring."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    from hpcnet.comm.bootstrap import SET_ENV
+
+    # Nor what an in-process data plane of this session set (GLOO_SOCKET_IFNAME=lo would pin a job's gloo on
+    # every host to loopback).
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "PMI_")) and SET_ENV.get(k) != v}
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1", OMPI_MCA_btl_base_warn_component_unused="0",
                PYTHONPATH=str(ROOT))
