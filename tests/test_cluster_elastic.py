@@ -12,8 +12,6 @@ import json
 import re
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,7 @@ from mpi4py import MPI
 from hpcnet.bench.recovery import step_times
 from hpcnet.paths import metrics_file, rank_log
 from tests.helpers.cluster import cli
-from tests.helpers.launch import clean_env, wait_for
+from tests.helpers.launch import Watched, clean_env, wait_for
 
 pytestmark = [
     pytest.mark.cluster,
@@ -44,33 +42,16 @@ def _train_args(data: Path, runs: Path) -> list[str]:
             "fault.slow_s=0.3", "fault.rank=1"]
 
 
-class Elastic:
+class Elastic(Watched):
     """The supervised job, its output read as it comes."""
 
     def __init__(self, tmp_path: Path, data: Path) -> None:
         self.runs = tmp_path / "runs"
         mpirun = ["mpirun", *cli("env").stdout.split(), "-np", "4", sys.executable, "-m", "mpi4py", "-m",
                   "hpcnet.train", *_train_args(data, self.runs)]
-        cmd = [sys.executable, "-m", "hpcnet.launch", "--max-restarts", "2", "--standby", "off", "--backoff-s", "0",
-               "--launcher-grace-s", "5", "--exclude-failed-hosts", "--min-ranks", "2", "--probe-every-s", "1",
-               "--probe-timeout-s", "4", "--", *mpirun]
-        self.proc = subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
-        self.lines: list[tuple[float, str]] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append((time.time(), line))
-
-    @property
-    def output(self) -> str:
-        return "".join(line for _, line in self.lines)
-
-    def said(self, pattern: str, after: float = 0.0) -> float | None:
-        return next((when for when, line in list(self.lines) if when >= after and re.search(pattern, line)), None)
+        super().__init__([sys.executable, "-m", "hpcnet.launch", "--max-restarts", "2", "--standby", "off",
+                          "--backoff-s", "0", "--launcher-grace-s", "5", "--exclude-failed-hosts", "--min-ranks",
+                          "2", "--probe-every-s", "1", "--probe-timeout-s", "4", "--", *mpirun], tmp_path)
 
     def wait_said(self, pattern: str, after: float = 0.0, timeout_s: float = 60) -> float:
         assert wait_for(lambda: self.said(pattern, after) or self.proc.poll() is not None, timeout_s), \
@@ -78,15 +59,6 @@ class Elastic:
         when = self.said(pattern, after)
         assert when is not None, f"the job ended before {pattern!r}:\n{self.output[-3000:]}"
         return when
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
     def launch_dir(self) -> Path:
         return next(self.runs.glob("x-*"))

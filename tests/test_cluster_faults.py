@@ -10,7 +10,6 @@ import json
 import re
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from mpi4py import MPI
 
 from tests.helpers.ckpt import assert_same_tensors
 from tests.helpers.cluster import cli
-from tests.helpers.launch import clean_env, wait_for
+from tests.helpers.launch import Watched, clean_env, wait_for
 
 pytestmark = [
     pytest.mark.cluster,
@@ -80,36 +79,19 @@ def reference(hosts, data, tmp_path_factory):
     return _final_tensors(runs / "x.ckpt")
 
 
-class Supervised:
+class Supervised(Watched):
     """``python -m hpcnet.launch ... -- mpirun <cluster options> -np 4 ... hpcnet.train``, its output read as it
     comes."""
 
     def __init__(self, tmp_path: Path, data: Path, *launch_args: str, faults: tuple[str, ...] = ()) -> None:
         self.runs = tmp_path / "runs"
-        cmd = [sys.executable, "-m", "hpcnet.launch", "--max-restarts", "2", "--standby", "off", *launch_args, "--",
-               *_mpirun(*_train_args(data, self.runs), "fault.slow_s=0.3", "fault.rank=3", "fault.only_attempt=1",
-                        *faults)]
-        self.proc = subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
-        self.lines: list[tuple[float, str]] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append((time.time(), line))
-
-    @property
-    def output(self) -> str:
-        return "".join(line for _, line in self.lines)
-
-    def said(self, words: str) -> float | None:
-        """When the job first printed a line with ``words``; None if it has not."""
-        return next((when for when, line in list(self.lines) if words in line), None)
+        super().__init__([sys.executable, "-m", "hpcnet.launch", "--max-restarts", "2", "--standby", "off",
+                          *launch_args, "--",
+                          *_mpirun(*_train_args(data, self.runs), "fault.slow_s=0.3", "fault.rank=3",
+                                   "fault.only_attempt=1", *faults)], tmp_path)
 
     def wait_for_step(self, step: int, timeout_s: float = 60) -> None:
-        assert wait_for(lambda: self.said(f"step {step:2d}/{STEPS}") or self.proc.poll() is not None, timeout_s), \
+        assert wait_for(lambda: self.said(rf"step {step:2d}/{STEPS}") or self.proc.poll() is not None, timeout_s), \
             self.output[-3000:]
         assert self.proc.poll() is None, f"the job ended before step {step}:\n{self.output[-3000:]}"
 
@@ -121,16 +103,6 @@ class Supervised:
             pytest.fail(f"the supervised job did not end in {timeout_s} s:\n{self.output[-4000:]}")
         self.reader.join(10)
         return status
-
-    def stop(self) -> None:
-        """End a job that is still running: SIGTERM first (the supervisor ends its attempt's launcher), then SIGKILL."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
     def launch_record(self) -> dict:
         (path,) = self.runs.glob("x-*/launch.json")
@@ -162,6 +134,33 @@ def _verify(directory: Path) -> str:
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"step {STEPS}" in out.stdout, out.stdout
     return out.stdout
+
+
+def _partition_until_restarted(job: "Supervised", cluster, host: str, grace_s: float) -> tuple[float, dict, float, int]:
+    """Cut ``host`` off; once a failure is declared, its ranks ended by themselves and the supervisor ended the
+    launcher and waits to restart, heal it; the job's end.  Returns (when cut, the first failure.json read, when the
+    host's ranks were gone, the supervisor's status)."""
+    healed = False
+    try:
+        cut = time.time()
+        cli("partition", host)
+        assert wait_for(lambda: job.failure(1) is not None or job.proc.poll() is not None, 30), job.output[-3000:]
+        failure = job.failure(1)
+        assert failure is not None, job.output[-3000:]
+        # The cut-off host's ranks end by themselves: their monitors miss the other side's heartbeats too.
+        assert wait_for(lambda: _train_pids(cluster, host) == [], MISSES * HEARTBEAT_S + 10), \
+            (_train_pids(cluster, host), job.output[-3000:])
+        ranks_gone = time.time()
+        # The launcher, which cannot reach its daemon there, is ended within the grace; then heal before the restart.
+        assert wait_for(lambda: job.said("restarting from the newest checkpoint") or job.proc.poll() is not None,
+                        grace_s + 20), job.output[-3000:]
+        cli("heal", host)
+        healed = True
+        return cut, failure, ranks_gone, job.wait()
+    finally:
+        if not healed:
+            cli("heal", host, check=False)
+        job.stop()
 
 
 def test_a_killed_host_is_named_restarted_and_the_run_ends_bit_identical(cluster, hosts, data, reference, tmp_path):
@@ -209,28 +208,12 @@ def test_a_partition_mid_step_ends_both_sides_and_the_launcher_then_restarts(clu
     grace_s = 5.0
     # The backoff leaves time to heal the link after the launcher ended and before the next attempt starts.
     job = Supervised(tmp_path, data, "--backoff-s", "3", "--launcher-grace-s", f"{grace_s:g}")
-    healed = False
     try:
         job.wait_for_step(FAULT_AT)
-        cut = time.time()
-        cli("partition", b)
-        assert wait_for(lambda: job.failure(1) is not None or job.proc.poll() is not None, 30), job.output[-3000:]
-        failure = job.failure(1)
-        assert failure is not None, job.output[-3000:]
-        # The cut-off host's ranks end by themselves: their monitors miss the other side's heartbeats too.
-        assert wait_for(lambda: _train_pids(cluster, b) == [], MISSES * HEARTBEAT_S + 10), \
-            (_train_pids(cluster, b), job.output[-3000:])
-        ranks_gone = time.time()
-        # The launcher, which cannot reach its daemon there, is ended within the grace; then heal before the restart.
-        assert wait_for(lambda: job.said("restarting from the newest checkpoint") or job.proc.poll() is not None,
-                        grace_s + 20), job.output[-3000:]
-        cli("heal", b)
-        healed = True
-        status = job.wait()
-    finally:
-        if not healed:
-            cli("heal", b, check=False)
+    except BaseException:
         job.stop()
+        raise
+    cut, failure, ranks_gone, status = _partition_until_restarted(job, cluster, b, grace_s)
     # Rank 0's side names the cut-off host's ranks within 3 missed heartbeats + 1 s (each side names the other: the
     # reports of both sides are merged into one failure.json on the shared file system).
     # The first report is either side's; the first host's ranks merge theirs into it by the time the launcher ended.
@@ -270,27 +253,14 @@ def test_a_partition_mid_checkpoint_commits_nothing_of_that_save_and_the_run_end
     grace_s = 5.0
     job = Supervised(tmp_path, data, "--backoff-s", "3", "--launcher-grace-s", f"{grace_s:g}",
                      faults=("fault.slow_save_s=4",))
-    healed = False
     try:
         assert wait_for(lambda: job.said("checkpoint at step 20") or job.proc.poll() is not None, 90), \
             job.output[-3000:]
         assert job.proc.poll() is None, job.output[-3000:]
-        cut = time.time()
-        cli("partition", b)
-        assert wait_for(lambda: job.failure(1) is not None or job.proc.poll() is not None, 30), job.output[-3000:]
-        failure = job.failure(1)
-        assert failure is not None, job.output[-3000:]
-        assert wait_for(lambda: _train_pids(cluster, b) == [], MISSES * HEARTBEAT_S + 10), \
-            (_train_pids(cluster, b), job.output[-3000:])
-        assert wait_for(lambda: job.said("restarting from the newest checkpoint") or job.proc.poll() is not None,
-                        grace_s + 20), job.output[-3000:]
-        cli("heal", b)
-        healed = True
-        status = job.wait()
-    finally:
-        if not healed:
-            cli("heal", b, check=False)
+    except BaseException:
         job.stop()
+        raise
+    cut, failure, _, status = _partition_until_restarted(job, cluster, b, grace_s)
     assert failure["detected_wall"] - cut <= DETECTION_S, (failure, cut)
     record = job.launch_record()
     first, *later = record["attempts"]
