@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from mpi4py import MPI
 
-from hpcnet.bench.recovery import step_times
+from hpcnet.bench.common import step_times
 from hpcnet.paths import metrics_file, rank_log
 from tests.helpers.cluster import cli
 from tests.helpers.launch import Watched, clean_env, wait_for

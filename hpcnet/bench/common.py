@@ -144,3 +144,18 @@ def max_over_ranks(comm: Any, seconds: float) -> float:
     from mpi4py import MPI
 
     return comm.allreduce(seconds, op=MPI.MAX)
+
+
+def step_times(path: Path) -> dict[int, float]:
+    """Step -> unix time it was logged, from a metrics JSON-lines file (training lines only)."""
+    out: dict[int, float] = {}
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if "loss" in record and "time" in record:
+            out.setdefault(int(record["step"]), float(record["time"]))
+    return out

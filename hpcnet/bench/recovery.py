@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpcnet.bench.common import load_average, summarize, table, write_json
+from hpcnet.bench.common import load_average, step_times, summarize, table, write_json
 from hpcnet.paths import FAILURE_FILE, LAUNCH_FILE, attempt_dir, metrics_file, rank_log
 
 _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank (\d+) (\w+) ([\w.]+): (.*)$")
@@ -72,21 +72,6 @@ def first_event(events: list[tuple[float, str]], pattern: str) -> tuple[float, r
         if match:
             return stamp, match
     return None
-
-
-def step_times(path: Path) -> dict[int, float]:
-    """Step -> unix time it was logged, from a metrics JSON-lines file (training lines only)."""
-    out: dict[int, float] = {}
-    if not path.exists():
-        return out
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if "loss" in record and "time" in record:
-            out.setdefault(int(record["step"]), float(record["time"]))
-    return out
 
 
 def _supervise(out_dir: Path, name: str, train_args: list[str], args: argparse.Namespace,

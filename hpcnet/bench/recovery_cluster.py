@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpcnet.bench.common import load_average, summarize, table
+from hpcnet.bench.common import load_average, step_times, summarize, table
 from hpcnet.paths import FAILURE_FILE, LAUNCH_FILE, attempt_dir, metrics_file
 
 CLUSTER = Path(__file__).resolve().parents[2] / "scripts" / "cluster.sh"
@@ -50,17 +50,9 @@ def cluster_hosts() -> list[str] | str:
 
 
 def _first_step(launch_dir: Path, attempt: int) -> float | None:
-    path = attempt_dir(launch_dir, attempt) / metrics_file(0)
-    if not path.exists():
-        return None
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if "loss" in record and "time" in record:
-            return float(record["time"])
-    return None
+    """When ``attempt``'s first training step was logged (unix time); None before it."""
+    times = step_times(attempt_dir(launch_dir, attempt) / metrics_file(0))
+    return times[min(times)] if times else None
 
 
 class _Job:
