@@ -330,8 +330,11 @@ def test_no_parked_process_outlives_the_supervisor(tmp_path, how):
     """However the supervisor ends (a stop signal, kill -9 of it, a failure it does not restart), the standby's
     processes end too: the supervisor reaps them, or the parent-death signal reaches them."""
     _serial_only()
+    # A job that cannot end before the signal comes (10 ms a step). At 0.6 ms a step and a line each, mpirun's
+    # output forwarding fell tens of thousands of lines behind, the ranks then ran at the speed of their log, and the
+    # job outlived the test's wait although its ranks had stopped on the signal.
     extra = (["fault.write_error=EDQUOT", "fault.write_error_at_step=4"] if how == "failure"
-             else ["train.steps=100000", "checkpoint.every_steps=0"])
+             else ["train.steps=100000", "checkpoint.every_steps=0", "fault.slow_s=0.01"])
     extra.append("fault.sleep_at_step=0")  # no pause: the standby is made while the attempt runs on
     with open(tmp_path / "err.txt", "w") as err:
         proc = _launch(tmp_path, "left", *extra, stderr=err)
