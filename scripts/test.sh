@@ -51,7 +51,7 @@ for n in 2 3; do
 done
 if [ "${HPCNET_CLUSTER_MPI:-off}" = on ] && scripts/cluster.sh status >/dev/null 2>&1; then
     echo "=== MPI tests on 4 ranks: 2 hosts x 2 ranks of the local cluster ==="
-    timeout 900 scripts/cluster.sh mpirun --host "$(scripts/cluster.sh hosts | awk 'NR<=2 {printf "%s%s:2", sep, $1; sep=","}')" \
+    timeout 900 scripts/cluster.sh mpirun --mca mpi_yield_when_idle 1 --host "$(scripts/cluster.sh hosts | awk 'NR<=2 {printf "%s%s:2", sep, $1; sep=","}')" \
         -np 4 python -m mpi4py -m pytest -m mpi -q "$@"
 else
     echo "=== MPI tests on 4 ranks ==="

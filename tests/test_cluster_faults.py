@@ -136,6 +136,23 @@ def _verify(directory: Path) -> str:
     return out.stdout
 
 
+def _threads(pids: list[str]) -> dict[str, list[str]]:
+    """What each thread of ``pids`` is doing, as the kernel sees it ("name state wait-channel"): the ranks of a cut-off
+    host cannot send their stacks anywhere (their output goes to the unreachable mpirun)."""
+    found = {}
+    for pid in pids:
+        rows = []
+        for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+            try:
+                stat = (task / "stat").read_text()
+                rows.append(f"{stat[stat.index('(') + 1:stat.rindex(')')]} {stat[stat.rindex(')') + 2]} "
+                            f"{(task / 'wchan').read_text()}")
+            except (OSError, ValueError):
+                continue
+        found[pid] = rows
+    return found
+
+
 def _partition_until_restarted(job: "Supervised", cluster, host: str, grace_s: float) -> tuple[float, dict, float, int]:
     """Cut ``host`` off; once a failure is declared, its ranks ended by themselves and the supervisor ended the
     launcher and waits to restart, heal it; the job's end.  Returns (when cut, the first failure.json read, when the
@@ -149,7 +166,7 @@ def _partition_until_restarted(job: "Supervised", cluster, host: str, grace_s: f
         assert failure is not None, job.output[-3000:]
         # The cut-off host's ranks end by themselves: their monitors miss the other side's heartbeats too.
         assert wait_for(lambda: _train_pids(cluster, host) == [], MISSES * HEARTBEAT_S + 10), \
-            (_train_pids(cluster, host), job.output[-3000:])
+            (_threads(_train_pids(cluster, host)), job.output[-3000:])
         ranks_gone = time.time()
         # The launcher, which cannot reach its daemon there, is ended within the grace; then heal before the restart.
         assert wait_for(lambda: job.said("restarting from the newest checkpoint") or job.proc.poll() is not None,
