@@ -248,7 +248,9 @@ def _monitor_missing() -> str:
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(bool(_monitor_missing()), reason=_monitor_missing() or "-")
 def test_hung_rank_is_detected_then_restarted_and_ends_identical(tmp_path, reference):
-    out = _supervise(tmp_path, _train_command(tmp_path, "hang", "fault.hang_at_step=6", "fault.only_attempt=1"),
+    # A stall timeout of 8 s rather than the floor's 30 s: the detection is what is tested, not its default.
+    out = _supervise(tmp_path, _train_command(tmp_path, "hang", "fault.hang_at_step=6", "fault.only_attempt=1",
+                                              "monitor.stall_timeout_s=8"),
                      "--max-restarts", "2", "--backoff-s", "0.1", timeout=240)
     assert out.returncode == 0, out.stderr
     assert "attempt 1 ended with status 75" in out.stderr
