@@ -5,9 +5,11 @@
 # on 2 and 3 ranks on this host (an odd size finds what even ones hide: virtual
 # nodes of unequal sizes, sums of more than two in another order) and on 4
 # ranks (with HPCNET_CLUSTER_MPI=on: as 2 hosts x 2 ranks of the local cluster,
-# distinct interface names, every collective between the hosts over TCP; not
-# yet the default: one of its two full runs ended with an MPI_Abort(75) from a
-# rank on the second host, not yet explained).  pyproject.toml passes
+# distinct interface names, every collective between the hosts over TCP, Open
+# MPI yielding since mpirun sees 2 slots per host, not 4 ranks on 2 cores; not
+# the default: it takes 3 minutes against 1, and a heartbeat failure declared
+# against both ranks of the second host, alive, can end it with status 75:
+# docs/testing.md).  pyproject.toml passes
 # pytest-mpi's --with-mpi (without it every MPI test is skipped); python -m
 # mpi4py aborts the job when one rank fails instead of leaving the others
 # hanging.
