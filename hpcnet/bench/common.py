@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks: sizes, bandwidth formulas, robust statistics, tables.
+"""Helpers shared by the benchmarks: sizes, bandwidth formulas, robust statistics, tables, a watched process.
 
 The formulas and the parsing are pure functions (tested on one process); the
 few helpers that communicate take the communicator as a parameter.
@@ -9,6 +9,8 @@ import os
 import platform
 import re
 import statistics
+import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -159,3 +161,53 @@ def step_times(path: Path) -> dict[int, float]:
         if "loss" in record and "time" in record:
             out.setdefault(int(record["step"]), float(record["time"]))
     return out
+
+
+class Watched:
+    """A process (``python -m hpcnet.launch ...``, say) whose merged output is read, with the time of each line,
+    as it comes. ``env``: its environment (None: this process's)."""
+
+    def __init__(self, command: list[str], cwd: Path, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
+        self.lines: list[tuple[float, str]] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append((time.time(), line))
+
+    @property
+    def output(self) -> str:
+        return "".join(line for _, line in self.lines)
+
+    def said(self, pattern: str, after: float = 0.0) -> float | None:
+        """When a line matching the regular expression ``pattern`` first came (at ``after`` or later); None if
+        none has."""
+        regex = re.compile(pattern)
+        return next((when for when, line in list(self.lines) if when >= after and regex.search(line)), None)
+
+    def wait_for(self, pattern: str, after: float, timeout_s: float) -> float:
+        """When a line matching ``pattern`` came (at ``after`` or later), waiting up to ``timeout_s`` for it;
+        RuntimeError with the last lines if none came first or the process ended without one."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            when = self.said(pattern, after)
+            if when is not None:
+                return when
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise RuntimeError(f"no {pattern!r} within {timeout_s} s:\n{''.join(text for _, text in self.lines[-30:])}")
+
+    def stop(self) -> None:
+        """End it if it still runs: SIGTERM first (the supervisor ends its attempt's launcher), then SIGKILL."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

@@ -19,15 +19,13 @@ when the host list changes; launch.json says so, and the table counts the attemp
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from hpcnet.bench.common import load_average, step_times, summarize, table
+from hpcnet.bench.common import Watched, load_average, step_times, summarize, table
 from hpcnet.paths import FAILURE_FILE, LAUNCH_FILE, attempt_dir, metrics_file
 
 CLUSTER = Path(__file__).resolve().parents[2] / "scripts" / "cluster.sh"
@@ -55,31 +53,6 @@ def _first_step(launch_dir: Path, attempt: int) -> float | None:
     return times[min(times)] if times else None
 
 
-class _Job:
-    def __init__(self, command: list[str], cwd: Path) -> None:
-        self.proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[tuple[float, str]] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append((time.time(), line))
-
-    def wait_for(self, pattern: str, after: float, timeout_s: float) -> float:
-        regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for when, line in list(self.lines):
-                if when >= after and regex.search(line):
-                    return when
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise RuntimeError(f"no {pattern!r} within {timeout_s} s:\n{''.join(text for _, text in self.lines[-30:])}")
-
-
 def measure(out_dir: Path, trial: str, hosts: list[str], args: argparse.Namespace, standby: str) -> dict[str, Any]:
     """One shrink-and-grow run; its phases in seconds."""
     runs = out_dir / trial
@@ -94,7 +67,7 @@ def measure(out_dir: Path, trial: str, hosts: list[str], args: argparse.Namespac
                "--launcher-grace-s", f"{args.grace_s:g}", "--exclude-failed-hosts", "--min-ranks", "1",
                "--probe-every-s", f"{args.probe_every_s:g}", "--probe-timeout-s", f"{args.probe_timeout_s:g}", "--",
                "mpirun", *env_opts, "-np", str(args.np), sys.executable, "-m", "mpi4py", "-m", "hpcnet.train", *train]
-    job = _Job(command, runs)
+    job = Watched(command, runs)
     healed = False
     try:
         job.wait_for(rf"step +{args.kill_at}/{args.steps}", 0, 300)

@@ -1,11 +1,10 @@
 """Running programs under mpirun: the repository's paths, a child's environment, polling for what it does."""
 
 import os
-import re
-import subprocess
-import threading
 import time
 from pathlib import Path
+
+from hpcnet.bench import common
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = ROOT / "tests" / "programs"
@@ -37,38 +36,8 @@ def wait_for(condition, timeout_s):
     return condition()
 
 
-class Watched:
-    """A process (``python -m hpcnet.launch ...``, say) whose merged output is read, with the time of each line,
-    as it comes."""
+class Watched(common.Watched):
+    """``hpcnet.bench.common.Watched`` in the tests' environment (``clean_env``) unless given another."""
 
     def __init__(self, command: list[str], cwd: Path, env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(command, cwd=cwd, env=env if env is not None else clean_env(),
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[tuple[float, str]] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append((time.time(), line))
-
-    @property
-    def output(self) -> str:
-        return "".join(line for _, line in self.lines)
-
-    def said(self, pattern: str, after: float = 0.0) -> float | None:
-        """When a line matching the regular expression ``pattern`` first came (at ``after`` or later); None if
-        none has."""
-        regex = re.compile(pattern)
-        return next((when for when, line in list(self.lines) if when >= after and regex.search(line)), None)
-
-    def stop(self) -> None:
-        """End it if it still runs: SIGTERM first (the supervisor ends its attempt's launcher), then SIGKILL."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        super().__init__(command, cwd, env if env is not None else clean_env())
