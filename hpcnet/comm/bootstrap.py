@@ -147,10 +147,10 @@ def _set_default_env(name: str, value: str) -> None:
 
 def unset_own_env() -> None:
     """Take back the variables the data plane set (``SET_ENV``) that still hold what it set."""
-    for name, value in list(SET_ENV.items()):
+    for name, value in SET_ENV.items():
         if os.environ.get(name) == value:
             del os.environ[name]
-        SET_ENV.pop(name, None)
+    SET_ENV.clear()
 
 
 @dataclass(slots=True)
