@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from hpcnet.ckpt import direct
+from hpcnet.ckpt import direct, h5nogil
 from hpcnet.ckpt.durable import fsync_path
 from hpcnet.ckpt.job import SaveJob
 from hpcnet.ckpt.schema import DTYPES, WRITE_PIECE_BYTES, TensorSpec, block_hashes, write_pieces
@@ -43,9 +43,10 @@ log = logging.getLogger("hpcnet.checkpoint")
 PEER_POLL_S = 0.005
 """How often a writer waiting for its peers before a collective file create checks whether they came."""
 ANNOUNCE_WAIT_S = 30.0
-"""At most this long a writer waits for a heartbeat to announce its collective create: usually one tick, but
-an oversubscribed node can starve the monitor thread for seconds, and a create entered unannounced gets its
-rank declared dead if it holds the GIL for longer than the heartbeat deadline."""
+"""At most this long a writer waits for a heartbeat to announce its structure calls (the quiet guard): usually
+at once (the monitor thread is woken for it), but an oversubscribed node can starve that thread for seconds,
+and structure calls entered unannounced get their rank declared dead if they hold the GIL for longer than the
+heartbeat deadline."""
 
 
 def _gather_to_root(comm: Any, local: np.ndarray, counts: np.ndarray) -> np.ndarray | None:
@@ -149,32 +150,25 @@ def gather_tables(comm: Any, job: SaveJob, counts: np.ndarray, hashes: dict[int,
 def wait_for_peers(comm: Any) -> None:
     """Collective: return once every rank of ``comm`` got here, polling with the GIL released.
 
-    Called before each collective HDF5 call that holds the GIL (h5py does in
-    ``H5Fcreate``/``H5Fopen`` with the MPI-IO driver), so that the wait for a
-    slower rank happens here, where the monitor thread keeps beating, and the
-    wait inside HDF5 is only the I/O itself.  A non-blocking barrier polled
-    with short sleeps, not ``Barrier``: a blocked MPI call busy-polls a core,
-    which a slow peer on an oversubscribed node needs.
+    Called before the collective file create, so that the wait for a slower
+    rank happens here, sleeping, and the wait inside HDF5 is only the I/O
+    itself.  A non-blocking barrier polled with short sleeps, not ``Barrier``
+    (nor the create's own ``MPI_File_open``): a blocked MPI call busy-polls a
+    core, which a slow peer on an oversubscribed node needs.
     """
     wait_sleeping(comm.Ibarrier(), PEER_POLL_S)
 
 
-def _create_collectively(comm: Any, job: SaveJob, tmp: Path, create: Any, deadlines: Any, timeout_s: float) -> Any:
-    """``h5py.File(tmp, "w")`` over MPI-IO, after the ranks met outside HDF5 (see ``wait_for_peers``)."""
-    import h5py
-
+def _create_collectively(comm: Any, job: SaveJob, tmp: Path, deadlines: Any, timeout_s: float) -> Any:
+    """``h5py.File(tmp, "w")`` over MPI-IO, after the ranks met outside HDF5 (see ``wait_for_peers``), its create
+    made with the GIL released (``hpcnet.ckpt.h5nogil``): this rank's monitor beats while the create waits."""
     if job.fault is not None:
         job.fault("arrive", job.step)
     # Its own guard, so that a report tells the ranks that wait here from the one they wait for.
     with deadlines.guard("checkpoint.meet", timeout_s, what=f"checkpoint.meet (step {job.step})"):
         wait_for_peers(comm)
-    if create is not None:
-        # The watchers must know of the create before h5py takes the GIL from the monitor thread.
-        create.announced.wait(ANNOUNCE_WAIT_S)
-    if job.fault is not None:
-        job.fault("create", job.step)
-    return h5py.File(tmp, "w", driver="mpio", comm=comm, alignment_threshold=direct.ALIGN_BYTES,
-                     alignment_interval=direct.ALIGN_BYTES)
+    return h5nogil.create_file(tmp, comm, alignment_threshold=direct.ALIGN_BYTES,
+                               alignment_interval=direct.ALIGN_BYTES)
 
 
 @dataclass(slots=True)
@@ -203,22 +197,27 @@ def create_file(comm: Any, job: SaveJob, tmp: Path, datasets: dict[str, tuple[tu
     With ``job.direct_writes`` off the tensors and ``/rank_state`` are written through h5py here, while the
     file is open.  Errors after the create are appended to ``errors``, never raised between collective calls.
 
-    The create and the structure calls after it hold the GIL (h5py): they run in a quiet
-    ``checkpoint.create`` guard of ``deadlines`` (``hpcnet.fault.watchdog``), which the heartbeats announce.
+    The create runs in a ``checkpoint.create`` guard of ``deadlines`` (``hpcnet.fault.watchdog``), with the GIL
+    released; the structure calls after it hold the GIL (h5py) but wait for no peer: they run in a quiet
+    ``checkpoint.structure`` guard, which the heartbeats announce before the first call, so that watchers allow
+    the silence of a rank whose monitor cannot beat meanwhile.  A quiet guard hides a partition from the watchers
+    until its deadline, so it covers only calls that wait for nobody.
     """
     rank = comm.Get_rank()
     offsets = Offsets()
-    create = deadlines.open("checkpoint.create", timeout_s, what=f"checkpoint.create (step {job.step})",
-                            quiet=True)
-    try:
-        f = _create_collectively(comm, job, tmp, create, deadlines, timeout_s)
-    except BaseException:
-        deadlines.close(create)
-        raise
+    with deadlines.guard("checkpoint.create", timeout_s, what=f"checkpoint.create (step {job.step})"):
+        f = _create_collectively(comm, job, tmp, deadlines, timeout_s)
     created: tuple = ()
+    structure = deadlines.open("checkpoint.structure", timeout_s, what=f"checkpoint.structure (step {job.step})",
+                               quiet=True)
     try:
+        # The watchers must know of the quiet guard before h5py takes the GIL from the monitor thread.
+        if structure is not None:  # None: no monitor (``NULL_DEADLINES``), nobody to tell
+            structure.announced.wait(ANNOUNCE_WAIT_S)
+        if job.fault is not None:
+            job.fault("structure", job.step)
         d_tables, d_rank, d_tensors = created = _create_datasets(f, job, datasets, attrs)
-        deadlines.close(create)
+        deadlines.close(structure)
         reserved = _reserve(comm, job, tmp, f, [*d_tables.values(), d_rank, *d_tensors.values()], errors)
         if reserved == "failed":  # agreed: nothing is written
             return offsets
@@ -234,7 +233,7 @@ def create_file(comm: Any, job: SaveJob, tmp: Path, datasets: dict[str, tuple[tu
             offsets.tables = {name: offset for name, d in d_tables.items() if d.shape[0]
                               if (offset := _offset(d, errors)) is not None}
     finally:
-        deadlines.close(create)
+        deadlines.close(structure)
         try:
             f.close()
         except Exception as exc:  # noqa: BLE001

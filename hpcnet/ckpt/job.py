@@ -16,9 +16,9 @@ IoFault = Callable[[str, int], None]
 (``"precheck"`` on rank 0 before a save's free-space check, ``"write"`` on every rank while it writes
 its data, ``"read"`` on every rank before it opens each file of a load); an OSError it raises fails
 the operation as the file system would.  Every rank's writer also calls it at the collective file
-create, with ``"arrive"`` before the ranks meet there and ``"create"`` once they met and the create is
-announced, just before h5py's create: where a slow or stuck save is injected; and rank 0 calls it with
-``"reserve"`` once the file's structure exists, just before it allocates the file's space."""
+create, with ``"arrive"`` before the ranks meet there, and ``"structure"`` once the file exists and its
+quiet structure calls are announced, just before the first: where a slow or stuck save is injected; and
+rank 0 calls it with ``"reserve"`` once the file's structure exists, just before it allocates the file's space."""
 
 
 @dataclass(slots=True)

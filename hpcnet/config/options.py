@@ -477,8 +477,8 @@ class FaultConfig:
     """Fault injection: in the save of this step, the chosen rank's save blocks for good (GIL released, as in a stuck
     write)."""
     stuck_fs_at_step: int = 0
-    """Fault injection: in the save of this step, every rank's save blocks for good in the collective create, holding
-    the GIL (a stuck file system)."""
+    """Fault injection: in the save of this step, every rank's save blocks for good in the file's structure calls,
+    holding the GIL (a stuck file system)."""
     hang_at_startup: str = ""
     """Fault injection: the chosen rank blocks for good just before this start-up phase ('probe', 'rendezvous' or
     'groups'; see dist.startup_timeout_s), so the others wait there for it; empty = never."""

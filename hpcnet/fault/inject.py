@@ -45,8 +45,8 @@ The training loop calls three hooks, each one line:
   the checkpoint deadline), where the ranks meet before the collective
   file create (phase ``arrive``): a slow peer, which must not be a failure,
   or a stuck one.  With ``stuck_fs_at_step`` every rank's save blocks for
-  good inside the create (``create``), holding the GIL in a C call as h5py
-  does on a stuck file system: no Python runs anywhere, and only the native
+  good once the file exists, in its structure calls (``structure``), holding
+  the GIL in a C call as h5py does on a stuck file system: no Python runs anywhere, and only the native
   watchdog (``hpcnet.fault.native``) can end the job.
 
 ``fault.only_attempt = k`` injects only in attempt k of ``hpcnet.launch``
@@ -156,8 +156,8 @@ class FaultInjector:
         if c.stuck_save_at_step:
             parts.append(f"{who}'s checkpoint save blocks for good in the save of step {c.stuck_save_at_step}")
         if c.stuck_fs_at_step:
-            parts.append(f"every rank's checkpoint save blocks for good, holding the GIL, in the collective "
-                         f"create of step {c.stuck_fs_at_step} (a stuck file system)")
+            parts.append(f"every rank's checkpoint save blocks for good, holding the GIL, in the checkpoint "
+                         f"file's structure calls of step {c.stuck_fs_at_step} (a stuck file system)")
         return "; ".join(parts)
 
     def slow_compute(self, samples: int) -> None:
@@ -232,9 +232,9 @@ class FaultInjector:
         if phase == "arrive" and self.mine and step == c.stuck_save_at_step:
             log.error("fault injection: rank %d's checkpoint save blocks for good (step %d)", self.rank, step)
             threading.Event().wait()
-        if phase == "create" and step == c.stuck_fs_at_step:
-            log.error("fault injection: rank %d's checkpoint save blocks for good in the create, holding the GIL "
-                      "(step %d)", self.rank, step)
+        if phase == "structure" and step == c.stuck_fs_at_step:
+            log.error("fault injection: rank %d's checkpoint save blocks for good in the file's structure calls, "
+                      "holding the GIL (step %d)", self.rank, step)
             block_holding_the_gil()
 
 

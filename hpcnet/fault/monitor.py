@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import random
+import select
 import statistics
 import threading
 import time
@@ -128,6 +129,12 @@ class Monitor:
         self._tracker: PeerTracker | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        """A byte written here makes the monitor thread act now rather than at its next tick (a guard was opened
+        or closed).  A pipe, not an Event: the thread then sleeps in ``select``, not on a futex, which a watcher
+        on this host would take for a wait for the GIL (``hpcnet.fault.liveness``)."""
+        for fd in (self._wake_r, self._wake_w):
+            os.set_blocking(fd, False)
         self._muted = False  # tests: stop beating, as a hung rank would
         self._next_beat = 0.0
         self._peer_latest: dict[int, dict[str, Any]] = {}
@@ -212,9 +219,14 @@ class Monitor:
         The stacks signal stays registered (see the module docstring).
         """
         self._stop.set()
+        self._nudge()
         if self._thread is not None:
             self._thread.join(timeout=10)
+            if not self._thread.is_alive():
+                self._close_pipe()
             self._thread = None
+        else:
+            self._close_pipe()
         native, self._native = self._native, None
         if native is not None:
             native.close()
@@ -254,11 +266,27 @@ class Monitor:
         try:
             while not self._stop.is_set():
                 self._once(time.monotonic())
-                time.sleep(self._tick_s)
+                self._sleep()
         except Exception:
             log.exception("the monitor thread failed: heartbeats and stall detection are off for this rank")
         finally:
             self._leave()
+
+    def _sleep(self) -> None:
+        """Until the next tick, or a nudge."""
+        if select.select([self._wake_r], [], [], self._tick_s)[0]:
+            with contextlib.suppress(OSError):
+                os.read(self._wake_r, 4096)
+
+    def _close_pipe(self) -> None:
+        fds, (self._wake_r, self._wake_w) = (self._wake_r, self._wake_w), (-1, -1)
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+
+    def _nudge(self) -> None:
+        with contextlib.suppress(OSError):  # full (a nudge is pending already) or closed (stopped)
+            os.write(self._wake_w, b"!")
 
     def _once(self, now: float) -> None:
         assert self._tracker is not None
@@ -322,6 +350,7 @@ class Monitor:
         if native is None:
             return  # stopped
         self._beat_now = True
+        self._nudge()  # announce it now: a thread may be waiting for the announcement
         if self._thread is not None and not self._thread.is_alive():
             for guard in self.deadlines.guards():
                 guard.announced.set()  # nobody beats any more: nothing to wait for

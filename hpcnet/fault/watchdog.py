@@ -21,12 +21,15 @@ deadline, as it does for a stall: every rank dumps its stacks and flight
 recorder, the lowest detecting rank writes ``failure.json`` (kind
 ``checkpoint`` or ``startup``) and aborts with status 75.
 
-A guard around a call that holds the GIL (``quiet``: the collective file
-create and the structure calls after it, ``checkpoint.create``) is announced
-in this rank's heartbeats before the call, and the rank's watchers allow it
-to be silent until that deadline: a rank in a slow create is not declared
-dead while its monitor thread cannot beat (``hpcnet.fault.heartbeat``).  Only that
-guard is quiet: a rank stopped anywhere else is still found in seconds.
+A guard around calls that hold the GIL (``quiet``: the structure calls of a
+checkpoint file, ``checkpoint.structure``) is announced in this rank's
+heartbeats before the calls, and the rank's watchers allow it to be silent
+until that deadline: a rank in slow structure calls is not declared dead
+while its monitor thread cannot beat (``hpcnet.fault.heartbeat``).  Only that
+guard is quiet, and it covers no call that waits for a peer (the collective
+create runs with the GIL released: ``hpcnet.ckpt.h5nogil``): a quiet guard
+hides a partition from the watchers until its deadline, while a rank stopped
+or cut off anywhere else is found in seconds.
 """
 
 import contextlib
@@ -47,9 +50,11 @@ STARTUP_PHASES: dict[str, str] = {
 STARTUP_OPTION = "dist.startup_timeout_s"
 
 GUARDS: tuple[str, ...] = ("none", "startup", "checkpoint.save", "checkpoint.write", "checkpoint.create",
-                           "checkpoint.meet", "checkpoint.wait", "checkpoint.load", *STARTUP_PHASES)
+                           "checkpoint.meet", "checkpoint.wait", "checkpoint.load", *STARTUP_PHASES,
+                           "checkpoint.structure")
 """Names of guarded waits; a beat carries the index, so the table is the same on every rank.
-``checkpoint.meet``: a writer waiting for the others before the collective create (``ckpt.store.wait_for_peers``)."""
+``checkpoint.meet``: a writer waiting for the others before the collective create
+(``hpcnet.ckpt.collective.wait_for_peers``)."""
 GUARD_CODES: dict[str, int] = {name: code for code, name in enumerate(GUARDS)}
 
 IO_TIMEOUT_FLOOR_S = 120.0

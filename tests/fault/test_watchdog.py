@@ -58,12 +58,12 @@ def test_deadlines_expire_the_first_and_start_up_does_not_count_loads():
         time.sleep(0.2)
     assert startup.extra_s >= 0.2  # the load's time is given back to start-up
     assert deadlines.expired(startup.started + 5.1) is None
-    create = deadlines.open("checkpoint.create", 60.0, quiet=True)
+    structure = deadlines.open("checkpoint.structure", 60.0, quiet=True)
     wait = deadlines.open("checkpoint.wait", 60.0)
-    assert deadlines.quiet() is create and deadlines.innermost() is create  # a wait names what it waits for
+    assert deadlines.quiet() is structure and deadlines.innermost() is structure  # a wait names what it waits for
     deadlines.close(wait)
-    deadlines.close(create)
-    deadlines.close(create)  # twice is harmless
+    deadlines.close(structure)
+    deadlines.close(structure)  # twice is harmless
     deadlines.close(startup)
     assert deadlines.guards() == [] and changes == [1, 2, 1, 2, 3, 2, 1, 0]
     with pytest.raises(ValueError, match="unknown guard"):
@@ -244,7 +244,8 @@ def test_checkpoint_operations_are_guarded(comm, mpi_tmp_path):
     assert deadlines.guards() == []  # all closed, the writer thread's too
     # checkpoint.write: each stretch of the save, in the training thread or the writer's, has its own guard
     assert sorted(set(n for n, _ in opened)) == ["checkpoint.create", "checkpoint.load", "checkpoint.meet",
-                                                 "checkpoint.save", "checkpoint.wait", "checkpoint.write"]
+                                                 "checkpoint.save", "checkpoint.structure", "checkpoint.wait",
+                                                 "checkpoint.write"]
     assert all(t == 120.0 for _, t in opened)  # a small checkpoint: the floor
 
 
