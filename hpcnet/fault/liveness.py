@@ -21,7 +21,15 @@ rank's threads first:
   a deadlocked process uses none;
 - otherwise (its monitor thread asleep, or none): failed.
 
-Ranks on other hosts are judged by heartbeats alone.
+Ranks on other hosts are judged by heartbeats alone, except where those
+hosts are namespaces or containers of this machine (the same kernel boot id)
+and their processes are visible here, as on the local test cluster: their
+ranks share this machine's cores, so they starve alike, and their silence
+may be starvation too.  Such a rank is first asked one more question: does
+its monitor thread run (its CPU time, ``/proc/<pid>/task/<tid>/schedstat``,
+grows over ``MONITOR_WINDOW_S``)?  Then it is beating and its beats do not
+arrive: a network fault between the hosts (a partition), failed at once.
+Otherwise the rules above apply.
 """
 
 import contextlib
@@ -48,6 +56,11 @@ LOOK_GAP_S = 0.02
 its deadline) before it is declared failed: on an oversubscribed host a healthy rank's monitor thread can be asleep
 with no known ``wchan`` ('S', '0') for an instant while its main thread waits in ``mmap`` ('D'), as in a start-up that
 imports torch."""
+
+
+MONITOR_WINDOW_S = 0.25
+"""How long a watcher looks at the monitor thread of a silent rank on another host of this machine: a running
+monitor ticks every 50 ms at most (``Monitor._tick_s``), so its CPU time grows within this."""
 
 
 def name_this_thread(name: bytes = MONITOR_THREAD_NAME) -> None:
@@ -85,6 +98,22 @@ def cpu_ticks(pid: int) -> int | None:
         return None
     fields = text[text.rindex(")") + 2:].split()
     return int(fields[11]) + int(fields[12])
+
+
+def monitor_cpu_ns(pid: int) -> int | None:
+    """The time on a CPU of a process's monitor thread, in ns (``schedstat``); None if none is found."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        base = Path(f"/proc/{pid}/task/{tid}")
+        try:
+            if (base / "comm").read_bytes().strip() == MONITOR_THREAD_NAME[:15]:
+                return int((base / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
 
 
 def process_threads(pid: int, started: int | None) -> list[ThreadState] | None:
@@ -137,23 +166,29 @@ class LocalLiveness:
     """Which of the silent ranks on this host to declare failed (the rest are starved, see the module docstring).
 
     Args:
-        local: rank -> (pid, start time) of the other ranks on this host.
+        local: rank -> (pid, start time) of the other ranks on this host, and of the ranks on other hosts of this
+            machine whose processes are visible here.
+        remote: which of ``local`` are on another host of this machine.
         idle_s: how long a process whose threads are all blocked may have used
             no CPU time before it is failed (the heartbeat deadline).
         read: how to read a process's threads (tests pass a fake).
         ticks: how to read a process's CPU time (tests pass a fake).
         clock: ``time.monotonic`` (tests pass a fake).
         sleep: ``time.sleep``, between repeated looks (tests pass a fake).
+        monitor_ns: how to read the CPU time of a process's monitor thread (tests pass a fake).
     """
 
     def __init__(self, local: dict[int, tuple[int, int | None]], idle_s: float = 6.0,
                  read: Callable[[int, int | None], list[ThreadState] | None] = process_threads,
                  ticks: Callable[[int], int | None] = cpu_ticks,
                  clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep, *, remote: Iterable[int] = (),
+                 monitor_ns: Callable[[int], int | None] = monitor_cpu_ns) -> None:
         self.local = local
+        self.remote = frozenset(remote)
         self.idle_s = idle_s
         self._read, self._ticks, self._clock, self._sleep = read, ticks, clock, sleep
+        self._monitor_ns = monitor_ns
         self._told: set[int] = set()
         self._cpu: dict[int, tuple[int, float]] = {}
         """rank -> (its CPU ticks, when they last changed), while it is silent."""
@@ -189,6 +224,16 @@ class LocalLiveness:
                 break
         return threads, verdict
 
+    def _monitor_runs(self, rank: int) -> bool:
+        """Whether the rank's monitor thread got CPU time within ``MONITOR_WINDOW_S``."""
+        pid = self.local[rank][0]
+        before = self._monitor_ns(pid)
+        if before is None:
+            return False
+        self._sleep(MONITOR_WINDOW_S)
+        after = self._monitor_ns(pid)
+        return after is not None and after > before
+
     def failed(self, ranks: Iterable[int], silent_s: Callable[[int], float], limit_s: float) -> list[int]:
         """Of ``ranks`` (past their heartbeat deadline), those to declare failed now."""
         out = []
@@ -196,17 +241,22 @@ class LocalLiveness:
             if rank not in self.local or silent_s(rank) > limit_s:
                 out.append(rank)
                 continue
+            if rank in self.remote and self._monitor_runs(rank):
+                out.append(rank)
+                log.error("rank %d on another host of this machine: silent for %.1f s while its monitor thread "
+                          "runs: its beats do not arrive (a network fault between the hosts)", rank, silent_s(rank))
+                continue
             threads, verdict = self._look(rank)
             if verdict is False and _waits_for_gil(threads) and self._busy_lately(rank):
                 verdict = True  # every thread blocked at this instant, but it has been running
             if not verdict:
                 out.append(rank)
-                log.error("rank %d on this host: silent for %.1f s, %s; its threads: %s", rank, silent_s(rank),
+                log.error("rank %d on this machine: silent for %.1f s, %s; its threads: %s", rank, silent_s(rank),
                           "gone" if threads is None else "stopped" if verdict is None else "blocked",
                           ", ".join(f"{t.name}:{t.state}:{t.wchan}" for t in threads or []) or "none")
             elif rank not in self._told:
                 self._told.add(rank)
-                log.warning("rank %d on this host is silent for %.1f s but its process is runnable or using CPU "
+                log.warning("rank %d on this machine is silent for %.1f s but its process is runnable or using CPU "
                             "(starved of CPU or of its GIL): not failed unless silent for %.0f s", rank,
                             silent_s(rank), limit_s)
         return out

@@ -170,9 +170,14 @@ class Monitor:
         session = hb_comm.bcast(random.getrandbits(48) if self.world.rank == 0 else None, root=0)
         ids = hb_comm.allgather((os.getpid(), start_time(os.getpid()), machine_id(), usable_cores()))
         self._pids = tuple(pid for pid, *_ in ids)  # whom to ask for stacks on this host
+        # The ranks whose /proc a watcher reads: its host's, and those of other hosts of this machine it can see.
         here = [r for r in range(self.world.size) if self.world.hostnames[r] == self.world.hostname]
-        self._local = LocalLiveness({r: ids[r][:2] for r in self.watch if r in here and r != self.world.rank},
-                                    idle_s=self.cfg.heartbeat_misses * self.cfg.heartbeat_interval_s)
+        machine = ids[self.world.rank][2]
+        beside = [r for r in self.watch if r not in here and ids[r][2] == machine and ids[r][1] is not None
+                  and start_time(ids[r][0]) == ids[r][1]]
+        self._local = LocalLiveness({r: ids[r][:2] for r in self.watch if (r in here or r in beside)
+                                     and r != self.world.rank},
+                                    idle_s=self.cfg.heartbeat_misses * self.cfg.heartbeat_interval_s, remote=beside)
         # Ranks per core on this machine: hosts that are namespaces or containers of one machine share its cores.
         ranks, cores = sharing([(machine, cpus) for _, _, machine, cpus in ids], self.world.rank)
         factor = oversubscription(ranks, cores)

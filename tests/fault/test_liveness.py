@@ -8,7 +8,15 @@ import time
 
 import pytest
 
-from hpcnet.fault.liveness import LocalLiveness, ThreadState, process_threads, start_time, starved
+from hpcnet.fault.liveness import (
+    MONITOR_WINDOW_S,
+    LocalLiveness,
+    ThreadState,
+    monitor_cpu_ns,
+    process_threads,
+    start_time,
+    starved,
+)
 from tests.helpers.launch import PROGRAMS, ROOT
 
 MONITOR = "hpcnet-monitor"
@@ -137,3 +145,38 @@ def test_a_blocked_look_is_repeated_and_a_starved_one_wins():
     assert live.failed([1, 2], {1: 130.0, 2: 130.0}.get, limit_s=1920.0) == [2]
     assert seen == {1: 3, 2: LOOKS}  # 1 starved at the third look; 2 blocked at every one
     assert len(slept) == 2 + LOOKS - 1 and all(0 < s <= 0.1 for s in slept)
+
+
+def test_a_rank_of_another_host_of_this_machine_whose_monitor_runs_is_failed_at_once():
+    """Hosts that are namespaces of one machine share its cores: a silent rank there may be starved, as one on this
+    host may; but one whose monitor thread runs is beating, and its beats do not arrive: a partition."""
+    starving = [ThreadState("python", "R", "0"), ThreadState(MONITOR, "R", "0")]  # looks starved
+    monitor_ns = {11: iter([5_000, 5_000]), 12: iter([5_000, 9_000]), 13: iter([None])}
+    slept = []
+    live = LocalLiveness({1: (11, None), 2: (12, None), 3: (13, None), 4: (14, None)}, read=lambda pid, _: starving,
+                         ticks=lambda pid: 100, sleep=slept.append, remote={1, 2, 3},
+                         monitor_ns=lambda pid: next(monitor_ns[pid]))
+    silent = {1: 7.0, 2: 7.0, 3: 7.0, 4: 7.0}.get
+    # 1: its monitor got no CPU (starved, kept); 2: its monitor ran (failed); 3: no monitor thread found: the usual
+    # look (starved, kept); 4: on this host, never asked
+    assert live.failed([1, 2, 3, 4], silent, limit_s=30.0) == [2]
+    assert slept.count(MONITOR_WINDOW_S) == 2
+
+
+@pytest.mark.parametrize("process", ["ticking"], indirect=True)
+def test_the_cpu_time_of_a_ticking_monitor_thread_grows_and_a_blocked_ones_does_not(process):
+    first = monitor_cpu_ns(process.pid)
+    time.sleep(MONITOR_WINDOW_S)
+    assert first is not None and monitor_cpu_ns(process.pid) > first
+    assert monitor_cpu_ns(os.getpid()) is None  # no monitor thread here
+    blocked = subprocess.Popen([sys.executable, str(PROGRAMS / "blocked_monitor.py"), "sleep"],
+                               env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+    try:
+        assert blocked.stdout.readline().strip() == "ready"
+        time.sleep(0.1)
+        before = monitor_cpu_ns(blocked.pid)
+        time.sleep(MONITOR_WINDOW_S)
+        assert before is not None and monitor_cpu_ns(blocked.pid) == before
+    finally:
+        blocked.kill()
+        blocked.wait()

@@ -1,6 +1,7 @@
-"""A process whose "monitor" thread waits on a lock (a futex, like the GIL) while the main thread spins or sleeps.
+"""A process whose "monitor" thread waits on a lock (a futex, like the GIL) while the main thread spins or sleeps;
+or (``ticking``) whose monitor thread ticks every 50 ms, as a healthy one does, while the main thread sleeps.
 
-blocked_monitor.py spin|sleep
+blocked_monitor.py spin|sleep|ticking
 """
 import sys
 import threading
@@ -14,6 +15,10 @@ lock.acquire()
 
 def monitor():
     name_this_thread()
+    if sys.argv[1] == "ticking":
+        while True:
+            sum(range(2000))
+            time.sleep(0.05)
     lock.acquire()
 
 
@@ -21,5 +26,5 @@ threading.Thread(target=monitor, daemon=True).start()
 print("ready", flush=True)
 end = time.monotonic() + 60
 while time.monotonic() < end:
-    if sys.argv[1] == "sleep":
+    if sys.argv[1] in ("sleep", "ticking"):
         time.sleep(1)
