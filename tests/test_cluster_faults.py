@@ -150,11 +150,6 @@ def _threads(pids: list[str]) -> dict[str, list[str]]:
             except (OSError, ValueError):
                 continue
         found[pid] = rows
-        import os as _os
-        if _os.environ.get("HPCNET_GDB_DUMP"):
-            out = subprocess.run(["gdb", "-p", pid, "-batch", "-ex", "thread apply all bt 25"], capture_output=True,
-                                 text=True, timeout=60)
-            Path(_os.environ["HPCNET_GDB_DUMP"] + f".{pid}").write_text(out.stdout + out.stderr)
     return found
 
 
