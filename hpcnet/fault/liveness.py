@@ -100,14 +100,17 @@ def cpu_ticks(pid: int) -> int | None:
     return int(fields[11]) + int(fields[12])
 
 
-def monitor_cpu_ns(pid: int) -> int | None:
-    """The time on a CPU of a process's monitor thread, in ns (``schedstat``); None if none is found."""
+def _tasks(pid: int) -> list[Path] | None:
+    """The ``/proc`` directories of a process's threads, or None when it is gone."""
     try:
-        tids = os.listdir(f"/proc/{pid}/task")
+        return [Path(f"/proc/{pid}/task/{tid}") for tid in os.listdir(f"/proc/{pid}/task")]
     except OSError:
         return None
-    for tid in tids:
-        base = Path(f"/proc/{pid}/task/{tid}")
+
+
+def monitor_cpu_ns(pid: int) -> int | None:
+    """The time on a CPU of a process's monitor thread, in ns (``schedstat``); None if none is found."""
+    for base in _tasks(pid) or []:
         try:
             if (base / "comm").read_bytes().strip() == MONITOR_THREAD_NAME[:15]:
                 return int((base / "schedstat").read_text().split()[0])
@@ -120,13 +123,11 @@ def process_threads(pid: int, started: int | None) -> list[ThreadState] | None:
     """The threads of a process on this host, or None when it is gone or the pid now names another process."""
     if started is not None and start_time(pid) != started:
         return None
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
+    bases = _tasks(pid)
+    if bases is None:
         return None
     threads = []
-    for tid in tids:
-        base = Path(f"/proc/{pid}/task/{tid}")
+    for base in bases:
         try:
             stat = (base / "stat").read_text()
             wchan = (base / "wchan").read_text().strip()

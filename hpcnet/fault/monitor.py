@@ -227,11 +227,9 @@ class Monitor:
         self._nudge()
         if self._thread is not None:
             self._thread.join(timeout=10)
-            if not self._thread.is_alive():
-                self._close_pipe()
-            self._thread = None
-        else:
-            self._close_pipe()
+        if self._thread is None or not self._thread.is_alive():
+            self._close_pipe()  # a thread that outlived the join still selects on it
+        self._thread = None
         native, self._native = self._native, None
         if native is not None:
             native.close()
