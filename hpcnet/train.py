@@ -388,9 +388,12 @@ if __name__ == "__main__":
         from mpi4py import MPI
 
         from hpcnet.ckpt.collective import unclosed_files
+        from hpcnet.comm.transport.base import release_workers
 
-        if unclosed_files():
-            os._exit(code)  # HDF5's teardown (at MPI_Finalize, at exit) would crash on a file it failed to close
+        # HDF5's teardown (at MPI_Finalize, at exit) would crash on a file it failed to close, and Open MPI's
+        # MPI_Finalize with a worker thread inside a collective its peers abandoned.
+        if unclosed_files() or release_workers():
+            os._exit(code)
         if not MPI.Is_finalized():
             MPI.Finalize()
     sys.exit(code)

@@ -6,10 +6,13 @@ returns the first error instead of raising, so the caller can agree on it
 with the other ranks first.
 """
 
+import atexit
 import concurrent.futures
+import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -84,12 +87,16 @@ class _DaemonWorker:
     Not a ThreadPoolExecutor: the interpreter joins those workers at exit, so a
     worker left in a collective that will never finish (its peers failed or
     gave up) would hang the process after training ended.  A daemon thread is
-    abandoned at exit instead, and ``MPI_Finalize`` or ``MPI_Abort`` ends it.
+    abandoned at exit instead; ``release_workers`` then keeps ``MPI_Finalize``
+    from running while it is still inside MPI.
     """
 
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.in_call = False
+        """A submitted call is running (for a worker that cannot be joined: inside a collective)."""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        _WORKERS.add(self)
         self._thread.start()
 
     def _run(self) -> None:
@@ -97,10 +104,13 @@ class _DaemonWorker:
             future, fn, arg = job
             if not future.set_running_or_notify_cancel():
                 continue
+            self.in_call = True
             try:
                 future.set_result(fn(arg))
             except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
                 future.set_exception(exc)
+            finally:
+                self.in_call = False
 
     def submit(self, fn: Callable[[Any], Any], arg: Any) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -117,6 +127,54 @@ class _DaemonWorker:
             if job is not None:
                 job[0].cancel()
         self._jobs.put(None)
+
+    def stuck(self, timeout_s: float) -> bool:
+        """Close, and wait up to ``timeout_s`` for the thread to end; True when it is still inside a call."""
+        self.close()
+        self._thread.join(timeout_s)
+        return self._thread.is_alive() and self.in_call
+
+
+_WORKERS: "weakref.WeakSet[_DaemonWorker]" = weakref.WeakSet()
+
+RELEASE_WAIT_S = 2.0
+"""How long ``release_workers`` lets a worker finish the call in progress (at exit nothing healthy is in flight)."""
+
+
+def release_workers(timeout_s: float = RELEASE_WAIT_S) -> bool:
+    """Stop every worker thread before ``MPI_Finalize``; True when one stays inside a collective that will never
+    finish (its peers failed or gave up on it).
+
+    ``MPI_Finalize`` while another thread waits in a collective crashes Open MPI 4.1 (it frees what that thread is
+    polling), and MPI offers no way to take a thread out of a blocking collective (docs/communication.md, "Where
+    MPI collectives run"). So a process with such a worker must end without ``MPI_Finalize``: ``hpcnet.train``
+    then ends with ``os._exit`` and its status, any other program at exit with ``STUCK_EXIT``.
+    """
+    stuck = False
+    for worker in list(_WORKERS):
+        if worker._thread.is_alive():
+            stuck = worker.stuck(timeout_s) or stuck
+    return stuck
+
+
+STUCK_EXIT = 1
+"""The status of a program whose worker thread is stuck in a collective at exit (``_exit_if_stuck``)."""
+
+
+def _exit_if_stuck() -> None:
+    """At exit (Python's exit handlers run before mpi4py's ``MPI_Finalize``): end the process without finalizing
+    MPI when a worker thread is stuck inside a collective (``release_workers``)."""
+    if not _WORKERS or not release_workers():
+        return
+    import sys
+
+    print("hpcnet: a worker thread is still inside an MPI collective that its peers abandoned; ending without "
+          f"MPI_Finalize (which would crash), status {STUCK_EXIT}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(STUCK_EXIT)
+
+
+atexit.register(_exit_if_stuck)
 
 
 class CollectiveExecutor:
