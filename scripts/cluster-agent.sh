@@ -17,6 +17,9 @@ if [ -z "${ns:-}" ]; then
     echo "cluster-agent.sh: no host '$target' in the local cluster ($state_dir/hostmap)" >&2
     exit 255
 fi
+# ssh carries no environment to another host: neither does this, for the tag by
+# which hpcnet.launch finds what an attempt started on its own host.
+unset HPCNET_PROCESS_TAG
 # ip netns exec already gives the command a mount namespace of its own; --mount
 # makes that explicit, --propagation private keeps the bind mount in it.
 exec ip netns exec "$ns" unshare --uts --mount --propagation private -- /bin/bash -c \

@@ -10,8 +10,9 @@
 #           running cluster it says so and exits 0; an explicit --link-gbit or
 #           --ifnames is then applied in place, a different --hosts or --slots
 #           is refused (stop first).
+#           While it runs, kernel.sched_autogroup_enabled is 0 (see start()).
 #   stop    kills every process on every host, deletes the hosts, their links,
-#           the bridge and the state directory.
+#           the bridge and the state directory; puts autogroup back as it was.
 #   status  exit 0 and one line per host when the cluster is up, 1 otherwise.
 #   hosts   the host file for mpirun (`hostname slots=N` per host).
 #   env     the mpirun options that run a job on the hosts, on one line:
@@ -52,6 +53,7 @@ bridge="${prefix}br0"
 bridge_ip="$net.254"
 subnet="$net.0/24"
 letters=(A B C D E F G H I J K L M N O P Q R S T U V W X Y Z)
+autogroup=/proc/sys/kernel/sched_autogroup_enabled
 # Interface names have at most 15 characters: eth-<prefix>a, v-<prefix>a, <prefix>br0.
 [[ "$prefix" =~ ^[a-z][a-z0-9]{0,9}$ ]] || { echo "cluster.sh: HPCNET_CLUSTER_PREFIX: 1 to 10 lower-case letters or digits, not '$prefix'" >&2; exit 2; }
 [[ "$net" =~ ^[0-9]{1,3}\.[0-9]{1,3}\.[0-9]{1,3}$ ]] || { echo "cluster.sh: HPCNET_CLUSTER_NET: the first three parts of a /24 (10.77.0), not '$net'" >&2; exit 2; }
@@ -203,7 +205,7 @@ rename_ifaces() {  # same|distinct
 # --- start / stop -----------------------------------------------------------
 
 start() {
-    local hosts=2 slots=2 rate="" ifnames=distinct rate_given=0 ifnames_given=0 hosts_given=0 slots_given=0
+    local hosts=2 slots=2 rate="" ifnames=distinct rate_given=0 ifnames_given=0 hosts_given=0 slots_given=0 autogroup_note=""
     while [ $# -gt 0 ]; do
         case "$1" in
             --hosts) hosts="${2:?--hosts H}"; hosts_given=1; shift 2 ;;
@@ -242,6 +244,17 @@ start() {
     teardown quiet
 
     mkdir -p "$state_dir"
+    # The hosts share one kernel, whose autogroup scheduling (one group per
+    # session, and each host's daemon starts a session) would share the CPUs
+    # between hosts as if they were jobs of different users: a busy host then
+    # starves a rank of another for seconds, which separate machines never do.
+    # Off while the cluster runs (the old value is kept in the state directory
+    # and put back by stop): docs/testing.md.
+    if [ -w "$autogroup" ] && [ "$(cat "$autogroup")" != 0 ]; then
+        cat "$autogroup" >"$state_dir/autogroup"
+        echo 0 >"$autogroup"
+        autogroup_note="; kernel.sched_autogroup_enabled 0 until stop"
+    fi
     printf 'hosts=%s\nslots=%s\nifnames=%s\nprefix=%s\nnet=%s\n' \
         "$hosts" "$slots" "$ifnames" "$prefix" "$net" >"$state_dir/config"
     : >"$state_dir/hostmap"
@@ -283,7 +296,7 @@ start() {
             sleep 0.1
         done
     done <"$state_dir/hostmap"
-    say "started ($(summary))"
+    say "started ($(summary))${autogroup_note:-}"
 }
 
 # Kill every process in a namespace until none is left (a dying daemon may fork).
@@ -313,6 +326,9 @@ teardown() {
         [[ "$link" =~ ^v-${prefix}[a-z]$ ]] && ip link del "$link" 2>/dev/null || true
     done
     ip link del "$bridge" 2>/dev/null || true
+    if [ -r "$state_dir/autogroup" ]; then
+        cat "$state_dir/autogroup" >"$autogroup" 2>/dev/null || true
+    fi
     rm -rf "$state_dir"
     [ "${1:-}" = quiet ] || say "stopped"
 }

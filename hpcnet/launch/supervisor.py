@@ -11,11 +11,14 @@ ends the job itself (status 75).  Either way the only recovery is a fresh job,
 and something that outlives the job must start it: this small process, which
 holds no MPI state, imports no torch, and sits in front of the launcher.
 
-This module runs the attempts: each in a session of its own, its output teed
-(a launcher's line about a dead rank is recorded), whatever is left of the
-session killed when the launcher ends (``reap_session``: a session, not the
-process group, because Open MPI's mpirun gives every rank a process group of
-its own), stop signals forwarded (``hpcnet.launch.forward``: whenever one
+This module runs the attempts: each in a process group of its own, its output
+teed (a launcher's line about a dead rank is recorded), whatever is left of it
+killed when the launcher ends (``reap``: every process whose environment holds
+the attempt's tag, ``HPCNET_PROCESS_TAG``, not the process group, because
+Open MPI's mpirun gives every rank a process group of its own; nor a session
+of its own, which a kernel with ``sched_autogroup`` schedules as one group
+against ours and can leave this process unscheduled for seconds while the
+ranks spin: docs/fault-tolerance.md), stop signals forwarded (``hpcnet.launch.forward``: whenever one
 comes, no attempt starts after it), and ``launch.json`` written.
 What each attempt runs is ``hpcnet.launch.command``; whether to run another,
 ``hpcnet.launch.restarts``; which hosts to leave out, ``hpcnet.launch.hosts``.
@@ -188,19 +191,52 @@ def session_members(sid: int, proc_dir: Path = Path("/proc")) -> list[int]:
     return members
 
 
+TAG_ENV = "HPCNET_PROCESS_TAG"
+"""In the environment of every process an attempt starts on this host (inherited, so its launcher's children and
+theirs carry it whatever session or process group they move to): what ``reap`` finds them by."""
+
+
+def tagged_processes(tag: str, proc_dir: Path = Path("/proc")) -> list[int]:
+    """Live processes (zombies left out) whose environment holds ``HPCNET_PROCESS_TAG=tag``, from /proc (Linux;
+    elsewhere none are found).  Processes of other users, whose environment cannot be read, are never members; a
+    tag is never used twice (it holds our pid and 48 random bits), so no unrelated process is."""
+    needle = b"\0" + f"{TAG_ENV}={tag}".encode() + b"\0"
+    members = []
+    try:
+        entries = list(os.scandir(proc_dir))
+    except FileNotFoundError:
+        return members
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()  # after the command name: state, ppid, ...
+            if fields[0] != "Z" and needle in b"\0" + Path(entry.path, "environ").read_bytes():
+                members.append(int(entry.name))
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
+            continue
+    return members
+
+
 def reap_session(sid: int, timeout_s: float = 30.0) -> tuple[list[int], list[int]]:
-    """SIGKILL every process left in session ``sid`` until none is; return (killed, still alive after timeout_s).
+    """``reap`` the processes of session ``sid`` (a probe's: ``hpcnet.launch.elastic.run_probe``).  The kernel does
+    not hand out a session's id as a new pid while the session has members, so the scan cannot pick up an
+    unrelated process."""
+    return reap(functools.partial(session_members, sid), timeout_s)
+
+
+def reap(find: Callable[[], list[int]], timeout_s: float = 30.0) -> tuple[list[int], list[int]]:
+    """SIGKILL every process ``find()`` lists until it lists none; return (killed, still alive after timeout_s).
 
     The attempt is over (its launcher ended): what is left of it would only
     race the next attempt, so it gets no grace period.  A checkpoint it was
-    writing is never committed halfway (commits are a rename).  The kernel
-    does not hand out a session's id as a new pid while the session has
-    members, so the scan cannot pick up an unrelated process.
+    writing is never committed halfway (commits are a rename).
     """
     killed: list[int] = []
     deadline = time.monotonic() + timeout_s
     while True:
-        members = session_members(sid)
+        members = find()
         if not members or time.monotonic() > deadline:
             return killed, members
         for pid in members:
@@ -231,18 +267,18 @@ def written_since(path: Path, since_unix: float) -> float | None:
     return mtime if mtime >= since_unix - 1.0 else None
 
 
-def end_launcher(proc: subprocess.Popen, grace_s: float) -> None:
-    """End a launcher that outlived its grace after a declared failure: it and everything in its session (the
-    ranks and daemons it started here, the rsh/ssh agents that reach the other hosts) get SIGKILL.  Daemons on a
-    host it cannot reach are beyond any signal from here; Open MPI's orted ends itself when it loses its
-    connection to mpirun, and a cut-off rank ends itself when its heartbeats stop (docs/fault-tolerance.md)."""
-    _say(f"the job declared its failure {grace_s:g} s ago and the launcher (pid {proc.pid}) is still running (a "
-         "daemon it cannot reach?): ending it and every process of its session (--launcher-grace-s)")
-    killed, alive = reap_session(proc.pid, timeout_s=10.0)
+def end_launcher(started: "_Started", grace_s: float) -> None:
+    """End a launcher that outlived its grace after a declared failure: it and everything it started here (the
+    ranks and daemons, the rsh/ssh agents that reach the other hosts) get SIGKILL.  Daemons on a host it cannot
+    reach are beyond any signal from here; Open MPI's orted ends itself when it loses its connection to mpirun,
+    and a cut-off rank ends itself when its heartbeats stop (docs/fault-tolerance.md)."""
+    _say(f"the job declared its failure {grace_s:g} s ago and the launcher (pid {started.proc.pid}) is still "
+         "running (a daemon it cannot reach?): ending it and every process it started here (--launcher-grace-s)")
+    killed, alive = started.reap(timeout_s=10.0)
     if alive:
-        _say(f"processes {alive[:10]} of the launcher's session are still alive after SIGKILL")
+        _say(f"processes {alive[:10]} that the launcher started are still alive after SIGKILL")
     elif killed:
-        _say(f"killed {len(killed)} process(es) of the launcher's session")
+        _say(f"killed {len(killed)} process(es) that the launcher started")
 
 
 def _tee(stream: Any, out: TextIO, on_line: Any) -> None:
@@ -255,19 +291,29 @@ def _tee(stream: Any, out: TextIO, on_line: Any) -> None:
 
 
 class _Started:
-    """A launcher process in a session of its own, its output teed to ours as it comes."""
+    """A launcher process in a process group of its own, tagged, its output teed to ours as it comes."""
 
     def __init__(self, command: list[str], env: dict[str, str]) -> None:
-        # Its own session (and so process group): a Ctrl-C on the terminal reaches
-        # the job once, through us, and every process the attempt starts is
-        # found by its session afterwards (reap_session).
-        self.proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     start_new_session=True, preexec_fn=_die_with_parent)
+        # Its own process group, in our session: a Ctrl-C on the terminal reaches the job once, through us (so
+        # its stdin is not the terminal, which a background group may not read); every process it starts here
+        # is found by its tag afterwards (reap).
+        self.tag = f"{os.getpid()}.{secrets.token_hex(6)}"
+        self.proc = subprocess.Popen(command, env={**env, TAG_ENV: self.tag}, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=0,
+                                     preexec_fn=_die_with_parent)
         self.on_line: Any = None
         self.threads = [threading.Thread(target=_tee, args=(self.proc.stdout, sys.stdout, self._line), daemon=True),
                         threading.Thread(target=_tee, args=(self.proc.stderr, sys.stderr, self._line), daemon=True)]
         for thread in self.threads:
             thread.start()
+
+    def members(self) -> list[int]:
+        """The live processes it started on this host, itself included (``tagged_processes``)."""
+        return tagged_processes(self.tag)
+
+    def reap(self, timeout_s: float = 30.0) -> tuple[list[int], list[int]]:
+        """SIGKILL the launcher and everything it started here (``reap``)."""
+        return reap(self.members, timeout_s)
 
     def _line(self, line: str) -> None:
         hook = self.on_line
@@ -285,9 +331,10 @@ def run_attempt(command: list[str], env: dict[str, str], forwarder: Forwarder, r
 
     Once the job has declared its failure (``failure.json`` in ``record.run_dir``, or an MPI_Abort the launcher
     reports), ``on_declared`` is called and the launcher gets ``launcher_grace_s`` to exit; then it and every
-    process of its session are killed (``end_launcher``).  ``poll(launcher)`` is called about once a second.
-    When ``started_ranks`` is still false ``start_timeout_s`` (> 0) after the start, the launcher and its session
-    are killed too (``record.start_timed_out``): a launcher waiting for a daemon that never came up waits for ever.
+    process it started are killed (``end_launcher``).  ``poll(launcher)`` is called about once a second.
+    When ``started_ranks`` is still false ``start_timeout_s`` (> 0) after the start, the launcher and what
+    it started are killed too (``record.start_timed_out``): a launcher waiting for a daemon that never came up
+    waits for ever.
     """
     def seen(line: str) -> None:
         if record.launcher_report_unix is None:
@@ -329,9 +376,9 @@ def run_attempt(command: list[str], env: dict[str, str], forwarder: Forwarder, r
                 and time.monotonic() - t0 > start_timeout_s and not started_ranks()):
             record.start_timed_out = True
             _say(f"the ranks have not all started {start_timeout_s:g} s after the launcher (pid {proc.pid}) did (a "
-                 "host that does not answer, a daemon that died?): ending it and every process of its session "
+                 "host that does not answer, a daemon that died?): ending it and every process it started here "
                  "(--start-timeout-s)")
-            reap_session(proc.pid, timeout_s=10.0)
+            started.reap(timeout_s=10.0)
         if record.declared_unix is None and failure_path is not None:
             record.declared_unix = written_since(failure_path, record.start_unix)
         if record.declared_unix is not None and on_declared is not None:
@@ -340,11 +387,11 @@ def run_attempt(command: list[str], env: dict[str, str], forwarder: Forwarder, r
         if (record.declared_unix is not None and not record.launcher_ended
                 and time.time() - record.declared_unix >= launcher_grace_s):
             record.launcher_ended = True
-            end_launcher(proc, launcher_grace_s)
+            end_launcher(started, launcher_grace_s)
     record.end_unix = time.time()
     record.duration_s = time.monotonic() - t0
     forwarder.detach()
-    record.reaped, record.survivors = reap_session(proc.pid)  # before the tees: survivors hold the pipes
+    record.reaped, record.survivors = started.reap()  # before the tees: survivors hold the pipes
     if record.reaped:
         _say(f"killed {len(record.reaped)} process(es) the attempt left running: {record.reaped[:10]}")
     for thread in started.threads:
@@ -412,8 +459,8 @@ class Standby:
         os.kill(self.started.proc.pid, RELEASE_SIGNAL)
 
     def discard(self) -> None:
-        """End every process of the standby (its session) and wait for them."""
-        reap_session(self.started.proc.pid, timeout_s=10.0)
+        """End every process of the standby and wait for them."""
+        self.started.reap(timeout_s=10.0)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.started.proc.wait(timeout=10)
         for thread in self.started.threads:

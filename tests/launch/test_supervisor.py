@@ -136,7 +136,9 @@ def test_a_new_checkpoint_resets_the_restart_budget(tmp_path):
 @pytest.mark.launch
 @pytest.mark.timeout(120)
 def test_the_ranks_of_a_killed_mpirun_are_gone_before_the_next_attempt(tmp_path):
-    """Open MPI gives every rank its own process group: the attempt's session is what is reaped."""
+    """Open MPI gives every rank its own process group, a rank may leave its session: the processes that carry the
+    attempt's tag are what is reaped.  The job runs in the supervisor's session, not one of its own (which a kernel
+    with sched_autogroup would schedule against the supervisor)."""
     _serial_only()
     script = PROGRAMS / "orphaned_ranks.py"
     try:
@@ -148,10 +150,31 @@ def test_the_ranks_of_a_killed_mpirun_are_gone_before_the_next_attempt(tmp_path)
         record = json.loads((tmp_path / "launch.json").read_text())
         old = {int(p.read_text()) for p in tmp_path.glob("pid.*")}
         assert set(record["attempts"][0]["reaped"]) == old and record["attempts"][0]["survivors"] == []
+        assert [int((tmp_path / f"sid.{r}").read_text()) for r in (0, 1)] == [os.getsid(0)] * 2
     finally:
         for p in tmp_path.glob("pid.*"):
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(p.read_text()), signal.SIGKILL)
+
+
+def test_the_processes_of_an_attempt_are_found_by_their_tag_alone():
+    from hpcnet.launch.supervisor import TAG_ENV, tagged_processes
+
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    ours = subprocess.Popen(sleep, env={**os.environ, TAG_ENV: "t.1"}, start_new_session=True)
+    other = subprocess.Popen(sleep, env={**os.environ, TAG_ENV: "t.10"})  # a tag that starts like ours
+    untagged = subprocess.Popen(sleep, env={k: v for k, v in os.environ.items() if k != TAG_ENV})
+    done = subprocess.Popen(["true"], env={**os.environ, TAG_ENV: "t.1"})
+    try:
+        while Path(f"/proc/{done.pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z":
+            time.sleep(0.01)  # a zombie (not yet waited for) is not a member
+        assert tagged_processes("t.1") == [ours.pid]
+        assert tagged_processes("t.10") == [other.pid] and tagged_processes("t.") == []
+    finally:
+        for proc in (ours, other, untagged, done):
+            proc.kill()
+            proc.wait()
+    assert tagged_processes("t.1") == []
 
 
 @pytest.mark.launch
