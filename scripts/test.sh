@@ -4,20 +4,19 @@
 # SLURM jobs or run jobs on the local cluster themselves), then the MPI tests
 # on 2 and 3 ranks on this host (an odd size finds what even ones hide: virtual
 # nodes of unequal sizes, sums of more than two in another order) and on 4
-# ranks (with HPCNET_CLUSTER_MPI=on: as 2 hosts x 2 ranks of the local cluster,
-# distinct interface names, every collective between the hosts over TCP, Open
-# MPI yielding since mpirun sees 2 slots per host, not 4 ranks on 2 cores; not
-# the default: it takes 3 minutes against 1, and a heartbeat failure declared
-# against both ranks of the second host, alive, can end it with status 75:
-# docs/testing.md).  pyproject.toml passes
-# pytest-mpi's --with-mpi (without it every MPI test is skipped); python -m
-# mpi4py aborts the job when one rank fails instead of leaving the others
-# hanging.
+# ranks: as 2 hosts x 2 ranks of the local cluster when it runs (distinct
+# interface names, every collective between the hosts over TCP, Open MPI
+# yielding since mpirun sees 2 slots per host, not 4 ranks on 2 cores), on this
+# host otherwise or with HPCNET_CLUSTER_MPI=off (docs/testing.md).
+# pyproject.toml passes pytest-mpi's --with-mpi (without it every MPI test is
+# skipped); python -m mpi4py aborts the job when one rank fails instead of
+# leaving the others hanging.
 #
 # The serial pass runs beside a one-node SLURM on this machine
 # (scripts/slurm.sh, which installs slurm-wlm and munge when missing) and the
 # local multi-host cluster (scripts/cluster.sh: hosts as network namespaces),
-# both started here and stopped afterwards unless they were running already.
+# both started here and stopped afterwards unless they were running already
+# (the cluster after the 4-rank pass, which runs on it).
 # Where one cannot start (not root, no apt, no namespaces) its tests skip and
 # say why; HPCNET_SLURM=off and HPCNET_CLUSTER=off skip starting them.
 set -euo pipefail
@@ -51,12 +50,12 @@ for n in 2 3; do
     echo "=== MPI tests on $n ranks ==="
     timeout 900 mpiexec -n "$n" python -m mpi4py -m pytest -m mpi -q "$@"
 done
-if [ "${HPCNET_CLUSTER_MPI:-off}" = on ] && scripts/cluster.sh status >/dev/null 2>&1; then
+if [ "${HPCNET_CLUSTER_MPI:-on}" != off ] && scripts/cluster.sh status >/dev/null 2>&1; then
     echo "=== MPI tests on 4 ranks: 2 hosts x 2 ranks of the local cluster ==="
     timeout 900 scripts/cluster.sh mpirun --mca mpi_yield_when_idle 1 --host "$(scripts/cluster.sh hosts | awk 'NR<=2 {printf "%s%s:2", sep, $1; sep=","}')" \
         -np 4 python -m mpi4py -m pytest -m mpi -q "$@"
 else
-    echo "=== MPI tests on 4 ranks ==="
+    echo "=== MPI tests on 4 ranks on this host (the local cluster is not running) ==="
     timeout 900 mpiexec -n 4 python -m mpi4py -m pytest -m mpi -q "$@"
 fi
 stop_started
