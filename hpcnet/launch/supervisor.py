@@ -40,7 +40,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -170,13 +170,14 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
 
 
-def session_members(sid: int, proc_dir: Path = Path("/proc")) -> list[int]:
-    """Live processes (zombies left out) of session ``sid``, from /proc (Linux; elsewhere none are found)."""
-    members = []
+def _live_processes(proc_dir: Path) -> Iterator[tuple[Path, list[str]]]:
+    """Each live process (zombies left out) in ``proc_dir``: its /proc directory and the fields of its ``stat``
+    after the command name (which may hold spaces): state, ppid, pgrp, session, ...  Nothing where there is no
+    /proc."""
     try:
         entries = list(os.scandir(proc_dir))
     except FileNotFoundError:
-        return members
+        return
     for entry in entries:
         if not entry.name.isdigit():
             continue
@@ -184,11 +185,14 @@ def session_members(sid: int, proc_dir: Path = Path("/proc")) -> list[int]:
             stat = Path(entry.path, "stat").read_text()
         except OSError:  # gone meanwhile
             continue
-        # After the command name in parentheses (which may hold spaces): state, ppid, pgrp, session.
         fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[3]) == sid and fields[0] != "Z":
-            members.append(int(entry.name))
-    return members
+        if fields and fields[0] != "Z":
+            yield Path(entry.path), fields
+
+
+def session_members(sid: int, proc_dir: Path = Path("/proc")) -> list[int]:
+    """Live processes of session ``sid``, from /proc (Linux; elsewhere none are found)."""
+    return [int(path.name) for path, fields in _live_processes(proc_dir) if int(fields[3]) == sid]
 
 
 TAG_ENV = "HPCNET_PROCESS_TAG"
@@ -197,24 +201,16 @@ theirs carry it whatever session or process group they move to): what ``reap`` f
 
 
 def tagged_processes(tag: str, proc_dir: Path = Path("/proc")) -> list[int]:
-    """Live processes (zombies left out) whose environment holds ``HPCNET_PROCESS_TAG=tag``, from /proc (Linux;
-    elsewhere none are found).  Processes of other users, whose environment cannot be read, are never members; a
-    tag is never used twice (it holds our pid and 48 random bits), so no unrelated process is."""
+    """Live processes whose environment holds ``HPCNET_PROCESS_TAG=tag``, from /proc (Linux; elsewhere none are
+    found).  Processes of other users, whose environment cannot be read, are never members; a tag is never used
+    twice (it holds our pid and 48 random bits), so no unrelated process is."""
     needle = b"\0" + f"{TAG_ENV}={tag}".encode() + b"\0"
     members = []
-    try:
-        entries = list(os.scandir(proc_dir))
-    except FileNotFoundError:
-        return members
-    for entry in entries:
-        if not entry.name.isdigit():
-            continue
+    for path, _ in _live_processes(proc_dir):
         try:
-            stat = Path(entry.path, "stat").read_text()
-            fields = stat[stat.rindex(")") + 2:].split()  # after the command name: state, ppid, ...
-            if fields[0] != "Z" and needle in b"\0" + Path(entry.path, "environ").read_bytes():
-                members.append(int(entry.name))
-        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
+            if needle in b"\0" + (path / "environ").read_bytes():
+                members.append(int(path.name))
+        except OSError:  # gone meanwhile, or not ours to read
             continue
     return members
 
