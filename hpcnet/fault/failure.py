@@ -14,6 +14,7 @@ is not available, the report says where it was from its last beat.
 
 import contextlib
 import faulthandler
+import fcntl
 import json
 import os
 import signal
@@ -26,7 +27,7 @@ from typing import Any
 from hpcnet.errors import ExitCode
 from hpcnet.fault.flightrec import FlightRecorder, analyze_stall, describe_op, format_entries
 from hpcnet.fault.watchdog import STARTUP_PHASES, Deadlines, Guard, analyze_io, analyze_phase
-from hpcnet.paths import FAILURE_FILE
+from hpcnet.paths import FAILURE_FILE, FAILURE_LOCK
 
 DUMP_SIGNAL = getattr(signal, "SIGRTMIN", signal.SIGXCPU) + (4 if hasattr(signal, "SIGRTMIN") else 0)
 """The signal that makes a rank print every thread's stack to stderr."""
@@ -140,13 +141,16 @@ def merge_reports(earlier: dict[str, Any], report: dict[str, Any]) -> dict[str, 
 
 
 def write_failure(run_dir: Path, report: dict[str, Any]) -> Path:
-    """Write (or, when another rank was first, merge into) ``failure.json``, atomically."""
+    """Write (or, when another rank was first, merge into) ``failure.json``, atomically, under ``FAILURE_LOCK``
+    (ranks on several hosts lock it too where the shared file system supports ``flock``, as NFSv4 and Lustre do)."""
     path = run_dir / FAILURE_FILE
-    with contextlib.suppress(OSError, ValueError, KeyError):
-        report = merge_reports(json.loads(path.read_text()), report)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, path)
+    with open(run_dir / FAILURE_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            report = merge_reports(json.loads(path.read_text()), report)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        os.replace(tmp, path)
     return path
 
 

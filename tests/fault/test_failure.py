@@ -1,6 +1,9 @@
 """Failure reports (pure) and failure.json: what they name, how two watchers' reports merge."""
 
 import json
+import multiprocessing
+import time
+from pathlib import Path
 
 from hpcnet.fault.failure import heartbeat_report, merge_reports, stall_report, write_failure
 from hpcnet.fault.heartbeat import decode, encode
@@ -45,6 +48,31 @@ def test_failure_file_merges_watchers_reports(tmp_path):
     # A report of another kind later (a stopped rank continued for its teardown) changes nothing.
     late = {**stall_report("stall", "x", {0: None, 1: rank_state(1, 1)}, ("h", "h"), detector=1), "detected_by": 1}
     assert merge_reports(merged, late) == merged
+
+
+def _declare_at(run_dir: Path, rank: int, start: float) -> None:
+    report = {**heartbeat_report({rank: (6.0, None)}, ("h",) * 16, detector=rank + 1, interval_s=2, misses=3),
+              "detected_by": rank + 1}
+    time.sleep(max(0.0, start - time.time()))
+    write_failure(run_dir, report)
+
+
+def test_watchers_that_declare_at_the_same_moment_all_end_up_in_the_file(tmp_path):
+    """Each reads the file and writes it back merged: without a lock between the read and the write, the last
+    writer drops what another wrote meanwhile."""
+    ctx = multiprocessing.get_context("fork")
+    for trial in range(5):
+        run_dir = tmp_path / str(trial)
+        run_dir.mkdir()
+        start = time.time() + 0.3
+        procs = [ctx.Process(target=_declare_at, args=(run_dir, rank, start)) for rank in range(12)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(30)
+        assert [proc.exitcode for proc in procs] == [0] * 12
+        merged = json.loads((run_dir / "failure.json").read_text())
+        assert [f["rank"] for f in merged["failed"]] == list(range(12)), trial
 
 
 def _answer(step, guard, guard_s=3.0):
