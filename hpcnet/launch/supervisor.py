@@ -18,8 +18,9 @@ the attempt's tag, ``HPCNET_PROCESS_TAG``, not the process group, because
 Open MPI's mpirun gives every rank a process group of its own; nor a session
 of its own, which a kernel with ``sched_autogroup`` schedules as one group
 against ours and can leave this process unscheduled for seconds while the
-ranks spin: docs/fault-tolerance.md), stop signals forwarded (``hpcnet.launch.forward``: whenever one
-comes, no attempt starts after it), and ``launch.json`` written.
+ranks spin: docs/fault-tolerance.md), stop signals forwarded
+(``hpcnet.launch.forward``: whenever one comes, no attempt starts after it),
+and ``launch.json`` written.
 What each attempt runs is ``hpcnet.launch.command``; whether to run another,
 ``hpcnet.launch.restarts``; which hosts to leave out, ``hpcnet.launch.hosts``.
 docs/fault-tolerance.md describes the behaviour and the exit status.
@@ -303,13 +304,9 @@ class _Started:
         for thread in self.threads:
             thread.start()
 
-    def members(self) -> list[int]:
-        """The live processes it started on this host, itself included (``tagged_processes``)."""
-        return tagged_processes(self.tag)
-
     def reap(self, timeout_s: float = 30.0) -> tuple[list[int], list[int]]:
-        """SIGKILL the launcher and everything it started here (``reap``)."""
-        return reap(self.members, timeout_s)
+        """SIGKILL the launcher and everything it started here (``reap`` of its ``tagged_processes``)."""
+        return reap(functools.partial(tagged_processes, self.tag), timeout_s)
 
     def _line(self, line: str) -> None:
         hook = self.on_line

@@ -10,6 +10,7 @@ import atexit
 import concurrent.futures
 import os
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -150,11 +151,7 @@ def release_workers(timeout_s: float = RELEASE_WAIT_S) -> bool:
     MPI collectives run"). So a process with such a worker must end without ``MPI_Finalize``: ``hpcnet.train``
     then ends with ``os._exit`` and its status, any other program at exit with ``STUCK_EXIT``.
     """
-    stuck = False
-    for worker in list(_WORKERS):
-        if worker._thread.is_alive():
-            stuck = worker.stuck(timeout_s) or stuck
-    return stuck
+    return any([worker.stuck(timeout_s) for worker in list(_WORKERS)])  # a list: every worker is closed
 
 
 STUCK_EXIT = 1
@@ -166,8 +163,6 @@ def _exit_if_stuck() -> None:
     MPI when a worker thread is stuck inside a collective (``release_workers``)."""
     if not _WORKERS or not release_workers():
         return
-    import sys
-
     print("hpcnet: a worker thread is still inside an MPI collective that its peers abandoned; ending without "
           f"MPI_Finalize (which would crash), status {STUCK_EXIT}", file=sys.stderr, flush=True)
     sys.stdout.flush()
