@@ -72,9 +72,9 @@ check_env() {
     "$vpy" - <<'PY' 2>/dev/null
 import importlib.util
 import h5py, mpi4py, torch, numpy, xxhash, pytest, pytest_mpi, hpcnet  # noqa: F401
-# python -m hpcnet.report's plots and scripts/test.sh's lint: found, not imported (a second import would slow
-# every set-up check).
-if importlib.util.find_spec("matplotlib") is None or importlib.util.find_spec("ruff") is None:
+# python -m hpcnet.report's plots, scripts/test.sh's lint and its parallel serial pass: found, not imported (a
+# second import would slow every set-up check).
+if any(importlib.util.find_spec(name) is None for name in ("matplotlib", "ruff", "xdist")):
     raise SystemExit(4)
 raise SystemExit(0 if h5py.get_config().mpi else 3)
 PY
@@ -108,6 +108,6 @@ fi
 say "installing hpcnet (editable), test and report requirements"
 pip install --no-build-isolation -e "$root[test,report]"
 
-check_env || die "the environment in $venv does not import (h5py, mpi4py, torch, xxhash, pytest-mpi, matplotlib, ruff, hpcnet)"
+check_env || die "the environment in $venv does not import (h5py, mpi4py, torch, xxhash, pytest-mpi, pytest-xdist, matplotlib, ruff, hpcnet)"
 printf '%s' "$want" >"$stamp"
 say "environment ready ($venv)"

@@ -44,7 +44,9 @@ if [ "${HPCNET_CLUSTER:-on}" != off ] && ! scripts/cluster.sh status >/dev/null 
         echo "test.sh: the local cluster did not start; the cluster tests will be skipped" >&2
     fi
 fi
-python -m pytest "$@"
+# The serial pass on pytest-xdist's workers (HPCNET_TEST_WORKERS, default 2; the cluster's and SLURM's tests each
+# stay on one worker: tests/conftest.py); most of its time is spent waiting on the jobs its tests start.
+python -m pytest -n "${HPCNET_TEST_WORKERS:-2}" --dist loadgroup "$@"
 if [ "$slurm_started" = 1 ]; then scripts/slurm.sh stop; slurm_started=0; fi
 for n in 2 3; do
     echo "=== MPI tests on $n ranks ==="

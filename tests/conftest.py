@@ -19,7 +19,41 @@ def pytest_configure(config):
         config.option.basetemp = str(base)
 
 
+SHARED = {"cluster": "tests/test_cluster", "slurm": "tests/test_slurm.py"}
+"""The tests that share one resource, by marker: the local cluster (whose fault verbs kill, cut and slow whole
+hosts) and the local SLURM's one node; and where they are (test ids start so)."""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """The serial pass runs on pytest-xdist's workers (scripts/test.sh: ``-n 2 --dist loadgroup``); the tests of
+    each ``SHARED`` resource run on one worker, one after the other, all others wherever a worker is free.
+
+    xdist's own loadgroup reads ``xdist_group`` marks from suffixes it writes into the test ids, which pytest 9
+    no longer lets it change: the ids here are grouped by where the tests are instead (the controller sees ids
+    only), and ``pytest_collection_modifyitems`` checks that every marked test is where ``SHARED`` says."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedResourceScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return next((name for name, prefix in SHARED.items() if nodeid.startswith(prefix)), nodeid)
+
+    return SharedResourceScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for name, prefix in SHARED.items():
+            if item.get_closest_marker(name) and not item.nodeid.startswith(prefix):
+                raise pytest.UsageError(f"{item.nodeid} is marked {name} but is not in {prefix}*: the parallel "
+                                        "serial pass would run it beside the other tests of that resource "
+                                        "(tests/conftest.py, SHARED)")
+    if hasattr(config, "workerinput"):
+        # On xdist's workers (every worker collects, in the same order): the long groups of SHARED first, so
+        # that neither is left running alone at the end while the other worker has nothing to do.
+        items.sort(key=lambda item: not item.nodeid.startswith(tuple(SHARED.values())))
     # At more than one rank every rank would start the same mpirun, SLURM or cluster job at once.
     if MPI.COMM_WORLD.Get_size() == 1:
         return

@@ -19,9 +19,11 @@ def clean_env(**extra):
     # every host to loopback).
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OMPI_", "PMIX_", "PMI_")) and SET_ENV.get(k) != v}
+    # Blocked MPI calls yield the core: the suite's jobs share the machine with each other (scripts/test.sh runs
+    # two at once) and with the tests, more ranks than cores whatever one job sees of it.
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1", OMPI_MCA_btl_base_warn_component_unused="0",
-               PYTHONPATH=str(ROOT))
+               OMPI_MCA_mpi_yield_when_idle="1", PYTHONPATH=str(ROOT))
     env.update(extra)
     return env
 
