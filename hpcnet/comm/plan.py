@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpcnet.agree import mark_agreed, shared_errors
-from hpcnet.comm.world import World
+from hpcnet.comm.world import World, cores_per_rank
 from hpcnet.config import DistConfig
 from hpcnet.errors import UsageError
 
@@ -25,6 +25,8 @@ class Plan:
     primary: str
     hierarchical: bool
     fallback: str | None
+    inter_node: str | None = None
+    """Between nodes on the hierarchical path, when not ``primary``: 'gloo' under 'mpi' (``dist.inter_node``)."""
 
     @property
     def torch_backend(self) -> str | None:
@@ -33,8 +35,12 @@ class Plan:
         The gloo fallback of a NCCL run is a subgroup created on demand from
         the NCCL default group, so NCCL wins.
         """
-        kinds = {self.primary, self.fallback} - {None, "mpi", "shm"}
+        kinds = {self.primary, self.fallback, self.inter_node} - {None, "mpi", "shm"}
         return "nccl" if "nccl" in kinds else ("gloo" if kinds else None)
+
+
+SPARE_CORES_FOR_THREAD = 2
+"""A rank needs this many cores of its own for a worker thread to overlap MPI with backward (``mpi_progress``)."""
 
 
 def hierarchical_layout(num_nodes: int, min_local_size: int, max_local_size: int | None = None) -> bool:
@@ -47,7 +53,8 @@ def hierarchical_layout(num_nodes: int, min_local_size: int, max_local_size: int
 
 def plan_transport(cfg: DistConfig, *, device_type: str, num_nodes: int, min_local_size: int,
                    cuda_aware: bool = False, hierarchical_hint: bool | None = None,
-                   shm_wins: bool = False, max_local_size: int | None = None) -> Plan:
+                   shm_wins: bool = False, max_local_size: int | None = None,
+                   cores_per_rank: float = SPARE_CORES_FOR_THREAD) -> Plan:
     """Decide the primary backend, flat or hierarchical, and the fallback (pure logic).
 
     The one place where ``dist.backend = 'auto'`` is resolved: the bootstrap
@@ -68,6 +75,9 @@ def plan_transport(cfg: DistConfig, *, device_type: str, num_nodes: int, min_loc
         shm_wins: shm's sum measured faster than MPI's (``race_shm_against_mpi``):
             'fastest' on CPU is then 'shm'. 'auto' never races: a timing flips
             between runs, and shm and MPI differ in the last bits.
+        cores_per_rank: the fewest cores a rank has (``dist.inter_node=auto``: gloo between the nodes of a
+            hierarchical mpi plan below ``SPARE_CORES_FOR_THREAD``, where MPI's polling would take the core that
+            computes).
     """
     gpu = device_type == "cuda"
     primary = cfg.backend
@@ -110,11 +120,11 @@ def plan_transport(cfg: DistConfig, *, device_type: str, num_nodes: int, min_loc
     if fallback == "mpi" and compressed:
         raise UsageError(f"dist.fallback: 'mpi' cannot carry dist.compression={cfg.compression} "
                          "(MPI has no half-precision sum); use 'gloo' or 'none'")
-    return Plan(primary, hierarchical, fallback)
-
-
-SPARE_CORES_FOR_THREAD = 2
-"""A rank needs this many cores of its own for a worker thread to overlap MPI with backward (``mpi_progress``)."""
+    inter_node = None
+    if hierarchical and primary == "mpi" and not gpu and (
+            cfg.inter_node == "gloo" or (cfg.inter_node == "auto" and cores_per_rank < SPARE_CORES_FOR_THREAD)):
+        inter_node = "gloo"
+    return Plan(primary, hierarchical, fallback, inter_node)
 
 
 def mpi_progress(option: str, cores_per_rank: float) -> str:
@@ -155,7 +165,8 @@ def decide_plan(comm: Any, world: World, cfg: DistConfig, *, device_type: str,
     with shared_errors(comm):
         plan = plan_transport(cfg, device_type=device_type, num_nodes=world.num_nodes, min_local_size=min_local,
                               cuda_aware=device_type == "cuda" and cuda_aware_mpi(),
-                              hierarchical_hint=hierarchical_hint, shm_wins=shm_wins, max_local_size=max_local)
+                              hierarchical_hint=hierarchical_hint, shm_wins=shm_wins, max_local_size=max_local,
+                              cores_per_rank=comm.allreduce(cores_per_rank(world), op=MPI.MIN))
     plans = comm.allgather((device_type, plan))
     odd = [r for r, p in enumerate(plans) if p != plans[0]]
     if odd:

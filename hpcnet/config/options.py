@@ -257,6 +257,11 @@ class DistConfig:
     hierarchical: str = "auto"
     """Hierarchical all-reduce across nodes: 'auto' (when >1 node and the same number >1 of ranks on every node), 'on'
     (an error on nodes of unequal sizes) or 'off'."""
+    inter_node: str = "auto"
+    """Between nodes on the hierarchical path under the mpi backend (CPU): 'gloo' (its sockets block while they wait,
+    so the sums between nodes run beside backward without taking a core), 'primary' (MPI, which polls), or 'auto'
+    (gloo when a rank has fewer than 2 cores of its own, as dist.progress decides; docs/communication.md). No effect
+    elsewhere."""
     compression: str = "none"
     """Wire format of gradients: 'none', 'fp16' or 'bf16' (nccl and gloo only: on CPU set dist.backend=gloo)."""
     fallback: str = "auto"
@@ -308,6 +313,8 @@ class DistConfig:
             raise ConfigError(f"dist.replan_every must be 0 (never) or at least 2 steps, got {self.replan_every}")
         if self.hierarchical not in ("auto", "on", "off"):
             raise ConfigError(f"dist.hierarchical: {self.hierarchical!r} is not one of 'auto', 'on', 'off'")
+        if self.inter_node not in ("auto", "primary", "gloo"):
+            raise ConfigError(f"dist.inter_node: {self.inter_node!r} is not one of 'auto', 'primary', 'gloo'")
         if self.compression not in ("none", "fp16", "bf16"):
             raise ConfigError(f"dist.compression: {self.compression!r} is not one of 'none', 'fp16', 'bf16'")
         if self.progress not in ("auto", "thread", "inline"):

@@ -23,6 +23,23 @@ def test_plan_transport(cfg, kw, expected):
     assert plan_transport(DistConfig(**cfg), **kw) == expected
 
 
+@pytest.mark.parametrize("option, cores, expected", [
+    ("auto", 1.0, "gloo"), ("auto", 2.0, None), ("gloo", 8.0, "gloo"), ("primary", 1.0, None)])
+def test_between_nodes_a_hierarchical_mpi_plan_takes_gloo_where_polling_would_take_the_core(option, cores, expected):
+    """dist.inter_node: gloo's sockets block while they wait; MPI polls.  Only the hierarchical mpi plan on CPU
+    has a choice to make; gloo then is the torch backend the plan needs."""
+    layout = dict(device_type="cpu", num_nodes=2, min_local_size=2, cores_per_rank=cores)
+    plan = plan_transport(DistConfig(inter_node=option, fallback="none"), **layout)
+    assert plan == Plan("mpi", True, None, expected)
+    assert plan.torch_backend == expected
+    flat = plan_transport(DistConfig(inter_node=option), **{**layout, "num_nodes": 1})
+    assert flat.inter_node is None
+    gpu = plan_transport(DistConfig(inter_node=option), **{**layout, "device_type": "cuda"})
+    assert gpu.inter_node is None and gpu.primary == "nccl"
+    with pytest.raises(ConfigError, match="dist.inter_node: 'tcp' is not one of"):
+        DistConfig(inter_node="tcp")
+
+
 def test_hierarchical_on_nodes_of_unequal_sizes_is_an_error_naming_the_option():
     """Nodes of 3 and 2 ranks: the nodes' shards would not line up across nodes (sums of unequal buffers, or a
     hang); auto leaves it flat, on is refused."""

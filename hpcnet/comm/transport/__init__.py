@@ -54,7 +54,8 @@ __all__ = ["CollectiveExecutor", "CommFailure", "Done", "Failed", "FaultyTranspo
 
 
 def build_transport(kind: str, hierarchical: bool, comm: Any, world: World, *,
-                    timeout_s: float | None = None, progress: str = "thread") -> Transport:
+                    timeout_s: float | None = None, progress: str = "thread",
+                    inter_node: str | None = None) -> Transport:
     """Create a transport over the ranks of ``comm`` (collective).
 
     ``timeout_s`` (``dist.timeout_s``; None: torch's default) is given to
@@ -67,7 +68,7 @@ def build_transport(kind: str, hierarchical: bool, comm: Any, world: World, *,
         return ShmTransport(comm, world)  # hierarchical by construction: shared memory in a node, MPI across
     if hierarchical and world.size > 1:
         return HierarchicalTransport(comm, node_index=world.node_index, local_rank=world.local_rank, kind=kind,
-                                     timeout_s=timeout_s, progress=progress)
+                                     timeout_s=timeout_s, progress=progress, cross_kind=inter_node)
     if kind == "mpi":
         return MpiTransport(comm, progress)
     import torch.distributed as dist

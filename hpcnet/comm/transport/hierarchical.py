@@ -1,5 +1,6 @@
 """Two-level all-reduce: reduce-scatter in the node, all-reduce across nodes, all-gather in the node."""
 
+import collections
 import datetime
 from collections import Counter
 from collections.abc import Callable
@@ -10,6 +11,31 @@ import torch
 from hpcnet.comm.transport.base import CollectiveExecutor, Done, Handle, mpi_buffer
 from hpcnet.comm.transport.torchdist import TorchHandle
 
+PIPELINE_CHUNK_BYTES = 4 << 20
+"""A bucket is summed in chunks of this size (``HierarchicalTransport._run``; NCCL pipelines by itself)."""
+PIPELINE_DEPTH = 2
+"""Chunks whose inter-node sums may be in flight at once."""
+
+
+def chunk_bounds(numel: int, chunk: int, multiple: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` ranges that cover ``numel`` elements in order, each ``chunk`` elements rounded down to a
+    multiple of ``multiple`` (at least ``multiple``), the last one what is left (pure)."""
+    step = max(multiple, chunk - chunk % multiple)
+    return [(lo, min(lo + step, numel)) for lo in range(0, numel, step)]
+
+
+def _reduce_scatter() -> Callable[..., Any]:
+    import torch.distributed as dist
+
+    # torch >= 2.13 renamed these (the old names warn); clusters may run older torch.
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather() -> Callable[..., Any]:
+    import torch.distributed as dist
+
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class HierarchicalTransport:
     """Reduce-scatter in the node, all-reduce across nodes, all-gather in the node.
@@ -17,16 +43,26 @@ class HierarchicalTransport:
     Args:
         comm: the job's communicator.
         node_index, local_rank: this rank's place (``World``, virtual nodes allowed).
-        kind: 'mpi' (MPI collectives from a worker thread) or a torch backend
+        kind: 'mpi' (MPI collectives from a worker thread or inline) or a torch backend
             ('gloo', 'nccl') for which subgroups are created (collective over
             every rank of the default group).
         timeout_s: the subgroups' timeout (NCCL enforces it in its watchdog); None: torch's default.
+        progress: where MPI collectives run ('thread' or 'inline', ``hpcnet.comm.plan.mpi_progress``).
+        cross_kind: between the nodes: ``kind`` (None), or 'gloo' under 'mpi' (a gloo subgroup of the
+            ranks with the same local rank; its sockets block while they wait, where MPI polls a core).
+        chunk_bytes: the pipelined chunks of a bucket (``_run``; not NCCL's).
     """
 
     def __init__(self, comm: Any, *, node_index: int, local_rank: int, kind: str,
-                 timeout_s: float | None = None, progress: str = "thread") -> None:
+                 timeout_s: float | None = None, progress: str = "thread", cross_kind: str | None = None,
+                 chunk_bytes: int = PIPELINE_CHUNK_BYTES) -> None:
         self.kind = kind
-        self.name = f"hierarchical-{kind}"
+        self.cross_kind = cross_kind or kind
+        if self.cross_kind != kind and (kind, self.cross_kind) != ("mpi", "gloo"):
+            raise ValueError(f"between nodes a hierarchical {kind} transport uses {kind}, or gloo under mpi; "
+                             f"not {self.cross_kind}")
+        self.name = f"hierarchical-{kind}" + (f"+{self.cross_kind}" if self.cross_kind != kind else "")
+        self.chunk_bytes = chunk_bytes
         self.size = comm.Get_size()
         self.local = comm.Split(color=node_index, key=local_rank)
         self.cross = comm.Split(color=local_rank, key=node_index)
@@ -43,7 +79,7 @@ class HierarchicalTransport:
         self._progress = CollectiveExecutor(progress if kind == "mpi" else "thread", "hpcnet-hier-allreduce")
         self.synchronous = self.size == 1 or (kind == "mpi" and self._progress.synchronous)
         self._local_group = self._cross_group = None
-        if kind != "mpi":
+        if kind != "mpi" or self.cross_kind != "mpi":
             import torch.distributed as dist
 
             # new_group is collective over the default group: every rank
@@ -55,50 +91,83 @@ class HierarchicalTransport:
                 by_local.setdefault(local, []).append(rank)
                 # Given, or new_group takes torch's default (10 min for NCCL), not dist.timeout_s.
             timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-            self._local_group, _ = dist.new_subgroups_by_enumeration(list(by_node.values()), timeout=timeout,
-                                                                     backend=kind)
+            if kind != "mpi":
+                self._local_group, _ = dist.new_subgroups_by_enumeration(list(by_node.values()), timeout=timeout,
+                                                                         backend=kind)
             self._cross_group, _ = dist.new_subgroups_by_enumeration(list(by_local.values()), timeout=timeout,
-                                                                     backend=kind)
+                                                                     backend=self.cross_kind)
 
-    def _phases(self, flat: torch.Tensor, *, enqueue: bool) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """Run (or, for NCCL, enqueue in order) the three phases.
+    def _enqueue_phases(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """NCCL: enqueue the three phases of the whole bucket, in order (``enqueue_in_order``).
 
-        Returns the padded work buffer, this rank's shard and the last work
-        (None when the phases already ran).
+        Returns the padded work buffer, this rank's shard and the last work.
         """
-        n = flat.numel()
-        pad = (-n) % self.local_size
-        # Reduce-scatter needs equal shards; a padded copy only when needed.
-        work = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
-        shard = work.numel() // self.local_size
-        out = torch.empty(shard, dtype=work.dtype, device=work.device)  # this rank's reduced shard
+        import torch.distributed as dist
+
+        work, out = self._padded(flat)
+        phases = [lambda: _reduce_scatter()(out, work, group=self._local_group, async_op=True)]
+        if self.cross.Get_size() > 1:
+            phases.append(lambda: dist.all_reduce(out, group=self._cross_group, async_op=True))
+        phases.append(lambda: _all_gather()(work, out, group=self._local_group, async_op=True))
+        return work, out, enqueue_in_order(phases)
+
+    def _padded(self, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The work buffer (``part``, or a copy padded to a multiple of the node's ranks: reduce-scatter needs
+        equal shards) and an empty shard for this rank's sum."""
+        pad = (-part.numel()) % self.local_size
+        work = torch.cat([part, part.new_zeros(pad)]) if pad else part
+        return work, torch.empty(work.numel() // self.local_size, dtype=work.dtype, device=work.device)
+
+    def _run(self, flat: torch.Tensor) -> None:
+        """The bucket in chunks (``chunk_bounds``), pipelined: while chunk k's shard is summed across the nodes,
+        chunk k+1 is reduce-scattered in the node, and chunk k is gathered back only when ``PIPELINE_DEPTH``
+        later chunks are on their way or none is left, so the intra-node phases and the inter-node link
+        work at the same time.  Every element is summed in the same order as in one piece."""
+        pending: collections.deque = collections.deque()
+        for lo, hi in chunk_bounds(flat.numel(), self.chunk_elements(flat), self.local_size):
+            part = flat[lo:hi]
+            work, shard = self._padded(part)
+            self._scatter(work, shard)
+            pending.append((part, work, shard, self._start_cross(shard)))
+            if len(pending) > PIPELINE_DEPTH:
+                self._gather(*pending.popleft())
+        while pending:
+            self._gather(*pending.popleft())
+
+    def chunk_elements(self, flat: torch.Tensor) -> int:
+        """Elements per pipelined chunk: ``chunk_bytes`` of ``flat``'s dtype."""
+        return max(1, self.chunk_bytes // flat.element_size())
+
+    def _scatter(self, work: torch.Tensor, shard: torch.Tensor) -> None:
         if self.kind == "mpi":
             from mpi4py import MPI
 
-            self.local.Reduce_scatter_block(mpi_buffer(work), mpi_buffer(out), op=MPI.SUM)
-            if self.cross.Get_size() > 1:
-                self.cross.Allreduce(MPI.IN_PLACE, mpi_buffer(out), op=MPI.SUM)
-            self.local.Allgather(mpi_buffer(out), mpi_buffer(work))
-            return work, out, None
+            self.local.Reduce_scatter_block(mpi_buffer(work), mpi_buffer(shard), op=MPI.SUM)
+        else:
+            _reduce_scatter()(shard, work, group=self._local_group)  # gloo: returns when done
+
+    def _start_cross(self, shard: torch.Tensor) -> Any:
+        """Start the sum of this rank's shard across the nodes; what ``_gather`` waits for (None: one node)."""
+        if self.cross.Get_size() == 1:
+            return None
+        if self.cross_kind == "mpi":
+            from mpi4py import MPI
+
+            # Progressed by the MPI calls of the next chunks' intra-node phases, then waited for.
+            return self.cross.Iallreduce(MPI.IN_PLACE, mpi_buffer(shard), op=MPI.SUM)
         import torch.distributed as dist
 
-        # torch >= 2.13 renamed these (the old names warn); clusters may run older torch.
-        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        phases = [lambda: reduce_scatter(out, work, group=self._local_group, async_op=enqueue)]
-        if self.cross.Get_size() > 1:
-            phases.append(lambda: dist.all_reduce(out, group=self._cross_group, async_op=enqueue))
-        phases.append(lambda: all_gather(work, out, group=self._local_group, async_op=enqueue))
-        if not enqueue:
-            for phase in phases:
-                phase()  # gloo: returns when done
-            return work, out, None
-        return work, out, enqueue_in_order(phases)
+        return dist.all_reduce(shard, group=self._cross_group, async_op=True)  # gloo's own threads
 
-    def _run(self, flat: torch.Tensor) -> None:
-        work, _, _ = self._phases(flat, enqueue=False)
-        if work is not flat:
-            flat.copy_(work[:flat.numel()])
+    def _gather(self, part: torch.Tensor, work: torch.Tensor, shard: torch.Tensor, cross: Any) -> None:
+        if cross is not None:
+            cross.Wait() if self.cross_kind == "mpi" else cross.wait()
+        if self.kind == "mpi":
+            self.local.Allgather(mpi_buffer(shard), mpi_buffer(work))
+        else:
+            _all_gather()(work, shard, group=self._local_group)
+        if work is not part:
+            part.copy_(work[:part.numel()])
 
     def start(self, flat: torch.Tensor) -> Handle:
         if self.size == 1:
@@ -106,7 +175,7 @@ class HierarchicalTransport:
         if self.kind == "nccl":
             # Enqueued from this thread, where the bucket's device and stream
             # are current; ordered on the device by enqueue_in_order.
-            work, out, last = self._phases(flat, enqueue=True)
+            work, out, last = self._enqueue_phases(flat)
             return _PaddedHandle(TorchHandle(last, stream_ordered=True, keep=(work, out)), flat, work)
         # gloo runs each group's operations on its own threads, so the phases
         # are sequenced by one worker thread (MPI: that thread, or inline).

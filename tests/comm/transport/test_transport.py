@@ -10,6 +10,7 @@ import torch
 from hpcnet.comm.transport import (
     CommFailure,
     FaultyTransport,
+    HierarchicalTransport,
     MpiTransport,
     TorchTransport,
     build_transport,
@@ -96,6 +97,53 @@ def test_every_transport_sums_in_place(comm, data_plane, kind, hierarchical, num
     expected = torch.arange(numel, dtype=torch.float32) * size + size * (size - 1) / 2
     assert torch.equal(flat, expected)
     transport.close()
+
+
+def test_chunks_cover_the_bucket_in_order_in_multiples_of_the_node_size():
+    from hpcnet.comm.transport.hierarchical import chunk_bounds
+
+    assert chunk_bounds(10, 4, 2) == [(0, 4), (4, 8), (8, 10)]
+    assert chunk_bounds(10, 5, 2) == [(0, 4), (4, 8), (8, 10)]  # rounded down to a multiple of 2
+    assert chunk_bounds(7, 1, 3) == [(0, 3), (3, 6), (6, 7)]  # at least one multiple
+    assert chunk_bounds(5, 100, 4) == [(0, 5)]
+    assert chunk_bounds(0, 4, 2) == []
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind, cross", [("mpi", None), ("mpi", "gloo"), ("gloo", None)])
+@pytest.mark.parametrize("progress", ["thread", "inline"])
+def test_the_pipelined_hierarchical_sum_equals_the_sum_in_one_piece(comm, data_plane, kind, cross, progress):
+    """Chunks of 64 bytes, so a bucket goes in hundreds of pipelined chunks (the last one padded): every rank gets
+    the exact sum, the same bits as every other rank, and as the hierarchical sum of the bucket in one piece."""
+    world = discover(comm, environ=even_nodes(comm))
+    size, rank = comm.Get_size(), comm.Get_rank()
+    kwargs = dict(node_index=world.node_index, local_rank=world.local_rank, kind=kind, timeout_s=60,
+                  progress=progress, cross_kind=cross)
+    chunked = HierarchicalTransport(comm, chunk_bytes=64, **kwargs)
+    whole = HierarchicalTransport(comm, chunk_bytes=1 << 30, **kwargs)
+    assert chunked.name == f"hierarchical-{kind}" + (f"+{cross}" if cross else "")
+    gen = torch.Generator().manual_seed(rank)
+    flat = torch.randn(4099, generator=gen)
+    one = flat.clone()
+    chunked.start(flat).wait(60.0)
+    whole.start(one).wait(60.0)
+    if size <= 4:  # at most 2 ranks a node and 2 nodes: each sum is a + b, the same bits in either order
+        assert torch.equal(flat, one)
+    else:  # MPI may choose another order for a small message than for a large one
+        torch.testing.assert_close(flat, one, rtol=1e-6, atol=1e-6)
+    exact = torch.arange(4099, dtype=torch.float64) * size + size * (size - 1) / 2
+    ints = torch.arange(4099, dtype=torch.float32) + rank  # small integers: every order sums them exactly
+    chunked.start(ints).wait(60.0)
+    assert torch.equal(ints, exact.float())
+    everywhere = comm.allgather(flat.numpy().tobytes())
+    assert all(b == everywhere[0] for b in everywhere)  # every replica the same bits
+    chunked.close()
+    whole.close()
+
+
+def test_a_hierarchical_transport_between_nodes_takes_gloo_only_under_mpi():
+    with pytest.raises(ValueError, match="gloo under mpi"):
+        HierarchicalTransport(FakeComm(), node_index=0, local_rank=0, kind="nccl", cross_kind="gloo")
 
 
 @pytest.mark.mpi
