@@ -114,7 +114,8 @@ def test_chunks_cover_the_bucket_in_order_in_multiples_of_the_node_size():
 @pytest.mark.parametrize("progress", ["thread", "inline"])
 def test_the_pipelined_hierarchical_sum_equals_the_sum_in_one_piece(comm, data_plane, kind, cross, progress):
     """Chunks of 64 bytes, so a bucket goes in hundreds of pipelined chunks (the last one padded): every rank gets
-    the exact sum, the same bits as every other rank, and as the hierarchical sum of the bucket in one piece."""
+    the exact sum and the same bits as every other rank; on up to 2 nodes also the bits of the bucket summed in one
+    piece, within rounding on more."""
     world = discover(comm, environ=even_nodes(comm))
     size, rank = comm.Get_size(), comm.Get_rank()
     kwargs = dict(node_index=world.node_index, local_rank=world.local_rank, kind=kind, timeout_s=60,
@@ -127,10 +128,10 @@ def test_the_pipelined_hierarchical_sum_equals_the_sum_in_one_piece(comm, data_p
     one = flat.clone()
     chunked.start(flat).wait(60.0)
     whole.start(one).wait(60.0)
-    if size <= 4:  # at most 2 ranks a node and 2 nodes: each sum is a + b, the same bits in either order
+    if chunked.cross.Get_size() <= 2:  # (at most 2 ranks a node) each sum is a + b: the same bits in any order
         assert torch.equal(flat, one)
-    else:  # MPI may choose another order for a small message than for a large one
-        torch.testing.assert_close(flat, one, rtol=1e-6, atol=1e-6)
+    else:  # 3 or more nodes: gloo's ring and MPI add in an order that depends on the message's size
+        torch.testing.assert_close(flat, one, rtol=1e-5, atol=1e-6)
     exact = torch.arange(4099, dtype=torch.float64) * size + size * (size - 1) / 2
     ints = torch.arange(4099, dtype=torch.float32) + rank  # small integers: every order sums them exactly
     chunked.start(ints).wait(60.0)
