@@ -95,11 +95,61 @@ class Contender:
         return loss
 
 
+DDP_HOOKS = ("bf16", "fp16", "powersgd")
+"""``--ddp-hooks``: DDP's own gradient compression, as further contenders (``ddp_hook``)."""
+POWERSGD_RANK = 4
+
+
+def ddp_hook(ddp: Any, name: str) -> str:
+    """Register DDP's communication hook ``name`` (one of ``DDP_HOOKS``) on ``ddp``; returns the contender's
+    suffix.  PowerSGD (rank ``POWERSGD_RANK``, error feedback and warm start, torch's defaults) compresses from
+    the second step on (torch's default waits 1,000 steps with plain all-reduces)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    cuda = next(ddp.module.parameters()).device.type == "cuda"
+    if name == "bf16":
+        # torch's bf16_compress_hook refuses CPU tensors (it asks for CUDA 11+ and NCCL 2.10+): on CPU, the same
+        # steps over gloo (``_cast_hook``).
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook if cuda else _cast_hook(torch.bfloat16))
+    elif name == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif name == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
+                                            start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return f"powersgd{POWERSGD_RANK}"
+    else:
+        raise ValueError(f"unknown DDP hook {name!r}; choose among {', '.join(DDP_HOOKS)}")
+    return name
+
+
+def _cast_hook(dtype: torch.dtype) -> Callable[[Any, Any], Any]:
+    """What torch's ``bf16_compress_hook`` does, for any backend: the bucket cast to ``dtype`` and divided by the
+    world size, all-reduced, cast back into the bucket."""
+    import torch.distributed as dist
+
+    # DDP checks the annotations.
+    def hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        wire = buffer.to(dtype).div_(dist.get_world_size())
+        future = dist.all_reduce(wire, async_op=True).get_future()
+
+        def back(done: Any) -> torch.Tensor:
+            buffer.copy_(done.value()[0])
+            return buffer
+
+        return future.then(back)
+
+    return hook
+
+
 def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.device, local: bool,
                     seed: int = 0, dist_cfg: Any = None, precision: str = "fp32",
-                    settings: Any = None, base: nn.Module | None = None) -> list[Contender]:
-    """hpcnet, DDP and (optionally) the no-communication baseline on copies of one model (collective); every
-    contender gets the same device ``settings`` (``hpcnet.models.device``: channels-last, fused optimizer, ...)."""
+                    settings: Any = None, base: nn.Module | None = None,
+                    ddp_hooks: tuple[str, ...] = ()) -> list[Contender]:
+    """hpcnet, DDP, DDP with each of ``ddp_hooks`` and (optionally) the no-communication baseline on copies of one
+    model (collective); every contender gets the same device ``settings`` (``hpcnet.models.device``:
+    channels-last, fused optimizer, ...)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -141,6 +191,11 @@ def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.dev
     ddp = DistributedDataParallel(model_d, device_ids=[device] if device.type == "cuda" else None)  # its defaults
     # DDP all-reduces its buckets during backward and waits for them at its end.
     contenders.append(_plain(f"ddp-{dist.get_backend()}", model_d, ddp, updater, compute_loss))
+    for hook in ddp_hooks:
+        model_c = copy.deepcopy(base)
+        hooked = DistributedDataParallel(model_c, device_ids=[device] if device.type == "cuda" else None)
+        suffix = ddp_hook(hooked, hook)
+        contenders.append(_plain(f"ddp-{dist.get_backend()}-{suffix}", model_c, hooked, updater, compute_loss))
     if local:
         model_l = copy.deepcopy(base)
         contenders.append(_plain("local", model_l, model_l, updater, compute_loss))
@@ -196,7 +251,7 @@ def bench_model(name: str, spec: ModelSpec, comm: Any, world: Any, args: argpars
     base = build_model(spec.model, DatasetInfo("image", spec.input_shape, spec.num_classes), spec.options)
     settings = device_settings(args.cuda_cfg, device, base)  # what training would use on this device
     contenders = make_contenders(spec, comm, world, device=device, local=not args.no_local, dist_cfg=args.dist_cfg,
-                                 precision=args.precision, settings=settings, base=base)
+                                 precision=args.precision, settings=settings, base=base, ddp_hooks=args.hook_list)
     mover = BatchMover(device, settings)
     batches = [mover(batch) for batch in synthetic_batches(spec, batch_size, args.distinct_batches, world.rank,
                                                            device)]
@@ -269,6 +324,8 @@ def _model_result(name: str, spec: ModelSpec, contenders: list[Contender], secon
         }
     # Paired per round (same moment, same load), then the median.
     result["ratio_hpcnet_vs_ddp"] = summarize([d / h for h, d in zip(seconds[hp], seconds[ddp])])
+    result["ratio_hpcnet_vs"] = {c.name: summarize([d / h for h, d in zip(seconds[hp], seconds[c.name])])
+                                 for c in contenders[2:] if c.name.startswith("ddp")}
     result["target"] = spec.target
     result["met"] = result["ratio_hpcnet_vs_ddp"]["median"] >= spec.target
     return result
@@ -308,6 +365,9 @@ def format_model(res: dict[str, Any]) -> str:
                  "local's; fwd+bwd, exposed comm (after backward; DDP ~ its backward over local's), optimizer (clip "
                  "+ step), comm busy (MPI calls' wall time) and hidden (share of it before backward ended) from the "
                  "instrumented block, medians")
+    for name, other in res.get("ratio_hpcnet_vs", {}).items():
+        lines.append(f"hpcnet / {name} samples/s: {other['median']:.3f} (per-round paired, range "
+                     f"{other['min']:.2f}-{other['max']:.2f})")
     lines.append(f"hpcnet / DDP samples/s: {ratio['median']:.3f} (per-round paired, range {ratio['min']:.2f}-"
                  f"{ratio['max']:.2f}); target >= {res['target']}: {'met' if res['met'] else 'NOT met'}; "
                  f"max |weight difference| hpcnet vs DDP after the run: {res['max_param_diff_hpcnet_vs_ddp']:.2e}")
@@ -333,6 +393,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                              "hpcnet's defaults, on for a CUDA device)")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
                         help="train.precision of every contender's forward (default fp32)")
+    parser.add_argument("--ddp-hooks", default="", metavar="HOOK,...",
+                        help=f"also DDP with these communication hooks, each a contender: {', '.join(DDP_HOOKS)} "
+                             f"(PowerSGD at rank {POWERSGD_RANK}; default none)")
     parser.add_argument("--no-local", action="store_true", help="leave out the no-communication baseline")
     parser.add_argument("--json", default="", help="also write the results to this JSON file (rank 0)")
     args = parser.parse_args(argv)
@@ -352,6 +415,10 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         args.cuda_cfg = load_config(overrides=[f"cuda.{o}" for o in args.cuda]).cuda
     except UsageError as exc:
         parser.error(f"--cuda: {exc}")
+    args.hook_list = tuple(h.strip() for h in args.ddp_hooks.split(",") if h.strip())
+    odd = [h for h in args.hook_list if h not in DDP_HOOKS]
+    if odd:
+        parser.error(f"--ddp-hooks: unknown hook(s) {', '.join(odd)}; choose among {', '.join(DDP_HOOKS)}")
     args.model_list = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in args.model_list if m not in SPECS]
     if unknown or not args.model_list:

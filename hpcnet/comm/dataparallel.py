@@ -107,7 +107,8 @@ class DataParallel:
         check_same_model(model, comm)
         self.progress = mpi_progress(cfg.progress, cores_per_rank(world))
         transport = build_transport(plan.primary, plan.hierarchical, comm, world, timeout_s=cfg.timeout_s,
-                                    progress=self.progress, inter_node=plan.inter_node)
+                                    progress=self.progress, inter_node=plan.inter_node,
+                                    wire=_DTYPES[cfg.compression])
         if cfg.fail_at_step:
             transport = FaultyTransport(transport, fail=not cfg.fail_ranks or world.rank in cfg.fail_ranks)
         broadcast_module(model, comm)  # replicas start equal even if initialisation differed

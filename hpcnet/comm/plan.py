@@ -90,10 +90,6 @@ def plan_transport(cfg: DistConfig, *, device_type: str, num_nodes: int, min_loc
     if primary == "shm" and gpu:
         raise UsageError("dist.backend: 'shm' sums CPU tensors in shared memory; on GPU use 'nccl'")
     compressed = cfg.compression != "none"
-    if compressed and primary in ("mpi", "shm"):
-        which = f"{cfg.backend!r} is mpi on CPU" if cfg.backend in ("auto", "fastest") else f"is {primary!r}"
-        raise UsageError(f"dist.compression: {cfg.compression} needs the nccl or gloo backend, and dist.backend "
-                         f"{which} (MPI has no half-precision sum); set dist.backend=gloo")
     if primary == "shm":
         hierarchical = False  # a node's ranks share memory, nodes use MPI: hierarchical by construction
     elif cfg.hierarchical == "auto":
@@ -124,6 +120,11 @@ def plan_transport(cfg: DistConfig, *, device_type: str, num_nodes: int, min_loc
     if hierarchical and primary == "mpi" and not gpu and (
             cfg.inter_node == "gloo" or (cfg.inter_node == "auto" and cores_per_rank < SPARE_CORES_FOR_THREAD)):
         inter_node = "gloo"
+    if compressed and primary in ("mpi", "shm") and inter_node is None:
+        which = f"{cfg.backend!r} is mpi on CPU" if cfg.backend in ("auto", "fastest") else f"is {primary!r}"
+        raise UsageError(f"dist.compression: {cfg.compression} needs the nccl or gloo backend, or gloo between the "
+                         f"nodes of a hierarchical mpi plan, and dist.backend {which} here (MPI has no "
+                         "half-precision sum); set dist.backend=gloo")
     return Plan(primary, hierarchical, fallback, inter_node)
 
 

@@ -212,6 +212,8 @@ class Reducer:
         self._release_early = self.placement.releases_early
         # Whether the hooks send buckets before backward ends (else finish sends them all).
         self._early = not self._synchronous or self.world_size == 1 or self._release_early
+        # A transport that compresses between nodes only (hierarchical, gloo there) gets full-precision buckets.
+        self._wire = None if getattr(transport, "compresses", False) else self.compression
 
     @property
     def may_redo(self) -> bool:
@@ -387,9 +389,9 @@ class Reducer:
         bucket.token = self.recorder.start("allreduce.bucket", bucket.index,
                                            bucket.buffer.numel() * bucket.buffer.element_size())
         wire = None
-        if self.compression is not None:
+        if self._wire is not None:
             # Divided already (in full precision, by _fold), so the half-precision sum cannot overflow.
-            wire = bucket.wire = bucket.buffer.to(self.compression)
+            wire = bucket.wire = bucket.buffer.to(self._wire)
         bucket.handle = self.placement.start(bucket, wire)
         if self._synchronous:
             self.recorder.end(bucket.token)  # it ran in start: the flight recorder shows its real duration

@@ -263,7 +263,8 @@ class DistConfig:
     (gloo when a rank has fewer than 2 cores of its own, as dist.progress decides; docs/communication.md). No effect
     elsewhere."""
     compression: str = "none"
-    """Wire format of gradients: 'none', 'fp16' or 'bf16' (nccl and gloo only: on CPU set dist.backend=gloo)."""
+    """Wire format of gradients: 'none', 'fp16' or 'bf16' (lossy; nccl and gloo, and between the nodes of a hierarchical
+    mpi plan with gloo there, dist.inter_node; on one CPU node set dist.backend=gloo)."""
     fallback: str = "auto"
     """Backend to continue on when the primary fails: 'auto' (gloo for nccl/mpi, mpi for gloo), 'gloo', 'mpi',
     'none'."""

@@ -22,3 +22,25 @@ def test_train_under_mpirun(launch, tmp_path):
         assert res["ratio_hpcnet_vs_ddp"]["median"] > 0 and isinstance(res["met"], bool)
         # Same weights, data and steps: both trainers end with (near) equal weights.
         assert res["max_param_diff_hpcnet_vs_ddp"] < 1e-4
+
+
+@pytest.mark.launch
+def test_ddp_with_its_compression_hooks_are_contenders_too(launch, tmp_path):
+    out = tmp_path / "hooks.json"
+    proc = launch(2, "train", "--models", "mlp-small", "--batch-size", "4", "--steps", "2", "--rounds", "2",
+                  "--warmup", "3", "--profile-steps", "0", "--no-local", "--ddp-hooks", "bf16,powersgd",
+                  "--json", str(out), module="hpcnet.bench", timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (res,) = json.loads(out.read_text())["results"]
+    assert list(res["contenders"]) == ["hpcnet", "ddp-gloo", "ddp-gloo-bf16", "ddp-gloo-powersgd4"]
+    assert set(res["ratio_hpcnet_vs"]) == {"ddp-gloo-bf16", "ddp-gloo-powersgd4"}
+    assert all(r["median"] > 0 for r in res["ratio_hpcnet_vs"].values())
+    assert "hpcnet / ddp-gloo-powersgd4 samples/s" in proc.stdout
+
+
+def test_an_unknown_ddp_hook_is_a_usage_error():
+    from hpcnet.bench.train import _parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        _parse_args(["--ddp-hooks", "bf16,int3"])
+    assert exc.value.code == 2

@@ -38,6 +38,13 @@ def test_between_nodes_a_hierarchical_mpi_plan_takes_gloo_where_polling_would_ta
     assert gpu.inter_node is None and gpu.primary == "nccl"
     with pytest.raises(ConfigError, match="dist.inter_node: 'tcp' is not one of"):
         DistConfig(inter_node="tcp")
+    # dist.compression under mpi: only where gloo carries the sums between the nodes (bf16 there only)
+    compressed = DistConfig(inter_node=option, compression="bf16")
+    if expected:
+        assert plan_transport(compressed, **layout).inter_node == "gloo"
+    else:
+        with pytest.raises(UsageError, match="gloo between the nodes of a hierarchical mpi plan"):
+            plan_transport(compressed, **layout)
 
 
 def test_hierarchical_on_nodes_of_unequal_sizes_is_an_error_naming_the_option():

@@ -55,20 +55,26 @@ __all__ = ["CollectiveExecutor", "CommFailure", "Done", "Failed", "FaultyTranspo
 
 def build_transport(kind: str, hierarchical: bool, comm: Any, world: World, *,
                     timeout_s: float | None = None, progress: str = "thread",
-                    inter_node: str | None = None) -> Transport:
+                    inter_node: str | None = None, wire: Any = None) -> Transport:
     """Create a transport over the ranks of ``comm`` (collective).
 
     ``timeout_s`` (``dist.timeout_s``; None: torch's default) is given to
     every torch.distributed group created here: NCCL enforces it in its own
     watchdog, so nothing waits on a NCCL work with a CPU timeout (see
     the ``TorchHandle`` docstring).  ``progress`` ('thread' or 'inline',
-    ``hpcnet.comm.plan.mpi_progress``) says where MPI collectives run.
+    ``hpcnet.comm.plan.mpi_progress``) says where MPI collectives run;
+    ``inter_node`` (``Plan.inter_node``) what a hierarchical transport uses
+    between the nodes when not ``kind``; ``wire`` (``dist.compression``'s
+    dtype) is applied by a hierarchical transport with gloo between the nodes,
+    there only, and ignored by the others (the reducer compresses for them).
     """
     if kind == "shm":
         return ShmTransport(comm, world)  # hierarchical by construction: shared memory in a node, MPI across
     if hierarchical and world.size > 1:
+        between = inter_node or kind
         return HierarchicalTransport(comm, node_index=world.node_index, local_rank=world.local_rank, kind=kind,
-                                     timeout_s=timeout_s, progress=progress, cross_kind=inter_node)
+                                     timeout_s=timeout_s, progress=progress, cross_kind=inter_node,
+                                     wire=wire if between == "gloo" else None)
     if kind == "mpi":
         return MpiTransport(comm, progress)
     import torch.distributed as dist

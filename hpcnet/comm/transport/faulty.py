@@ -17,6 +17,7 @@ class FaultyTransport:
         self.name = inner.name
         self.synchronous = inner.synchronous
         self.allocate = getattr(inner, "allocate", None)  # buckets in the inner transport's memory (shm)
+        self.compresses = getattr(inner, "compresses", False)  # dist.compression between nodes only (hierarchical)
         self.fail = fail
         self.armed = False
         if getattr(inner, "start_reduce_scatter", None) is not None:

@@ -51,12 +51,18 @@ class HierarchicalTransport:
         cross_kind: between the nodes: ``kind`` (None), or 'gloo' under 'mpi' (a gloo subgroup of the
             ranks with the same local rank; its sockets block while they wait, where MPI polls a core).
         chunk_bytes: the pipelined chunks of a bucket (``_run``; not NCCL's).
+        wire: ``dist.compression`` between the nodes only (torch.bfloat16 or torch.float16; gloo there): each
+            shard crosses in half precision and comes back into the full-precision bucket, while the sums inside
+            a node stay exact.  The reducer then leaves its buckets in full precision (``compresses``).
     """
 
     def __init__(self, comm: Any, *, node_index: int, local_rank: int, kind: str,
                  timeout_s: float | None = None, progress: str = "thread", cross_kind: str | None = None,
-                 chunk_bytes: int = PIPELINE_CHUNK_BYTES) -> None:
+                 chunk_bytes: int = PIPELINE_CHUNK_BYTES, wire: torch.dtype | None = None) -> None:
         self.kind = kind
+        self.wire = wire
+        if wire is not None and (cross_kind or kind) != "gloo":
+            raise ValueError("a hierarchical transport compresses only what gloo carries between the nodes")
         self.cross_kind = cross_kind or kind
         if self.cross_kind != kind and (kind, self.cross_kind) != ("mpi", "gloo"):
             raise ValueError(f"between nodes a hierarchical {kind} transport uses {kind}, or gloo under mpi; "
@@ -146,10 +152,20 @@ class HierarchicalTransport:
         else:
             _reduce_scatter()(shard, work, group=self._local_group)  # gloo: returns when done
 
+    @property
+    def compresses(self) -> bool:
+        """Whether this transport applies ``dist.compression`` itself (between the nodes; the reducer does not)."""
+        return self.wire is not None
+
     def _start_cross(self, shard: torch.Tensor) -> Any:
         """Start the sum of this rank's shard across the nodes; what ``_gather`` waits for (None: one node)."""
         if self.cross.Get_size() == 1:
             return None
+        if self.wire is not None:
+            import torch.distributed as dist
+
+            wire = shard.to(self.wire)  # the bucket was divided already, so the half-precision sum cannot overflow
+            return _Wire(dist.all_reduce(wire, group=self._cross_group, async_op=True), wire, shard)
         if self.cross_kind == "mpi":
             from mpi4py import MPI
 
@@ -207,6 +223,17 @@ def enqueue_in_order(phases: list[Callable[[], Any]]) -> Any:
             last.wait()  # a stream wait, not a CPU wait (no timeout: see TorchHandle)
         last = phase()
     return last
+
+
+class _Wire:
+    """A half-precision sum between the nodes in flight: waiting copies it back into the full-precision shard."""
+
+    def __init__(self, work: Any, wire: torch.Tensor, shard: torch.Tensor) -> None:
+        self.work, self.wire, self.shard = work, wire, shard
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.shard.copy_(self.wire)
 
 
 class _PaddedHandle:

@@ -266,3 +266,34 @@ def test_a_worker_left_in_an_abandoned_all_reduce_does_not_keep_the_process_aliv
     assert "rank 0 exiting" in out.stdout and "rank 1 exiting" in out.stdout
     assert "still inside an MPI collective that its peers abandoned; ending without MPI_Finalize" in out.stderr
     assert "received signal" not in out.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind, cross", [("mpi", "gloo"), ("gloo", None)])
+def test_compression_between_nodes_leaves_the_sums_inside_a_node_exact(comm, data_plane, kind, cross):
+    """dist.compression on a hierarchical transport with gloo between the nodes: only the shards that cross the
+    nodes go in bf16.  Values that bf16 holds exactly sum exactly; on one node nothing is rounded at all; every
+    replica gets the same bits."""
+    world = discover(comm, environ=even_nodes(comm))
+    size, rank = comm.Get_size(), comm.Get_rank()
+    transport = HierarchicalTransport(comm, node_index=world.node_index, local_rank=world.local_rank, kind=kind,
+                                      timeout_s=60, cross_kind=cross, chunk_bytes=256, wire=torch.bfloat16)
+    assert transport.compresses
+    ints = torch.arange(1000, dtype=torch.float32) % 64 + rank  # small integers: bf16 and every sum hold them
+    transport.start(ints).wait(60.0)
+    assert torch.equal(ints, (torch.arange(1000, dtype=torch.float32) % 64) * size + size * (size - 1) / 2)
+    fine = torch.full((1000,), 1.0 + 2.0 ** -12) * (rank + 1)  # below bf16's precision (8 bits)
+    transport.start(fine).wait(60.0)
+    exact = (1.0 + 2.0 ** -12) * size * (size + 1) / 2
+    if transport.cross.Get_size() == 1:
+        assert torch.all(fine == torch.tensor(exact, dtype=torch.float32))  # one node: no rounding
+    else:
+        assert torch.allclose(fine, torch.tensor(exact), rtol=2 ** -7)
+    everywhere = comm.allgather(fine.numpy().tobytes())
+    assert all(b == everywhere[0] for b in everywhere)
+    transport.close()
+
+
+def test_only_what_gloo_carries_between_nodes_is_compressed():
+    with pytest.raises(ValueError, match="compresses only what gloo carries"):
+        HierarchicalTransport(FakeComm(), node_index=0, local_rank=0, kind="mpi", wire=torch.bfloat16)
