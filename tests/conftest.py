@@ -24,6 +24,11 @@ SHARED = {"cluster": "tests/test_cluster", "slurm": "tests/test_slurm.py"}
 hosts) and the local SLURM's one node; and where they are (test ids start so)."""
 
 
+LONG_FIRST = ("tests/test_docs.py", "tests/test_resume.py", "tests/fault/test_watchdog.py", "tests/launch/",
+              "tests/test_train.py", "tests/ckpt/test_full_disk.py", "tests/bench/")
+"""Files whose tests take 5-50 s each (``--durations``): started right after SHARED's on the workers."""
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """The serial pass runs on pytest-xdist's workers (scripts/test.sh: ``-n 2 --dist loadgroup``); the tests of
@@ -51,9 +56,15 @@ def pytest_collection_modifyitems(config, items):
                                         "serial pass would run it beside the other tests of that resource "
                                         "(tests/conftest.py, SHARED)")
     if hasattr(config, "workerinput"):
-        # On xdist's workers (every worker collects, in the same order): the long groups of SHARED first, so
-        # that neither is left running alone at the end while the other worker has nothing to do.
-        items.sort(key=lambda item: not item.nodeid.startswith(tuple(SHARED.values())))
+        # On xdist's workers (every worker collects, in the same order): the long groups of SHARED first, then
+        # the files of long tests, so that what is left at the end is short and no worker waits long for the
+        # other with nothing to do.
+        def order(item):
+            if item.nodeid.startswith(tuple(SHARED.values())):
+                return 0
+            return 1 if item.nodeid.startswith(LONG_FIRST) else 2
+
+        items.sort(key=order)
     # At more than one rank every rank would start the same mpirun, SLURM or cluster job at once.
     if MPI.COMM_WORLD.Get_size() == 1:
         return

@@ -110,8 +110,8 @@ def test_chunks_cover_the_bucket_in_order_in_multiples_of_the_node_size():
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("kind, cross", [("mpi", None), ("mpi", "gloo"), ("gloo", None)])
-@pytest.mark.parametrize("progress", ["thread", "inline"])
+@pytest.mark.parametrize("kind, cross, progress", [("mpi", None, "inline"), ("mpi", "gloo", "thread"),
+                                                   ("mpi", "gloo", "inline"), ("gloo", None, "thread")])
 def test_the_pipelined_hierarchical_sum_equals_the_sum_in_one_piece(comm, data_plane, kind, cross, progress):
     """Chunks of 64 bytes, so a bucket goes in hundreds of pipelined chunks (the last one padded): every rank gets
     the exact sum and the same bits as every other rank; on up to 2 nodes also the bits of the bucket summed in one
