@@ -193,7 +193,11 @@ def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.dev
     contenders.append(_plain(f"ddp-{dist.get_backend()}", model_d, ddp, updater, compute_loss))
     for hook in ddp_hooks:
         model_c = copy.deepcopy(base)
-        hooked = DistributedDataParallel(model_c, device_ids=[device] if device.type == "cuda" else None)
+        # PowerSGD issues its all-reduces from the futures' callbacks; over gloo, two buckets' callbacks run them in
+        # different orders on different ranks ("Received data size doesn't match expected size", an abort or a
+        # hang): one bucket for it.
+        cap = {"bucket_cap_mb": 1 << 16} if hook == "powersgd" and device.type != "cuda" else {}
+        hooked = DistributedDataParallel(model_c, device_ids=[device] if device.type == "cuda" else None, **cap)
         suffix = ddp_hook(hooked, hook)
         contenders.append(_plain(f"ddp-{dist.get_backend()}-{suffix}", model_c, hooked, updater, compute_loss))
     if local:
