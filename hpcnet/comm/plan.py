@@ -149,10 +149,9 @@ def decide_plan(comm: Any, world: World, cfg: DistConfig, *, device_type: str,
     ``dist.device=auto``) would initialise different backends and wait for
     each other forever; that is an error naming them.
     """
-    from mpi4py import MPI
-
-    min_local = comm.allreduce(world.local_size, op=MPI.MIN)
-    max_local = comm.allreduce(world.local_size, op=MPI.MAX)
+    # One exchange for the layout: each rank's node size and cores.
+    sizes, cores = zip(*comm.allgather((world.local_size, cores_per_rank(world))))
+    min_local, max_local = min(sizes), max(sizes)
     shm_wins = False
     if cfg.backend == "fastest" and device_type == "cpu" and cfg.compression == "none" and min_local > 1 \
             and max_local == min_local:
@@ -167,7 +166,7 @@ def decide_plan(comm: Any, world: World, cfg: DistConfig, *, device_type: str,
         plan = plan_transport(cfg, device_type=device_type, num_nodes=world.num_nodes, min_local_size=min_local,
                               cuda_aware=device_type == "cuda" and cuda_aware_mpi(),
                               hierarchical_hint=hierarchical_hint, shm_wins=shm_wins, max_local_size=max_local,
-                              cores_per_rank=comm.allreduce(cores_per_rank(world), op=MPI.MIN))
+                              cores_per_rank=min(cores))
     plans = comm.allgather((device_type, plan))
     odd = [r for r, p in enumerate(plans) if p != plans[0]]
     if odd:

@@ -24,19 +24,6 @@ def chunk_bounds(numel: int, chunk: int, multiple: int) -> list[tuple[int, int]]
     return [(lo, min(lo + step, numel)) for lo in range(0, numel, step)]
 
 
-def _reduce_scatter() -> Callable[..., Any]:
-    import torch.distributed as dist
-
-    # torch >= 2.13 renamed these (the old names warn); clusters may run older torch.
-    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _all_gather() -> Callable[..., Any]:
-    import torch.distributed as dist
-
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 class HierarchicalTransport:
     """Reduce-scatter in the node, all-reduce across nodes, all-gather in the node.
 
@@ -100,6 +87,9 @@ class HierarchicalTransport:
             if kind != "mpi":
                 self._local_group, _ = dist.new_subgroups_by_enumeration(list(by_node.values()), timeout=timeout,
                                                                          backend=kind)
+                # torch >= 2.13 renamed these (the old names warn); clusters may run older torch.
+                self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+                self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             self._cross_group, _ = dist.new_subgroups_by_enumeration(list(by_local.values()), timeout=timeout,
                                                                      backend=self.cross_kind)
 
@@ -111,10 +101,10 @@ class HierarchicalTransport:
         import torch.distributed as dist
 
         work, out = self._padded(flat)
-        phases = [lambda: _reduce_scatter()(out, work, group=self._local_group, async_op=True)]
+        phases = [lambda: self._reduce_scatter(out, work, group=self._local_group, async_op=True)]
         if self.cross.Get_size() > 1:
             phases.append(lambda: dist.all_reduce(out, group=self._cross_group, async_op=True))
-        phases.append(lambda: _all_gather()(work, out, group=self._local_group, async_op=True))
+        phases.append(lambda: self._all_gather(work, out, group=self._local_group, async_op=True))
         return work, out, enqueue_in_order(phases)
 
     def _padded(self, part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +118,8 @@ class HierarchicalTransport:
         """The bucket in chunks (``chunk_bounds``), pipelined: while chunk k's shard is summed across the nodes,
         chunk k+1 is reduce-scattered in the node, and chunk k is gathered back only when ``PIPELINE_DEPTH``
         later chunks are on their way or none is left, so the intra-node phases and the inter-node link
-        work at the same time.  Every element is summed in the same order as in one piece."""
+        work at the same time.  Inside a node every element is summed in the same order as in one piece; between
+        3 or more nodes gloo and MPI choose their order by the message's size (docs/communication.md)."""
         pending: collections.deque = collections.deque()
         for lo, hi in chunk_bounds(flat.numel(), self.chunk_elements(flat), self.local_size):
             part = flat[lo:hi]
@@ -150,7 +141,7 @@ class HierarchicalTransport:
 
             self.local.Reduce_scatter_block(mpi_buffer(work), mpi_buffer(shard), op=MPI.SUM)
         else:
-            _reduce_scatter()(shard, work, group=self._local_group)  # gloo: returns when done
+            self._reduce_scatter(shard, work, group=self._local_group)  # gloo: returns when done
 
     @property
     def compresses(self) -> bool:
@@ -176,12 +167,14 @@ class HierarchicalTransport:
         return dist.all_reduce(shard, group=self._cross_group, async_op=True)  # gloo's own threads
 
     def _gather(self, part: torch.Tensor, work: torch.Tensor, shard: torch.Tensor, cross: Any) -> None:
-        if cross is not None:
-            cross.Wait() if self.cross_kind == "mpi" else cross.wait()
+        if self.cross_kind == "mpi" and cross is not None:
+            cross.Wait()  # an MPI request
+        elif cross is not None:
+            cross.wait()  # a gloo work, or _Wire
         if self.kind == "mpi":
             self.local.Allgather(mpi_buffer(shard), mpi_buffer(work))
         else:
-            _all_gather()(work, shard, group=self._local_group)
+            self._all_gather(work, shard, group=self._local_group)
         if work is not part:
             part.copy_(work[:part.numel()])
 
