@@ -61,6 +61,34 @@ def test_stop_and_resume_is_bit_identical(comm, data_plane, mpi_tmp_path, model)
 
 
 @pytest.mark.mpi
+def test_int8_error_feedback_resumes_bit_identical(comm, data_plane, mpi_tmp_path, monkeypatch):
+    """dist.compression=int8 between (virtual) nodes: each rank's residuals go into the checkpoint and come back,
+    so the resumed run is bit-identical to the straight one; a resume that lost them would not be."""
+    from hpcnet.comm.dataparallel import DataParallel
+    from tests.helpers.comm import even_nodes
+
+    monkeypatch.setenv("HPCNET_RANKS_PER_NODE", even_nodes(comm)["HPCNET_RANKS_PER_NODE"])
+    dataset = _dataset(comm, mpi_tmp_path)
+    extra = [*MODELS["mlp-dropout-adamw"], "dist.compression=int8", "dist.bucket_mb=0.004",
+             "dist.first_bucket_mb=0.002"]
+    straight = run(_cfg(mpi_tmp_path, dataset, "straight-int8", *extra), comm, plane=data_plane)
+    nodes = comm.Get_size() // int(even_nodes(comm)["HPCNET_RANKS_PER_NODE"])
+    assert straight.summary["comm"]["backend"] == ("hierarchical-mpi+gloo" if nodes > 1 else "mpi")
+    first = run(_cfg(mpi_tmp_path, dataset, "split-int8", *extra), comm, plane=data_plane, stop=StopAfter(10))
+    assert first.summary["steps"] == 10
+    for name, drop in [("lost-int8", True), ("split-int8", False)]:
+        with monkeypatch.context() as patch:
+            if drop:  # the same checkpoint (the newest in split-int8's directory), its residuals left out
+                patch.setattr(DataParallel, "load_feedback", lambda self, tensors, size: self.feedback.clear())
+            resume = f"checkpoint.resume={mpi_tmp_path / 'ckpt' / 'split-int8'}" if drop else "checkpoint.resume=auto"
+            second = run(_cfg(mpi_tmp_path, dataset, name, *extra, resume), comm, plane=data_plane)
+        assert second.summary["start_step"] == 10 and second.summary["steps"] == 20
+        same = all(torch.equal(x, y) for a, b in zip(_state(straight), _state(second)) for x, y in zip(a, b))
+        assert same == (not drop or nodes == 1)
+    comm.Barrier()
+
+
+@pytest.mark.mpi
 def test_a_stop_at_the_last_step_is_a_finished_run(comm, data_plane, mpi_tmp_path):
     """Stopped after the last step, the run saved it and has nothing left to train: status 0, not 76 (a requeue
     would only find nothing to train); a stop one step sooner is a preemption."""

@@ -21,6 +21,7 @@ from torch import nn
 from hpcnet.agree import shared_errors
 from hpcnet.ckpt.load import Loaded
 from hpcnet.ckpt.manager import CheckpointManager
+from hpcnet.comm.dataparallel import FEEDBACK_PREFIX
 from hpcnet.comm.zero import rows_of, split_pieces
 from hpcnet.config import Config
 from hpcnet.config.load import to_dict
@@ -239,6 +240,10 @@ class TrainState:
     def save(self, step: int, loader_state: dict[str, Any]) -> Path:
         """Collective: checkpoint the state after ``step`` (blocks only for the snapshot when async)."""
         tensors, state_meta, holders = flatten_with_holders(self.model, self.optimizer)
+        if self.shards is not None:  # int8's residuals (dist.compression=int8), each held by its rank
+            residuals, residual_holders = self.shards.feedback_state()
+            tensors.update(residuals)
+            holders.update(residual_holders)
         meta = {"state": state_meta, "sampler": loader_state, "config": to_dict(self.cfg), "step": step}
         plan = self.shards.plan_state() if self.shards is not None else None
         if plan is not None:
@@ -300,7 +305,16 @@ class TrainState:
         optimizer holds no state, nothing moves), then what this rank restores under them."""
         if self.shards is not None:
             self.shards.restore_plan(meta.get("shards"))
-        return state_wanted(self.optimizer)
+        wanted = state_wanted(self.optimizer)
+        if self.shards is None:
+            return wanted
+        shards = self.shards
+
+        def wants(name: str) -> bool:  # of int8's residuals, this rank's own only
+            if name.startswith(FEEDBACK_PREFIX):
+                return shards.wants_feedback(name)
+            return wanted is None or wanted(name)
+        return wants
 
     def _restore(self, loaded: Loaded, rank: int) -> None:
         # Everything here may fail on some ranks only (each restores its own
@@ -311,6 +325,8 @@ class TrainState:
             # Any world size and batch size continue from the saved sample position;
             # a malformed state or a shrunk dataset is a clear ValueError.
             self.sampler.load_state_dict(loaded.meta["sampler"])
+            if self.shards is not None:
+                self.shards.load_feedback(loaded.tensors, loaded.saved_world_size)
             if loaded.rank_state is not None:
                 set_rng_state(loaded.rank_state)
             else:

@@ -152,7 +152,7 @@ class Replicated:
         pass
 
     def start(self, bucket: Bucket, wire: torch.Tensor | None) -> Any:
-        return self.transport.start(bucket.buffer if wire is None else wire)
+        return self.transport.start(bucket.buffer if wire is None else wire, bucket.index)
 
     def release(self, bucket: Bucket) -> None:
         for t, view in zip(bucket.entry_tensor, bucket.views):  # every entry a whole parameter

@@ -26,7 +26,8 @@ from hpcnet.comm.costmodel import (
     plan_time_s,
     stage2_bucket_cap,
 )
-from hpcnet.comm.plan import Plan, mpi_progress
+from hpcnet.comm.plan import HALF_PRECISIONS, Plan, mpi_progress
+from hpcnet.comm.quantize import ErrorFeedback
 from hpcnet.comm.reducer import LateGradient, Reducer, broadcast_buffers, broadcast_module
 from hpcnet.comm.transport import CommFailure, FaultyTransport, build_transport
 from hpcnet.comm.world import World, cores_per_rank
@@ -58,7 +59,9 @@ REPLAN_GAIN = 0.10
 over it)."""
 AUTO_FALLBACK_MB = 25
 """dist.bucket_mb=auto without a probed link: DDP's default."""
-_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+_DTYPES = {"auto": None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
+FEEDBACK_PREFIX = "feedback/"
+"""Checkpoint names of int8's residuals: ``feedback/<rank>/<bucket>/<chunk>/<worker|server>``, each held by its rank."""
 
 
 def check_same_model(model: nn.Module, comm: Any) -> None:
@@ -106,9 +109,10 @@ class DataParallel:
         self.plan = plan
         check_same_model(model, comm)
         self.progress = mpi_progress(cfg.progress, cores_per_rank(world))
+        self.feedback = ErrorFeedback()  # int8's residuals: kept here, so a checkpoint holds them
         transport = build_transport(plan.primary, plan.hierarchical, comm, world, timeout_s=cfg.timeout_s,
                                     progress=self.progress, inter_node=plan.inter_node,
-                                    wire=_DTYPES[cfg.compression])
+                                    wire=_DTYPES[cfg.compression], feedback=self.feedback)
         if cfg.fail_at_step:
             transport = FaultyTransport(transport, fail=not cfg.fail_ranks or world.rank in cfg.fail_ranks)
         broadcast_module(model, comm)  # replicas start equal even if initialisation differed
@@ -131,7 +135,8 @@ class DataParallel:
         self.reducer = Reducer(
             list(model.named_parameters()), transport, comm,
             bucket_bytes=self.bucket_bytes(), first_bucket_bytes=int(cfg.first_bucket_mb * 2**20),
-            compression=_DTYPES[cfg.compression], find_unused=cfg.find_unused, timeout_s=cfg.timeout_s,
+            compression=_DTYPES[cfg.compression] if cfg.compression in HALF_PRECISIONS else None,
+            find_unused=cfg.find_unused, timeout_s=cfg.timeout_s,
             recorder=recorder, owners=self.shards.owner if cfg.zero == 2 else None,
             units=self.layout if cfg.zero == 2 else None)
         self.step_count = 0
@@ -248,6 +253,40 @@ class DataParallel:
         return {"world_size": self.world.size, "owner": list(self.shards.owner), "speeds": list(self.speeds),
                 "bytes": list(self.layout.sizes), "units": self.layout.to_json()}
 
+    def feedback_state(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """int8's residuals for a checkpoint (collective): every rank's names (``FEEDBACK_PREFIX``), its own
+        residuals as tensors and the others' as ``meta`` tensors of their shapes, and who holds each."""
+        mine = [(name, r.numel()) for name, r in self.feedback.residuals.items()]
+        tensors: dict[str, torch.Tensor] = {}
+        holders: dict[str, int] = {}
+        for rank, names in enumerate(self.comm.allgather(mine)):
+            for name, numel in names:
+                key = f"{FEEDBACK_PREFIX}{rank}/{name}"
+                holders[key] = rank
+                tensors[key] = (self.feedback.residuals[name] if rank == self.world.rank
+                                else torch.empty(numel, device="meta"))
+        return tensors, holders
+
+    def wants_feedback(self, name: str) -> bool:
+        """Whether a checkpoint's tensor of ``FEEDBACK_PREFIX`` is this rank's to read (its own residuals)."""
+        return name.startswith(f"{FEEDBACK_PREFIX}{self.world.rank}/")
+
+    def load_feedback(self, tensors: dict[str, torch.Tensor], saved_world_size: int) -> None:
+        """int8's residuals from a checkpoint's tensors: this rank's, when saved at the same world size (the same
+        buckets and shards); otherwise they start from zero (a step's quantization error, dropped once)."""
+        prefix = f"{FEEDBACK_PREFIX}{self.world.rank}/"
+        mine = {name[len(prefix):]: value for name, value in tensors.items() if name.startswith(prefix)}
+        if self.cfg.compression != "int8":
+            self.feedback.clear()
+            return
+        if saved_world_size != self.world.size:
+            self.feedback.clear()
+            if self.world.is_main and mine:
+                log.info("resume: int8's error-feedback residuals were saved by %d ranks, this run has %d: they "
+                         "start from zero", saved_world_size, self.world.size)
+            return
+        self.feedback.load(mine)
+
     def restore_plan(self, saved: Any) -> bool:
         """Go on with the owners a checkpoint was saved under (collective; every rank has the same meta).
 
@@ -341,7 +380,8 @@ class DataParallel:
         return (f"gradients: {self.backend} all-reduce{' (hierarchical)' if self.plan.hierarchical else ''}"
                 f"{progress}, "
                 f"{len(sizes)} bucket(s) of {', '.join(f'{s:.1f}' for s in sizes[:6])}"
-                f"{' ...' if len(sizes) > 6 else ''} MiB, compression {self.cfg.compression}, "
+                f"{' ...' if len(sizes) > 6 else ''} MiB, compression "
+                f"{'none (auto)' if self.cfg.compression == 'auto' else self.cfg.compression}, "
                 f"fallback {self.plan.fallback or 'none'}")
 
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -398,6 +438,7 @@ class DataParallel:
                                            timeout_s=self.cfg.timeout_s, progress=self.progress)
                 self.reducer.switch(fallback, str(exc), self.step_count)
                 self.plan = Plan(self.plan.fallback, False, None)
+                self.feedback.clear()  # the fallback sums exactly: int8's residuals have nothing left to carry
                 self._buffer_group = None  # the NCCL group may be the part that failed
                 self._restore(saved)
 
@@ -435,12 +476,16 @@ class DataParallel:
     def _snapshot(self) -> dict[str, Any]:
         state = {"cpu_rng": torch.get_rng_state(),
                  "buffers": [b.detach().clone() for b in self.model.buffers()]}
+        if self.reducer.may_redo and self.feedback.residuals:
+            state["feedback"] = {name: r.clone() for name, r in self.feedback.residuals.items()}
         if self.device.type == "cuda":
             state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         return state
 
     def _restore(self, state: dict[str, Any]) -> None:
         torch.set_rng_state(state["cpu_rng"])
+        if "feedback" in state:
+            self.feedback.load(state["feedback"])
         if "cuda_rng" in state:
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         with torch.no_grad():

@@ -39,6 +39,10 @@ class Plan:
         return "nccl" if "nccl" in kinds else ("gloo" if kinds else None)
 
 
+HALF_PRECISIONS = ("fp16", "bf16")
+"""``dist.compression`` values that are a wire dtype: the reducer casts buckets to it, or a hierarchical transport
+the shards that cross the nodes (int8 is always the latter)."""
+
 SPARE_CORES_FOR_THREAD = 2
 """A rank needs this many cores of its own for a worker thread to overlap MPI with backward (``mpi_progress``)."""
 
@@ -89,9 +93,14 @@ def plan_transport(cfg: DistConfig, *, device_type: str, num_nodes: int, min_loc
         raise UsageError("dist.backend: 'mpi' on GPU tensors needs a CUDA-aware MPI; use 'nccl'")
     if primary == "shm" and gpu:
         raise UsageError("dist.backend: 'shm' sums CPU tensors in shared memory; on GPU use 'nccl'")
-    compressed = cfg.compression != "none"
+    halves = cfg.compression in HALF_PRECISIONS  # the reducer casts whole buckets, or a hierarchical gloo hop
+    int8 = cfg.compression == "int8"  # between the nodes only, always by a hierarchical transport with gloo there
+    if int8:
+        _check_int8(primary, cfg, num_nodes, min_local_size, max_local_size)
     if primary == "shm":
         hierarchical = False  # a node's ranks share memory, nodes use MPI: hierarchical by construction
+    elif int8:
+        hierarchical = num_nodes > 1  # even one rank a node: the transport is where the int8 exchange lives
     elif cfg.hierarchical == "auto":
         even = max_local_size is None or max_local_size == min_local_size
         hierarchical = (hierarchical_layout(num_nodes, min_local_size, max_local_size) if hierarchical_hint is None
@@ -105,7 +114,7 @@ def plan_transport(cfg: DistConfig, *, device_type: str, num_nodes: int, min_loc
         fallback = None
     elif cfg.fallback == "auto":
         fallback = "mpi" if primary in ("gloo", "shm") and (not gpu or cuda_aware) else "gloo"
-        if fallback == "mpi" and compressed:
+        if fallback == "mpi" and halves:
             fallback = None  # the wire format cannot change mid-run, and MPI cannot sum it
     else:
         fallback = cfg.fallback
@@ -113,19 +122,41 @@ def plan_transport(cfg: DistConfig, *, device_type: str, num_nodes: int, min_loc
         fallback = None  # a fresh gloo group is a real alternative; the same MPI communicator is not
     if fallback == "mpi" and gpu and not cuda_aware:
         raise UsageError("dist.fallback: 'mpi' on GPU tensors needs a CUDA-aware MPI; use 'gloo'")
-    if fallback == "mpi" and compressed:
+    if fallback == "mpi" and halves:
         raise UsageError(f"dist.fallback: 'mpi' cannot carry dist.compression={cfg.compression} "
                          "(MPI has no half-precision sum); use 'gloo' or 'none'")
     inter_node = None
     if hierarchical and primary == "mpi" and not gpu and (
-            cfg.inter_node == "gloo" or (cfg.inter_node == "auto" and cores_per_rank < SPARE_CORES_FOR_THREAD)):
+            int8 or cfg.inter_node == "gloo"
+            or (cfg.inter_node == "auto" and cores_per_rank < SPARE_CORES_FOR_THREAD)):
         inter_node = "gloo"
-    if compressed and primary in ("mpi", "shm") and inter_node is None:
+    if halves and primary in ("mpi", "shm") and inter_node is None:
         which = f"{cfg.backend!r} is mpi on CPU" if cfg.backend in ("auto", "fastest") else f"is {primary!r}"
         raise UsageError(f"dist.compression: {cfg.compression} needs the nccl or gloo backend, or gloo between the "
                          f"nodes of a hierarchical mpi plan, and dist.backend {which} here (MPI has no "
                          "half-precision sum); set dist.backend=gloo")
     return Plan(primary, hierarchical, fallback, inter_node)
+
+
+def _check_int8(primary: str, cfg: DistConfig, num_nodes: int, min_local_size: int,
+                max_local_size: int | None) -> None:
+    """``dist.compression=int8``'s conditions (pure): it runs between the nodes of a hierarchical transport, with
+    gloo there (``HierarchicalTransport._start_int8``); a UsageError naming the option otherwise."""
+    if primary == "nccl":
+        raise UsageError("dist.compression: int8 runs between the nodes over gloo, and dist.backend is nccl here; "
+                         "on GPUs use bf16 or fp16")
+    if primary == "shm":
+        raise UsageError("dist.compression: int8 runs on the hierarchical path; dist.backend=shm has none: set "
+                         "dist.backend to mpi or gloo")
+    if num_nodes > 1 and cfg.hierarchical == "off":
+        raise UsageError("dist.compression: int8 compresses the sums between the nodes of the hierarchical path, and "
+                         "dist.hierarchical is off: set it to auto")
+    if num_nodes > 1 and max_local_size is not None and max_local_size != min_local_size:
+        raise UsageError(f"dist.compression: int8 needs as many ranks on every node (the hierarchical path); these "
+                         f"nodes have {min_local_size} to {max_local_size}")
+    if primary == "mpi" and cfg.inter_node == "primary":
+        raise UsageError("dist.compression: int8 runs between the nodes over gloo, and dist.inter_node is primary "
+                         "(MPI): set it to auto or gloo")
 
 
 def mpi_progress(option: str, cores_per_rank: float) -> str:
@@ -153,7 +184,7 @@ def decide_plan(comm: Any, world: World, cfg: DistConfig, *, device_type: str,
     sizes, cores = zip(*comm.allgather((world.local_size, cores_per_rank(world))))
     min_local, max_local = min(sizes), max(sizes)
     shm_wins = False
-    if cfg.backend == "fastest" and device_type == "cpu" and cfg.compression == "none" and min_local > 1 \
+    if cfg.backend == "fastest" and device_type == "cpu" and cfg.compression in ("none", "auto") and min_local > 1 \
             and max_local == min_local:
         from hpcnet.comm.transport.shm import RACE_BYTES, race_shm_against_mpi
 

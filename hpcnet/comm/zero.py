@@ -566,7 +566,7 @@ class Sharded:
         if shard.scattered:
             self._ensure_owned(bucket)
             return self.reduce_scatter(bucket.buffer, shard.counts, shard.owned)
-        return self.transport.start(bucket.buffer if wire is None else wire)
+        return self.transport.start(bucket.buffer if wire is None else wire, bucket.index)
 
     def release(self, bucket: Bucket) -> None:
         """The owned gradients kept in ``owned``, the others None; a dropped bucket's buffer freed."""

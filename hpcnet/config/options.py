@@ -262,9 +262,12 @@ class DistConfig:
     so the sums between nodes run beside backward without taking a core), 'primary' (MPI, which polls), or 'auto'
     (gloo when a rank has fewer than 2 cores of its own, as dist.progress decides; docs/communication.md). No effect
     elsewhere."""
-    compression: str = "none"
-    """Wire format of gradients: 'none', 'fp16' or 'bf16' (lossy; nccl and gloo, and between the nodes of a hierarchical
-    mpi plan with gloo there, dist.inter_node; on one CPU node set dist.backend=gloo)."""
+    compression: str = "auto"
+    """Wire format of gradients: 'auto' (exact, as 'none': lossy compression is never chosen for you; across nodes the
+    log says what bf16 and int8 would save), 'none', 'fp16' or 'bf16' (lossy; nccl and gloo, and between the nodes of
+    a hierarchical mpi plan with gloo there, dist.inter_node; on one CPU node set dist.backend=gloo), or 'int8'
+    (lossy: blockwise int8 with error feedback, the residuals saved in checkpoints; only between nodes, over gloo, on
+    CPU backends: within a node the sums stay exact; docs/communication.md)."""
     fallback: str = "auto"
     """Backend to continue on when the primary fails: 'auto' (gloo for nccl/mpi, mpi for gloo), 'gloo', 'mpi',
     'none'."""
@@ -316,8 +319,9 @@ class DistConfig:
             raise ConfigError(f"dist.hierarchical: {self.hierarchical!r} is not one of 'auto', 'on', 'off'")
         if self.inter_node not in ("auto", "primary", "gloo"):
             raise ConfigError(f"dist.inter_node: {self.inter_node!r} is not one of 'auto', 'primary', 'gloo'")
-        if self.compression not in ("none", "fp16", "bf16"):
-            raise ConfigError(f"dist.compression: {self.compression!r} is not one of 'none', 'fp16', 'bf16'")
+        if self.compression not in ("auto", "none", "fp16", "bf16", "int8"):
+            raise ConfigError(f"dist.compression: {self.compression!r} is not one of 'auto', 'none', 'fp16', 'bf16', "
+                              "'int8'")
         if self.progress not in ("auto", "thread", "inline"):
             raise ConfigError(f"dist.progress: {self.progress!r} is not one of 'auto', 'thread', 'inline'")
         if self.fallback not in ("auto", "gloo", "mpi", "none"):

@@ -186,3 +186,35 @@ def test_mpi_progress_is_inline_without_a_spare_core_and_the_option_wins():
     assert mpi_progress("thread", 0.5) == "thread" and mpi_progress("inline", 8.0) == "inline"
     with pytest.raises(ConfigError, match="dist.progress: 'fast' is not one of"):
         DistConfig(progress="fast")
+
+
+def test_int8_takes_the_hierarchical_path_with_gloo_between_the_nodes():
+    """dist.compression=int8 compresses only between nodes, in a hierarchical transport with gloo there: even at
+    one rank a node, even where polling would not take the core; on one node the sums are plain and exact."""
+    int8 = DistConfig(compression="int8")
+    cpu = dict(device_type="cpu", cores_per_rank=8)
+    assert plan_transport(int8, num_nodes=2, min_local_size=2, **cpu) == Plan("mpi", True, "gloo", "gloo")
+    assert plan_transport(int8, num_nodes=3, min_local_size=1, **cpu) == Plan("mpi", True, "gloo", "gloo")
+    assert plan_transport(int8, num_nodes=2, min_local_size=2, hierarchical_hint=False, **cpu).hierarchical
+    assert plan_transport(int8, num_nodes=1, min_local_size=4, **cpu) == Plan("mpi", False, "gloo")
+    gloo = DistConfig(backend="gloo", compression="int8")
+    assert plan_transport(gloo, num_nodes=2, min_local_size=2, **cpu) == Plan("gloo", True, "mpi")
+    for cfg, kw, needle in [
+            (DistConfig(compression="int8"), dict(device_type="cuda"), "int8 runs between the nodes over gloo, and "
+                                                                        "dist.backend is nccl"),
+            (DistConfig(backend="shm", compression="int8"), cpu, "int8 runs on the hierarchical path; .*shm"),
+            (DistConfig(compression="int8", hierarchical="off"), cpu, "int8 .* dist.hierarchical is off"),
+            (DistConfig(compression="int8", inter_node="primary"), cpu, "int8 .* dist.inter_node is primary"),
+    ]:
+        with pytest.raises(UsageError, match=f"dist.compression: {needle}"):
+            plan_transport(cfg, num_nodes=2, min_local_size=2, **kw)
+    with pytest.raises(UsageError, match="int8 needs as many ranks on every node"):
+        plan_transport(int8, num_nodes=2, min_local_size=1, max_local_size=2, **cpu)
+
+
+def test_compression_auto_is_exact():
+    assert DistConfig().compression == "auto"
+    cpu = dict(device_type="cpu", num_nodes=2, min_local_size=2, cores_per_rank=8)
+    assert plan_transport(DistConfig(), **cpu) == plan_transport(DistConfig(compression="none"), **cpu)
+    with pytest.raises(Exception, match="dist.compression: .int4. is not one of .auto., .none., .fp16., .bf16."):
+        load_config(overrides=["dist.compression=int4"])

@@ -55,7 +55,7 @@ __all__ = ["CollectiveExecutor", "CommFailure", "Done", "Failed", "FaultyTranspo
 
 def build_transport(kind: str, hierarchical: bool, comm: Any, world: World, *,
                     timeout_s: float | None = None, progress: str = "thread",
-                    inter_node: str | None = None, wire: Any = None) -> Transport:
+                    inter_node: str | None = None, wire: Any = None, feedback: Any = None) -> Transport:
     """Create a transport over the ranks of ``comm`` (collective).
 
     ``timeout_s`` (``dist.timeout_s``; None: torch's default) is given to
@@ -66,7 +66,8 @@ def build_transport(kind: str, hierarchical: bool, comm: Any, world: World, *,
     ``inter_node`` (``Plan.inter_node``) what a hierarchical transport uses
     between the nodes when not ``kind``; ``wire`` (``dist.compression``'s
     dtype) is applied by a hierarchical transport with gloo between the nodes,
-    there only, and ignored by the others (the reducer compresses for them).
+    there only, and ignored by the others (the reducer compresses for them);
+    ``feedback`` (``hpcnet.comm.quantize.ErrorFeedback``) keeps int8's residuals.
     """
     if kind == "shm":
         return ShmTransport(comm, world)  # hierarchical by construction: shared memory in a node, MPI across
@@ -74,7 +75,7 @@ def build_transport(kind: str, hierarchical: bool, comm: Any, world: World, *,
         between = inter_node or kind
         return HierarchicalTransport(comm, node_index=world.node_index, local_rank=world.local_rank, kind=kind,
                                      timeout_s=timeout_s, progress=progress, cross_kind=inter_node,
-                                     wire=wire if between == "gloo" else None)
+                                     wire=wire if between == "gloo" else None, feedback=feedback)
     if kind == "mpi":
         return MpiTransport(comm, progress)
     import torch.distributed as dist

@@ -38,7 +38,9 @@ class Transport(Protocol):
     synchronous: bool
     """``start`` returns after the collective finished (its handle only reports the outcome)."""
 
-    def start(self, flat: torch.Tensor) -> Handle: ...
+    def start(self, flat: torch.Tensor, key: Any = None) -> Handle:
+        """Start the sum of ``flat``; ``key`` names the bucket (the same every step) for a transport that keeps
+        state per bucket (int8's residuals, ``HierarchicalTransport``); the others ignore it."""
 
     def close(self) -> None: ...
 

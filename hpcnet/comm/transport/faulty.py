@@ -1,5 +1,7 @@
 """Fault injection in the data plane: a transport whose result fails on chosen ranks (``dist.fail_at_step``)."""
 
+from typing import Any
+
 import torch
 
 from hpcnet.comm.transport.base import CommFailure, Handle, Transport, abandon
@@ -23,8 +25,8 @@ class FaultyTransport:
         if getattr(inner, "start_reduce_scatter", None) is not None:
             self.start_reduce_scatter = self._start_reduce_scatter
 
-    def start(self, flat: torch.Tensor) -> Handle:
-        return self._maybe_failing(self.inner.start(flat))
+    def start(self, flat: torch.Tensor, key: Any = None) -> Handle:
+        return self._maybe_failing(self.inner.start(flat, key))
 
     def _start_reduce_scatter(self, flat: torch.Tensor, counts: list[int], out: torch.Tensor) -> Handle:
         return self._maybe_failing(self.inner.start_reduce_scatter(flat, counts, out))

@@ -2,12 +2,23 @@
 
 import collections
 import datetime
+import functools
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from hpcnet.comm.quantize import (
+    BLOCK,
+    ErrorFeedback,
+    compress_with_feedback,
+    dequantize,
+    pack,
+    packed_bytes,
+    padded_length,
+    unpack,
+)
 from hpcnet.comm.transport.base import CollectiveExecutor, Done, Handle, mpi_buffer
 from hpcnet.comm.transport.torchdist import TorchHandle
 
@@ -38,16 +49,20 @@ class HierarchicalTransport:
         cross_kind: between the nodes: ``kind`` (None), or 'gloo' under 'mpi' (a gloo subgroup of the
             ranks with the same local rank; its sockets block while they wait, where MPI polls a core).
         chunk_bytes: the pipelined chunks of a bucket (``_run``; not NCCL's).
-        wire: ``dist.compression`` between the nodes only (torch.bfloat16 or torch.float16; gloo there): each
-            shard crosses in half precision and comes back into the full-precision bucket, while the sums inside
-            a node stay exact.  The reducer then leaves its buckets in full precision (``compresses``).
+        wire: ``dist.compression`` between the nodes only (gloo there), while the sums inside a node stay exact;
+            the reducer then leaves its buckets in full precision (``compresses``).  torch.bfloat16 or
+            torch.float16: each shard crosses in half precision and comes back into the full-precision bucket.
+            torch.int8: blockwise int8 with error feedback (``hpcnet.comm.quantize``; ``_start_int8``).
+        feedback: the residuals of int8 (kept by the caller across transports and checkpoints); None: a new store.
     """
 
     def __init__(self, comm: Any, *, node_index: int, local_rank: int, kind: str,
                  timeout_s: float | None = None, progress: str = "thread", cross_kind: str | None = None,
-                 chunk_bytes: int = PIPELINE_CHUNK_BYTES, wire: torch.dtype | None = None) -> None:
+                 chunk_bytes: int = PIPELINE_CHUNK_BYTES, wire: torch.dtype | None = None,
+                 feedback: ErrorFeedback | None = None) -> None:
         self.kind = kind
         self.wire = wire
+        self.feedback = feedback if feedback is not None else ErrorFeedback()
         if wire is not None and (cross_kind or kind) != "gloo":
             raise ValueError("a hierarchical transport compresses only what gloo carries between the nodes")
         self.cross_kind = cross_kind or kind
@@ -89,7 +104,7 @@ class HierarchicalTransport:
                                                                          backend=kind)
                 # torch >= 2.13 renamed these (the old names warn); clusters may run older torch.
                 self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-                self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             self._cross_group, _ = dist.new_subgroups_by_enumeration(list(by_local.values()), timeout=timeout,
                                                                      backend=self.cross_kind)
 
@@ -114,18 +129,18 @@ class HierarchicalTransport:
         work = torch.cat([part, part.new_zeros(pad)]) if pad else part
         return work, torch.empty(work.numel() // self.local_size, dtype=work.dtype, device=work.device)
 
-    def _run(self, flat: torch.Tensor) -> None:
+    def _run(self, flat: torch.Tensor, key: Any = None) -> None:
         """The bucket in chunks (``chunk_bounds``), pipelined: while chunk k's shard is summed across the nodes,
         chunk k+1 is reduce-scattered in the node, and chunk k is gathered back only when ``PIPELINE_DEPTH``
         later chunks are on their way or none is left, so the intra-node phases and the inter-node link
         work at the same time.  Inside a node every element is summed in the same order as in one piece; between
         3 or more nodes gloo and MPI choose their order by the message's size (docs/communication.md)."""
         pending: collections.deque = collections.deque()
-        for lo, hi in chunk_bounds(flat.numel(), self.chunk_elements(flat), self.local_size):
+        for index, (lo, hi) in enumerate(chunk_bounds(flat.numel(), self.chunk_elements(flat), self.local_size)):
             part = flat[lo:hi]
             work, shard = self._padded(part)
             self._scatter(work, shard)
-            pending.append((part, work, shard, self._start_cross(shard)))
+            pending.append((part, work, shard, self._start_cross(shard, f"{key}/{index}")))
             if len(pending) > PIPELINE_DEPTH:
                 self._gather(*pending.popleft())
         while pending:
@@ -148,10 +163,13 @@ class HierarchicalTransport:
         """Whether this transport applies ``dist.compression`` itself (between the nodes; the reducer does not)."""
         return self.wire is not None
 
-    def _start_cross(self, shard: torch.Tensor) -> Any:
-        """Start the sum of this rank's shard across the nodes; what ``_gather`` waits for (None: one node)."""
+    def _start_cross(self, shard: torch.Tensor, name: str) -> Any:
+        """Start the sum of this rank's shard across the nodes; what ``_gather`` waits for (None: one node).
+        ``name``: the bucket's key and the chunk's index (int8's residuals)."""
         if self.cross.Get_size() == 1:
             return None
+        if self.wire == torch.int8:
+            return self._start_int8(shard, name)
         if self.wire is not None:
             import torch.distributed as dist
 
@@ -166,6 +184,29 @@ class HierarchicalTransport:
 
         return dist.all_reduce(shard, group=self._cross_group, async_op=True)  # gloo's own threads
 
+    def _start_int8(self, shard: torch.Tensor, name: str) -> "_Int8":
+        """int8 between the nodes, in two exchanges (a reduce-scatter and an all-gather, as a ring all-reduce
+        moves its data): this rank's shard, plus its residual, is quantized (``compress_with_feedback``) and cut
+        into one part per node; an all-to-all gives node j every node's part j, which it dequantizes and sums in
+        node order, quantizes again (with a residual of its own) and all-gathers; everyone dequantizes the same
+        bytes, so every replica gets the same bits.  Each byte crosses once, as 1.016 bytes an element instead
+        of 4 (``_Int8.wait`` does the second half)."""
+        import torch.distributed as dist
+
+        nodes = self.cross.Get_size()
+        padded = padded_length(shard.numel(), nodes)
+        x = shard if padded == shard.numel() else torch.cat([shard, shard.new_zeros(padded - shard.numel())])
+        q, scales = compress_with_feedback(x, self.feedback.get(f"{name}/worker", padded, x))
+        part = padded // nodes
+        nbytes = packed_bytes(part)
+        blocks = part // BLOCK
+        send = torch.empty(nodes * nbytes, dtype=torch.uint8, device=shard.device)
+        for j in range(nodes):
+            pack(q[j * part:(j + 1) * part], scales[j * blocks:(j + 1) * blocks], send[j * nbytes:(j + 1) * nbytes])
+        recv = torch.empty_like(send)
+        work = dist.all_to_all_single(recv, send, group=self._cross_group, async_op=True)
+        return _Int8(self, work, send, recv, shard, name, part)
+
     def _gather(self, part: torch.Tensor, work: torch.Tensor, shard: torch.Tensor, cross: Any) -> None:
         if self.cross_kind == "mpi" and cross is not None:
             cross.Wait()  # an MPI request
@@ -178,7 +219,8 @@ class HierarchicalTransport:
         if work is not part:
             part.copy_(work[:part.numel()])
 
-    def start(self, flat: torch.Tensor) -> Handle:
+    def start(self, flat: torch.Tensor, key: Any = None) -> Handle:
+        """``key``: which bucket (the same every step), naming int8's residuals."""
         if self.size == 1:
             return Done()
         if self.kind == "nccl":
@@ -188,7 +230,7 @@ class HierarchicalTransport:
             return _PaddedHandle(TorchHandle(last, stream_ordered=True, keep=(work, out)), flat, work)
         # gloo runs each group's operations on its own threads, so the phases
         # are sequenced by one worker thread (MPI: that thread, or inline).
-        return self._progress.run(self._run, flat)
+        return self._progress.run(functools.partial(self._run, key=key), flat)
 
     def close(self) -> None:
         self._progress.close()
@@ -227,6 +269,32 @@ class _Wire:
     def wait(self) -> None:
         self.work.wait()
         self.shard.copy_(self.wire)
+
+
+class _Int8:
+    """int8's exchange between the nodes in flight (``HierarchicalTransport._start_int8``): waiting sums this node's
+    part, all-gathers the parts quantized again, and writes them into the shard."""
+
+    def __init__(self, transport: HierarchicalTransport, work: Any, send: torch.Tensor, recv: torch.Tensor,
+                 shard: torch.Tensor, name: str, part: int) -> None:
+        self.transport, self.work, self.send, self.recv = transport, work, send, recv
+        self.shard, self.name, self.part = shard, name, part
+
+    def wait(self) -> None:
+        transport, part = self.transport, self.part
+        self.work.wait()
+        nbytes = packed_bytes(part)
+        nodes = self.recv.numel() // nbytes
+        total = torch.zeros(part, dtype=torch.float32, device=self.shard.device)
+        for i in range(nodes):  # in node order: every node sums its part the same way
+            total += dequantize(*unpack(self.recv[i * nbytes:(i + 1) * nbytes], part))
+        q, scales = compress_with_feedback(total, transport.feedback.get(f"{self.name}/server", part, total))
+        mine = self.send[:nbytes]  # sent already: reused
+        pack(q, scales, mine)
+        transport._all_gather(self.recv, mine, group=transport._cross_group)
+        values = torch.cat([dequantize(*unpack(self.recv[i * nbytes:(i + 1) * nbytes], part))
+                            for i in range(nodes)])
+        self.shard.copy_(values[:self.shard.numel()])
 
 
 class _PaddedHandle:

@@ -27,7 +27,7 @@ class MpiTransport:
 
         self.comm.Allreduce(MPI.IN_PLACE, mpi_buffer(flat), op=MPI.SUM)
 
-    def start(self, flat: torch.Tensor) -> Handle:
+    def start(self, flat: torch.Tensor, key: Any = None) -> Handle:
         if self.size == 1:
             return Done()
         if flat.dtype not in (torch.float32, torch.float64):

@@ -121,7 +121,7 @@ class ShmTransport:
         region.window.Unlock_all()
         region.window.Free()
 
-    def start(self, flat: torch.Tensor) -> Any:
+    def start(self, flat: torch.Tensor, key: Any = None) -> Any:
         region = self._regions.get(flat.data_ptr())
         if region is None or region.segments[self.local_rank].numel() != flat.numel():
             raise ValueError("the shm transport sums only buckets it allocated (ShmTransport.allocate)")

@@ -49,7 +49,7 @@ class TorchTransport:
         self.size = size
         self.synchronous = size == 1
 
-    def start(self, flat: torch.Tensor) -> Handle:
+    def start(self, flat: torch.Tensor, key: Any = None) -> Handle:
         import torch.distributed as dist
 
         if self.size == 1:
