@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks: sizes, bandwidth formulas, robust statistics, tables, a watched process.
+"""Helpers shared by the benchmarks: sizes, bandwidth formulas, link counters, robust statistics, tables, a
+watched process.
 
 The formulas and the parsing are pure functions (tested on one process); the
 few helpers that communicate take the communicator as a parameter.
@@ -62,6 +63,79 @@ def algbw(nbytes: int, seconds: float) -> float:
 def busbw(nbytes: int, seconds: float, world_size: int) -> float:
     """AllReduce bus bandwidth in bytes/s (nccl-tests): algbw * 2(n-1)/n, comparable across rank counts."""
     return algbw(nbytes, seconds) * 2 * (world_size - 1) / world_size
+
+
+SYS_CLASS_NET = Path("/sys/class/net")
+"""This process's network interfaces: those of its network namespace (``ip netns exec``, which the local cluster's
+agent uses, mounts a sysfs of the namespace it enters)."""
+ARPHRD_LOOPBACK = 772
+"""``<if>/type`` of a loopback interface."""
+
+
+def _read_int(path: Path) -> int | None:
+    """The integer in a sysfs file; None when it is missing or unreadable (``speed`` of a virtual link: EINVAL)."""
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def net_interfaces(root: Path = SYS_CLASS_NET) -> list[str]:
+    """The non-loopback interfaces under ``root`` (a sysfs ``class/net`` directory), sorted; none if unreadable.
+    Bridges and veths named as such (docker0, veth*, ``hpcnet.comm.netif.VIRTUAL_PREFIXES``) are left out: their
+    bytes also pass a physical interface, and would be counted twice."""
+    from hpcnet.comm.netif import VIRTUAL_PREFIXES
+
+    try:
+        names = sorted(entry.name for entry in root.iterdir())
+    except OSError:
+        return []
+    return [name for name in names if name != "lo" and not name.startswith(VIRTUAL_PREFIXES)
+            and _read_int(root / name / "type") != ARPHRD_LOOPBACK]
+
+
+def net_counters(root: Path = SYS_CLASS_NET) -> dict[str, tuple[int, int]]:
+    """``{interface: (tx_bytes, rx_bytes)}`` over the non-loopback interfaces under ``root``; an interface whose
+    counters cannot be read is left out."""
+    counters = {}
+    for name in net_interfaces(root):
+        stats = root / name / "statistics"
+        tx, rx = _read_int(stats / "tx_bytes"), _read_int(stats / "rx_bytes")
+        if tx is not None and rx is not None:
+            counters[name] = (tx, rx)
+    return counters
+
+
+def counter_delta(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> tuple[int, int]:
+    """Bytes ``(sent, received)`` between two ``net_counters`` readings, summed over the interfaces in both (one
+    that came or went in between is left out; a counter that went back, a recreated interface, adds 0)."""
+    sent = received = 0
+    for name in before.keys() & after.keys():
+        sent += max(0, after[name][0] - before[name][0])
+        received += max(0, after[name][1] - before[name][1])
+    return sent, received
+
+
+def link_speed_gbit(root: Path = SYS_CLASS_NET) -> tuple[float, str] | None:
+    """The slowest non-loopback interface under ``root``: its ``speed`` (Mbit/s) in Gbit/s, and its name; None when
+    no interface reports a speed (virtual ones often report none, or -1).  A tc rate limit does not show here."""
+    speeds = []
+    for name in net_interfaces(root):
+        mbit = _read_int(root / name / "speed")
+        if mbit is not None and mbit > 0:
+            speeds.append((mbit / 1000, name))
+    return min(speeds) if speeds else None
+
+
+def link_floor_s(gradient_bytes: int, hosts: int, link_gbit: float) -> float:
+    """Seconds an exact hierarchical all-reduce of ``gradient_bytes`` needs on links of ``link_gbit`` Gbit/s:
+    every host sends ``gradient_bytes * 2 (hosts-1)/hosts`` out of its link once (a host's share of a ring
+    all-reduce among the hosts); 0 on one host."""
+    if hosts < 1:
+        raise ValueError(f"hosts must be at least 1, got {hosts}")
+    if link_gbit <= 0:
+        raise ValueError(f"the link speed must be positive, got {link_gbit} Gbit/s")
+    return gradient_bytes * 2 * (hosts - 1) / hosts / (link_gbit * 1e9 / 8)
 
 
 def summarize(values: list[float]) -> dict[str, float]:

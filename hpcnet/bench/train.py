@@ -14,10 +14,19 @@ figures are medians over the rounds.  A third contender without any
 communication (``local``) shows the compute floor.  A last, instrumented
 block splits the step time and measures how much of hpcnet's communication
 hides behind the backward pass.
+
+Across hosts, one rank a host (local rank 0) reads its host's interface
+counters (``/sys/class/net/<if>/statistics``, loopback left out) before and
+after each timed block: the bytes a step sends out of a host and receives,
+per contender, set against the link floor, the time an exact hierarchical
+all-reduce needs to send the gradient out of each host once at the link's
+speed (``--link-gbit``).
 """
 
 import argparse
 import copy
+import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -28,10 +37,14 @@ import torch
 from torch import nn
 
 from hpcnet.bench.common import (
+    counter_delta,
     describe_environment,
     environment,
+    link_floor_s,
+    link_speed_gbit,
     load_average,
     max_over_ranks,
+    net_counters,
     summarize,
     table,
     write_json,
@@ -267,9 +280,22 @@ def bench_model(name: str, spec: ModelSpec, comm: Any, world: Any, args: argpars
             position[c.name] += steps
             return seconds
 
+        reads_link = world.local_rank == 0  # one reader a host
+        link_per_step: dict[str, list[tuple[float, float]]] = {c.name: [] for c in contenders}
+
+        def timed_block(c: Contender, steps: int) -> float:
+            # Read before the block's barrier and after its closing collective: every rank has finished then, so
+            # every byte of the block has left its host (and arrived).
+            before = net_counters() if reads_link else {}
+            seconds = block(c, steps)
+            if before:
+                sent, received = counter_delta(before, net_counters())
+                link_per_step[c.name].append((sent / steps, received / steps))
+            return seconds
+
         for c in contenders:
             block(c, args.warmup)
-        seconds = _alternate(contenders, block, args.rounds, args.steps)
+        seconds = _alternate(contenders, timed_block, args.rounds, args.steps)
         profiles = {}
         if args.profile_steps:
             for c in contenders:
@@ -280,11 +306,12 @@ def bench_model(name: str, spec: ModelSpec, comm: Any, world: Any, args: argpars
         diff = max((a - b).abs().max().item() for a, b in zip(contenders[0].model.parameters(),
                                                                  contenders[1].model.parameters()))
         diff = comm.allreduce(diff, op=MPI.MAX)
+        link = gather_link(comm, link_per_step if reads_link else None)
     finally:
         for c in contenders:
             if c.dp is not None:
                 c.dp.close()
-    result = _model_result(name, spec, contenders, seconds, profiles, diff, batch_size, world.size, args)
+    result = _model_result(name, spec, contenders, seconds, profiles, diff, batch_size, world.size, args, link)
     result["device_settings"] = settings.describe()
     return result
 
@@ -301,19 +328,113 @@ def _alternate(contenders: list[Contender], block: Callable[[Contender, int], fl
     return seconds
 
 
+def link_host_key() -> str:
+    """What tells hosts' links apart: the machine (its kernel's boot id) and the network namespace.  Ranks with one
+    key read the same counters (virtual nodes of ``HPCNET_RANKS_PER_NODE`` on one host); the local cluster's hosts
+    share a kernel but each has a namespace of its own."""
+    from hpcnet.comm.world import machine_id
+
+    try:
+        netns = os.readlink("/proc/self/ns/net")
+    except OSError:
+        netns = ""
+    return f"{machine_id()} {netns}"
+
+
+def host_link_record(per_step: dict[str, list[tuple[float, float]]]) -> dict[str, Any]:
+    """This host's part of ``gather_link``: per contender, the medians over its timed blocks of the bytes sent and
+    received a step (None without a reading), the host's ``link_host_key`` and ``link_speed_gbit``."""
+    return {"host": link_host_key(), "speed": link_speed_gbit(),
+            "per_step": {name: (statistics.median(s for s, _ in blocks), statistics.median(r for _, r in blocks))
+                         if blocks else None for name, blocks in per_step.items()}}
+
+
+def link_summary(records: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """The hosts' ``host_link_record``s (None from ranks that do not read) as figures (pure): the number of hosts,
+    the slowest interface speed any reports, and per contender the bytes a step sent and received out of the
+    busiest host (max over hosts; also per host).  A contender's figures are None on one host (nothing crosses
+    hosts) and where a host has no reading."""
+    hosts: dict[str, dict[str, Any]] = {}
+    for record in records:
+        if record is not None:
+            hosts.setdefault(record["host"], record)
+    speeds = [r["speed"] for r in hosts.values() if r["speed"] is not None]
+    per_contender: dict[str, dict[str, Any] | None] = {}
+    for name in dict.fromkeys(name for r in hosts.values() for name in r["per_step"]):
+        figures = [r["per_step"].get(name) for r in hosts.values()]
+        if len(hosts) < 2 or any(f is None for f in figures):
+            per_contender[name] = None
+            continue
+        per_contender[name] = {"tx_bytes_per_step": max(f[0] for f in figures),
+                               "rx_bytes_per_step": max(f[1] for f in figures),
+                               "tx_bytes_per_step_hosts": [f[0] for f in figures],
+                               "rx_bytes_per_step_hosts": [f[1] for f in figures]}
+    return {"hosts": len(hosts), "speed": min(speeds) if speeds else None, "per_contender": per_contender}
+
+
+def gather_link(comm: Any, per_step: dict[str, list[tuple[float, float]]] | None) -> dict[str, Any]:
+    """``link_summary`` of every host's link bytes (collective: every rank calls it; the ranks that read the
+    counters pass their bytes a step per timed block and contender, the others None)."""
+    return link_summary(comm.allgather(None if per_step is None else host_link_record(per_step)))
+
+
+def exposed_comm(name: str, profile: dict[str, Any], local_profile: dict[str, Any] | None) -> tuple[float | None, bool]:
+    """A contender's exposed communication in ms from the instrumented block, and whether it is an estimate: DDP
+    waits inside backward, so its figure is its backward over ``local``'s; None without one."""
+    if "exposed_comm_ms" in profile:
+        return profile["exposed_comm_ms"], False
+    if name.startswith("ddp") and profile and local_profile:
+        return profile["forward_backward_ms"] - local_profile["forward_backward_ms"], True
+    return None, False
+
+
+def _link_result(result: dict[str, Any], gradient_bytes: int, ddp: str, link: dict[str, Any],
+                 args: argparse.Namespace) -> None:
+    """Add the link figures (``gather_link``'s ``link``, ``--link-gbit``) to a model's JSON record ``result``."""
+    hosts = link["hosts"]
+    if args.link_gbit:
+        gbit, source = args.link_gbit, "--link-gbit"
+    elif link["speed"] is not None:
+        gbit, source = link["speed"][0], f"/sys/class/net/{link['speed'][1]}/speed"
+    else:
+        gbit, source = None, None
+    floor_s = link_floor_s(gradient_bytes, hosts, gbit) if gbit and hosts > 1 else None
+    result["gradient_bytes"] = gradient_bytes
+    result["link"] = {"hosts": hosts, "gbit": gbit, "gbit_source": source,
+                      "floor_ms": None if floor_s is None else floor_s * 1e3,
+                      "floor_bytes_per_host": gradient_bytes * 2 * (hosts - 1) / hosts if hosts > 1 else None}
+    per = link["per_contender"]
+    ddp_sent = (per.get(ddp) or {}).get("tx_bytes_per_step")
+    local_profile = result["contenders"].get("local", {}).get("profile")
+    for name, c in result["contenders"].items():
+        figures = per.get(name) or {}
+        exposed, estimated = exposed_comm(name, c["profile"], local_profile)
+        sent = figures.get("tx_bytes_per_step")
+        c.update({
+            "link_tx_bytes_per_step": sent,
+            "link_rx_bytes_per_step": figures.get("rx_bytes_per_step"),
+            "link_tx_bytes_per_step_hosts": figures.get("tx_bytes_per_step_hosts"),
+            "link_rx_bytes_per_step_hosts": figures.get("rx_bytes_per_step_hosts"),
+            "link_bytes_vs_ddp": sent / ddp_sent if sent is not None and ddp_sent else None,
+            "exposed_comm_ms": exposed, "exposed_comm_estimated": estimated,
+            "exposed_comm_vs_link_floor": exposed / (floor_s * 1e3) if exposed is not None and floor_s else None,
+        })
+
+
 def _model_result(name: str, spec: ModelSpec, contenders: list[Contender], seconds: dict[str, list[float]],
                   profiles: dict[str, Any], diff: float, batch_size: int, world_size: int,
-                  args: argparse.Namespace) -> dict[str, Any]:
+                  args: argparse.Namespace, link: dict[str, Any]) -> dict[str, Any]:
     """The JSON record of one model: figures per contender and the paired hpcnet/DDP ratio."""
     from hpcnet.models import count_parameters
 
     global_batch = batch_size * world_size
     hp, ddp = contenders[0].name, contenders[1].name
+    gradient_bytes = sum(p.numel() * p.element_size() for p in contenders[0].model.parameters())
     result: dict[str, Any] = {
         "name": name, "model": spec.model, "options": spec.options, "kind": spec.kind,
         "input_shape": list(spec.input_shape),
         "parameters": count_parameters(contenders[0].model),
-        "gradient_mib": sum(p.numel() * p.element_size() for p in contenders[0].model.parameters()) / 2**20,
+        "gradient_mib": gradient_bytes / 2**20,
         "batch_per_rank": batch_size, "global_batch": global_batch, "steps_per_block": args.steps,
         "rounds": args.rounds, "hpcnet_backend": contenders[0].dp.describe(), "precision": args.precision,
         "max_param_diff_hpcnet_vs_ddp": diff, "contenders": {},
@@ -332,6 +453,7 @@ def _model_result(name: str, spec: ModelSpec, contenders: list[Contender], secon
                                  for c in contenders[2:] if c.name.startswith("ddp")}
     result["target"] = spec.target
     result["met"] = result["ratio_hpcnet_vs_ddp"]["median"] >= spec.target
+    _link_result(result, gradient_bytes, ddp, link, args)
     return result
 
 
@@ -341,8 +463,9 @@ def format_model(res: dict[str, Any]) -> str:
              f"({res['global_batch']} global), {res['rounds']} rounds x {res['steps_per_block']} steps, "
              f"{res.get('precision', 'fp32')}",
              f"hpcnet: {res['hpcnet_backend']}"]
+    lines.append(_describe_link(res))
     header = ["contender", "samples/s", "spread", "best", "step ms", "comm cost ms", "fwd+bwd ms", "exposed comm ms",
-              "optimizer ms", "comm busy ms", "comm hidden"]
+              "optimizer ms", "comm busy ms", "comm hidden", "link MiB/step out/in", "vs ddp", "exposed/floor"]
     rows = []
     contenders = res["contenders"]
     local = contenders.get("local")
@@ -350,25 +473,30 @@ def format_model(res: dict[str, Any]) -> str:
         p = c["profile"]
         # What communication costs in all: the step time over the local step's.
         cost = f"{c['step_ms']['median'] - local['step_ms']['median']:.1f}" if local and name != "local" else "-"
-        exposed = "-"
-        if "exposed_comm_ms" in p:
-            exposed = f"{p['exposed_comm_ms']:.1f}"
-        elif name.startswith("ddp") and local and local["profile"]:
-            # DDP waits inside backward: its extra backward time over the local model's.
-            exposed = f"~{p['forward_backward_ms'] - local['profile']['forward_backward_ms']:.1f}"
+        exposed_ms, estimated = exposed_comm(name, p, local["profile"] if local else None)
+        mark = "~" if estimated else ""  # DDP waits inside backward: its extra backward time over the local model's
+        exposed = "-" if exposed_ms is None else f"{mark}{exposed_ms:.1f}"
         busy = p.get("comm_busy_ms")
+        sent, received = c.get("link_tx_bytes_per_step"), c.get("link_rx_bytes_per_step")
+        vs_ddp, vs_floor = c.get("link_bytes_vs_ddp"), c.get("exposed_comm_vs_link_floor")
         rows.append([name, f"{c['samples_per_s']['median']:.1f}", f"{100 * c['samples_per_s']['spread']:.0f}%",
                      f"{c['samples_per_s']['max']:.1f}",
                      f"{c['step_ms']['median']:.1f}", cost,
                      f"{p['forward_backward_ms']:.1f}" if p else "-", exposed,
                      f"{p['optimizer_ms']:.1f}" if p else "-", "-" if busy is None else f"{busy:.1f}",
-                     f"{100 * p['comm_hidden_ms'] / busy:.0f}%" if busy else "-"])
+                     f"{100 * p['comm_hidden_ms'] / busy:.0f}%" if busy else "-",
+                     "-" if sent is None else f"{sent / 2**20:.1f}/{received / 2**20:.1f}",
+                     "-" if vs_ddp is None else f"{vs_ddp:.2f}",
+                     "-" if vs_floor is None else f"{mark}{vs_floor:.2f}"])
     ratio = res["ratio_hpcnet_vs_ddp"]
     lines.append(table(header, rows))
     lines.append("samples/s: median of the rounds (spread (max-min)/median, best = max); comm cost: step time over "
                  "local's; fwd+bwd, exposed comm (after backward; DDP ~ its backward over local's), optimizer (clip "
                  "+ step), comm busy (MPI calls' wall time) and hidden (share of it before backward ended) from the "
-                 "instrumented block, medians")
+                 "instrumented block, medians; link MiB/step: bytes a timed step sends out of / receives into a "
+                 "host over its non-loopback interfaces (their counters, heartbeat and control traffic included; "
+                 "median of the rounds, busiest host; '-' on one host), vs ddp: bytes sent over DDP's, "
+                 "exposed/floor: exposed comm over the link floor")
     for name, other in res.get("ratio_hpcnet_vs", {}).items():
         lines.append(f"hpcnet / {name} samples/s: {other['median']:.3f} (per-round paired, range "
                      f"{other['min']:.2f}-{other['max']:.2f})")
@@ -376,6 +504,18 @@ def format_model(res: dict[str, Any]) -> str:
                  f"{ratio['max']:.2f}); target >= {res['target']}: {'met' if res['met'] else 'NOT met'}; "
                  f"max |weight difference| hpcnet vs DDP after the run: {res['max_param_diff_hpcnet_vs_ddp']:.2e}")
     return "\n".join(lines)
+
+
+def _describe_link(res: dict[str, Any]) -> str:
+    """The line above a model's table: the hosts, the link speed and the link floor."""
+    link = res.get("link") or {}
+    if link.get("hosts", 0) < 2:
+        return "link: one host, nothing crosses hosts (link columns '-')"
+    text = f"link: {link['hosts']} hosts, "
+    if link["gbit"] is None:
+        return text + "speed unknown (--link-gbit G for the floor)"
+    return (text + f"{link['gbit']:g} Gbit/s ({link['gbit_source']}); floor: an exact hierarchical all-reduce sends "
+            f"{link['floor_bytes_per_host'] / 2**20:.1f} MiB out of each host a step, {link['floor_ms']:.1f} ms")
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
@@ -401,6 +541,10 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                         help=f"also DDP with these communication hooks, each a contender: {', '.join(DDP_HOOKS)} "
                              f"(PowerSGD at rank {POWERSGD_RANK}; default none)")
     parser.add_argument("--no-local", action="store_true", help="leave out the no-communication baseline")
+    parser.add_argument("--link-gbit", type=float, default=None, metavar="G",
+                        help="the speed of each host's link in Gbit/s, for the link floor (default: the slowest "
+                             "non-loopback interface's /sys/class/net/<if>/speed where the kernel reports one; a tc "
+                             "rate limit does not show there)")
     parser.add_argument("--json", default="", help="also write the results to this JSON file (rank 0)")
     args = parser.parse_args(argv)
     for name in ("steps", "rounds", "distinct_batches"):
@@ -408,6 +552,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.warmup < 0 or args.profile_steps < 0 or args.batch_size < 0:
         parser.error("--warmup, --profile-steps and --batch-size must be >= 0")
+    if args.link_gbit is not None and not 0 < args.link_gbit < float("inf"):  # NaN too
+        parser.error("--link-gbit must be a positive number of Gbit/s")
     from hpcnet.config.load import load_config
     from hpcnet.errors import UsageError
 
