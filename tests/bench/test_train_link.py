@@ -33,14 +33,15 @@ def sysfs(tmp_path):
     fake_interface(root, "loop1", kind=772, tx=10**9, rx=10**9, speed=1)
     fake_interface(root, "eth0", tx=1000, rx=2000, speed=1000)
     fake_interface(root, "eth1", tx=30, rx=40, speed=10000)
-    fake_interface(root, "veth0", tx=5, rx=6, speed=-1)
+    fake_interface(root, "ens9", tx=5, rx=6, speed=-1)
+    fake_interface(root, "docker0", tx=7, rx=8)  # a bridge: its bytes pass a physical interface too
     fake_interface(root, "odd0", speed=100)
     return root
 
 
 def test_counters_sum_the_non_loopback_interfaces(sysfs):
-    assert net_interfaces(sysfs) == ["eth0", "eth1", "odd0", "veth0"]
-    assert net_counters(sysfs) == {"eth0": (1000, 2000), "eth1": (30, 40), "veth0": (5, 6)}
+    assert net_interfaces(sysfs) == ["ens9", "eth0", "eth1", "odd0"]  # not docker0
+    assert net_counters(sysfs) == {"eth0": (1000, 2000), "eth1": (30, 40), "ens9": (5, 6)}
     assert net_counters(sysfs / "missing") == {} and net_interfaces(sysfs / "missing") == []
 
 
@@ -48,7 +49,7 @@ def test_counter_delta_over_the_interfaces_in_both_readings(sysfs):
     before = net_counters(sysfs)
     (sysfs / "eth0" / "statistics" / "tx_bytes").write_text(f"{1000 + 40 * MIB}\n")
     (sysfs / "eth0" / "statistics" / "rx_bytes").write_text(f"{2000 + 20 * MIB}\n")
-    (sysfs / "veth0" / "statistics" / "tx_bytes").write_text("0\n")  # recreated: its counter went back
+    (sysfs / "ens9" / "statistics" / "tx_bytes").write_text("0\n")  # recreated: its counter went back
     fake_interface(sysfs, "eth2", tx=10**6, rx=10**6)  # came in between
     after = net_counters(sysfs)
     assert counter_delta(before, after) == (40 * MIB, 20 * MIB)
