@@ -115,14 +115,14 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
                                                                                cfg.checkpoint.dir))
         # Each start-up phase on the network runs under dist.startup_timeout_s (hpcnet.fault.watchdog).
         faults.before_phase("probe")
-        prefer, link = _probe(cfg, comm, world, device, run_dir, monitor)
+        prefer, link, intra_link = _probe(cfg, comm, world, device, run_dir, monitor)
         if plane is None and world.size > 1 and plan.torch_backend:
             faults.before_phase("rendezvous")
             plane = init_data_plane(comm, world, backend=plan.torch_backend, device=device,
                                     timeout_s=cfg.dist.timeout_s, interface=cfg.dist.interface, prefer=prefer,
                                     deadlines=monitor.deadlines, startup_timeout_s=cfg.dist.startup_timeout_s)
             own_plane = True
-        result = _train(cfg, comm, world, device, plan, run_dir, monitor, stop, faults, link)
+        result = _train(cfg, comm, world, device, plan, run_dir, monitor, stop, faults, link, intra_link)
         result.summary.update(wall_s=time.perf_counter() - t_start)
         _finish(result, world, run_dir, cfg.train.steps)
         return result
@@ -170,14 +170,15 @@ def _start(cfg: Config, comm: Any) -> tuple[World, Path, torch.device, Monitor]:
 
 
 def _probe(cfg: Config, comm: Any, world: World, device: torch.device, run_dir: Path, monitor: Monitor
-           ) -> tuple[str, LinkCost | None]:
+           ) -> tuple[str, LinkCost | None, LinkCost | None]:
     """Measured latency/bandwidth (``dist.probe``): the interface name rank 0 tries first for the rendezvous
-    address (the fastest every node has; empty: none, or ``dist.interface`` decides), and the slowest measured link
-    (inter-node where there are nodes) for the cost model (None: not measured).
+    address (the fastest every node has; empty: none, or ``dist.interface`` decides), the slowest measured link
+    (inter-node where there are nodes) for the cost model (None: not measured), and the intra-node link where
+    there are nodes (the hierarchical path's forecast; None: one node, or not measured).
 
     Each host still uses its own interface towards that address (``hpcnet.comm.bootstrap.host_interfaces``)."""
     if not cfg.dist.probe or world.size == 1:
-        return "", None
+        return "", None, None
     with startup_phase(monitor.deadlines, "dist.probe", cfg.dist.startup_timeout_s):
         topology = probe(comm, world, budget_s=2.0, interface=cfg.dist.interface)
     advice = recommend(topology)
@@ -194,7 +195,10 @@ def _probe(cfg: Config, comm: Any, world: World, device: torch.device, run_dir: 
     where = "inter" if advice["inter_node_latency_us"] and advice["inter_node_bandwidth_gbps"] else "intra"
     latency, bandwidth = advice[f"{where}_node_latency_us"], advice[f"{where}_node_bandwidth_gbps"]
     link = LinkCost.from_probe(latency, bandwidth) if latency and bandwidth else None
-    return prefer, link
+    intra = None
+    if where == "inter" and advice["intra_node_latency_us"] and advice["intra_node_bandwidth_gbps"]:
+        intra = LinkCost.from_probe(advice["intra_node_latency_us"], advice["intra_node_bandwidth_gbps"])
+    return prefer, link, intra
 
 
 def _data(cfg: Config, comm: Any, world: World) -> tuple[Any, Any, GlobalBatchSampler]:
@@ -212,8 +216,8 @@ def _data(cfg: Config, comm: Any, world: World) -> tuple[Any, Any, GlobalBatchSa
 
 
 def _model(cfg: Config, comm: Any, world: World, device: torch.device, info: Any, plan: Any,
-           monitor: Monitor, link: LinkCost | None = None, run_dir: Path | None = None
-           ) -> tuple[DataParallel, torch.optim.Optimizer, DeviceSettings]:
+           monitor: Monitor, link: LinkCost | None = None, run_dir: Path | None = None,
+           intra_link: LinkCost | None = None) -> tuple[DataParallel, torch.optim.Optimizer, DeviceSettings]:
     """The same seed on every rank, then rank 0's weights broadcast (inside DataParallel), so a
     rank-dependent factory cannot make the replicas diverge; the ``cuda.*`` settings applied."""
     torch.manual_seed(cfg.run.seed)
@@ -223,7 +227,7 @@ def _model(cfg: Config, comm: Any, world: World, device: torch.device, info: Any
     model = apply_settings(settings, model)
     with startup_phase(monitor.deadlines, "dist.groups", cfg.dist.startup_timeout_s):
         dp = DataParallel(model, comm, world, cfg.dist, device=device, plan=plan, recorder=monitor.recorder,
-                          link=link)
+                          link=link, intra_link=intra_link)
     try:
         with shared_errors(comm):  # what torch refuses (optim.*) stops every rank alike, before any collective
             optimizer = build_optimizer(model, cfg.optim, fused=settings.fused_optimizer)
@@ -237,12 +241,13 @@ def _model(cfg: Config, comm: Any, world: World, device: torch.device, info: Any
 
 
 def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any, run_dir: Path,
-           monitor: Monitor, stop: StopRequest | None, faults: FaultInjector, link: LinkCost | None = None
-           ) -> TrainResult:
+           monitor: Monitor, stop: StopRequest | None, faults: FaultInjector, link: LinkCost | None = None,
+           intra_link: LinkCost | None = None) -> TrainResult:
     """Data, model, checkpoints, then the loop from where the checkpoints say; closed whatever happens."""
     train_split, eval_split, sampler = _data(cfg, comm, world)
     faults.before_phase("groups")
-    dp, optimizer, settings = _model(cfg, comm, world, device, train_split.info, plan, monitor, link, run_dir)
+    dp, optimizer, settings = _model(cfg, comm, world, device, train_split.info, plan, monitor, link, run_dir,
+                                     intra_link)
     metrics = MetricsWriter(run_dir / metrics_file(world.rank)
                             if cfg.run.metrics == "all" or (cfg.run.metrics == "rank0" and world.is_main) else None)
     if world.is_main:

@@ -269,6 +269,60 @@ def auto_bucket_bytes(link: LinkCost, total_bytes: int, n_ranks: int, *, overhea
     return -(-bucket_bytes // BUCKET_GRANULE_BYTES) * BUCKET_GRANULE_BYTES
 
 
+WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0 + 4 / 256}
+"""Bytes an element crosses the nodes in, by ``dist.compression`` (int8: one float32 scale a block of 256,
+``hpcnet.comm.quantize``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CommForecast:
+    """The alpha-beta model's figures for summing a step's gradients once (``forecast_allreduce``)."""
+
+    path: str
+    """'hierarchical' or 'flat'."""
+    wire: str
+    """What crosses the nodes: a key of ``WIRE_BYTES``."""
+    host_bytes: int
+    """Bytes each host sends over its inter-node link (0 on one node)."""
+    seconds: float
+    """Predicted time of the all-reduce of the whole gradient (not what backward hides of it)."""
+
+
+def forecast_allreduce(gradient_bytes: int, *, nodes: int, local: int, hierarchical: bool, inter: LinkCost,
+                       intra: LinkCost | None = None, wire: str = "fp32", chunk_bytes: int = 4 << 20
+                       ) -> CommForecast:
+    """Predict one step's gradient all-reduce on ``nodes`` nodes of ``local`` ranks (pure).
+
+    Flat: one ring over every rank, laid out node by node, so each node's one ring edge to the next node carries
+    ``2 (P-1)/P`` of the gradient (P ranks), at the inter-node link's bandwidth, with ``2 (P-1)`` latencies.
+    Hierarchical (``HierarchicalTransport``): the intra-node reduce-scatter and all-gather on ``intra`` (free when
+    not measured), and between the nodes a ring of the nodes in which each host sends ``2 (N-1)/N`` of the gradient
+    (its ranks' shards together) in ``wire``'s bytes, in chunks of ``chunk_bytes``; the two phases pipeline, so the
+    step takes the longer one plus one chunk of the shorter.  The link's bandwidth is the probe's point-to-point
+    figure, taken as the host's: the ranks of a node share its link.
+    """
+    if gradient_bytes < 0 or nodes < 1 or local < 1:
+        raise ValueError(f"need gradient_bytes >= 0 and nodes, local >= 1; got {gradient_bytes}, {nodes}, {local}")
+    if wire not in WIRE_BYTES:
+        raise ValueError(f"wire: {wire!r} is not one of {', '.join(WIRE_BYTES)}")
+    ratio = WIRE_BYTES[wire] / 4
+    if nodes == 1:
+        link = intra or inter
+        return CommForecast("flat", "fp32", 0, link.all_reduce_s(gradient_bytes, local))
+    if not hierarchical:
+        ranks = nodes * local
+        host_bytes = int(2 * (ranks - 1) / ranks * gradient_bytes * ratio)
+        return CommForecast("flat", wire, host_bytes,
+                            2 * (ranks - 1) * inter.latency_s + host_bytes / inter.bandwidth_Bps)
+    chunks = max(1, -(-gradient_bytes // max(1, chunk_bytes)))
+    host_bytes = int(2 * (nodes - 1) / nodes * gradient_bytes * ratio)
+    between = 2 * (nodes - 1) * inter.latency_s * chunks + host_bytes / inter.bandwidth_Bps
+    within = 0.0
+    if intra is not None and local > 1:
+        within = intra.reduce_scatter_s(gradient_bytes, local) + intra.all_gather_s(gradient_bytes, local)
+    return CommForecast("hierarchical", wire, host_bytes, max(between, within) + min(between, within) / chunks)
+
+
 def measured_speeds(step_times_s: list[float]) -> list[float]:
     """Relative speeds from each rank's measured time for the same work: the fastest is 1.0.
 

@@ -10,6 +10,7 @@ a run without the failure.
 import contextlib
 import json
 import logging
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,11 @@ from torch import nn
 
 from hpcnet.agree import mark_agreed
 from hpcnet.comm.costmodel import (
+    CommForecast,
     LinkCost,
     ShardPlan,
     auto_bucket_bytes,
+    forecast_allreduce,
     measured_speeds,
     plan_time_s,
     stage2_bucket_cap,
@@ -57,6 +60,8 @@ since the plan was made (the probe's noise on a shared node stays below it)."""
 REPLAN_GAIN = 0.10
 """... and taken only when the modelled step drops by more than this fraction (moving optimizer state costs a pass
 over it)."""
+FORECAST_CHECK_STEP = 20
+"""The step at which rank 0 logs the measured all-reduce time beside the forecast (``after_step``)."""
 AUTO_FALLBACK_MB = 25
 """dist.bucket_mb=auto without a probed link: DDP's default."""
 _DTYPES = {"auto": None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.int8}
@@ -96,11 +101,14 @@ class DataParallel:
         plan: the transport plan (``hpcnet.comm.plan.decide_plan``), decided
             before the torch.distributed group was set up.
         recorder: the flight recorder (``hpcnet.fault.flightrec``) the step's collectives are logged to.
+        link: the probed link (the inter-node one where there are nodes): ``dist.bucket_mb=auto``, the shard
+            plan, and the communication forecast (``_forecast``); None: not probed.
+        intra_link: the probed intra-node link where there are nodes (the hierarchical forecast's inner phases).
     """
 
     def __init__(self, model: nn.Module, comm: Any, world: World, cfg: DistConfig, *,
                  device: torch.device, plan: Plan, recorder: Any = NULL_RECORDER,
-                 link: LinkCost | None = None) -> None:
+                 link: LinkCost | None = None, intra_link: LinkCost | None = None) -> None:
         self.model = model
         self.comm = comm
         self.world = world
@@ -139,6 +147,9 @@ class DataParallel:
             find_unused=cfg.find_unused, timeout_s=cfg.timeout_s,
             recorder=recorder, owners=self.shards.owner if cfg.zero == 2 else None,
             units=self.layout if cfg.zero == 2 else None)
+        self.forecast: CommForecast | None = None
+        if link is not None and world.size > 1:
+            self.forecast = self._forecast(link, intra_link)
         self.step_count = 0
         self.compute_timer: Any = None  # data.balance: times each forward and backward (hpcnet.data.balance)
         self.clock = PhaseClock()  # the loop's (hpcnet.observe.phases); marks are no-ops until it starts a step
@@ -197,10 +208,52 @@ class DataParallel:
         if self._plan_file is not None:
             self._plan_file.write_text(json.dumps(self.plan_record(), indent=1) + "\n")
 
+    def _forecast(self, inter: LinkCost, intra: LinkCost | None) -> CommForecast:
+        """The cost model's prediction of a step's all-reduce on the path the plan chose (``forecast_allreduce``),
+        logged by rank 0 with what the other paths and wire formats would send and take, so a user sees what
+        lossy compression would save before opting in (``dist.compression=auto`` never chooses it)."""
+        total = sum(p.numel() * p.element_size() for p in self.params)
+        world = self.world
+        local = world.size // world.num_nodes
+        wire = "fp32" if self.cfg.compression in ("auto", "none") or world.num_nodes == 1 else self.cfg.compression
+        chunk = getattr(self.reducer.transport, "chunk_bytes", 4 << 20)
+
+        def model(hierarchical: bool, wire: str) -> CommForecast:
+            return forecast_allreduce(total, nodes=world.num_nodes, local=local, hierarchical=hierarchical,
+                                      inter=inter, intra=intra, wire=wire, chunk_bytes=chunk)
+        chosen = model(self.plan.hierarchical, wire)
+        if world.is_main:
+            text = (f"{chosen.path} {chosen.wire}: {chosen.seconds * 1e3:.1f} ms a step"
+                    + (f", {chosen.host_bytes / 2**20:.1f} MiB out of each host" if world.num_nodes > 1 else ""))
+            if world.num_nodes > 1:
+                others = [model(h, w) for h, w in [(False, "fp32"), (True, "fp32"), (True, "bf16"), (True, "int8")]
+                          if (h, w) != (self.plan.hierarchical, wire)]
+                text += "; " + ", ".join(f"{f.path} {f.wire} {f.seconds * 1e3:.1f} ms, {f.host_bytes / 2**20:.1f} "
+                                         "MiB" for f in others)
+                if self.cfg.compression == "auto":
+                    text += " (bf16 and int8 are lossy: opt in with dist.compression)"
+            links = f"{'inter-node ' if world.num_nodes > 1 else ''}link {inter.latency_s * 1e6:.1f} us, " \
+                    f"{inter.bandwidth_Bps * 8 / 1e9:.2f} Gbit/s"
+            if intra is not None and world.num_nodes > 1:
+                links += f"; intra-node {intra.latency_s * 1e6:.1f} us, {intra.bandwidth_Bps * 8 / 1e9:.2f} Gbit/s"
+            log.info("communication forecast (%s): %s", links, text)
+        return chosen
+
+    def measured_comm_s(self) -> float | None:
+        """The median of this rank's all-reduce times (``ReducerStats.comm_s``) after the first step, or None."""
+        spans = self.reducer.stats.comm_s[1:]
+        return statistics.median(spans) if spans else None
+
     def after_step(self, step: int) -> None:
-        """Called by every rank after each optimizer step: every ``dist.replan_every`` steps, with
-        ``dist.plan=auto``, the ranks probe their speed again and agree whether it calls for new owners
-        (collective)."""
+        """Called by every rank after each optimizer step: at ``FORECAST_CHECK_STEP`` rank 0 logs the measured
+        all-reduce time beside the forecast; every ``dist.replan_every`` steps, with ``dist.plan=auto``, the
+        ranks probe their speed again and agree whether it calls for new owners (collective)."""
+        if step == FORECAST_CHECK_STEP and self.forecast is not None and self.world.is_main:
+            measured = self.measured_comm_s()
+            if measured is not None:
+                log.info("communication: forecast %.1f ms a step, measured %.1f ms (median since step 2: first "
+                         "bucket sent to every sum in; what backward hides of it is in the trace's phases)",
+                         self.forecast.seconds * 1e3, measured * 1e3)
         if not self._replanning or step % self.cfg.replan_every:
             return
         # The start-up probe again, the same work on every rank: a rank's own update time would not do, as it
@@ -507,6 +560,12 @@ class DataParallel:
         stats = self.reducer.stats
         out = {"backend": self.backend, "hierarchical": self.plan.hierarchical, "fallbacks": stats.fallbacks,
                "bytes_reduced": stats.bytes_reduced, "zero": self.cfg.zero}
+        measured = self.measured_comm_s()
+        if measured is not None:
+            out["allreduce_ms"] = measured * 1e3
+        if self.forecast is not None:
+            out["forecast"] = {"path": self.forecast.path, "wire": self.forecast.wire,
+                               "host_bytes": self.forecast.host_bytes, "allreduce_ms": self.forecast.seconds * 1e3}
         if self.shards is not None:
             out["owned_bytes"] = self.shards.rank_bytes
             out["replans"] = self.replans

@@ -32,22 +32,31 @@ def quantize(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.T
     overflowed is seen as such by the non-finite guard after the sum, and skipped.
     """
     blocks = x.view(-1, block)
-    scales = blocks.abs().amax(dim=1) / LEVELS
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(blocks / safe[:, None]).clamp_(-LEVELS, LEVELS).to(torch.int8)
-    return q.view(-1), scales
+    scales = blocks.abs().amax(dim=1).div_(LEVELS)
+    inverse = torch.where(scales > 0, scales, torch.ones_like(scales)).reciprocal_()
+    scaled = torch.mul(blocks, inverse[:, None])
+    if not bool(torch.isfinite(scales).all()):  # |x / scale| <= 127 elsewhere: no clamp needed
+        scaled.nan_to_num_(0.0, 0.0, 0.0)
+    return scaled.round_().to(torch.int8).view(-1), scales
 
 
-def dequantize(q: torch.Tensor, scales: torch.Tensor, block: int = BLOCK, out: torch.Tensor | None = None
-               ) -> torch.Tensor:
-    """The float32 values of ``quantize``'s output (into ``out`` when given)."""
-    values = q.view(-1, block).to(torch.float32) * scales[:, None]
-    # A non-finite scale (an overflowed block) gives NaN throughout the block, also where q is 0.
-    values = torch.where(torch.isfinite(scales)[:, None], values, torch.full_like(values, float("nan")))
-    if out is None:
-        return values.view(-1)
-    out.copy_(values.view(-1))
-    return out
+def dequantize(q: torch.Tensor, scales: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """The float32 values of ``quantize``'s output; a block with a non-finite scale (an overflowed block) is NaN
+    throughout, also where its values are 0."""
+    values = q.view(-1, block).to(torch.float32).mul_(scales[:, None])
+    bad = ~torch.isfinite(scales)
+    if bool(bad.any()):
+        values[bad] = float("nan")
+    return values.view(-1)
+
+
+def add_dequantized(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int = BLOCK,
+                    alpha: float = 1.0) -> None:
+    """``out += alpha * dequantize(q, scales)`` in one pass over ``out`` (a non-finite scale gives NaN there)."""
+    out.view(-1, block).addcmul_(q.view(-1, block).to(torch.float32), scales[:, None], value=alpha)
+    bad = ~torch.isfinite(scales)
+    if bool(bad.any()):
+        out.view(-1, block)[bad] = float("nan")
 
 
 def packed_bytes(numel: int, block: int = BLOCK) -> int:
@@ -76,8 +85,13 @@ def compress_with_feedback(x: torch.Tensor, residual: torch.Tensor, block: int =
     """
     residual.add_(x)
     q, scales = quantize(residual, block)
-    lost = residual.sub_(dequantize(q, scales, block))
-    lost.masked_fill_(~torch.isfinite(lost), 0.0)
+    bad = ~torch.isfinite(scales)
+    if bool(bad.any()):
+        residual.view(-1, block)[bad] = 0.0
+        scales_ok = torch.where(bad, torch.zeros_like(scales), scales)
+    else:
+        scales_ok = scales
+    add_dequantized(residual, q, scales_ok, block, alpha=-1.0)
     return q, scales
 
 

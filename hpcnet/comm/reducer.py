@@ -43,6 +43,7 @@ every rank, so the trainer can switch transport and redo the step.
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,6 +75,12 @@ class ReducerStats:
     steps: int = 0
     bytes_reduced: int = 0
     fallbacks: list[dict[str, Any]] = field(default_factory=list)
+    comm_s: list[float] = field(default_factory=list)
+    """Each step's all-reduce, from its first bucket sent to every sum in (``finish``), seconds; the last
+    ``SPANS_KEPT`` steps."""
+
+
+SPANS_KEPT = 1000
 
 
 class Reducer:
@@ -312,6 +319,7 @@ class Reducer:
             bucket.handle = None
             self.recorder.end(bucket.token)  # no-op unless an error left it open
         self._next_launch = self._next_release = 0  # buckets before _next_release are released (in order)
+        self._first_launch: float | None = None
         self._late.clear()
         self._repeated = False
 
@@ -385,6 +393,8 @@ class Reducer:
             self._next_release += 1
 
     def _launch(self, bucket: Bucket) -> None:
+        if self._first_launch is None:
+            self._first_launch = time.perf_counter()
         bucket.launched = True
         bucket.token = self.recorder.start("allreduce.bucket", bucket.index,
                                            bucket.buffer.numel() * bucket.buffer.element_size())
@@ -436,6 +446,11 @@ class Reducer:
                 bucket.pending = 0
         self._launch_ready(force=True)
         error = self._wait(self.buckets)
+        if self._first_launch is not None and self.world_size > 1:
+            spans = self.stats.comm_s
+            spans.append(time.perf_counter() - self._first_launch)
+            if len(spans) > SPANS_KEPT:
+                del spans[0]
         outcome = self._outcome
         outcome[0], outcome[1], outcome[2], outcome[3] = error is not None, bool(lacking), bool(self._late), \
             self._repeated

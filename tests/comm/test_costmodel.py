@@ -295,3 +295,31 @@ def test_stage_2_buckets_are_a_quarter_of_a_shard_at_most():
         stage2_bucket_cap(mib, 0)
     with pytest.raises(ValueError):
         stage2_bucket_cap(mib, 2, share=0)
+
+
+def test_the_forecast_on_a_faked_probe_sends_each_host_its_share_once():
+    """2 hosts of 2 ranks, a 1 Gbit/s link between them and 10 Gbit/s inside: the hierarchical path sends the
+    40 MiB gradient out of each host once (the link's limit), the flat ring 1.5 times, bf16 half and int8 a
+    quarter of it (plus its scales); on one node nothing crosses."""
+    from hpcnet.comm.costmodel import forecast_allreduce
+
+    inter, intra = LinkCost.from_probe(100.0, 1.0), LinkCost.from_probe(5.0, 10.0)
+    grad = 40 << 20
+    kw = dict(nodes=2, local=2, inter=inter, intra=intra)
+    hier = forecast_allreduce(grad, hierarchical=True, **kw)
+    flat = forecast_allreduce(grad, hierarchical=False, **kw)
+    assert (hier.path, hier.wire, hier.host_bytes) == ("hierarchical", "fp32", grad)
+    assert flat.host_bytes == int(1.5 * grad) and flat.seconds > hier.seconds
+    assert hier.seconds == pytest.approx(grad / 125e6, rel=0.05)  # 0.34 s: the link, the intra phases hidden
+    bf16 = forecast_allreduce(grad, hierarchical=True, wire="bf16", **kw)
+    int8 = forecast_allreduce(grad, hierarchical=True, wire="int8", **kw)
+    assert bf16.host_bytes == grad // 2 and int8.host_bytes == int(grad / 4 * (1 + 4 / 256))
+    assert int8.seconds < bf16.seconds < hier.seconds
+    # a slow node-local link: the intra-node phases are what the pipeline waits for
+    slow_inside = forecast_allreduce(grad, hierarchical=True, nodes=2, local=2, inter=inter,
+                                     intra=LinkCost.from_probe(5.0, 0.1))
+    assert slow_inside.seconds > 3 * hier.seconds
+    one = forecast_allreduce(grad, hierarchical=False, nodes=1, local=4, inter=inter, intra=intra)
+    assert one.host_bytes == 0 and one.seconds == pytest.approx(intra.all_reduce_s(grad, 4))
+    with pytest.raises(ValueError, match="wire: 'int4'"):
+        forecast_allreduce(grad, hierarchical=True, wire="int4", **kw)

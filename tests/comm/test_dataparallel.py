@@ -1,5 +1,7 @@
 """DataParallel: replicas kept equal, gradients averaged, fallback mid-run, accumulation, whole runs."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -166,4 +168,27 @@ def test_fail_at_step_counts_global_steps_like_fault_options(comm, data_plane, m
                       "checkpoint.resume=auto", "dist.fail_at_step=3")
     assert summary["start_step"] == 2
     assert [(f["step"], f["from"], f["to"]) for f in summary["comm"]["fallbacks"]] == [(3, "gloo", "mpi")]
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+def test_the_communication_forecast_is_logged_beside_the_measured_time(comm, data_plane, mpi_tmp_path, monkeypatch):
+    """With the probe, the cost model's forecast of a step's all-reduce goes to the log and the summary, and at
+    step 20 the measured time beside it; across nodes the log says what lossy compression would send, without
+    choosing it (dist.compression=auto stays exact)."""
+    from hpcnet.paths import rank_log
+
+    monkeypatch.setenv("HPCNET_RANKS_PER_NODE", even_nodes(comm)["HPCNET_RANKS_PER_NODE"])
+    _, summary = _run(comm, data_plane, mpi_tmp_path, "forecast", "dist.probe=true", "train.steps=21")
+    if comm.Get_size() == 1:
+        assert "forecast" not in summary["comm"]
+        return
+    forecast = summary["comm"]["forecast"]
+    nodes = comm.Get_size() // int(even_nodes(comm)["HPCNET_RANKS_PER_NODE"])
+    assert forecast["allreduce_ms"] > 0 and summary["comm"]["allreduce_ms"] > 0
+    assert forecast["wire"] == "fp32" and (forecast["host_bytes"] > 0) == (nodes > 1)
+    if comm.Get_rank() == 0:
+        text = (Path(summary["run_dir"]) / rank_log(0)).read_text()
+        assert "communication forecast (" in text and "communication: forecast" in text and "measured" in text
+        assert ("opt in with dist.compression" in text) == (nodes > 1)
     comm.Barrier()

@@ -12,6 +12,7 @@ import torch
 from hpcnet.comm.quantize import (
     BLOCK,
     ErrorFeedback,
+    add_dequantized,
     compress_with_feedback,
     dequantize,
     pack,
@@ -141,6 +142,8 @@ class HierarchicalTransport:
             work, shard = self._padded(part)
             self._scatter(work, shard)
             pending.append((part, work, shard, self._start_cross(shard, f"{key}/{index}")))
+            if len(pending) > 1 and isinstance(pending[-2][3], _Int8):
+                pending[-2][3].advance()  # its second exchange, while this chunk's first is on the link
             if len(pending) > PIPELINE_DEPTH:
                 self._gather(*pending.popleft())
         while pending:
@@ -272,29 +275,41 @@ class _Wire:
 
 
 class _Int8:
-    """int8's exchange between the nodes in flight (``HierarchicalTransport._start_int8``): waiting sums this node's
-    part, all-gathers the parts quantized again, and writes them into the shard."""
+    """int8's exchange between the nodes in flight (``HierarchicalTransport._start_int8``), in two halves:
+    ``advance`` sums this node's part once the all-to-all is in, quantizes it again and starts the all-gather;
+    ``wait`` writes the gathered parts into the shard.  ``_run`` advances a chunk as soon as the next one's
+    all-to-all is on its way, so both exchanges of different chunks share the link."""
 
     def __init__(self, transport: HierarchicalTransport, work: Any, send: torch.Tensor, recv: torch.Tensor,
                  shard: torch.Tensor, name: str, part: int) -> None:
         self.transport, self.work, self.send, self.recv = transport, work, send, recv
         self.shard, self.name, self.part = shard, name, part
+        self.gather: Any = None
 
-    def wait(self) -> None:
+    def advance(self) -> None:
+        if self.gather is not None:
+            return
         transport, part = self.transport, self.part
         self.work.wait()
         nbytes = packed_bytes(part)
         nodes = self.recv.numel() // nbytes
         total = torch.zeros(part, dtype=torch.float32, device=self.shard.device)
         for i in range(nodes):  # in node order: every node sums its part the same way
-            total += dequantize(*unpack(self.recv[i * nbytes:(i + 1) * nbytes], part))
+            add_dequantized(total, *unpack(self.recv[i * nbytes:(i + 1) * nbytes], part))
         q, scales = compress_with_feedback(total, transport.feedback.get(f"{self.name}/server", part, total))
         mine = self.send[:nbytes]  # sent already: reused
         pack(q, scales, mine)
-        transport._all_gather(self.recv, mine, group=transport._cross_group)
-        values = torch.cat([dequantize(*unpack(self.recv[i * nbytes:(i + 1) * nbytes], part))
-                            for i in range(nodes)])
-        self.shard.copy_(values[:self.shard.numel()])
+        self.gather = transport._all_gather(self.recv, mine, group=transport._cross_group, async_op=True)
+
+    def wait(self) -> None:
+        self.advance()
+        self.gather.wait()
+        part, nbytes, numel = self.part, packed_bytes(self.part), self.shard.numel()
+        for i in range(self.recv.numel() // nbytes):
+            lo, hi = i * part, min((i + 1) * part, numel)
+            if lo < hi:
+                values = dequantize(*unpack(self.recv[i * nbytes:(i + 1) * nbytes], part))
+                self.shard[lo:hi].copy_(values[:hi - lo])
 
 
 class _PaddedHandle:
