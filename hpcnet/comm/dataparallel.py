@@ -147,6 +147,8 @@ class DataParallel:
             find_unused=cfg.find_unused, timeout_s=cfg.timeout_s,
             recorder=recorder, owners=self.shards.owner if cfg.zero == 2 else None,
             units=self.layout if cfg.zero == 2 else None)
+        if cfg.compression == "int8" and world.num_nodes == 1 and world.is_main and world.size > 1:
+            log.info("dist.compression=int8 compresses only between nodes, and this job has one: the sums are exact")
         self.forecast: CommForecast | None = None
         if link is not None and world.size > 1:
             self.forecast = self._forecast(link, intra_link)

@@ -20,7 +20,7 @@ from hpcnet.comm.quantize import (
     padded_length,
     unpack,
 )
-from hpcnet.comm.transport.base import CollectiveExecutor, Done, Handle, mpi_buffer
+from hpcnet.comm.transport.base import CollectiveExecutor, Done, Handle, as_comm_failure, mpi_buffer
 from hpcnet.comm.transport.torchdist import TorchHandle
 
 PIPELINE_CHUNK_BYTES = 4 << 20
@@ -86,7 +86,11 @@ class HierarchicalTransport:
                              "the shards are summed across nodes)")
         # gloo's phases are sequenced by a worker thread too (see start); NCCL's are enqueued in order.
         self._progress = CollectiveExecutor(progress if kind == "mpi" else "thread", "hpcnet-hier-allreduce")
-        self.synchronous = self.size == 1 or (kind == "mpi" and self._progress.synchronous)
+        # Inline MPI with gloo between the nodes: ``start`` (a backward hook) runs the intra-node reduce-scatters
+        # and starts the sums across the nodes, which gloo's threads carry while backward goes on; the handle's
+        # wait (the reducer's finish) gathers (``_SplitHandle``).
+        self.split = kind == "mpi" and self.cross_kind == "gloo" and self._progress.synchronous
+        self.synchronous = self.size == 1 or (kind == "mpi" and self._progress.synchronous and not self.split)
         self._local_group = self._cross_group = None
         if kind != "mpi" or self.cross_kind != "mpi":
             import torch.distributed as dist
@@ -135,19 +139,45 @@ class HierarchicalTransport:
         chunk k+1 is reduce-scattered in the node, and chunk k is gathered back only when ``PIPELINE_DEPTH``
         later chunks are on their way or none is left, so the intra-node phases and the inter-node link
         work at the same time.  Inside a node every element is summed in the same order as in one piece; between
-        3 or more nodes gloo and MPI choose their order by the message's size (docs/communication.md)."""
+        3 or more nodes gloo and MPI choose their order by the message's size (docs/communication.md).
+
+        A failure between the nodes is raised after every chunk's intra-node phases ran: the other ranks of the
+        node wait for them in MPI or gloo, and would wait forever for a rank that stopped half-way."""
         pending: collections.deque = collections.deque()
+        errors: list[BaseException] = []
+        for entry in self._chunks(flat, key, errors):
+            pending.append(entry)
+            if len(pending) > 1:
+                self._advance(pending[-2], errors)  # int8: its second exchange, while this chunk's first goes
+            if len(pending) > PIPELINE_DEPTH:
+                self._gather(*pending.popleft(), errors=errors)
+        while pending:
+            self._gather(*pending.popleft(), errors=errors)
+        if errors:
+            raise errors[0]
+
+    def _chunks(self, flat: torch.Tensor, key: Any, errors: list[BaseException]) -> Any:
+        """Per chunk: its intra-node reduce-scatter, then its sum across the nodes started; yields
+        ``(part, work, shard, cross)`` (cross None where starting it failed: in ``errors``)."""
         for index, (lo, hi) in enumerate(chunk_bounds(flat.numel(), self.chunk_elements(flat), self.local_size)):
             part = flat[lo:hi]
             work, shard = self._padded(part)
             self._scatter(work, shard)
-            pending.append((part, work, shard, self._start_cross(shard, f"{key}/{index}")))
-            if len(pending) > 1 and isinstance(pending[-2][3], _Int8):
-                pending[-2][3].advance()  # its second exchange, while this chunk's first is on the link
-            if len(pending) > PIPELINE_DEPTH:
-                self._gather(*pending.popleft())
-        while pending:
-            self._gather(*pending.popleft())
+            cross = None
+            if not errors:  # after a failure between the nodes, only the node's own phases go on
+                try:
+                    cross = self._start_cross(shard, f"{key}/{index}")
+                except Exception as exc:  # noqa: BLE001 - raised once the node's phases are done
+                    errors.append(exc)
+            yield part, work, shard, cross
+
+    @staticmethod
+    def _advance(entry: tuple, errors: list[BaseException]) -> None:
+        if isinstance(entry[3], _Int8) and not errors:
+            try:
+                entry[3].advance()
+            except Exception as exc:  # noqa: BLE001 - see _run
+                errors.append(exc)
 
     def chunk_elements(self, flat: torch.Tensor) -> int:
         """Elements per pipelined chunk: ``chunk_bytes`` of ``flat``'s dtype."""
@@ -210,11 +240,17 @@ class HierarchicalTransport:
         work = dist.all_to_all_single(recv, send, group=self._cross_group, async_op=True)
         return _Int8(self, work, send, recv, shard, name, part)
 
-    def _gather(self, part: torch.Tensor, work: torch.Tensor, shard: torch.Tensor, cross: Any) -> None:
-        if self.cross_kind == "mpi" and cross is not None:
-            cross.Wait()  # an MPI request
-        elif cross is not None:
-            cross.wait()  # a gloo work, or _Wire
+    def _gather(self, part: torch.Tensor, work: torch.Tensor, shard: torch.Tensor, cross: Any, *,
+                errors: list[BaseException]) -> None:
+        """Wait for the chunk's sum across the nodes (a failure goes to ``errors``) and all-gather it in the node,
+        whatever happened between the nodes (see ``_run``)."""
+        try:
+            if self.cross_kind == "mpi" and cross is not None:
+                cross.Wait()  # an MPI request
+            elif cross is not None and not errors:
+                cross.wait()  # a gloo work, or _Wire, or _Int8
+        except Exception as exc:  # noqa: BLE001 - see _run
+            errors.append(exc)
         if self.kind == "mpi":
             self.local.Allgather(mpi_buffer(shard), mpi_buffer(work))
         else:
@@ -231,6 +267,9 @@ class HierarchicalTransport:
             # are current; ordered on the device by enqueue_in_order.
             work, out, last = self._enqueue_phases(flat)
             return _PaddedHandle(TorchHandle(last, stream_ordered=True, keep=(work, out)), flat, work)
+        if self.split:
+            errors: list[BaseException] = []
+            return _SplitHandle(self, list(self._chunks(flat, key, errors)), errors)
         # gloo runs each group's operations on its own threads, so the phases
         # are sequenced by one worker thread (MPI: that thread, or inline).
         return self._progress.run(functools.partial(self._run, key=key), flat)
@@ -310,6 +349,25 @@ class _Int8:
             if lo < hi:
                 values = dequantize(*unpack(self.recv[i * nbytes:(i + 1) * nbytes], part))
                 self.shard[lo:hi].copy_(values[:hi - lo])
+
+
+class _SplitHandle:
+    """A bucket whose intra-node reduce-scatters ran and whose sums across the nodes are on their way
+    (``HierarchicalTransport.split``); waiting gathers its chunks in order (and advances int8's second exchange
+    one chunk ahead), then raises the first failure, if any, once every intra-node phase ran."""
+
+    def __init__(self, transport: HierarchicalTransport, entries: list[tuple], errors: list[BaseException]) -> None:
+        self.transport, self.entries, self.errors = transport, entries, errors
+
+    def wait(self, timeout_s: float) -> None:
+        entries, errors = self.entries, self.errors
+        self.entries = []
+        for i, entry in enumerate(entries):
+            if i + 1 < len(entries):
+                self.transport._advance(entries[i + 1], errors)
+            self.transport._gather(*entry, errors=errors)
+        if errors:
+            raise as_comm_failure(errors[0]) from errors[0]
 
 
 class _PaddedHandle:
