@@ -20,7 +20,7 @@ from hpcnet.comm.quantize import (
     padded_length,
     unpack,
 )
-from hpcnet.comm.transport.base import CollectiveExecutor, Done, Handle, as_comm_failure, mpi_buffer
+from hpcnet.comm.transport.base import CollectiveExecutor, Done, Failed, Handle, as_comm_failure, mpi_buffer
 from hpcnet.comm.transport.torchdist import TorchHandle
 
 PIPELINE_CHUNK_BYTES = 4 << 20
@@ -269,7 +269,11 @@ class HierarchicalTransport:
             return _PaddedHandle(TorchHandle(last, stream_ordered=True, keep=(work, out)), flat, work)
         if self.split:
             errors: list[BaseException] = []
-            return _SplitHandle(self, list(self._chunks(flat, key, errors)), errors)
+            try:
+                entries = list(self._chunks(flat, key, errors))
+            except Exception as exc:  # noqa: BLE001 - an intra-node phase: reported at wait, agreed in finish
+                return Failed(exc)
+            return _SplitHandle(self, entries, errors)
         # gloo runs each group's operations on its own threads, so the phases
         # are sequenced by one worker thread (MPI: that thread, or inline).
         return self._progress.run(functools.partial(self._run, key=key), flat)

@@ -335,6 +335,48 @@ def test_int8_between_nodes_gives_every_replica_the_same_bits_and_feedback_makes
     transport.close()
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("progress", ["inline", "thread"])  # from the hooks (split), and the pipelined worker
+def test_a_failure_between_nodes_on_one_rank_leaves_no_rank_of_its_node_waiting(comm, data_plane, monkeypatch,
+                                                                                 progress):
+    """Rank 0's sum across the nodes of chunk 1 fails (after the real one completed, so gloo stays healthy): rank 0
+    still runs every intra-node phase, so its node's other ranks finish (MPI has no timeout: a rank that stopped
+    half-way would leave them waiting forever).  From the hooks every chunk's sum was started before the first
+    wait, so only rank 0 fails; the pipelined worker starts no more sums across the nodes after a failure, so rank
+    0's partners there fail too, at the gloo group's timeout."""
+    world = discover(comm, environ=even_nodes(comm))
+    transport = HierarchicalTransport(comm, node_index=world.node_index, local_rank=world.local_rank, kind="mpi",
+                                      timeout_s=5, progress=progress, cross_kind="gloo", chunk_bytes=256)
+    start_cross = transport._start_cross
+
+    class Broken:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def wait(self):
+            if self.inner is not None:
+                self.inner.wait()
+            raise RuntimeError("injected: the sum across the nodes failed")
+
+    def failing(shard, name):
+        work = start_cross(shard, name)
+        return Broken(work) if comm.Get_rank() == 0 and name.endswith("/1") else work
+
+    monkeypatch.setattr(transport, "_start_cross", failing)
+    flat = torch.arange(1000, dtype=torch.float32)
+    error = wait_all([transport.start(flat, key=0)], 60.0)
+    failed = comm.allgather(error is not None)
+    if comm.Get_size() == 1:
+        assert failed == [False]  # one rank: nothing to sum
+    elif progress == "inline" or transport.cross.Get_size() == 1:
+        assert failed == [True] + [False] * (comm.Get_size() - 1)
+    else:
+        assert failed[0]
+    if comm.Get_rank() == 0 and comm.Get_size() > 1:
+        assert "injected" in str(error)
+    transport.close()
+
+
 def test_only_what_gloo_carries_between_nodes_is_compressed():
     with pytest.raises(ValueError, match="compresses only what gloo carries"):
         HierarchicalTransport(FakeComm(), node_index=0, local_rank=0, kind="mpi", wire=torch.bfloat16)
