@@ -89,3 +89,27 @@ def test_a_residual_of_another_length_starts_from_zero():
     store.clear()
     store.load(saved)
     assert torch.equal(store.residuals["0/0/worker"], torch.zeros(2 * BLOCK))
+
+
+def test_a_resume_takes_this_ranks_residuals_at_the_same_world_size_only():
+    """``DataParallel.load_feedback``: rank 1 of 2 keeps its own residuals from a checkpoint of 2 ranks; from one of
+    another world size (other shards) or in a run without int8 they start from zero."""
+    from types import SimpleNamespace
+
+    from hpcnet.comm.dataparallel import FEEDBACK_PREFIX, DataParallel
+
+    def rank1(compression):
+        return SimpleNamespace(world=SimpleNamespace(rank=1, size=2, is_main=False), feedback=ErrorFeedback(),
+                               cfg=SimpleNamespace(compression=compression))
+
+    saved = {f"{FEEDBACK_PREFIX}0/3/0/worker": torch.ones(BLOCK),
+             f"{FEEDBACK_PREFIX}1/3/0/worker": torch.full((BLOCK,), 2.0), "model/w": torch.zeros(3)}
+    same = rank1("int8")
+    DataParallel.load_feedback(same, saved, 2)
+    assert list(same.feedback.residuals) == ["3/0/worker"]
+    assert torch.equal(same.feedback.residuals["3/0/worker"], torch.full((BLOCK,), 2.0))
+    for compression, size in [("int8", 3), ("none", 2)]:
+        other = rank1(compression)
+        other.feedback.get("stale", BLOCK, torch.empty(0))
+        DataParallel.load_feedback(other, saved, size)
+        assert other.feedback.residuals == {}
