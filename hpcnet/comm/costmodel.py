@@ -309,14 +309,15 @@ def forecast_allreduce(gradient_bytes: int, *, nodes: int, local: int, hierarchi
     if nodes == 1:
         link = intra or inter
         return CommForecast("flat", "fp32", 0, link.all_reduce_s(gradient_bytes, local))
+    wire_bytes = int(gradient_bytes * ratio)
     if not hierarchical:
         ranks = nodes * local
-        host_bytes = int(2 * (ranks - 1) / ranks * gradient_bytes * ratio)
-        return CommForecast("flat", wire, host_bytes,
-                            2 * (ranks - 1) * inter.latency_s + host_bytes / inter.bandwidth_Bps)
+        return CommForecast("flat", wire, int(2 * (ranks - 1) / ranks * wire_bytes),
+                            inter.all_reduce_s(wire_bytes, ranks))
     chunks = max(1, -(-gradient_bytes // max(1, chunk_bytes)))
-    host_bytes = int(2 * (nodes - 1) / nodes * gradient_bytes * ratio)
-    between = 2 * (nodes - 1) * inter.latency_s * chunks + host_bytes / inter.bandwidth_Bps
+    host_bytes = int(2 * (nodes - 1) / nodes * wire_bytes)
+    # one ring among the nodes for the bytes, and its latencies once a chunk
+    between = inter.all_reduce_s(wire_bytes, nodes) + 2 * (nodes - 1) * inter.latency_s * (chunks - 1)
     within = 0.0
     if intra is not None and local > 1:
         within = intra.reduce_scatter_s(gradient_bytes, local) + intra.all_gather_s(gradient_bytes, local)

@@ -310,15 +310,19 @@ class DataParallel:
 
     def feedback_state(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
         """int8's residuals for a checkpoint (collective): every rank's names (``FEEDBACK_PREFIX``), its own
-        residuals as tensors and the others' as ``meta`` tensors of their shapes, and who holds each."""
-        mine = [(name, r.numel()) for name, r in self.feedback.residuals.items()]
+        residuals as tensors and the others' as ``meta`` tensors of their shapes, and who holds each; nothing (and
+        no collective) without ``dist.compression=int8``, the same on every rank."""
+        if self.cfg.compression != "int8":
+            return {}, {}
+        residuals = self.feedback.state()
+        mine = [(name, r.numel()) for name, r in residuals.items()]
         tensors: dict[str, torch.Tensor] = {}
         holders: dict[str, int] = {}
         for rank, names in enumerate(self.comm.allgather(mine)):
             for name, numel in names:
                 key = f"{FEEDBACK_PREFIX}{rank}/{name}"
                 holders[key] = rank
-                tensors[key] = (self.feedback.residuals[name] if rank == self.world.rank
+                tensors[key] = (residuals[name] if rank == self.world.rank
                                 else torch.empty(numel, device="meta"))
         return tensors, holders
 
@@ -329,11 +333,11 @@ class DataParallel:
     def load_feedback(self, tensors: dict[str, torch.Tensor], saved_world_size: int) -> None:
         """int8's residuals from a checkpoint's tensors: this rank's, when saved at the same world size (the same
         buckets and shards); otherwise they start from zero (a step's quantization error, dropped once)."""
-        prefix = f"{FEEDBACK_PREFIX}{self.world.rank}/"
-        mine = {name[len(prefix):]: value for name, value in tensors.items() if name.startswith(prefix)}
         if self.cfg.compression != "int8":
             self.feedback.clear()
             return
+        prefix = f"{FEEDBACK_PREFIX}{self.world.rank}/"
+        mine = {name[len(prefix):]: value for name, value in tensors.items() if name.startswith(prefix)}
         if saved_world_size != self.world.size:
             self.feedback.clear()
             if self.world.is_main and mine:
@@ -532,7 +536,7 @@ class DataParallel:
         state = {"cpu_rng": torch.get_rng_state(),
                  "buffers": [b.detach().clone() for b in self.model.buffers()]}
         if self.reducer.may_redo and self.feedback.residuals:
-            state["feedback"] = {name: r.clone() for name, r in self.feedback.residuals.items()}
+            state["feedback"] = {name: r.clone() for name, r in self.feedback.state().items()}
         if self.device.type == "cuda":
             state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         return state

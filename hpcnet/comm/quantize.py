@@ -44,9 +44,7 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, block: int = BLOCK) -> tor
     """The float32 values of ``quantize``'s output; a block with a non-finite scale (an overflowed block) is NaN
     throughout, also where its values are 0."""
     values = q.view(-1, block).to(torch.float32).mul_(scales[:, None])
-    bad = ~torch.isfinite(scales)
-    if bool(bad.any()):
-        values[bad] = float("nan")
+    _overflowed_to_nan(values, scales)
     return values.view(-1)
 
 
@@ -54,9 +52,14 @@ def add_dequantized(out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bl
                     alpha: float = 1.0) -> None:
     """``out += alpha * dequantize(q, scales)`` in one pass over ``out`` (a non-finite scale gives NaN there)."""
     out.view(-1, block).addcmul_(q.view(-1, block).to(torch.float32), scales[:, None], value=alpha)
+    _overflowed_to_nan(out.view(-1, block), scales)
+
+
+def _overflowed_to_nan(blocks: torch.Tensor, scales: torch.Tensor) -> None:
+    """NaN throughout each block (a row of ``blocks``) whose scale is not finite."""
     bad = ~torch.isfinite(scales)
     if bool(bad.any()):
-        out.view(-1, block)[bad] = float("nan")
+        blocks[bad] = float("nan")
 
 
 def packed_bytes(numel: int, block: int = BLOCK) -> int:

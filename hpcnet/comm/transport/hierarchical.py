@@ -151,10 +151,16 @@ class HierarchicalTransport:
                 self._advance(pending[-2], errors)  # int8: its second exchange, while this chunk's first goes
             if len(pending) > PIPELINE_DEPTH:
                 self._gather(*pending.popleft(), errors=errors)
-        while pending:
-            self._gather(*pending.popleft(), errors=errors)
+        self._drain(list(pending), errors)
         if errors:
             raise errors[0]
+
+    def _drain(self, entries: list[tuple], errors: list[BaseException]) -> None:
+        """Gather ``entries`` (``_chunks``'s) in order, advancing int8's second exchange one chunk ahead."""
+        for i, entry in enumerate(entries):
+            if i + 1 < len(entries):
+                self._advance(entries[i + 1], errors)
+            self._gather(*entry, errors=errors)
 
     def _chunks(self, flat: torch.Tensor, key: Any, errors: list[BaseException]) -> Any:
         """Per chunk: its intra-node reduce-scatter, then its sum across the nodes started; yields
@@ -366,10 +372,7 @@ class _SplitHandle:
     def wait(self, timeout_s: float) -> None:
         entries, errors = self.entries, self.errors
         self.entries = []
-        for i, entry in enumerate(entries):
-            if i + 1 < len(entries):
-                self.transport._advance(entries[i + 1], errors)
-            self.transport._gather(*entry, errors=errors)
+        self.transport._drain(entries, errors)
         if errors:
             raise as_comm_failure(errors[0]) from errors[0]
 
