@@ -87,7 +87,9 @@ def test_silent_rank_is_named_by_its_watchers(comm, mpi_tmp_path):
     rank, size = comm.Get_rank(), comm.Get_size()
     host_of_1 = comm.allgather(MPI.Get_processor_name())[1]  # another host than some watchers' on the local cluster
     found = []
-    monitor = _monitor(comm, mpi_tmp_path, found).start()
+    # 0.5 s beats (1.5 s of silence is a failure): at 0.2 s a healthy rank of the 2 x 2 cluster pass, 4 ranks on 2
+    # cores, once went 0.61 s unscheduled and was declared failed beside the muted one.
+    monitor = _monitor(comm, mpi_tmp_path, found, heartbeat_interval_s=0.5).start()
     monitor.step(3)
     time.sleep(0.5)
     if rank == 1:
