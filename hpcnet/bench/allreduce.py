@@ -195,7 +195,9 @@ def _reducer_methods(primary: str, comm: Any, peer_comm: Any, world: Any, device
                 backward()
                 red.finish()
 
-            return Runner(run, red.buckets[0].buffer, close=red.close, feed=backward.feed)
+            # The bucket may be a fresh tensor each step (a bucket of one parameter is its gradient, no copy).
+            return Runner(run, red.buckets[0].buffer, close=red.close, feed=backward.feed,
+                          output=lambda: red.buckets[0].buffer)
 
         return prepare
 
@@ -459,8 +461,12 @@ def _select(methods: list[Method], wanted_text: str, rank0: bool) -> list[Method
             print(f"hpcnet.bench allreduce: unknown method(s) {', '.join(unknown)}; "
                   f"available: {', '.join(m.name for m in methods)}", file=sys.stderr)
         return None
-    # A compared method needs its peer in the same rounds.
-    keep = set(wanted) | {m.peer for m in methods if m.name in wanted and m.peer}
+    # A compared method needs its peer (and its peer's peer) in the same rounds, and every method is also
+    # compared with the bare mpi4py Allreduce, which the table's first column times.
+    keep = set(wanted) | {"mpi4py"}
+    peers = {m.name: m.peer for m in methods}
+    while missing := {peers[name] for name in keep if peers.get(name)} - keep:
+        keep |= missing
     return [m for m in methods if m.name in keep]
 
 

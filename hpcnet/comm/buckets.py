@@ -61,6 +61,8 @@ class Bucket:
     of_param: list[list[int]] = field(default_factory=list)  # each parameter's entries
     views: list[torch.Tensor] = field(default_factory=list)  # each entry's gradient in ``buffer``
     shard: Any = None  # the placement's state of the bucket (dist.zero=2: hpcnet.comm.zero.BucketShard)
+    single: bool = False  # one entry, a whole contiguous CPU parameter: its gradient can be the buffer (Reducer._adopt)
+    empty: torch.Tensor | None = None  # the buffer of a ``single`` bucket between steps (Reducer._let_go)
 
     @property
     def nbytes(self) -> int:
@@ -88,6 +90,9 @@ class Placement(Protocol):
     releases_early: bool
     """The hooks launch complete buckets on every transport, and the reducer releases each as its sum is in (so
     a rank holds the buckets being filled and those in flight, not the whole gradient)."""
+    adopts: bool
+    """A bucket's buffer may be replaced by a tensor of the reducer's choosing in a fold (not a buffer in the
+    transport's memory, shm's window)."""
 
     def set_transport(self, transport: Transport) -> None:
         """The transport the buckets go over from now on."""
@@ -132,6 +137,7 @@ class Replicated:
 
     def set_transport(self, transport: Transport) -> None:
         self.transport = transport
+        self.adopts = getattr(transport, "allocate", None) is None
 
     def set_owners(self, owners: list[int]) -> None:
         raise ValueError("reassign needs a reducer made with owners (dist.zero=2)")

@@ -10,7 +10,8 @@ Gradients are handed over, not accumulated: ``zero_grad`` sets every
 ``.grad`` to None, autograd then gives each parameter the tensor it computed
 (no zeroing pass, no read-modify-write), and the post-accumulate-grad hook
 writes it, times 1/world size, into the parameter's place in its bucket in
-one pass (DDP divides before the sum as well; for a world size that is a
+one pass (a bucket of one whole parameter on the CPU takes autograd's tensor
+itself as its buffer, scaled in place: no copy at all) (DDP divides before the sum as well; for a world size that is a
 power of two the result is the same bits as dividing after) and sets
 ``.grad`` to None again; the bucket view becomes the parameter's ``.grad``
 when the sum is in (``finish``).  When a bucket is complete it is handed to
@@ -177,6 +178,9 @@ class Reducer:
                 bucket.entry_unit = [entry[1] for entry in entries]
                 bucket.entry_tensor = [entry[2] for entry in entries]
                 bucket.entry_rows = [entry[3] for entry in entries]
+                bucket.single = (len(entries) == 1 and entries[0][3] is None and params[0].device.type == "cpu"
+                                 and params[0].is_contiguous())
+                bucket.empty = params[0].new_empty(0)
                 bucket.of_param = [[] for _ in params]
                 for e, j in enumerate(bucket.entry_param):
                     bucket.of_param[j].append(e)
@@ -255,8 +259,14 @@ class Reducer:
         (the view becomes it when the sum is in, ``_release``; a later arrival in this backward is then a tensor
         of its own, ``_fold_more``).  No gradient: zeros (an unused parameter).  A cut parameter's rows go to
         their entries (its units' tensors get their sums)."""
-        self.placement.prepare(bucket)
         p, entries = bucket.params[j], bucket.of_param[j]
+        if self._adoptable(bucket, p):
+            self._adopt(bucket, p)
+            return
+        if bucket.single and not bucket.views:  # let go by zero_grad (_let_go)
+            bucket.buffer = torch.empty(bucket.offsets[-1], dtype=p.dtype, device=p.device)
+            bucket.make_views()
+        self.placement.prepare(bucket)
         if bucket.entry_rows[entries[0]] is not None:
             self._fold_rows(bucket, p, entries)
             return
@@ -272,6 +282,35 @@ class Reducer:
         else:
             view.copy_(grad)
         p.grad = None
+
+    def _adoptable(self, bucket: Bucket, p: nn.Parameter) -> bool:
+        """Whether the bucket can be parameter ``p``'s gradient itself instead of a copy of it: the bucket holds
+        ``p`` whole and alone, the placement lets the reducer choose the buffer (not shm's window), and autograd
+        handed over a dense CPU tensor of ``p``'s layout that nothing differentiates through."""
+        grad = p.grad
+        return (bucket.single and self.placement.adopts and grad is not None and not grad.requires_grad
+                and grad.is_contiguous() and grad.dtype == p.dtype and grad.shape == p.shape
+                and grad.device.type == "cpu")
+
+    def _adopt(self, bucket: Bucket, p: nn.Parameter) -> None:
+        """The bucket becomes ``p``'s gradient, scaled in place: no copy (a bucket of one large parameter,
+        summed in place as a hand-written ``Allreduce`` of ``.grad`` would be).  Autograd handed the tensor over
+        (``AccumulateGrad`` keeps a gradient no other tensor refers to, else a copy), so scaling it in place
+        changes nothing else; the last step's buffer is let go.  CPU only: on a GPU the copy costs little, and
+        a tensor allocated on the backward's stream would need its uses on the collective's stream recorded."""
+        grad = p.grad
+        if self._scale != 1.0:
+            grad.mul_(self._scale)  # the same bits as torch.mul(grad, scale, out=view)
+        bucket.buffer = grad.view(-1)
+        bucket.views = [grad]
+        p.grad = None
+
+    def _let_go(self, bucket: Bucket) -> None:
+        """``zero_grad`` of a bucket that may adopt: its buffer (the last gradient) is freed before the backward
+        allocates the next, so the allocator hands that memory out again instead of new pages to fault in."""
+        if bucket.single and self.placement.adopts and bucket.views:
+            bucket.buffer = bucket.empty  # made once: this runs every step
+            bucket.views = []
 
     def _fold_more(self, bucket: Bucket, j: int) -> None:
         """A later arrival of parameter j's gradient in this backward (reentrant checkpointing: one backward per
@@ -309,6 +348,7 @@ class Reducer:
                 p.grad = None
             for t in bucket.entry_tensor:
                 t.grad = None
+            self._let_go(bucket)
             self.placement.zero_grad(bucket)
 
     def _reset(self) -> None:

@@ -524,7 +524,7 @@ class Sharded:
         self.transport = transport
         self.reduce_scatter = getattr(transport, "start_reduce_scatter", None)
         # Buckets outside the transport's memory (not shm's window) are dropped between steps.
-        self.drops_buckets = self.releases_early = getattr(transport, "allocate", None) is None
+        self.drops_buckets = self.releases_early = self.adopts = getattr(transport, "allocate", None) is None
 
     def entries(self, i: int, p: nn.Parameter) -> list[tuple[int, torch.Tensor, tuple[int, int] | None]]:
         if self.units is None:

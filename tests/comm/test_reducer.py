@@ -92,6 +92,60 @@ def test_inline_and_threaded_mpi_give_the_same_bits(comm, hierarchical):
     assert exchanges["inline"] == exchanges["thread"] == 2  # one a step
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind, sharded", [("mpi", False), ("gloo", False), ("mpi", True)])
+def test_a_bucket_of_one_parameter_is_its_gradient_summed_in_place(comm, data_plane, kind, sharded):
+    """Tiny buckets (one parameter each): the bucket takes autograd's gradient itself, no copy, and gives the
+    bits of the copying path (a placement that does not adopt), step after step, with micro-batches and with
+    a parameter unused in a step; between steps the bucket lets its memory go."""
+    world = discover(comm, environ={})
+    n = comm.Get_size()
+    torch.manual_seed(100 + comm.Get_rank())
+    batches = [(torch.randn(8, 16), torch.randint(0, 4, (8,))) for _ in range(4)]
+    grads = {}
+    for adopt in (True, False):
+        model = _seeded_net()
+        named = list(model.named_parameters())
+        owners = [i % n for i in range(len(named))] if sharded else None
+        reducer = Reducer(named, build_transport(kind, False, comm, world), comm, bucket_bytes=1,
+                          first_bucket_bytes=1, owners=owners, find_unused=True)
+        assert all(b.single for b in reducer.buckets) and len(reducer.buckets) == len(named)
+        if not adopt:
+            reducer.placement.adopts = False
+        handed = {}
+        hooks = [p.register_post_accumulate_grad_hook(lambda p, name=name: handed.__setitem__(name, p.grad.data_ptr()))
+                 for name, p in named]
+        hooks += [p.register_post_accumulate_grad_hook(reducer._on_grad) for _, p in named]
+        for hook in reducer._hooks:  # the reducer's own hook runs after the one that notes autograd's tensor
+            hook.remove()
+        reducer._hooks = hooks
+        steps = []
+        for step, (x, y) in enumerate(batches):
+            reducer.zero_grad()
+            if adopt and not sharded:
+                assert all(b.buffer.numel() == 0 for b in reducer.buckets)  # the last step's gradient let go
+            if step == 1:  # two micro-batches: autograd accumulates in .grad, the last one's hook folds
+                with reducer.no_sync():
+                    nn.functional.cross_entropy(model(x[:4]), y[:4]).backward()
+                nn.functional.cross_entropy(model(x[4:]), y[4:]).backward()
+            elif step == 2:  # layer c unused: its bucket is zeros, made in finish
+                torch.relu(model.b(torch.relu(model.a(x)))).sum().backward()
+            else:
+                nn.functional.cross_entropy(model(x), y).backward()
+            reducer.finish()
+            got = [(t.grad.clone() if t.grad is not None else None)
+                   for b in reducer.buckets for t in b.entry_tensor]
+            steps.append(got)
+            if adopt and not sharded and step in (0, 3):
+                for name, p in named:  # the sum is in the tensor autograd handed over
+                    assert p.grad.data_ptr() == handed[name], name
+        grads[adopt] = steps
+        reducer.close()
+    for a, b in zip(grads[True], grads[False]):
+        for ga, gb in zip(a, b):
+            assert (ga is None and gb is None) or torch.equal(ga, gb)
+
+
 def _seeded_net():
     torch.manual_seed(0)
     return Net()
