@@ -55,7 +55,7 @@ from hpcnet.config.load import (
 from hpcnet.data.balance import Balancer
 from hpcnet.data.loader import BatchLoader, open_dataset
 from hpcnet.data.sampler import GlobalBatchSampler
-from hpcnet.errors import ExitCode, exit_code_of
+from hpcnet.errors import ConfigError, ExitCode, exit_code_of
 from hpcnet.fault.inject import FaultInjector
 from hpcnet.fault.monitor import Monitor
 from hpcnet.fault.watchdog import startup_phase
@@ -63,6 +63,8 @@ from hpcnet.launch.park import park
 from hpcnet.launch.stop import StopRequest
 from hpcnet.loop import Loop
 from hpcnet.models import build_model, count_parameters
+from hpcnet.models.blocks import checkpoint_blocks, find_blocks
+from hpcnet.models.blocks import describe as describe_blocks
 from hpcnet.models.device import BatchMover, DeviceSettings, apply_settings, device_settings
 from hpcnet.observe.runlog import (
     MetricsWriter,
@@ -225,6 +227,8 @@ def _model(cfg: Config, comm: Any, world: World, device: torch.device, info: Any
         model = build_model(cfg.model.name, info, cfg.model.options, factory=cfg.model.factory).to(device)
     settings = device_settings(cfg.cuda, device, model)
     model = apply_settings(settings, model)
+    if cfg.train.activation_checkpointing == "blocks":
+        _checkpoint_activations(cfg, comm, world, model)
     with startup_phase(monitor.deadlines, "dist.groups", cfg.dist.startup_timeout_s):
         dp = DataParallel(model, comm, world, cfg.dist, device=device, plan=plan, recorder=monitor.recorder,
                           link=link, intra_link=intra_link)
@@ -238,6 +242,19 @@ def _model(cfg: Config, comm: Any, world: World, device: torch.device, info: Any
     torch.manual_seed(cfg.run.seed + 1 + world.rank)  # dropout etc. differ per rank
     random.seed(cfg.run.seed + world.rank)
     return dp, optimizer, settings
+
+
+def _checkpoint_activations(cfg: Config, comm: Any, world: World, model: nn.Module) -> None:
+    """train.activation_checkpointing=blocks: the blocks of model.blocks recompute their activations in backward;
+    a model without blocks is the same error on every rank."""
+    with shared_errors(comm):
+        blocks = find_blocks(model, cfg.model.blocks)
+        if not blocks:
+            raise ConfigError("train.activation_checkpointing=blocks: model.blocks=auto finds no blocks in this model "
+                              "(no module class repeats side by side); name them with model.blocks")
+    checkpoint_blocks(blocks)
+    if world.is_main:
+        log.info("activation checkpointing: %s", describe_blocks(blocks, model))
 
 
 def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any, run_dir: Path,

@@ -90,8 +90,15 @@ class ModelConfig:
     model.name."""
     options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for the model factory, e.g. model.options.hidden=[1024,1024]."""
+    blocks: str = "auto"
+    """The model's blocks, which train.activation_checkpointing recomputes: 'auto' (of the module classes repeated
+    side by side, as the layers of a ModuleList, the one holding the most parameters: a transformer's layers, a
+    ResNet's basic blocks), a class 'package.module.Class' (its outermost instances), or module paths
+    'blocks.0,blocks.1'."""
 
     def __post_init__(self) -> None:
+        if not self.blocks.strip():
+            raise ConfigError("model.blocks must not be empty: 'auto', a class 'package.module.Class' or module paths")
         if self.factory and not is_import_path(self.factory):
             raise ConfigError(f"model.factory: {self.factory!r} is not of the form 'package.module:function'")
 
@@ -202,6 +209,10 @@ class TrainConfig:
     log line; empty: no trace."""
     trace_ops: bool = False
     """With train.trace_steps: also torch.profiler's operator (and CUDA kernel) events in the trace."""
+    activation_checkpointing: str = "off"
+    """'off', or 'blocks': each of the model's blocks (model.blocks) keeps only its input from forward to backward and
+    recomputes its activations there (non-reentrant torch.utils.checkpoint): less memory for about one more forward;
+    the same bits as without, at every dist.zero stage."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -221,10 +232,15 @@ class TrainConfig:
             parse_steps(self.trace_steps)
         except ValueError as exc:
             raise ConfigError(f"train.trace_steps: {exc}") from None
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise ConfigError(f"train.activation_checkpointing: {self.activation_checkpointing!r} is not one of "
+                              f"{', '.join(map(repr, ACTIVATION_CHECKPOINTING))}")
         if self.trace_ops and not self.trace_steps:
             raise ConfigError("train.trace_ops needs train.trace_steps ('START:END'): which steps to profile")
 
 
+ACTIVATION_CHECKPOINTING = ("off", "blocks")
+"""``train.activation_checkpointing`` values (``hpcnet.models.blocks``)."""
 PRECISIONS = ("fp32", "bf16")
 """``train.precision`` values (``hpcnet.loop.autocast``)."""
 
