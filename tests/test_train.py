@@ -201,7 +201,8 @@ def test_plain_python_single_process(tmp_path):
     (["dist.timeout_s=1e18"], "hpcnet: error: dist.timeout_s must be at most 2592000 s"),
     (["run.seed=-1"], "hpcnet: error: run.seed must be an integer in [0, 2**63 - 1], got -1"),
     (["optim.name=adamw", "optim.eps=-1"], "hpcnet: error: optim.eps must be a positive number"),
-    (["train.activation_checkpointing=blocks", "model.blocks=nopkg.Block"], "model.blocks: cannot import 'nopkg.Block'"),
+    (["train.activation_checkpointing=blocks", "model.blocks=nopkg.Block"],
+     "model.blocks: cannot import 'nopkg.Block'"),
     (["train.activation_checkpointing=blocks", "model.options.hidden=[]"], "model.blocks=auto finds no blocks"),
 ])
 def test_bad_input_fails_cleanly_on_every_rank(launch, tmp_path, args, needle):

@@ -4,9 +4,11 @@ A *block* is a module that is run as a unit and holds a large share of the param
 ResNet basic block, an MLP's linear layer.  ``find_blocks`` finds them by itself, or takes them named:
 
 - ``auto``: of the module classes with at least two instances (outermost ones, containers such as
-  ``ModuleList`` aside), those whose instances hold at least ``COVERAGE_TOLERANCE`` of the parameters the
-  best-covering class's hold, and of these the coarsest (the largest instances): a transformer's layers rather
-  than the linear layers inside them, a ResNet's basic blocks rather than their convolutions.
+  ``ModuleList`` aside), those made of other layers if any (a transformer layer, a ResNet block; else single
+  layers, an MLP's linear layers); of these, the ones whose instances hold at least ``COVERAGE_TOLERANCE`` of
+  the parameters the best-covering class's hold, and of those the coarsest (the largest instances): a
+  transformer's layers, not their attention modules, even where a large output layer tied to the embedding
+  holds more parameters than they do.
 - ``package.module.Class``: every instance of that class (outermost only, when they nest).
 - module paths, comma-separated (``blocks.0,blocks.1``): exactly those modules.
 
@@ -52,9 +54,13 @@ def auto_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if len(outer) < 2:
             continue
         covered = sum({id(p): p.numel() for _, m in outer for p in m.parameters()}.values())
-        candidates.append((covered, covered / len(outer), outer))
+        composite = any(_numel(child) > 0 for child in outer[0][1].children())
+        candidates.append((composite, covered, covered / len(outer), outer))
     if not candidates:
         return []
+    if any(c[0] for c in candidates):  # layers made of layers first: a tied output layer does not outweigh them
+        candidates = [c for c in candidates if c[0]]
+    candidates = [c[1:] for c in candidates]
     best = max(covered for covered, _, _ in candidates)
     # The coarsest class that covers nearly as much: a transformer's layers, not the linear layers in them.
     _, _, chosen = max((c for c in candidates if c[0] >= COVERAGE_TOLERANCE * best), key=lambda c: (c[1], c[0]))

@@ -113,7 +113,8 @@ def test_a_bucket_of_one_parameter_is_its_gradient_summed_in_place(comm, data_pl
         if not adopt:
             reducer.placement.adopts = False
         handed = {}
-        hooks = [p.register_post_accumulate_grad_hook(lambda p, name=name: handed.__setitem__(name, p.grad.data_ptr()))
+        hooks = [p.register_post_accumulate_grad_hook(
+                     lambda p, name=name, handed=handed: handed.__setitem__(name, p.grad.data_ptr()))
                  for name, p in named]
         hooks += [p.register_post_accumulate_grad_hook(reducer._on_grad) for _, p in named]
         for hook in reducer._hooks:  # the reducer's own hook runs after the one that notes autograd's tensor
