@@ -78,6 +78,8 @@ from hpcnet.observe.runlog import (
 from hpcnet.observe.trace import StepTracer, parse_steps
 from hpcnet.optim import build_optimizer
 from hpcnet.paths import CONFIG_FILE, SUMMARY_FILE, checkpoint_dir, metrics_file
+from hpcnet.plan import choose
+from hpcnet.plan.measure import ResidentPeak, measure_config
 
 log = logging.getLogger("hpcnet.train")
 
@@ -217,16 +219,19 @@ def _data(cfg: Config, comm: Any, world: World) -> tuple[Any, Any, GlobalBatchSa
     return train_split, eval_split, sampler
 
 
-def _model(cfg: Config, comm: Any, world: World, device: torch.device, info: Any, plan: Any,
+def _model(cfg: Config, comm: Any, world: World, device: torch.device, split: Any, plan: Any,
            monitor: Monitor, link: LinkCost | None = None, run_dir: Path | None = None,
-           intra_link: LinkCost | None = None) -> tuple[DataParallel, torch.optim.Optimizer, DeviceSettings]:
+           intra_link: LinkCost | None = None
+           ) -> tuple[DataParallel, torch.optim.Optimizer, DeviceSettings, "MemoryPlan | None"]:
     """The same seed on every rank, then rank 0's weights broadcast (inside DataParallel), so a
     rank-dependent factory cannot make the replicas diverge; the ``cuda.*`` settings applied."""
     torch.manual_seed(cfg.run.seed)
+    resident = ResidentPeak() if cfg.dist.memory_cap_gb else None
     with shared_errors(comm):
-        model = build_model(cfg.model.name, info, cfg.model.options, factory=cfg.model.factory).to(device)
+        model = build_model(cfg.model.name, split.info, cfg.model.options, factory=cfg.model.factory).to(device)
     settings = device_settings(cfg.cuda, device, model)
     model = apply_settings(settings, model)
+    memory_plan = _plan_memory(cfg, comm, world, model, split, resident) if resident is not None else None
     if cfg.train.activation_checkpointing == "blocks":
         _checkpoint_activations(cfg, comm, world, model)
     with startup_phase(monitor.deadlines, "dist.groups", cfg.dist.startup_timeout_s):
@@ -241,7 +246,46 @@ def _model(cfg: Config, comm: Any, world: World, device: torch.device, info: Any
     optimizer = dp.shard_optimizer(optimizer, run_dir)
     torch.manual_seed(cfg.run.seed + 1 + world.rank)  # dropout etc. differ per rank
     random.seed(cfg.run.seed + world.rank)
-    return dp, optimizer, settings
+    return dp, optimizer, settings, memory_plan
+
+
+@dataclass
+class MemoryPlan:
+    """dist.memory_cap_gb: the planner's choice and this rank's resident memory since it was made."""
+
+    predicted: Any
+    resident: ResidentPeak
+
+    def summary(self, comm: Any, world: World) -> dict[str, Any]:
+        """The prediction beside the measured peak, the largest rank's (collective); logged by rank 0."""
+        from mpi4py import MPI
+
+        measured = comm.allreduce(self.resident.peak_bytes(), op=MPI.MAX)
+        if world.is_main:
+            log.info("memory: predicted peak %.3f GB a rank, measured %.3f GB (resident above the start, the "
+                     "largest rank's; prediction %+.1f%%)", self.predicted.peak / 1e9, measured / 1e9,
+                     100 * (self.predicted.peak / measured - 1) if measured else 0.0)
+        return {**self.predicted.to_json(), "measured_peak_bytes": measured}
+
+
+def _plan_memory(cfg: Config, comm: Any, world: World, model: nn.Module, split: Any,
+                 resident: ResidentPeak) -> MemoryPlan:
+    """dist.memory_cap_gb: rank 0 measures one step (``hpcnet.plan``) and chooses dist.zero and
+    train.activation_checkpointing for every rank (set in ``cfg``); nothing fitting is the same error on every
+    rank."""
+    chosen = None
+    with shared_errors(comm):
+        if world.is_main:
+            bucket = float(cfg.dist.bucket_mb) * 2**20 if cfg.dist.bucket_mb != "auto" else 25 * 2**20
+            chosen = choose(measure_config(cfg, model, split), ranks=world.size,
+                            cap_bytes=int(cfg.dist.memory_cap_gb * 1e9), bucket_bytes=int(bucket))
+    chosen = comm.bcast(chosen, root=0)
+    cfg.dist.zero, cfg.train.activation_checkpointing = chosen.stage, chosen.checkpointing
+    resident.reset()  # the measurement's own memory is not the run's
+    if world.is_main:
+        log.info("dist.memory_cap_gb=%g: %s (the fastest choice that fits; dist.zero and "
+                 "train.activation_checkpointing set by the planner)", cfg.dist.memory_cap_gb, chosen.describe())
+    return MemoryPlan(chosen, resident)
 
 
 def _checkpoint_activations(cfg: Config, comm: Any, world: World, model: nn.Module) -> None:
@@ -263,8 +307,8 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any
     """Data, model, checkpoints, then the loop from where the checkpoints say; closed whatever happens."""
     train_split, eval_split, sampler = _data(cfg, comm, world)
     faults.before_phase("groups")
-    dp, optimizer, settings = _model(cfg, comm, world, device, train_split.info, plan, monitor, link, run_dir,
-                                     intra_link)
+    dp, optimizer, settings, memory_plan = _model(cfg, comm, world, device, train_split, plan, monitor, link,
+                                                  run_dir, intra_link)
     metrics = MetricsWriter(run_dir / metrics_file(world.rank)
                             if cfg.run.metrics == "all" or (cfg.run.metrics == "rank0" and world.is_main) else None)
     if world.is_main:
@@ -306,6 +350,8 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any
         metrics.close()
         dp.close(collective=_may_communicate())
     result.summary.update(world_size=world.size, run_dir=str(run_dir), comm=dp.summary(), monitor=monitor.summary())
+    if memory_plan is not None:
+        result.summary["memory_plan"] = memory_plan.summary(comm, world)
     return result
 
 

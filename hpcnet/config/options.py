@@ -310,6 +310,11 @@ class DistConfig:
     """With dist.zero > 0 and dist.plan=auto: every this many steps the ranks repeat the start-up speed probe, and when
     a rank's relative speed moved by more than 25% and the cost model's step would be more than 10% shorter, the
     parameters get new owners (their optimizer state moved); 0 = keep the start-up plan."""
+    memory_cap_gb: float = 0.0
+    """Each rank's memory for training, GB (1e9 bytes); 0 = no cap. The memory planner (hpcnet.plan) measures one step
+    at start-up and chooses dist.zero and train.activation_checkpointing, overriding both: the fastest choice whose
+    predicted peak fits; it logs the prediction and, at the end, the measured peak beside it. Nothing fits: an error
+    naming what would (more ranks, a smaller batch). 'python -m hpcnet.plan' prints the same without training."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "fastest", "nccl", "gloo", "mpi", "shm"):
@@ -348,6 +353,9 @@ class DistConfig:
             raise ConfigError(f"dist.zero: {self.zero!r} is not one of 0, 1, 2")
         if self.plan not in ("auto", "uniform"):
             raise ConfigError(f"dist.plan: {self.plan!r} is not one of 'auto', 'uniform'")
+        if isinstance(self.memory_cap_gb, bool) or not isinstance(self.memory_cap_gb, (int, float)) \
+                or not math.isfinite(self.memory_cap_gb) or self.memory_cap_gb < 0:
+            raise ConfigError(f"dist.memory_cap_gb must be a number of GB >= 0 (0: no cap), got {self.memory_cap_gb!r}")
         check_durations(self, "dist")
 
 

@@ -129,6 +129,14 @@ def checkpoint_blocks(blocks: list[tuple[str, nn.Module]]) -> None:
         block._hpcnet_checkpointed = True
 
 
+def uncheckpoint_blocks(blocks: list[tuple[str, nn.Module]]) -> None:
+    """Undo ``checkpoint_blocks``: the blocks run their own forward again."""
+    for _, block in blocks:
+        if getattr(block, "_hpcnet_checkpointed", False):
+            del block.forward
+            del block._hpcnet_checkpointed
+
+
 def _wrap(block: nn.Module) -> None:
     plain = block.forward
     norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]

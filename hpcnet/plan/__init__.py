@@ -1,2 +1,179 @@
 """The memory planner: each rank's peak predicted for each ``dist.zero`` stage and activation checkpointing choice,
-from the model's parameters, the optimizer, the batch and one measured step (``hpcnet.plan.measure``)."""
+from the model's parameters, the optimizer, the batch and one measured step (``hpcnet.plan.measure``).
+
+A rank's memory in a step is what it keeps (parameters; the gradient buckets, or at stage 2 its share of the
+sums; the optimizer state, or its share of it from stage 1 on) plus what the step itself holds for a while
+(activations, the backward's temporaries, gradients on their way to a bucket; the optimizer's temporaries).
+The planner measures the second part once, on the plain model at one rank's batch, with and without the
+blocks checkpointed (``measure_step``), and adds the first part for each stage from the parameter sizes and
+the shares the uniform owner plan gives (``hpcnet.comm.zero``).  The peak is the larger of the backward's and
+the optimizer step's.  At stage 2 the share of each gradient a rank keeps appears as the backward hands the
+gradients over, so its backward peak is the most, over the measured backward, of what is alive plus the share
+of what was handed over so far (``StepMemory.backward_with_kept``), and two buckets besides (one being filled,
+one in the transport).
+
+The step time of each choice comes from the same measurement and the link model (``hpcnet.comm.costmodel``):
+the measured forward and backward (with the blocks' recomputation where they are checkpointed), and the
+collectives (an all-reduce of the gradients; from stage 1 on the parameters' all-gather besides).  ``choose`` takes the
+fastest choice whose peak fits the cap, and when none does, says what would: more ranks, a smaller batch.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hpcnet.comm.costmodel import LinkCost, assign_shards, stage2_bucket_cap
+from hpcnet.comm.zero import DEFAULT_LINK, UPDATE_S_PER_BYTE, split_units
+from hpcnet.errors import UsageError
+from hpcnet.plan.measure import StepMemory
+
+STAGES = (0, 1, 2)
+STAGE2_BUCKETS_ALIVE = 2
+"""Buckets a rank holds at once at stage 2 during backward: the one being filled and the one being summed (Open
+MPI's reduce-scatter keeps a scratch copy of about its size)."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One choice and what the planner predicts of it, bytes per rank (the largest rank's) and seconds."""
+
+    stage: int
+    checkpointing: str
+    ranks: int
+    batch: int
+    params: int
+    grads: int
+    optimizer: int
+    transient: int
+    peak: int
+    phase: str
+    """Where the peak is: 'backward' or 'optimizer'."""
+    step_s: float
+
+    def describe(self) -> str:
+        return (f"dist.zero={self.stage}, activation checkpointing {self.checkpointing}: peak "
+                f"{self.peak / 1e9:.3f} GB ({self.phase}: parameters {self.params / 1e9:.3f}, gradients "
+                f"{self.grads / 1e9:.3f}, optimizer {self.optimizer / 1e9:.3f}, step {self.transient / 1e9:.3f}), "
+                f"step {self.step_s * 1e3:.1f} ms")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"stage": self.stage, "activation_checkpointing": self.checkpointing, "ranks": self.ranks,
+                "batch": self.batch, "peak_bytes": self.peak, "phase": self.phase, "params_bytes": self.params,
+                "grads_bytes": self.grads, "optimizer_bytes": self.optimizer, "step_bytes": self.transient,
+                "step_s": self.step_s}
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """What the planner knows of the model: its trainable parameters' sizes, its blocks' share of them, and the
+    measured steps by checkpointing choice ('off', 'blocks')."""
+
+    sizes: list[int]
+    shapes: list[tuple[int, ...]]
+    block_share: float
+    steps: dict[str, StepMemory] = field(default_factory=dict)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(self.sizes)
+
+
+def largest_share(memory: ModelMemory, ranks: int) -> int:
+    """The most parameter bytes one rank owns under the uniform owner plan at ``ranks`` ranks (units cut as
+    ``dist.zero`` cuts them)."""
+    if ranks == 1:
+        return memory.param_bytes
+    params = [torch.empty(shape, device="meta") for shape in memory.shapes]
+    units = split_units(params, ranks)
+    unit_bytes = [(u.hi - u.lo) * (memory.sizes[u.param] // max(1, u.rows)) for u in units]
+    plan = assign_shards(unit_bytes, [1.0] * ranks, compute_s_per_byte=UPDATE_S_PER_BYTE, link=DEFAULT_LINK)
+    owned = [0] * ranks
+    for size, owner in zip(unit_bytes, plan.owner):
+        owned[owner] += size
+    return max(owned)
+
+
+def predict(memory: ModelMemory, *, ranks: int, stage: int, checkpointing: str, batch: int | None = None,
+            bucket_bytes: int = 25 * 2**20, link: LinkCost | None = None) -> Prediction:
+    """Each rank's peak and the step time of one choice (see the module's doc); ``batch`` other than the
+    measured one scales the step's transient memory in proportion (activations grow with the batch)."""
+    step = memory.steps[checkpointing]
+    batch = batch or step.batch
+    scale = batch / step.batch
+    P = memory.param_bytes
+    share = largest_share(memory, ranks) if stage and ranks > 1 else P
+    optimizer = int(step.state_bytes * share / P) if P else 0
+    if stage < 2 or ranks == 1:
+        grads = P  # the buckets live from step to step
+        backward = P + grads + optimizer + int(step.backward * scale)
+        after = P + grads + optimizer + step.optimizer
+        transient_b, transient_o = int(step.backward * scale), step.optimizer
+    else:
+        bucket = min(bucket_bytes, stage2_bucket_cap(P, ranks))
+        transient_b = int(step.backward_with_kept(share / P) * scale) + STAGE2_BUCKETS_ALIVE * bucket
+        grads = share
+        backward = P + optimizer + transient_b
+        after = P + share + optimizer + step.optimizer
+        transient_o = step.optimizer
+    phase = "backward" if backward >= after else "optimizer"
+    compute = step.forward_backward_s * scale  # measured with the blocks checkpointed where they are
+    if checkpointing != "off" and "off" in memory.steps:  # recomputing never makes a step faster: timing noise
+        compute = max(compute, memory.steps["off"].forward_backward_s * scale)
+    link = link or DEFAULT_LINK
+    comm = link.all_reduce_s(P, ranks) if ranks > 1 else 0.0
+    if stage and ranks > 1:
+        comm += link.all_gather_s(P, ranks)
+    return Prediction(stage=stage, checkpointing=checkpointing, ranks=ranks, batch=batch, params=P, grads=grads,
+                      optimizer=optimizer, transient=transient_b if phase == "backward" else transient_o,
+                      peak=max(backward, after), phase=phase, step_s=compute + comm)
+
+
+def predictions(memory: ModelMemory, *, ranks: int, **kwargs: Any) -> list[Prediction]:
+    """Every stage with every measured checkpointing choice, fastest first."""
+    out = [predict(memory, ranks=ranks, stage=s, checkpointing=c, **kwargs)
+           for c in memory.steps for s in STAGES]
+    return sorted(out, key=lambda p: (p.step_s, p.checkpointing != "off", p.peak))
+
+
+def choose(memory: ModelMemory, *, ranks: int, cap_bytes: int, option: str = "dist.memory_cap_gb",
+           **kwargs: Any) -> Prediction:
+    """The fastest choice whose predicted peak is at most ``cap_bytes``.
+
+    Raises:
+        UsageError: naming ``option`` and what would fit (more ranks, a smaller batch) when nothing does.
+    """
+    every = predictions(memory, ranks=ranks, **kwargs)
+    fitting = [p for p in every if p.peak <= cap_bytes]
+    if fitting:
+        return fitting[0]
+    least = min(every, key=lambda p: p.peak)
+    hints = []
+    more = _ranks_that_fit(memory, least, cap_bytes, ranks, **kwargs)
+    if more:
+        hints.append(f"{more} ranks at dist.zero={least.stage}")
+    smaller = _batch_that_fits(memory, least, cap_bytes, **kwargs)
+    if smaller:
+        hints.append(f"train.batch_size={smaller} at dist.zero={least.stage}")
+    raise UsageError(
+        f"{option}={cap_bytes / 1e9:g}: no choice fits at {ranks} ranks; the least is "
+        f"{least.describe()}" + ("; would fit: " + " or ".join(hints) if hints else
+                                   "; the parameters alone do not fit: more memory per rank is needed"))
+
+
+def _ranks_that_fit(memory: ModelMemory, least: Prediction, cap: int, ranks: int, **kwargs: Any) -> int | None:
+    n = ranks
+    while n < 4096:
+        n *= 2
+        if predict(memory, ranks=n, stage=least.stage, checkpointing=least.checkpointing, **kwargs).peak <= cap:
+            return n
+    return None
+
+
+def _batch_that_fits(memory: ModelMemory, least: Prediction, cap: int, **kwargs: Any) -> int | None:
+    kwargs.pop("batch", None)
+    for batch in range(least.batch - 1, 0, -1):
+        if predict(memory, ranks=least.ranks, stage=least.stage, checkpointing=least.checkpointing, batch=batch,
+                   **kwargs).peak <= cap:
+            return batch
+    return None

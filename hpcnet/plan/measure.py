@@ -8,6 +8,8 @@ memory: activations, the backward's temporaries and the gradients in flight; and
 The optimizer's state exists before (a first, unmeasured step makes it).
 """
 
+import contextlib
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +27,8 @@ class _LiveBytes(TorchDispatchMode):
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.handed = 0  # gradient bytes autograd handed over so far (``_Dropper``)
+        self.timeline: list[tuple[int, int]] = []  # (live, handed) at each rise of live
         self._seen: set[int] = set()
 
     def _freed(self, key: int, nbytes: int) -> None:
@@ -46,7 +50,10 @@ class _LiveBytes(TorchDispatchMode):
             nbytes = storage.nbytes()
             self.live += nbytes
             weakref.finalize(storage, self._freed, key, nbytes)
-        self.peak = max(self.peak, self.live)
+        if self.live > self.peak:
+            self.peak = self.live
+        if not self.timeline or self.timeline[-1] != (self.live, self.handed):
+            self.timeline.append((self.live, self.handed))
         return out
 
 
@@ -60,6 +67,20 @@ class StepMemory:
     optimizer: int
     """The most the optimizer step held at once beyond the state it keeps."""
     batch: int
+    state_bytes: int
+    """The optimizer's state after a step (all parameters)."""
+    forward_backward_s: float
+    """Seconds of the measured forward and backward."""
+    timeline: tuple[tuple[int, int], ...] = ()
+    """(transient bytes alive, gradient bytes handed over so far) through the backward: where a rank keeps a
+    share of each gradient once its bucket is summed (``dist.zero=2``), its peak is the most of
+    ``alive + share * handed``, which may come later than the peak of ``alive`` alone."""
+
+    def backward_with_kept(self, fraction: float) -> int:
+        """The backward's peak when ``fraction`` of every gradient handed over stays alive until the step ends."""
+        if not self.timeline:
+            return self.backward
+        return int(max(live + fraction * handed for live, handed in self.timeline))
 
 
 def measure_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, batch: tuple[Any, Any]
@@ -77,11 +98,22 @@ def measure_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: An
             p.grad = None
 
     step_once()  # the optimizer's state, allocated for good
-    hooks = [p.register_post_accumulate_grad_hook(_drop_grad) for p in params]
+    state_bytes = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+                      if isinstance(v, torch.Tensor))
+    tracker = _LiveBytes()
+
+    def hand_over(p: torch.Tensor) -> None:
+        tracker.handed += p.grad.numel() * p.grad.element_size()
+        p.grad = None  # as the reducer does once it folded it into its bucket
+
+    hooks = [p.register_post_accumulate_grad_hook(hand_over) for p in params]
     try:
-        with _LiveBytes() as tracker:
+        with tracker:
             loss_fn(model, inputs, targets).backward()
-        backward = tracker.peak
+        backward, timeline = tracker.peak, _rises(tracker.timeline)
+        started = time.perf_counter()  # timed apart: the tracker's bookkeeping slows every operation
+        loss_fn(model, inputs, targets).backward()
+        seconds = time.perf_counter() - started
     finally:
         for hook in hooks:
             hook.remove()
@@ -94,8 +126,86 @@ def measure_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: An
         for p, value in zip(params, saved):
             p.copy_(value)
             p.grad = None
-    return StepMemory(backward=backward, optimizer=optimizer_peak, batch=len(inputs))
+    return StepMemory(backward=backward, optimizer=optimizer_peak, batch=len(inputs), state_bytes=state_bytes,
+                      forward_backward_s=seconds, timeline=timeline)
 
 
-def _drop_grad(p: torch.Tensor) -> None:
-    p.grad = None
+def _rises(timeline: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """The points that can be a peak of ``live + f * handed`` for some f in [0, 1]: each a local top of ``live``
+    (the last point before it falls)."""
+    kept = [point for point, after in zip(timeline, timeline[1:]) if after[0] < point[0]]
+    return tuple(kept + timeline[-1:])
+
+
+def measure_model(model: nn.Module, optimizer_factory: Any, loss_fn: Any, batch: tuple[Any, Any]) -> Any:
+    """``hpcnet.plan.ModelMemory`` of ``model``: its parameter sizes, its blocks' share, and one measured step
+    without checkpointing and, where it has blocks (``model.blocks=auto``), one with them checkpointed.
+    ``optimizer_factory(model)`` makes a fresh optimizer (dropped after)."""
+    from hpcnet.models.blocks import checkpoint_blocks, find_blocks, uncheckpoint_blocks
+    from hpcnet.plan import ModelMemory
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    blocks = find_blocks(model)
+    inside = {id(p): p.numel() for _, b in blocks for p in b.parameters() if p.requires_grad}
+    total = sum(p.numel() for p in params) or 1
+    memory = ModelMemory(sizes=[p.numel() * p.element_size() for p in params],
+                         shapes=[tuple(p.shape) for p in params], block_share=sum(inside.values()) / total)
+    memory.steps["off"] = measure_step(model, optimizer_factory(model), loss_fn, batch)
+    if blocks:
+        fresh = [b for _, b in blocks if not getattr(b, "_hpcnet_checkpointed", False)]
+        checkpoint_blocks(blocks)
+        try:
+            memory.steps["blocks"] = measure_step(model, optimizer_factory(model), loss_fn, batch)
+        finally:
+            uncheckpoint_blocks([(name, b) for name, b in blocks if b in fresh])
+    return memory
+
+
+def measure_config(cfg: Any, model: nn.Module, split: Any) -> Any:
+    """``measure_model`` for a run's configuration: ``train.batch_size`` samples of ``split`` (the first ones),
+    the run's optimizer (``optim.*``) and precision (``train.precision``), on the model's device."""
+    import numpy as np
+
+    from hpcnet.loop import loss_in
+    from hpcnet.optim import build_optimizer
+
+    device = next(model.parameters()).device
+    inputs, targets = split.read(np.arange(min(cfg.train.batch_size, len(split))))
+    batch = (inputs.to(device), targets.to(device))
+    return measure_model(model, lambda m: build_optimizer(m, cfg.optim), loss_in(device, cfg.train.precision), batch)
+
+
+class ResidentPeak:
+    """This process's resident memory above a baseline, and its high-water mark since the last ``reset`` (Linux:
+    ``/proc/self/status``, the mark reset through ``/proc/self/clear_refs``); zeros where neither exists."""
+
+    def __init__(self) -> None:
+        self.baseline = self._kib("VmRSS")
+
+    @staticmethod
+    def _kib(field: str) -> int:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith(field + ":"):
+                        return int(line.split()[1])
+        except OSError:
+            pass
+        return 0
+
+    def reset(self) -> None:
+        """Start the high-water mark at the present resident memory (after the planner's own measurement)."""
+        import ctypes
+        import gc
+
+        gc.collect()
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+    def peak_bytes(self) -> int:
+        return max(0, self._kib("VmHWM") - self.baseline) * 1024

@@ -1,0 +1,130 @@
+"""The memory planner: a step's transient memory measured, each stage's peak predicted, the choice under a cap,
+the same in a run (dist.memory_cap_gb) and from the command line (python -m hpcnet.plan)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hpcnet.data.info import DatasetInfo
+from hpcnet.errors import ExitCode, UsageError
+from hpcnet.loop import compute_loss
+from hpcnet.models import build_model
+from hpcnet.plan import ModelMemory, choose, largest_share, predict, predictions
+from hpcnet.plan.measure import StepMemory, measure_model
+from hpcnet.train import run
+from tests.helpers.data import tiny_images
+from tests.helpers.launch import clean_env
+from tests.helpers.train import train_config
+
+MB = 10**6
+
+
+def _memory(params=100 * MB, backward=40 * MB, optimizer=2 * MB, blocks_backward=10 * MB):
+    shapes = [(params // 4 // 1000, 1000)]
+    memory = ModelMemory(sizes=[params], shapes=shapes, block_share=0.9)
+    common = dict(optimizer=optimizer, batch=8, state_bytes=2 * params)
+    memory.steps["off"] = StepMemory(backward=backward, forward_backward_s=1.0,
+                                     timeline=((backward, 0), (5 * MB, params)), **common)
+    memory.steps["blocks"] = StepMemory(backward=blocks_backward, forward_backward_s=1.3,
+                                        timeline=((blocks_backward, 0), (5 * MB, params)), **common)
+    return memory
+
+
+def test_each_stage_keeps_less_and_the_parts_add_up():
+    memory = _memory()
+    p0, p1, p2 = (predict(memory, ranks=4, stage=s, checkpointing="off") for s in (0, 1, 2))
+    assert p0.peak == 100 * MB + 100 * MB + 200 * MB + 40 * MB  # parameters, buckets, AdamW state, the step
+    share = largest_share(memory, 4)
+    assert 25 * MB <= share <= 30 * MB  # one matrix cut into rows for 4 owners
+    assert p1.peak == 100 * MB + 100 * MB + 2 * share + 40 * MB
+    assert p2.grads == share and p2.peak < p1.peak < p0.peak
+    # At stage 2 the kept share of each gradient grows through the backward: its peak is the larger of the two
+    # moments of the timeline (40 MB alive with nothing handed over, 5 MB with everything).
+    bucket = min(25 * 2**20, share // 4 // 65536 * 65536)
+    assert p2.transient == max(40 * MB, 5 * MB + share) + 2 * bucket
+    assert predict(memory, ranks=4, stage=2, checkpointing="blocks").peak < p2.peak
+    assert predict(memory, ranks=4, stage=0, checkpointing="off", batch=16).transient == 80 * MB  # scales
+
+
+def test_the_choice_is_the_fastest_that_fits_and_nothing_fitting_names_what_would():
+    memory = _memory()
+    fastest = predictions(memory, ranks=4)[0]
+    assert (fastest.stage, fastest.checkpointing) == (0, "off")
+    assert choose(memory, ranks=4, cap_bytes=fastest.peak).stage == 0
+    tight = predict(memory, ranks=4, stage=2, checkpointing="off").peak
+    chosen = choose(memory, ranks=4, cap_bytes=tight)
+    assert (chosen.stage, chosen.checkpointing) == (2, "off") and chosen.peak <= tight
+    least = predict(memory, ranks=4, stage=2, checkpointing="blocks").peak
+    with pytest.raises(UsageError, match=r"dist.memory_cap_gb=0.15: no choice fits at 4 ranks; the least is "
+                                         r"dist.zero=2, activation checkpointing blocks.*would fit: \d+ ranks"):
+        choose(memory, ranks=4, cap_bytes=int(0.15e9))
+    assert least > 0.15e9
+    with pytest.raises(UsageError, match="the parameters alone do not fit"):
+        choose(memory, ranks=4, cap_bytes=50 * MB)
+
+
+def test_the_measured_step_sees_activations_and_checkpointing_shrinks_them():
+    torch.manual_seed(0)
+    model = build_model("transformer", DatasetInfo("tokens", (32,), 512), {"d_model": 64, "n_layers": 4,
+                                                                          "n_heads": 2})
+    before = [p.detach().clone() for p in model.parameters()]
+    batch = (torch.randint(0, 512, (16, 32)), torch.randint(0, 512, (16, 32)))
+    memory = measure_model(model, lambda m: torch.optim.AdamW(m.parameters(), lr=0.1), compute_loss, batch)
+    off, blocks = memory.steps["off"], memory.steps["blocks"]
+    logits = 16 * 32 * 512 * 4
+    assert off.backward > 2 * logits  # the logits, their softmax and their gradient at least
+    assert blocks.backward < off.backward
+    # AdamW: two moments, and a step count a parameter
+    assert 2 * memory.param_bytes <= off.state_bytes <= 2 * memory.param_bytes + 8 * len(memory.sizes)
+    assert memory.block_share > 0.5
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the model is left as it was
+    assert all(p.grad is None for p in model.parameters())
+    assert not any(getattr(b, "_hpcnet_checkpointed", False) for b in model.blocks)
+
+
+def _dataset(comm, tmp):
+    return tiny_images(comm, tmp, "plan-images.h5", num_train=128, num_eval=16, seed=4)
+
+
+@pytest.mark.mpi
+def test_a_capped_run_takes_the_planner_s_choice_and_reports_the_measured_peak(comm, data_plane, mpi_tmp_path):
+    dataset = _dataset(comm, mpi_tmp_path)
+    cfg = train_config(mpi_tmp_path, dataset, "capped", "train.steps=3", "model.name=mlp",
+                       "model.options.hidden=[1024,1024]", "optim.name=adamw", "checkpoint.at_end=false",
+                       "dist.memory_cap_gb=5")
+    result = run(cfg, comm, plane=data_plane)
+    plan = result.summary["memory_plan"]
+    assert (plan["stage"], plan["activation_checkpointing"]) == (0, "off")  # 5 GB: the fastest fits
+    assert 0 < plan["peak_bytes"] <= 5e9 and plan["measured_peak_bytes"] > 0
+    assert result.summary["comm"]["zero"] == 0
+    comm.Barrier()
+
+
+@pytest.mark.launch
+def test_a_cap_nothing_fits_under_stops_every_rank_naming_it(launch, tmp_path):
+    out = launch(2, f"data.dir={tmp_path / 'data'}", f"run.dir={tmp_path / 'runs'}", "train.steps=5",
+                 "model.name=mlp", "model.options.hidden=[512,512]", "dist.memory_cap_gb=0.001", timeout=120)
+    assert out.returncode == ExitCode.USAGE_ERROR, out.stderr
+    assert "dist.memory_cap_gb=0.001: no choice fits at 2 ranks" in out.stderr
+    assert "Traceback" not in out.stderr and "MPI_ABORT" not in out.stderr
+
+
+def test_python_m_hpcnet_plan_prints_every_choice_and_the_one_under_the_cap(tmp_path):
+    args = [sys.executable, "-m", "hpcnet.plan", "--ranks", "4", f"data.dir={tmp_path / 'data'}",
+            "model.name=mlp", "model.options.hidden=[256,256]", "optim.name=adamw", "train.batch_size=8"]
+    out = subprocess.run([*args, "--cap-gb", "1", "--json", str(tmp_path / "plan.json")], env=clean_env(),
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "under 1 GB a rank: dist.zero=0, activation checkpointing off" in out.stdout
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert len(saved["predictions"]) == 6 and saved["chosen"]["stage"] == 0
+    peaks = {(p["stage"], p["activation_checkpointing"]): p["peak_bytes"] for p in saved["predictions"]}
+    assert peaks[(0, "off")] > peaks[(1, "off")] > peaks[(2, "off")]
+    bad = subprocess.run([*args, "--cap-gb", "0.0001"], env=clean_env(), capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert bad.returncode == ExitCode.USAGE_ERROR
+    assert bad.stderr.startswith("hpcnet.plan: error: --cap-gb=0.0001: no choice fits at 4 ranks")
+    assert "Traceback" not in bad.stderr
