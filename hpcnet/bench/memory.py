@@ -1,10 +1,14 @@
-"""Memory per rank and step time of hpcnet's dist.zero=0/1/2 against DDP, DDP+ZeroRedundancyOptimizer and FSDP2.
+"""Memory per rank, step time and capacity of hpcnet's dist.zero=0/1/2 against DDP, DDP+ZeroRedundancyOptimizer and
+FSDP2, with and without activation checkpointing.
 
 Launch:
     mpirun -np 4 python -m mpi4py -m hpcnet.bench memory [--models transformer] [--cap-gb 0.5] [--json out.json]
 
-Every contender trains its own copy of one model (same weights, same AdamW or SGD settings, same synthetic
-batches, gradient clipping at norm 1) in the same processes:
+The contenders are the entries of ``CONTENDERS`` (a new one, hpcnet ``dist.zero=3``, is one more entry). Those
+marked ``+ac`` recompute each block's activations in backward with ``hpcnet.models.blocks.checkpoint_blocks``
+(non-reentrant ``torch.utils.checkpoint``), applied to the model before DDP, ``fully_shard`` or hpcnet wrap it,
+so every contender checkpoints the same way. Every contender trains its own copy of one model (same weights,
+same AdamW or SGD settings, same synthetic batches, gradient clipping at norm 1) in the same processes:
 
 - **Memory**: the contenders are built one after the other and each runs ``--steps`` steps while the ones built
   before it sit idle. Every rank measures its resident memory (``/proc/self/status``) above what it held
@@ -18,12 +22,16 @@ batches, gradient clipping at norm 1) in the same processes:
   and hpcnet ``dist.zero=0`` are taken round by round (the same minute of load on both sides), then their
   median and range.
 - **Weights**: after the steps every contender's full weights (FSDP2's gathered) are compared with hpcnet
-  ``dist.zero=0``'s.
+  ``dist.zero=0``'s, and each checkpointing contender's with its twin's without.
 - **Capacity** (``--cap-gb``): the largest transformer of a ladder (rung k: width 64k, k blocks, k heads) that
-  DDP and hpcnet ``dist.zero=2`` each train with every rank's peak under the cap, where the peak is measured as
-  above (what training adds to the process, the analogue of ``max_memory_allocated`` on a GPU). A formula
-  only picks the first rung to try; every answer is bracketed by measured rungs (the largest that fit, the
+  each of ``--cap-contenders`` trains with every rank's peak under the cap, where the peak is measured as
+  above (what training adds to the process, the analogue of ``max_memory_allocated`` on a GPU). The same
+  search for all: a first rung (from the bytes per parameter measured on the table's transformer, or, for a
+  checkpointing contender, the rung above its twin's answer), one rung at a time to the largest that fits,
+  then that width with more blocks. Every answer is bracketed by measured sizes (the largest that fit, the
   next that did not).
+- **On FSDP2's largest model**: memory and step time of ``--cap-time`` as above (``--cap-rounds`` rotated
+  rounds, ratios to FSDP2 round by round) on the largest size FSDP2 fitted, without the cap.
 """
 
 import argparse
@@ -35,6 +43,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,14 +61,51 @@ MODELS = {
     # A seconds-long smoke test.
     "mlp-small": ("mlp", {"hidden": [256, 256]}, "image", (3, 32, 32), 10, 8),
 }
-CONTENDERS = ("ddp", "ddp+torch-zero1", "fsdp2", "hpcnet-zero0", "hpcnet-zero1", "hpcnet-zero2")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ContenderSpec:
+    """How one contender trains."""
+
+    kind: str
+    """``ddp``, ``ddp+torch-zero1`` (DDP with torch's ``ZeroRedundancyOptimizer``), ``fsdp2`` (``fully_shard``
+    per block with ``reshard_after_forward=True``, then the root) or ``hpcnet``."""
+    zero: int = 0
+    """hpcnet's ``dist.zero``."""
+    checkpointed: bool = False
+    """Each block recomputes its activations in backward (``hpcnet.models.blocks.checkpoint_blocks``)."""
+    plain: str = ""
+    """The same contender without checkpointing: the capacity search starts above its answer, and the weights
+    after the table's steps are compared with its."""
+    capacity: bool = False
+    """In the capacity search by default (``--cap-contenders``)."""
+    cap_timed: bool = False
+    """Timed on FSDP2's largest model by default (``--cap-time``); DDP is not: four ranks holding 16+ bytes a
+    parameter of a model that large would take most of this machine's memory."""
+    guess_bytes_per_param: float = 16.0
+    """Peak bytes per parameter the capacity search starts from without a figure measured in the run."""
+
+
+CONTENDERS: dict[str, ContenderSpec] = {
+    "ddp": ContenderSpec(kind="ddp", capacity=True, guess_bytes_per_param=20.0),
+    "ddp+ac": ContenderSpec(kind="ddp", checkpointed=True, plain="ddp", guess_bytes_per_param=18.0),
+    "ddp+torch-zero1": ContenderSpec(kind="ddp+torch-zero1", guess_bytes_per_param=14.0),
+    "fsdp2": ContenderSpec(kind="fsdp2", capacity=True, cap_timed=True, guess_bytes_per_param=6.0),
+    "fsdp2+ac": ContenderSpec(kind="fsdp2", checkpointed=True, plain="fsdp2", capacity=True, cap_timed=True,
+                              guess_bytes_per_param=5.0),
+    "hpcnet-zero0": ContenderSpec(kind="hpcnet", zero=0),
+    "hpcnet-zero1": ContenderSpec(kind="hpcnet", zero=1, guess_bytes_per_param=12.0),
+    "hpcnet-zero2": ContenderSpec(kind="hpcnet", zero=2, capacity=True, cap_timed=True, guess_bytes_per_param=10.0),
+    "hpcnet-zero2+ac": ContenderSpec(kind="hpcnet", zero=2, checkpointed=True, plain="hpcnet-zero2", capacity=True,
+                                     cap_timed=True, guess_bytes_per_param=9.0),
+}
+"""Every contender, in the table's order (the capacity search's too). hpcnet ``dist.zero=3``, once it exists, is
+``"hpcnet-zero3": ContenderSpec(kind="hpcnet", zero=3, capacity=True, cap_timed=True)`` (and a ``+ac`` twin)."""
 TIME_PEERS = ("ddp", "fsdp2", "hpcnet-zero0")
-CAP_CONTENDERS = ("ddp", "hpcnet-zero2")
+CAP_CONTENDERS = tuple(name for name, spec in CONTENDERS.items() if spec.capacity)
+CAP_TIMED = tuple(name for name, spec in CONTENDERS.items() if spec.cap_timed)
 CAP_VOCAB, CAP_SEQ, CAP_BATCH = 8192, 64, 4  # the capacity ladder's data: the table's transformer's
 CAP_TOP_RUNG = 32  # width 2048, 32 blocks: 1.6 G parameters, far beyond this machine
-CAP_GUESS_BYTES_PER_PARAM = {"ddp": 20.0, "hpcnet-zero2": 10.0}
-"""Where the search starts without a measured transformer in the same run (AdamW: DDP holds parameters,
-gradients, buckets and two moments; zero 2 parameters, one full gradient transient and 1/N of the rest)."""
 
 
 # -- pure helpers (tested on one process) -----------------------------------------------
@@ -125,6 +171,33 @@ def search_largest(fits: Callable[[int], bool], start: int, top: int) -> tuple[i
         if seen[k]:
             return k, seen
     return 0, seen
+
+
+def capacity_ratio(found: dict[str, dict[str, Any]], numerator: list[str], denominator: list[str]
+                   ) -> dict[str, Any] | None:
+    """Parameters of the largest model any of ``numerator`` trained over the largest any of ``denominator`` did.
+
+    Args:
+        found: each contender's answer: ``parameters`` of the largest size that fit (0: none) and
+            ``next_parameters``, the next size tried, which did not fit (None: none above was tried).
+
+    Returns:
+        None where a side is absent or fitted nothing; else the ratio, the contender on each side, and
+        ``bracket``: the bounds the true ratio lies in, each side's true largest lying between the largest size
+        of its contenders that fit and the largest next size (None where a next size is missing).
+    """
+    sides = [[found[n] | {"name": n} for n in names if n in found] for names in (numerator, denominator)]
+    if not all(sides) or not all(max(f["parameters"] for f in side) for side in sides):
+        return None
+    (top, low), bounds = [max(side, key=lambda f: f["parameters"]) for side in sides], []
+    for side in sides:
+        nexts = [f["next_parameters"] for f in side]
+        bounds.append(max(nexts) if None not in nexts else None)
+    bracket = None
+    if None not in bounds:
+        bracket = [top["parameters"] / bounds[1], bounds[0] / low["parameters"]]
+    return {"ratio": top["parameters"] / low["parameters"], "numerator": top["name"], "denominator": low["name"],
+            "bracket": bracket}
 
 
 def paired_ratios(numerator: list[float], denominator: list[float]) -> dict[str, float]:
@@ -237,8 +310,8 @@ def _fsdp_units(model: nn.Module) -> list[nn.Module]:
     return blocks or [m for m in model.modules() if isinstance(m, nn.Linear)]
 
 
-def _build(name: str, base: nn.Module, comm: Any, world: Any, optim: str, *, copy_base: bool = True) -> Contender:
-    """The contender ``name`` training a copy of ``base`` (``base`` itself with ``copy_base=False``)."""
+def _build(name: str, model: nn.Module, comm: Any, world: Any, optim: str) -> Contender:
+    """The contender ``name`` (an entry of ``CONTENDERS``) training ``model`` itself."""
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
@@ -246,25 +319,35 @@ def _build(name: str, base: nn.Module, comm: Any, world: Any, optim: str, *, cop
     from hpcnet.comm.dataparallel import DataParallel
     from hpcnet.comm.plan import decide_plan
     from hpcnet.config import DistConfig, OptimConfig
+    from hpcnet.models.blocks import checkpoint_blocks, find_blocks
     from hpcnet.optim import build_optimizer
 
+    spec = CONTENDERS[name]
     optim_cfg = OptimConfig(name=optim, lr=1e-3)
-    model = copy.deepcopy(base) if copy_base else base
-    if name.startswith("hpcnet"):
-        cfg = DistConfig(zero=int(name[-1]), plan="uniform")
+    if spec.checkpointed:
+        # Before any wrapper, as train.activation_checkpointing=blocks does for hpcnet: the same blocks, the same
+        # recomputation for every kind (FSDP2 then gathers a block's parameters again for its recomputation).
+        blocks = find_blocks(model)
+        if not blocks:
+            raise ValueError(f"{name}: the model has no blocks to checkpoint")
+        checkpoint_blocks(blocks)
+    if spec.kind == "hpcnet":
+        cfg = DistConfig(zero=spec.zero, plan="uniform")
         dp = DataParallel(model, comm, world, cfg, device=torch.device("cpu"),
                           plan=decide_plan(comm, world, cfg, device_type="cpu"))
         return Contender(name, model, model, dp.shard_optimizer(build_optimizer(model, optim_cfg)), dp)
-    if name == "fsdp2":
+    if spec.kind == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
         for unit in _fsdp_units(model):
-            fully_shard(unit)
+            fully_shard(unit, reshard_after_forward=True)
         fully_shard(model)
         return Contender(name, model, model, build_optimizer(model, optim_cfg), None)
     ddp = DistributedDataParallel(model)
-    if name == "ddp":
+    if spec.kind == "ddp":
         return Contender(name, model, ddp, build_optimizer(model, optim_cfg), None)
+    if spec.kind != "ddp+torch-zero1":
+        raise ValueError(f"{name}: unknown kind {spec.kind!r}")
     groups = build_optimizer(model, optim_cfg).param_groups
     cls = torch.optim.AdamW if optim == "adamw" else torch.optim.SGD
     extra = {"betas": tuple(optim_cfg.betas), "eps": optim_cfg.eps} if optim == "adamw" else \
@@ -284,32 +367,26 @@ def _batches(kind: str, shape: tuple[int, ...], classes: int, batch: int, rank: 
             for _ in range(2)]
 
 
-def bench_model(key: str, comm: Any, world: Any, args: argparse.Namespace) -> dict[str, Any]:
+def measure(names: list[str], make_model: Callable[[], nn.Module], batches: list, comm: Any, world: Any,
+            args: argparse.Namespace, *, steps: int, rounds: int, round_steps: int
+            ) -> tuple[dict[str, Any], dict[str, list[float]], np.ndarray, dict[str, Contender]]:
+    """Memory, then step time in rotated rounds, of the contenders ``names``, each training ``make_model()``
+    (collective; see the module's doc).
+
+    Returns:
+        rank 0's memory figures and per-round medians (empty elsewhere), the slowest rank's step times
+        [contender, round, step], and the contenders, alive (the caller closes them).
+    """
     from mpi4py import MPI
 
-    from hpcnet.data.info import DatasetInfo
-    from hpcnet.models import build_model
-
-    model_name, options, kind, shape, classes, batch = MODELS[key]
-    torch.manual_seed(0)
-    base = build_model(model_name, DatasetInfo(kind, shape, classes), options)
-    batches = _batches(kind, shape, classes, batch, world.rank)
-    n_params = sum(p.numel() for p in base.parameters())
-    # One unmeasured step of each kind first: what the first use of autograd, gloo, MPI and FSDP2 allocates for
-    # good would otherwise be charged to the first contender of the kind.
-    for name in ("ddp", "fsdp2", "hpcnet-zero2"):
-        warm = _build(name, base, comm, world, args.optim)
-        warm.step(batches)
-        warm.close()
-        del warm
     memory: dict[str, Any] = {}
     alive: dict[str, Contender] = {}
-    for name in CONTENDERS:
+    for name in names:
         before = _settle()
         comm.Barrier()
         _reset_peak()
-        contender = _build(name, base, comm, world, args.optim)
-        for _ in range(args.steps):
+        contender = _build(name, make_model(), comm, world, args.optim)
+        for _ in range(steps):
             contender.step(batches)
         gc.collect()
         held, peak = _status_kib("VmRSS") - before, _status_kib("VmHWM") - before
@@ -322,38 +399,64 @@ def bench_model(key: str, comm: Any, world: Any, args: argparse.Namespace) -> di
                                             for _, _, c in every]}
         alive[name] = contender  # idle from here until the timed rounds: its memory does not change
         comm.Barrier()
-    # Timed rounds: every contender has taken --steps steps already (its warm-up).
-    local = np.zeros((len(CONTENDERS), args.rounds, args.round_steps))
-    for r in range(args.rounds):
-        for name in rotated(CONTENDERS, r):
-            for s in range(args.round_steps):
+    # Timed rounds: every contender has taken its steps already (its warm-up).
+    local = np.zeros((len(names), rounds, round_steps))
+    for r in range(rounds):
+        for name in rotated(tuple(names), r):
+            for s in range(round_steps):
                 comm.Barrier()
                 t0 = time.perf_counter()
                 alive[name].step(batches)
-                local[CONTENDERS.index(name), r, s] = time.perf_counter() - t0
+                local[names.index(name), r, s] = time.perf_counter() - t0
     slowest = np.empty_like(local)
     comm.Allreduce(local, slowest, op=MPI.MAX)
+    per_round = ({name: [float(statistics.median(slowest[i, r])) for r in range(rounds)]
+                  for i, name in enumerate(names)} if world.rank == 0 else {})
+    return memory, per_round, slowest, alive
+
+
+def bench_model(key: str, comm: Any, world: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from mpi4py import MPI
+
+    from hpcnet.data.info import DatasetInfo
+    from hpcnet.models import build_model
+
+    model_name, options, kind, shape, classes, batch = MODELS[key]
+    torch.manual_seed(0)
+    base = build_model(model_name, DatasetInfo(kind, shape, classes), options)
+    batches = _batches(kind, shape, classes, batch, world.rank)
+    n_params = sum(p.numel() for p in base.parameters())
+    # One unmeasured step of each kind first: what the first use of autograd, gloo, MPI, FSDP2 and checkpointing
+    # allocates for good would otherwise be charged to the first contender of the kind.
+    for name in ("ddp", "fsdp2", "hpcnet-zero2", "hpcnet-zero2+ac"):
+        warm = _build(name, copy.deepcopy(base), comm, world, args.optim)
+        warm.step(batches)
+        warm.close()
+        del warm
+    names = list(CONTENDERS)
+    memory, per_round, slowest, alive = measure(names, lambda: copy.deepcopy(base), batches, comm, world, args,
+                                                steps=args.steps, rounds=args.rounds, round_steps=args.round_steps)
     # Every contender took the same steps on the same batches: their weights agree (hpcnet's stages bit for bit
-    # up to 2 ranks; the others sum gradients in other orders).
-    ref = alive["hpcnet-zero0"].full_weights()
-    diffs = {}
-    for name in CONTENDERS:
-        diffs[name] = float((alive[name].full_weights() - ref).abs().max())
+    # up to 2 ranks; the others sum gradients in other orders; checkpointing changes no bit).
+    weights = {name: alive[name].full_weights() for name in names}
+    diffs = {name: float((weights[name] - weights["hpcnet-zero0"]).abs().max()) for name in names}
+    ac_diffs = {name: float((weights[name] - weights[spec.plain]).abs().max())
+                for name, spec in CONTENDERS.items() if spec.plain}
     worst = comm.allreduce(max(diffs.values()), op=MPI.MAX)
-    for name in CONTENDERS:
+    ac_worst = comm.allreduce(max(ac_diffs.values(), default=0.0), op=MPI.MAX)
+    del weights
+    for name in names:
         alive.pop(name).close()
-    del ref
     if world.rank != 0:
         return {}
-    per_round = {name: [float(statistics.median(slowest[i, r])) for r in range(args.rounds)]
-                 for i, name in enumerate(CONTENDERS)}
     timing = {name: {"step_s": slowest[i].reshape(-1).tolist(), "step_s_rounds": per_round[name],
                      "step_s_summary": summarize(slowest[i].reshape(-1).tolist())}
-              for i, name in enumerate(CONTENDERS)}
-    ratios = {peer: {name: paired_ratios(per_round[name], per_round[peer]) for name in CONTENDERS}
+              for i, name in enumerate(names)}
+    ratios = {peer: {name: paired_ratios(per_round[name], per_round[peer]) for name in names}
               for peer in TIME_PEERS}
     return {"model": key, "parameters": n_params, "optimizer": args.optim, "memory": memory, "timing": timing,
             "time_ratios": ratios, "max_weight_difference": worst, "differences": diffs,
+            "max_checkpointing_difference": ac_worst, "checkpointing_differences": ac_diffs,
             "targets": targets(memory, ratios, world.size)}
 
 
@@ -369,24 +472,26 @@ def targets(memory: dict[str, Any], ratios: dict[str, Any], world_size: int) -> 
 
 
 # -- capacity under a memory cap --------------------------------------------------------
+def _ladder_model(options: dict[str, int]) -> nn.Module:
+    from hpcnet.data.info import DatasetInfo
+    from hpcnet.models import build_model
+
+    torch.manual_seed(0)
+    return build_model("transformer", DatasetInfo("tokens", (CAP_SEQ,), CAP_VOCAB), options)
+
+
 def cap_trial(name: str, rung: int, comm: Any, world: Any, args: argparse.Namespace,
               options: dict[str, int] | None = None) -> dict[str, Any]:
     """Build and train rung ``rung`` (or ``options``, a refinement of it) with ``name`` for ``--cap-steps`` steps;
     its peak above the rank's settled memory before the model was made, the largest rank's (collective)."""
-    options = options or ladder_options(rung)
     from mpi4py import MPI
 
-    from hpcnet.data.info import DatasetInfo
-    from hpcnet.models import build_model
-
+    options = options or ladder_options(rung)
     batches = _batches("tokens", (CAP_SEQ,), CAP_VOCAB, CAP_BATCH, world.rank)
     before = _settle()
     comm.Barrier()
     _reset_peak()
-    torch.manual_seed(0)
-    model = build_model("transformer", DatasetInfo("tokens", (CAP_SEQ,), CAP_VOCAB), options)
-    contender = _build(name, model, comm, world, args.optim, copy_base=False)
-    del model
+    contender = _build(name, _ladder_model(options), comm, world, args.optim)
     t0 = time.perf_counter()
     for _ in range(args.cap_steps):
         contender.step(batches)
@@ -402,7 +507,7 @@ def cap_trial(name: str, rung: int, comm: Any, world: Any, args: argparse.Namesp
 
 
 def bench_capacity(comm: Any, world: Any, args: argparse.Namespace, measured: dict[str, float]) -> dict[str, Any]:
-    """The largest ladder rung each of DDP and hpcnet dist.zero=2 trains under ``--cap-gb`` (collective).
+    """The largest ladder size each of ``--cap-contenders`` trains under ``--cap-gb`` (collective).
 
     Args:
         measured: bytes of peak per parameter each contender showed on the table's transformer in this run
@@ -413,17 +518,22 @@ def bench_capacity(comm: Any, world: Any, args: argparse.Namespace, measured: di
     trials: list[dict[str, Any]] = []
     # An unmeasured trial of each first: seen here, DDP's first trial in a process peaked 120 MiB higher than
     # the same trial after it (what the first use of autograd and gloo allocates for good).
-    for name in CAP_CONTENDERS:
+    for name in args.cap_contenders:
         cap_trial(name, 1, comm, world, args)
-    for name in CAP_CONTENDERS:
-        guess = measured.get(name, CAP_GUESS_BYTES_PER_PARAM[name])
+    for name in args.cap_contenders:
+        spec = CONTENDERS[name]
+        twin = found.get(spec.plain, {}).get("rung", 0)
+        # Checkpointing only lowers the peak: start at the rung above the twin's answer (one trial where it fits
+        # no more, one or two fewer than a guess would cost), else from the bytes per parameter.
+        start = (min(twin + 1, CAP_TOP_RUNG) if twin else
+                 start_rung(cap, measured.get(name, spec.guess_bytes_per_param)))
         results: dict[int, dict[str, Any]] = {}
 
         def fits(rung: int, name: str = name, results: dict[int, dict[str, Any]] = results) -> bool:
             results[rung] = cap_trial(name, rung, comm, world, args)
             return results[rung]["fits"]
 
-        best, _ = search_largest(fits, start_rung(cap, guess), CAP_TOP_RUNG)
+        best, _ = search_largest(fits, start, CAP_TOP_RUNG)
         tried = [results[k] for k in sorted(results)]
         largest = results[best] if best else None
         if best and best < CAP_TOP_RUNG:
@@ -441,18 +551,40 @@ def bench_capacity(comm: Any, world: Any, args: argparse.Namespace, measured: di
                        "parameters": largest["parameters"] if largest else 0,
                        **({k: largest[k] for k in ("d_model", "n_layers", "n_heads")} if largest else {}),
                        "peak_bytes": largest["peak_bytes"] if largest else None,
+                       "start_rung": start, "trials": len(tried),
                        "next_parameters": above["parameters"] if above else None,
                        "next_peak_bytes": above["peak_bytes"] if above else None}
-    ddp, zero2 = found["ddp"], found["hpcnet-zero2"]
-    ratio = bracket = None
-    if ddp["rung"] and zero2["rung"] and ddp["next_parameters"] and zero2["next_parameters"]:
-        # The true largest sizes lie between a size that fit and the next tried, which did not: the ratio's bounds.
-        ratio = zero2["parameters"] / ddp["parameters"]
-        bracket = [zero2["parameters"] / ddp["next_parameters"], zero2["next_parameters"] / ddp["parameters"]]
-    elif ddp["rung"] and zero2["rung"]:
-        ratio = zero2["parameters"] / ddp["parameters"]
+        if world.rank == 0:
+            print(f"capacity: {name} done ({len(tried)} trials, {time.strftime('%H:%M:%S')})", flush=True)
+    hpcnet = [n for n in found if CONTENDERS[n].kind == "hpcnet"]
+    fsdp2 = [n for n in found if CONTENDERS[n].kind == "fsdp2"]
+    ratios = {"hpcnet-best / fsdp2-best": capacity_ratio(found, hpcnet, fsdp2),
+              "hpcnet-zero2 / fsdp2": capacity_ratio(found, ["hpcnet-zero2"], ["fsdp2"]),
+              "hpcnet-zero2 / ddp": capacity_ratio(found, ["hpcnet-zero2"], ["ddp"])}
     return {"cap_bytes": cap, "steps": args.cap_steps, "batch": [CAP_BATCH, CAP_SEQ], "vocab": CAP_VOCAB,
-            "largest": found, "trials": trials, "ratio_parameters_zero2_vs_ddp": ratio, "ratio_bracket": bracket}
+            "largest": found, "trials": trials, "ratios": {k: v for k, v in ratios.items() if v}}
+
+
+def bench_fsdp2_model(comm: Any, world: Any, args: argparse.Namespace, cap: dict[str, Any]) -> dict[str, Any] | None:
+    """Memory and step time of ``--cap-time`` on the largest size FSDP2 fitted under the cap (collective); None
+    where FSDP2 was not searched or fitted nothing."""
+    fsdp2 = cap["largest"].get("fsdp2")
+    if not fsdp2 or not fsdp2["rung"] or not args.cap_time:
+        return None
+    options = {k: fsdp2[k] for k in ("d_model", "n_layers", "n_heads")}
+    batches = _batches("tokens", (CAP_SEQ,), CAP_VOCAB, CAP_BATCH, world.rank)
+    names = list(args.cap_time)
+    memory, per_round, slowest, alive = measure(names, lambda: _ladder_model(options), batches, comm, world, args,
+                                                steps=args.cap_steps, rounds=args.cap_rounds, round_steps=1)
+    for name in names:
+        alive.pop(name).close()
+    if world.rank != 0:
+        return {}
+    peer = "fsdp2" if "fsdp2" in names else names[0]
+    return {**options, "parameters": fsdp2["parameters"], "rounds": args.cap_rounds, "peer": peer,
+            "memory": memory, "step_s_rounds": per_round,
+            "step_s_summary": {n: summarize(slowest[i].reshape(-1).tolist()) for i, n in enumerate(names)},
+            "time_ratios": {n: paired_ratios(per_round[n], per_round[peer]) for n in names}}
 
 
 # -- reports ----------------------------------------------------------------------------
@@ -485,7 +617,9 @@ def report(out: dict[str, Any], args: argparse.Namespace) -> str:
                  f"{args.rounds} rounds x {args.round_steps} steps after {args.steps} warm-up steps, median "
                  "(range); ratios paired round by round, median (range). max |weight difference| from "
                  f"hpcnet-zero0 after the steps: {out['max_weight_difference']:.2e} "
-                 f"({', '.join(f'{k} {v:.1e}' for k, v in out['differences'].items())})")
+                 f"({', '.join(f'{k} {v:.1e}' for k, v in out['differences'].items())}); with checkpointing "
+                 f"from without: {out['max_checkpointing_difference']:.2e} "
+                 f"({', '.join(f'{k} {v:.1e}' for k, v in out['checkpointing_differences'].items())})")
     for t in out["targets"]:
         lines.append(f"target (issue 12, at 4 ranks; here {t['ranks']}): hpcnet-zero2 {t['what']} "
                      f"{t['value']:.2f} <= {t['at_most']}: {'met' if t['met'] else 'NOT met'}")
@@ -503,24 +637,40 @@ def report_capacity(cap: dict[str, Any]) -> str:
              f"of peak per rank (batch {cap['batch'][0]} x {cap['batch'][1]} tokens, vocabulary {cap['vocab']}, "
              f"{cap['steps']} steps a trial); rungs tried:",
              table(["contender", "rung", "width x depth", "M params", "peak MiB", "step ms", "fits"], rows)]
+    rows = []
     for name, f in cap["largest"].items():
-        if not f["rung"]:
-            lines.append(f"{name}: not even rung 1 fits")
-            continue
-        above = f["next_peak_bytes"]
-        lines.append(f"{name}: {f['d_model']} x {f['n_layers']} ({f['parameters'] / 1e6:.1f} M parameters, peak "
-                     f"{f['peak_bytes'] / 2**20:.0f} MiB)"
-                     + (f"; the next size tried, {f['next_parameters'] / 1e6:.1f} M, peaked at {above / 2**20:.0f} MiB"
-                        if above else ""))
-    ratio = cap["ratio_parameters_zero2_vs_ddp"]
-    if ratio is not None:
+        rung = f"{f['rung']}" + (f" +{f['extra_blocks']} blocks" if f["extra_blocks"] else "")
+        above = (f"{f['next_parameters'] / 1e6:.1f} M: {f['next_peak_bytes'] / 2**20:.0f} MiB"
+                 if f["next_parameters"] else "-")
+        rows.append([name, rung if f["rung"] else "none", f"{f['d_model']} x {f['n_layers']}" if f["rung"] else "-",
+                     f"{f['parameters'] / 1e6:.1f}", f"{f['peak_bytes'] / 2**20:.0f}" if f["rung"] else "-", above,
+                     str(f["start_rung"]), str(f["trials"])])
+    lines += ["largest that fit, per contender:",
+              table(["contender", "rung", "width x depth", "M params", "peak MiB", "next size tried: peak",
+                     "first rung", "trials"], rows)]
+    for what, r in cap["ratios"].items():
         bounds = ""
-        if cap["ratio_bracket"]:
-            low, high = cap["ratio_bracket"]
-            bounds = f"; between the sizes tried, the true ratio lies in {low:.2f}-{high:.2f}"
-        lines.append(f"parameters, hpcnet-zero2 / ddp: {ratio:.2f} (target >= 2: {'met' if ratio >= 2 else 'NOT met'}"
-                     f"{bounds})")
+        if r["bracket"]:
+            bounds = f"; between the sizes tried, the true ratio lies in {r['bracket'][0]:.2f}-{r['bracket'][1]:.2f}"
+        target = f", target >= 2: {'met' if r['ratio'] >= 2 else 'NOT met'}" if what == "hpcnet-zero2 / ddp" else ""
+        lines.append(f"parameters, {what} ({r['numerator']} / {r['denominator']}): {r['ratio']:.2f}{target}{bounds}")
     return "\n".join(lines)
+
+
+def report_fsdp2_model(out: dict[str, Any], cap_gb: float) -> str:
+    memory, peer = out["memory"], out["peer"]
+    peer_held, peer_peak = max(memory[peer]["held_mib"]), max(memory[peer]["peak_mib"])
+    rows = []
+    for name, r in memory.items():
+        held, peak = max(r["held_mib"]), max(r["peak_mib"])
+        rows.append([name, f"{held:.0f}", f"{held / peer_held:.2f}", f"{peak:.0f}", f"{peak / peer_peak:.2f}",
+                     "yes" if peak * 2**20 <= cap_gb * 1e9 else "no", _ms(out["step_s_summary"][name]),
+                     _ratio(out["time_ratios"][name])])
+    return "\n".join([
+        f"on FSDP2's largest model, {out['d_model']} x {out['n_layers']} ({out['parameters'] / 1e6:.1f} M parameters), "
+        f"without the cap; {out['rounds']} rounds x 1 step in rotated order:",
+        table(["contender", "held MiB", f"/{peer}", "peak MiB", f"/{peer}", "under cap", "step ms (range)",
+               f"/{peer} (paired)"], rows)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -535,20 +685,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optim", default="adamw", choices=["adamw", "sgd"], help="the optimizer (default adamw)")
     parser.add_argument("--steps", type=int, default=3,
                         help="steps per contender for the memory figures, also the timing's warm-up (default 3)")
-    parser.add_argument("--rounds", type=int, default=6,
-                        help="timed rounds (default 6: every contender once in every position)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="timed rounds on each --models model (default 3: with 9 contenders, each in 3 positions)")
     parser.add_argument("--round-steps", type=int, default=1, help="timed steps per contender a round (default 1)")
     parser.add_argument("--cap-gb", type=float, default=0.5,
                         help="per-rank cap in GB (1e9 bytes) on the peak that training adds, for the largest "
-                             "transformer DDP and hpcnet dist.zero=2 train under it; 0 skips (default 0.5)")
-    parser.add_argument("--cap-steps", type=int, default=2, help="steps per capacity trial (default 2)")
+                             "transformer each of --cap-contenders trains under it; 0 skips (default 0.5)")
+    parser.add_argument("--cap-contenders", default=",".join(CAP_CONTENDERS),
+                        help=f"comma-separated contenders of the capacity search, in order (default "
+                             f"{','.join(CAP_CONTENDERS)}; any of {', '.join(CONTENDERS)})")
+    parser.add_argument("--cap-steps", type=int, default=2,
+                        help="steps per capacity trial, also the warm-up on FSDP2's largest model (default 2)")
+    parser.add_argument("--cap-time", default=",".join(CAP_TIMED),
+                        help=f"comma-separated contenders timed on FSDP2's largest model (needs fsdp2 in "
+                             f"--cap-contenders); empty skips (default {','.join(CAP_TIMED)})")
+    parser.add_argument("--cap-rounds", type=int, default=2,
+                        help="timed rounds on FSDP2's largest model, 1 step each per contender (default 2)")
     parser.add_argument("--json", default="", help="also write the results to this JSON file (rank 0)")
     args = parser.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in MODELS]
     if unknown or (not models and args.cap_gb <= 0):
         parser.error(f"--models: unknown {unknown or args.models!r}; choose among {', '.join(MODELS)}")
-    for option in ("steps", "rounds", "round_steps", "cap_steps"):
+    for option in ("cap_contenders", "cap_time"):
+        names = [n.strip() for n in getattr(args, option).split(",") if n.strip()]
+        if [n for n in names if n not in CONTENDERS] or len(set(names)) < len(names):
+            parser.error(f"--{option.replace('_', '-')}: {getattr(args, option)!r} must name distinct contenders "
+                         f"among {', '.join(CONTENDERS)}")
+        setattr(args, option, tuple(names))
+    if args.cap_gb > 0 and not args.cap_contenders:
+        parser.error("--cap-contenders is empty: name at least one, or skip the search with --cap-gb 0")
+    for option in ("steps", "rounds", "round_steps", "cap_steps", "cap_rounds"):
         if getattr(args, option) < 1:
             parser.error(f"--{option.replace('_', '-')} must be at least 1")
     if args.cap_gb < 0:
@@ -561,6 +728,7 @@ def main(argv: list[str] | None = None) -> int:
     _fixed_mmap_threshold()
     plane = init_data_plane(comm, world, backend="gloo", device=torch.device("cpu"), timeout_s=300)
     env = environment(comm)
+    started = time.perf_counter()
     outs = []
     capacity = None
     try:
@@ -568,20 +736,26 @@ def main(argv: list[str] | None = None) -> int:
         for key in models:
             out = bench_model(key, comm, world, args)
             if world.rank == 0:
+                out["seconds"] = time.perf_counter() - started
                 outs.append(out)
                 print(report(out, args), flush=True)
                 if key == "transformer":
                     measured = {n: max(out["memory"][n]["peak_mib"]) * 2**20 / out["parameters"]
-                                for n in CAP_CONTENDERS}
+                                for n in args.cap_contenders}
         if args.cap_gb > 0:
             capacity = bench_capacity(comm, world, args, comm.bcast(measured, root=0))
             if world.rank == 0:
                 print(report_capacity(capacity), flush=True)
+            at_fsdp2 = bench_fsdp2_model(comm, world, args, capacity)
+            if world.rank == 0 and at_fsdp2:
+                capacity["fsdp2_model"] = at_fsdp2
+                print(report_fsdp2_model(at_fsdp2, args.cap_gb), flush=True)
     finally:
         plane.close()
     if world.rank == 0:
         print(describe_environment(env))
-        print(f"load average at end: {', '.join(f'{x:.2f}' for x in load_average())}")
+        print(f"load average at end: {', '.join(f'{x:.2f}' for x in load_average())}; "
+              f"{time.perf_counter() - started:.0f} s")
         if args.json:
             write_json(args.json, {"benchmark": "memory", "environment": env, "models": outs,
                                    "capacity": capacity})

@@ -1,5 +1,5 @@
-"""The memory benchmark: the search for the largest model, the ladder of sizes, and a quick functional run
-under mpirun (no timing assertions)."""
+"""The memory benchmark: the contenders' table, the search for the largest model, the ladder of sizes, the
+capacity ratios, and a quick functional run under mpirun (no timing assertions)."""
 
 import json
 
@@ -64,18 +64,49 @@ def test_memory_ladder_and_helpers():
         paired_ratios([1.0], [1.0, 2.0])
 
 
+def test_memory_contenders_table():
+    from hpcnet.bench.memory import CAP_CONTENDERS, CAP_TIMED, CONTENDERS, TIME_PEERS
+
+    assert {"ddp", "fsdp2", "fsdp2+ac", "hpcnet-zero2", "hpcnet-zero2+ac"} <= set(CAP_CONTENDERS)
+    assert set(CAP_TIMED) <= set(CONTENDERS) and "fsdp2" in CAP_TIMED and set(TIME_PEERS) <= set(CONTENDERS)
+    for name, spec in CONTENDERS.items():
+        assert spec.kind in ("ddp", "ddp+torch-zero1", "fsdp2", "hpcnet") and spec.guess_bytes_per_param > 0
+        assert spec.checkpointed == name.endswith("+ac") == bool(spec.plain)
+        if spec.plain:  # the twin without checkpointing: the same trainer, searched before it
+            plain = CONTENDERS[spec.plain]
+            assert (plain.kind, plain.zero, plain.checkpointed) == (spec.kind, spec.zero, False)
+            assert list(CONTENDERS).index(spec.plain) < list(CONTENDERS).index(name)
+
+
+def test_memory_capacity_ratio_brackets_the_truth():
+    from hpcnet.bench.memory import capacity_ratio
+
+    found = {"a": {"parameters": 20, "next_parameters": 25}, "a+ac": {"parameters": 30, "next_parameters": 36},
+             "b": {"parameters": 10, "next_parameters": 12}, "b+ac": {"parameters": 8, "next_parameters": 9},
+             "none": {"parameters": 0, "next_parameters": 2}, "open": {"parameters": 40, "next_parameters": None}}
+    r = capacity_ratio(found, ["a", "a+ac"], ["b", "b+ac"])
+    assert (r["ratio"], r["numerator"], r["denominator"]) == (3.0, "a+ac", "b")
+    # Each side's truth lies in [the largest that fit, the largest next size): 30..36 over 10..12.
+    assert r["bracket"] == [30 / 12, 36 / 10]
+    assert capacity_ratio(found, ["a"], ["b"])["bracket"] == [20 / 12, 25 / 10]
+    assert capacity_ratio(found, ["open"], ["b"])["bracket"] is None  # nothing above 40 was tried
+    assert capacity_ratio(found, ["a"], ["none"]) is None and capacity_ratio(found, ["a"], ["missing"]) is None
+
+
 @pytest.mark.launch
 def test_memory_under_mpirun(launch, tmp_path):
     from hpcnet.bench.memory import CAP_CONTENDERS, CONTENDERS, TIME_PEERS
 
     out = tmp_path / "memory.json"
     proc = launch(2, "memory", "--models", "mlp-small", "--steps", "1", "--rounds", "2", "--round-steps", "1",
-                  "--cap-gb", "0.07", "--json", str(out), module="hpcnet.bench", timeout=300)
+                  "--cap-gb", "0.07", "--cap-time", "fsdp2,hpcnet-zero2+ac", "--json", str(out),
+                  module="hpcnet.bench", timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for name in CONTENDERS:
         assert f"\n{name} " in proc.stdout
     assert "step ms" in proc.stdout and "largest transformer under a cap of 0.07 GB" in proc.stdout
     assert "hpcnet-zero2 / ddp" in proc.stdout and "load average" in proc.stdout
+    assert "hpcnet-best / fsdp2-best" in proc.stdout and "on FSDP2's largest model" in proc.stdout
     report = json.loads(out.read_text())
     assert report["benchmark"] == "memory" and report["environment"]["world_size"] == 2
     (res,) = report["models"]
@@ -86,10 +117,13 @@ def test_memory_under_mpirun(launch, tmp_path):
     assert set(res["time_ratios"]) == set(TIME_PEERS)
     assert res["time_ratios"]["fsdp2"]["fsdp2"]["median"] == 1.0
     assert len(res["targets"]) == 4 and all(isinstance(t["met"], bool) for t in res["targets"])
-    # Same weights, data and steps: the contenders train alike (FSDP2's weights gathered).
+    # Same weights, data and steps: the contenders train alike (FSDP2's weights gathered), and checkpointing
+    # changes no bit (2 ranks: every sum of two gradients is the same, however bucketed).
     assert res["max_weight_difference"] < 1e-4 and set(res["differences"]) == set(CONTENDERS)
+    assert res["max_checkpointing_difference"] == 0.0
+    assert set(res["checkpointing_differences"]) == {n for n, s in CONTENDERS.items() if s.plain}
     cap = report["capacity"]
-    assert cap["cap_bytes"] == 0.07e9 and set(cap["largest"]) == set(CAP_CONTENDERS)
+    assert cap["cap_bytes"] == 0.07e9 and list(cap["largest"]) == list(CAP_CONTENDERS)
     for name, found in cap["largest"].items():
         mine = [t for t in cap["trials"] if t["contender"] == name]
         tried = {t["rung"]: t for t in mine if not t["extra_blocks"]}
@@ -100,3 +134,14 @@ def test_memory_under_mpirun(launch, tmp_path):
         assert found["parameters"] == max((t["parameters"] for t in mine if t["fits"]), default=0)
         assert found["next_parameters"] == min(t["parameters"] for t in mine
                                                if not t["fits"] and t["parameters"] > found["parameters"])
+        plain = CONTENDERS[name].plain
+        if plain and cap["largest"][plain]["rung"]:  # the search starts above the twin's answer
+            assert found["start_rung"] == cap["largest"][plain]["rung"] + 1
+    assert {"hpcnet-best / fsdp2-best", "hpcnet-zero2 / fsdp2", "hpcnet-zero2 / ddp"} <= set(cap["ratios"])
+    best = cap["ratios"]["hpcnet-best / fsdp2-best"]
+    assert best["ratio"] == (max(cap["largest"][n]["parameters"] for n in ("hpcnet-zero2", "hpcnet-zero2+ac"))
+                             / max(cap["largest"][n]["parameters"] for n in ("fsdp2", "fsdp2+ac")))
+    at = cap["fsdp2_model"]
+    assert at["parameters"] == cap["largest"]["fsdp2"]["parameters"] and at["peer"] == "fsdp2"
+    assert list(at["memory"]) == ["fsdp2", "hpcnet-zero2+ac"] and len(at["step_s_rounds"]["fsdp2"]) == 2
+    assert at["time_ratios"]["fsdp2"]["median"] == 1.0 and at["time_ratios"]["hpcnet-zero2+ac"]["median"] > 0
