@@ -144,6 +144,7 @@ class _Methods:
         self.dcp_target = {k: torch.empty_like(v) for k, v in state.items()}
         self.hpcnet_target = {k: torch.empty_like(v) for k, v in state.items()}
         self.load_phases: dict[str, float] = {}
+        self.load_phases_all: dict[str, list[dict[str, float]]] = {"hpcnet_load": [], "hpcnet_load_into": []}
         self.plane = None
         if self.size > 1:
             from hpcnet.comm.bootstrap import init_data_plane
@@ -170,6 +171,7 @@ class _Methods:
     def hpcnet_load(self, into: dict[str, torch.Tensor] | None) -> None:
         loaded = self.sync.load(str(newest(self.sync.directory, "ckpt-*.h5")), into=into)
         self.load_phases = loaded.timings
+        self.load_phases_all["hpcnet_load" if into is None else "hpcnet_load_into"].append(dict(loaded.timings))
 
     def h5py_collective(self) -> None:
         """The bytes of the N-writer line, in one file: each rank its slice of one dataset, collectively."""
@@ -294,6 +296,8 @@ def run(comm: Any, args: argparse.Namespace) -> dict[str, Any]:
     results["hpcnet_async_blocking_s"] = min(bench.blocking)
     results["hpcnet_save_phases"] = {k: v for k, v in bench.phases.items() if k.endswith("_s")}
     results["hpcnet_load_phases"] = dict(bench.load_phases)
+    for name, rounds in bench.load_phases_all.items():  # rank 0's, round by round: where a load's time goes
+        results[f"{name}_phases_all"] = comm.bcast(rounds, root=0)
     return results
 
 
@@ -352,6 +356,11 @@ def report(results: dict[str, Any]) -> str:
         phases = results.get(f"hpcnet_{what}_phases", {})
         lines.append(f"hpcnet {what} phases (last run, rank 0): " + ", ".join(
             f"{k} {v:.3f}" for k, v in phases.items() if k.endswith("_s")))
+    rounds = results.get("hpcnet_load_into_phases_all", [])
+    if rounds:
+        lines.append("hpcnet load in place, phases round by round (rank 0): " + "; ".join(
+            ", ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in phases.items()
+                      if k in ("open_plan_s", "read_verify_s", "wait_s", "exchange_s")) for phases in rounds))
     return "\n".join(lines)
 
 

@@ -28,6 +28,10 @@ the node's cores, up to this).  More threads than cores only fight over them: wi
 thread each writes and hashes faster than two or four."""
 CHUNK_BYTES = 8 << 20
 """Bytes one thread moves and hashes in one task (rounded to whole hash blocks)."""
+HASH_AFTER_BYTES = 1 << 20
+"""On a read, bytes hashed straight after they arrive, while still in the CPU's cache (whole hash blocks, at
+least one): 256 MB read and hashed from the page cache took 0.053-0.060 s a rank in 1 MiB steps, 0.057-0.169 s
+in 8 MiB ones (2 ranks at once, benchmarks/2026-12-06-checkpoint-load.md)."""
 ALIGN_BYTES = 1 << 20
 """Datasets of at least this many bytes start at a multiple of it in the file (page- and stripe-aligned)."""
 
@@ -103,14 +107,21 @@ def _write_chunk(fd: int, view: memoryview, offset: int, block_bytes: int, hash_
 def _read_chunk(fd: int, view: memoryview, offset: int, block_bytes: int, hash_name: str) -> bytes:
     # No POSIX_FADV_WILLNEED for the next chunk: the kernel's own readahead of a
     # sequential reader (``open_for_reading``) already runs ahead, and asking on top
-    # of it slows the reads down.
+    # of it slows the reads down.  Each stretch of about HASH_AFTER_BYTES is hashed
+    # as soon as it is read, while it is still in the CPU's cache.
+    step = max(1, HASH_AFTER_BYTES // block_bytes) * block_bytes
+    hashes = []
     done = 0
     while done < len(view):
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got == 0:
-            raise ValueError(f"file ends at byte {offset + done}, inside a dataset (truncated?)")
-        done += got
-    return hash_view(view, block_bytes, hash_name)
+        end = min(done + step, len(view))
+        start = done
+        while done < end:
+            got = os.preadv(fd, [view[done:end]], offset + done)
+            if got == 0:
+                raise ValueError(f"file ends at byte {offset + done}, inside a dataset (truncated?)")
+            done += got
+        hashes.append(hash_view(view[start:end], block_bytes, hash_name))
+    return b"".join(hashes)
 
 
 def _submit(pool: ThreadPoolExecutor, fn: object, fd: int, data: np.ndarray, offset: int,

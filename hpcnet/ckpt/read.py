@@ -6,8 +6,11 @@ tensor one rank wants (a sharded optimizer's state, ``dist.zero``) is read by
 that rank alone, so no rank ever holds the others' shards, and the rest are
 cut into one contiguous stretch of the file per rank (``plan_reads``).  Each
 rank reads and verifies its stretch, and the ranks then exchange the pieces
-(docs/checkpoints.md).  Failures are classified (damage, I/O error, memory)
-and agreed, so every rank raises alike.
+(docs/checkpoints.md).  Where every rank runs on one node and the file fits in
+its memory, there is no exchange: each rank reads the others' stretches too,
+while they read them, from the node's page cache (``shared_reads``).  Failures
+are classified (damage, I/O error, memory) and agreed, so every rank raises
+alike.
 """
 
 import errno
@@ -30,6 +33,7 @@ from hpcnet.ckpt.job import IoFault
 from hpcnet.ckpt.schema import (
     SPLIT_MIN_BYTES,
     Ownership,
+    Piece,
     TensorSpec,
     block_hashes,
     dtype_name,
@@ -66,19 +70,26 @@ def _verify(got: np.ndarray, want: np.ndarray, spec: TensorSpec, blocks: np.ndar
 
 def _read_owned(f: Any, path: Path, attrs: dict[str, Any], index: list[dict[str, Any]], owned: list,
                 out: dict[int, np.ndarray], file_hashes: np.ndarray, file_blocks: np.ndarray | None,
-                io_threads: int = 0) -> None:
+                io_threads: int = 0, others: list | None = None) -> None:
     """Read (and verify) this rank's pieces from one file of a chain into ``out``.
 
     A full file's pieces are read in chunks by several threads at once, each
     hashing what it read (``hpcnet.ckpt.direct``): reads of disjoint ranges in
-    flight together, overlapped with the hashing.
+    flight together, overlapped with the hashing.  ``others`` (the stretches
+    other ranks read, ``shared_reads``) go to threads of their own, so that
+    this rank follows the others through the file while it reads its own
+    stretch, and copies their pages from the page cache as they arrive.
     """
-    fd = direct.open_for_reading(path)
+    fds = [direct.open_for_reading(path)]
     try:
-        with direct.pool(io_threads) as pool:
+        if others:  # a descriptor of its own: the kernel keeps one readahead state per open file
+            fds.append(direct.open_for_reading(path))
+        with direct.pool(io_threads) as pool, direct.pool(io_threads if others else 1) as second:
             checks: list[tuple[str, TensorSpec, np.ndarray, np.ndarray, list]] = []
             try:
-                _read_pieces(f, fd, attrs, index, owned, out, file_hashes, file_blocks, pool, checks)
+                _read_pieces(f, fds[0], attrs, index, owned, out, file_hashes, file_blocks, pool, checks)
+                if others:
+                    _read_pieces(f, fds[1], attrs, index, others, out, file_hashes, file_blocks, second, checks)
             finally:
                 for dataset, spec, blocks, want, futures in checks:
                     try:
@@ -86,7 +97,8 @@ def _read_owned(f: Any, path: Path, attrs: dict[str, Any], index: list[dict[str,
                     except ValueError as exc:
                         raise ValueError(f"dataset {dataset}: {exc}") from None
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
 
 
 def _read_pieces(f: Any, fd: int, attrs: dict[str, Any], index: list[dict[str, Any]], owned: list,
@@ -320,22 +332,29 @@ def _prefault(views: list[np.ndarray]) -> None:
 
 
 def _read_local(chain: list[Path], headers: list, ownership: Ownership, wanting: list[set[int]], rank: int,
-                into: "dict[str, torch.Tensor] | None" = None, io_threads: int = 0
+                into: "dict[str, torch.Tensor] | None" = None, io_threads: int = 0, page_cache: bool = False
                 ) -> tuple[dict[int, np.ndarray], ReadResult]:
-    """This rank's verified pieces of every tensor (in full-size buffers), the meta and its rank state."""
+    """This rank's verified pieces of every tensor (in full-size buffers), the meta and its rank state; with
+    ``page_cache``, every piece of every tensor it wants (``shared_reads``), nothing to receive."""
     specs = [e["spec"] for e in headers[-1][1]]
-    owned = ownership.owned(rank)
+    if page_cache:
+        owned, others = shared_reads(ownership, wanting, rank)
+    else:
+        owned, others = ownership.owned(rank), []
     # Every size was checked against the base file's own size by read_header, so
     # a crafted /index cannot make this allocate what the file does not hold.
     out, new = {}, set()
     for i, spec in enumerate(specs):
+        if page_cache and rank not in wanting[i]:
+            continue  # read by the ranks that want it, each for itself
         out[i], fresh = _buffer(spec, into)
         if fresh:
             new.add(i)
-    receive = [out[i].reshape(-1).view(np.uint8)[lo:hi] for i, lo, hi in _to_receive(ownership, specs, wanting, rank)
-               if i in new]
+    receive = [] if page_cache else [
+        out[i].reshape(-1).view(np.uint8)[lo:hi] for i, lo, hi in _to_receive(ownership, specs, wanting, rank)
+        if i in new]
     if not receive:
-        return out, _read_files(chain, headers, owned, out, rank, io_threads)
+        return out, _read_files(chain, headers, owned, out, rank, io_threads, others)
     with ThreadPoolExecutor(1, thread_name_prefix="hpcnet-checkpoint-prefault") as toucher:
         touched = toucher.submit(_prefault, receive)
         result = _read_files(chain, headers, owned, out, rank, io_threads)
@@ -344,7 +363,7 @@ def _read_local(chain: list[Path], headers: list, ownership: Ownership, wanting:
 
 
 def _read_files(chain: list[Path], headers: list, owned: list, out: dict[int, np.ndarray], rank: int,
-                io_threads: int) -> ReadResult:
+                io_threads: int, others: list | None = None) -> ReadResult:
     for path, (attrs, index) in zip(chain, headers):
         try:
             with open_read(path) as f:
@@ -352,7 +371,7 @@ def _read_files(chain: list[Path], headers: list, owned: list, out: dict[int, np
                 file_blocks = None
                 if attrs["kind"] == "incremental":
                     file_blocks = checked(f, "blocks", file_hashes.shape, np.dtype("<i8"))[()]
-                _read_owned(f, path, attrs, index, owned, out, file_hashes, file_blocks, io_threads)
+                _read_owned(f, path, attrs, index, owned, out, file_hashes, file_blocks, io_threads, others)
                 if path == chain[-1]:
                     result = ReadResult({}, {}, _read_rank_state(f, attrs, rank), attrs)
         except Exception as exc:  # noqa: BLE001 - classified
@@ -364,8 +383,8 @@ def read_chain(comm: Any, chain: list[Path], *, uids: list[str] | None = None,
                wanted: Callable[[str], bool] | None = None,
                fault: IoFault | None = None, into: "dict[str, torch.Tensor] | None" = None,
                io_threads: int = 0,
-               wanted_from_meta: "Callable[[dict[str, Any]], Callable[[str], bool] | None] | None" = None
-               ) -> ReadResult:
+               wanted_from_meta: "Callable[[dict[str, Any]], Callable[[str], bool] | None] | None" = None,
+               page_cache: bool | None = None) -> ReadResult:
     """Collective: read the chain (full base first, increments after), verify it, return full tensors.
 
     Args:
@@ -382,6 +401,9 @@ def read_chain(comm: Any, chain: list[Path], *, uids: list[str] | None = None,
             the same files, before any tensor is read; returns ``wanted`` (which it replaces).  It may be
             collective: a sharded optimizer takes the owners the checkpoint was saved under there, so that
             each rank then reads the state of the parameters it will own.
+        page_cache: whether each rank reads every tensor it wants itself, the others' stretches from the
+            node's page cache, instead of receiving them (``shared_reads``); None decides
+            (``_reads_through_page_cache``).  The same on every rank.
 
     Raises, on every rank alike: ``CheckpointCorrupt`` (a checksum or the
     structure; the message names file and dataset), an ``OSError`` with its
@@ -409,15 +431,17 @@ def read_chain(comm: Any, chain: list[Path], *, uids: list[str] | None = None,
             wanted = wanted_from_meta(meta)
     wanting = _wanting(comm, specs, wanted)
     ownership = plan_reads(specs, wanting, size)
+    if page_cache is None:
+        page_cache = _reads_through_page_cache(comm, _exchanged_bytes(specs, wanting))
     t_planned = time.perf_counter()
     try:
-        out, result = _read_local(chain, headers, ownership, wanting, rank, into, io_threads)
+        out, result = _read_local(chain, headers, ownership, wanting, rank, into, io_threads, page_cache)
     except BaseException as exc:  # noqa: BLE001 - shared below, so every rank raises alike
         error = exc
     t_read = time.perf_counter()
     agree_on_error(comm, error)
     t_agreed = time.perf_counter()
-    t_split = _exchange(comm, ownership, specs, out, wanting)
+    t_split = 0.0 if page_cache else _exchange(comm, ownership, specs, out, wanting)
     result.meta = meta
     result.tensors = {spec.name: from_storage(out[i], spec.dtype).reshape(spec.shape) for i, spec in enumerate(specs)
                       if rank in wanting[i]}
@@ -425,6 +449,66 @@ def read_chain(comm: Any, chain: list[Path], *, uids: list[str] | None = None,
                       "wait_s": t_agreed - t_read, "exchange_s": time.perf_counter() - t_agreed,
                       "exchange_large_s": t_split}
     return result
+
+
+PAGE_CACHE_MEMORY_FRACTION = 0.5
+"""Largest share of the node's available memory (``MemAvailable``) the pages of the tensors several ranks want
+may take for a load to read them through the page cache (``shared_reads``): each rank reads the others'
+stretches after them, so those pages must stay cached until the last rank has copied them."""
+
+
+def shared_reads(ownership: Ownership, wanting: list[set[int]], rank: int
+                 ) -> tuple[list[tuple[int, Piece]], list[tuple[int, Piece]]]:
+    """The pieces ``rank`` reads where every rank reads all it wants itself (pure): ``(own, others)``.
+
+    ``own`` is its stretch of the plan (``plan_reads``) of the tensors it wants;
+    ``others`` the other ranks' pieces of those tensors, in file order starting
+    where its own stretch ends (the next rank's), so that it reads them just
+    behind (or beside) the rank that reads them from the disk, as the pages
+    arrive in the page cache.  The disk then delivers every byte once, and
+    there is nothing to exchange; each rank copies and verifies what it holds.
+    """
+    size = ownership.world_size
+    own = [(i, p) for i, p in ownership.owned(rank) if rank in wanting[i]]
+    others = [(i, p) for i, pieces in enumerate(ownership.pieces) if rank in wanting[i] for p in pieces
+              if p.rank != rank]
+    others.sort(key=lambda ip: ((ip[1].rank - rank) % size, ip[0]))
+    return own, others
+
+
+def _exchanged_bytes(specs: list[TensorSpec], wanting: list[set[int]]) -> int:
+    """Bytes of the tensors that several ranks want: what an exchange would move."""
+    return sum(spec.nbytes for spec, ranks in zip(specs, wanting) if len(ranks) > 1)
+
+
+def _available_memory_bytes() -> int:
+    """``MemAvailable`` of /proc/meminfo (Linux), 0 where unknown."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _reads_through_page_cache(comm: Any, exchanged_bytes: int) -> bool:
+    """Collective: whether this load reads through the page cache (``shared_reads``) instead of exchanging.
+
+    Only where every rank runs on one node (one kernel, one page cache; across
+    nodes each rank would fetch the whole file over the network) and the
+    pages fit comfortably in every rank's view of the available memory.
+    """
+    from mpi4py import MPI
+
+    if comm.Get_size() == 1 or exchanged_bytes == 0:
+        return False
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    one_node = node.Get_size() == comm.Get_size()
+    node.Free()
+    fits = exchanged_bytes <= PAGE_CACHE_MEMORY_FRACTION * _available_memory_bytes()
+    return bool(comm.allreduce(int(one_node and fits), op=MPI.MIN))
 
 
 def _wanting(comm: Any, specs: list[TensorSpec], wanted: Callable[[str], bool] | None) -> list[set[int]]:
