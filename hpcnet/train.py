@@ -232,8 +232,8 @@ def _model(cfg: Config, comm: Any, world: World, device: torch.device, split: An
     settings = device_settings(cfg.cuda, device, model)
     model = apply_settings(settings, model)
     memory_plan = _plan_memory(cfg, comm, world, model, split, resident) if resident is not None else None
-    if cfg.train.activation_checkpointing == "blocks":
-        _checkpoint_activations(cfg, comm, world, model)
+    if cfg.train.activation_checkpointing != "off":
+        _checkpoint_activations(cfg, comm, world, model, None if memory_plan is None else memory_plan.predicted)
     with startup_phase(monitor.deadlines, "dist.groups", cfg.dist.startup_timeout_s):
         dp = DataParallel(model, comm, world, cfg.dist, device=device, plan=plan, recorder=monitor.recorder,
                           link=link, intra_link=intra_link)
@@ -278,27 +278,34 @@ def _plan_memory(cfg: Config, comm: Any, world: World, model: nn.Module, split: 
         if world.is_main:
             bucket = float(cfg.dist.bucket_mb) * 2**20 if cfg.dist.bucket_mb != "auto" else 25 * 2**20
             chosen = choose(measure_config(cfg, model, split), ranks=world.size,
-                            cap_bytes=int(cfg.dist.memory_cap_gb * 1e9), bucket_bytes=int(bucket))
+                            cap_bytes=int(cfg.dist.memory_cap_gb * 1e9), bucket_bytes=int(bucket),
+                            checkpointing=cfg.train.activation_checkpointing)
     chosen = comm.bcast(chosen, root=0)
-    cfg.dist.zero, cfg.train.activation_checkpointing = chosen.stage, chosen.checkpointing
+    cfg.dist.zero = chosen.stage
     resident.reset()  # the measurement's own memory is not the run's
     if world.is_main:
-        log.info("dist.memory_cap_gb=%g: %s (the fastest choice that fits; dist.zero and "
-                 "train.activation_checkpointing set by the planner)", cfg.dist.memory_cap_gb, chosen.describe())
+        log.info("dist.memory_cap_gb=%g: %s (the fastest choice that fits; dist.zero set by the planner%s)",
+                 cfg.dist.memory_cap_gb, chosen.describe(),
+                 ", and how many blocks to checkpoint" if cfg.train.activation_checkpointing == "auto" else "")
     return MemoryPlan(chosen, resident)
 
 
-def _checkpoint_activations(cfg: Config, comm: Any, world: World, model: nn.Module) -> None:
+def _checkpoint_activations(cfg: Config, comm: Any, world: World, model: nn.Module, chosen: Any = None) -> None:
     """train.activation_checkpointing=blocks: the blocks of model.blocks recompute their activations in backward;
-    a model without blocks is the same error on every rank."""
+    'auto': the first ``chosen.blocks`` of them (the planner's choice).  A model without blocks is the same error on
+    every rank."""
     with shared_errors(comm):
         blocks = find_blocks(model, cfg.model.blocks)
         if not blocks:
-            raise ConfigError("train.activation_checkpointing=blocks: model.blocks=auto finds no blocks in this model "
-                              "(no module class repeats side by side); name them with model.blocks")
+            raise ConfigError(f"train.activation_checkpointing={cfg.train.activation_checkpointing}: model.blocks="
+                              f"{cfg.model.blocks} finds no blocks in this model (no module class repeats side by "
+                              "side); name them with model.blocks")
+    if cfg.train.activation_checkpointing == "auto":
+        blocks = blocks[:chosen.blocks]
     checkpoint_blocks(blocks)
     if world.is_main:
-        log.info("activation checkpointing: %s", describe_blocks(blocks, model))
+        log.info("activation checkpointing: %s", describe_blocks(blocks, model) if blocks else
+                 "none (train.activation_checkpointing=auto: the cap fits without)")
 
 
 def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any, run_dir: Path,

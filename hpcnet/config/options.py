@@ -210,9 +210,10 @@ class TrainConfig:
     trace_ops: bool = False
     """With train.trace_steps: also torch.profiler's operator (and CUDA kernel) events in the trace."""
     activation_checkpointing: str = "off"
-    """'off', or 'blocks': each of the model's blocks (model.blocks) keeps only its input from forward to backward and
-    recomputes its activations there (non-reentrant torch.utils.checkpoint): less memory for about one more forward;
-    the same bits as without, at every dist.zero stage."""
+    """'off'; 'blocks': each of the model's blocks (model.blocks) keeps only its input from forward to backward and
+    recomputes its activations there (non-reentrant torch.utils.checkpoint): less memory for about one more forward,
+    the same bits as without, at every dist.zero stage; 'auto' (needs dist.memory_cap_gb): as many of the first blocks
+    as the memory planner finds the cap needs, none when it fits without."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -239,7 +240,7 @@ class TrainConfig:
             raise ConfigError("train.trace_ops needs train.trace_steps ('START:END'): which steps to profile")
 
 
-ACTIVATION_CHECKPOINTING = ("off", "blocks")
+ACTIVATION_CHECKPOINTING = ("off", "blocks", "auto")
 """``train.activation_checkpointing`` values (``hpcnet.models.blocks``)."""
 PRECISIONS = ("fp32", "bf16")
 """``train.precision`` values (``hpcnet.loop.autocast``)."""
@@ -568,3 +569,8 @@ class Config:
     """Heartbeats, stall and desync detection, memory-leak watch."""
     fault: FaultConfig = field(default_factory=FaultConfig)
     """Fault injection for testing recovery (all off by default)."""
+
+    def __post_init__(self) -> None:
+        if self.train.activation_checkpointing == "auto" and not self.dist.memory_cap_gb:
+            raise ConfigError("train.activation_checkpointing=auto needs dist.memory_cap_gb: the memory the blocks "
+                              "must fit in (or choose 'blocks' or 'off')")

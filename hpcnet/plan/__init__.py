@@ -40,6 +40,9 @@ class Prediction:
 
     stage: int
     checkpointing: str
+    """'off', 'blocks' (all of them) or 'k of n blocks' (the first k)."""
+    blocks: int
+    """How many of the first blocks are checkpointed."""
     ranks: int
     batch: int
     params: int
@@ -58,7 +61,8 @@ class Prediction:
                 f"step {self.step_s * 1e3:.1f} ms")
 
     def to_json(self) -> dict[str, Any]:
-        return {"stage": self.stage, "activation_checkpointing": self.checkpointing, "ranks": self.ranks,
+        return {"stage": self.stage, "activation_checkpointing": self.checkpointing, "blocks": self.blocks,
+                "ranks": self.ranks,
                 "batch": self.batch, "peak_bytes": self.peak, "phase": self.phase, "params_bytes": self.params,
                 "grads_bytes": self.grads, "optimizer_bytes": self.optimizer, "step_bytes": self.transient,
                 "step_s": self.step_s}
@@ -73,6 +77,18 @@ class ModelMemory:
     shapes: list[tuple[int, ...]]
     block_share: float
     steps: dict[str, StepMemory] = field(default_factory=dict)
+    n_blocks: int = 0
+
+    def blocks_of(self, checkpointing: "str | int") -> int:
+        """How many blocks a choice checkpoints: 'off' none, 'blocks' all, or the number itself."""
+        if isinstance(checkpointing, int):
+            if not 0 <= checkpointing <= self.n_blocks:
+                raise ValueError(f"{checkpointing} blocks checkpointed, the model has {self.n_blocks}")
+            return checkpointing
+        return {"off": 0, "blocks": self.n_blocks}[checkpointing]
+
+    def label(self, k: int) -> str:
+        return "off" if k == 0 else "blocks" if k == self.n_blocks else f"{k} of {self.n_blocks} blocks"
 
     @property
     def param_bytes(self) -> int:
@@ -94,56 +110,79 @@ def largest_share(memory: ModelMemory, ranks: int) -> int:
     return max(owned)
 
 
-def predict(memory: ModelMemory, *, ranks: int, stage: int, checkpointing: str, batch: int | None = None,
+def predict(memory: ModelMemory, *, ranks: int, stage: int, checkpointing: "str | int", batch: int | None = None,
             bucket_bytes: int = 25 * 2**20, link: LinkCost | None = None) -> Prediction:
-    """Each rank's peak and the step time of one choice (see the module's doc); ``batch`` other than the
-    measured one scales the step's transient memory in proportion (activations grow with the batch)."""
-    step = memory.steps[checkpointing]
+    """Each rank's peak and the step time of one choice (see the module's doc); ``checkpointing`` is 'off',
+    'blocks' or how many of the first blocks are checkpointed (their saving taken in proportion between the two
+    measured steps: each checkpointed block drops its own activations); ``batch`` other than the measured one
+    scales the step's transient memory in proportion (activations grow with the batch)."""
+    k = memory.blocks_of(checkpointing)
+    step = memory.steps["off" if k == 0 else "blocks"]
     batch = batch or step.batch
     scale = batch / step.batch
     P = memory.param_bytes
     share = largest_share(memory, ranks) if stage and ranks > 1 else P
     optimizer = int(step.state_bytes * share / P) if P else 0
+    transient_o = int(_measured(memory, k, lambda m: m.optimizer))
     if stage < 2 or ranks == 1:
         grads = P  # the buckets live from step to step
-        backward = P + grads + optimizer + int(step.backward * scale)
-        after = P + grads + optimizer + step.optimizer
-        transient_b, transient_o = int(step.backward * scale), step.optimizer
+        transient_b = int(_measured(memory, k, lambda m: m.backward) * scale)
+        backward = P + grads + optimizer + transient_b
+        after = P + grads + optimizer + transient_o
     else:
         bucket = min(bucket_bytes, stage2_bucket_cap(P, ranks))
-        transient_b = int(step.backward_with_kept(share / P) * scale) + STAGE2_BUCKETS_ALIVE * bucket
+        kept = _measured(memory, k, lambda m: m.backward_with_kept(share / P))
+        transient_b = int(kept * scale) + STAGE2_BUCKETS_ALIVE * bucket
         grads = share
         backward = P + optimizer + transient_b
-        after = P + share + optimizer + step.optimizer
-        transient_o = step.optimizer
+        after = P + share + optimizer + transient_o
     phase = "backward" if backward >= after else "optimizer"
-    compute = step.forward_backward_s * scale  # measured with the blocks checkpointed where they are
-    if checkpointing != "off" and "off" in memory.steps:  # recomputing never makes a step faster: timing noise
-        compute = max(compute, memory.steps["off"].forward_backward_s * scale)
+    # Measured with the blocks checkpointed where they are; recomputing never makes a step faster (timing noise).
+    compute = max(_measured(memory, k, lambda m: m.forward_backward_s),
+                  memory.steps["off"].forward_backward_s if "off" in memory.steps else 0.0) * scale
     link = link or DEFAULT_LINK
     comm = link.all_reduce_s(P, ranks) if ranks > 1 else 0.0
     if stage and ranks > 1:
         comm += link.all_gather_s(P, ranks)
-    return Prediction(stage=stage, checkpointing=checkpointing, ranks=ranks, batch=batch, params=P, grads=grads,
-                      optimizer=optimizer, transient=transient_b if phase == "backward" else transient_o,
+    return Prediction(stage=stage, checkpointing=memory.label(k), blocks=k, ranks=ranks, batch=batch, params=P,
+                      grads=grads, optimizer=optimizer, transient=transient_b if phase == "backward" else transient_o,
                       peak=max(backward, after), phase=phase, step_s=compute + comm)
 
 
-def predictions(memory: ModelMemory, *, ranks: int, **kwargs: Any) -> list[Prediction]:
-    """Every stage with every measured checkpointing choice, fastest first."""
-    out = [predict(memory, ranks=ranks, stage=s, checkpointing=c, **kwargs)
-           for c in memory.steps for s in STAGES]
+def _measured(memory: ModelMemory, k: int, quantity: Any) -> float:
+    """``quantity`` of the step with ``k`` blocks checkpointed: measured for none and for all, in proportion
+    between (each checkpointed block drops its own activations)."""
+    if k == 0 or "blocks" not in memory.steps:
+        return quantity(memory.steps["off"])
+    if k == memory.n_blocks or "off" not in memory.steps:
+        return quantity(memory.steps["blocks"])
+    a, b = quantity(memory.steps["off"]), quantity(memory.steps["blocks"])
+    return a + k / memory.n_blocks * (b - a)
+
+
+def predictions(memory: ModelMemory, *, ranks: int, checkpointing: str = "each", **kwargs: Any) -> list[Prediction]:
+    """Every stage with each checkpointing choice, fastest first: ``checkpointing`` 'each' (off and all blocks,
+    as measured), 'auto' (every number of blocks), 'off' or 'blocks' (that one)."""
+    if checkpointing == "each":
+        ks = sorted({memory.blocks_of(c) for c in memory.steps})
+    elif checkpointing == "auto":
+        ks = list(range(memory.n_blocks + 1)) if "blocks" in memory.steps else [0]
+    else:
+        ks = [memory.blocks_of(checkpointing)] if checkpointing == "off" or "blocks" in memory.steps else []
+        if not ks:
+            raise UsageError("train.activation_checkpointing=blocks: the model has no blocks (model.blocks)")
+    out = [predict(memory, ranks=ranks, stage=s, checkpointing=k, **kwargs) for k in ks for s in STAGES]
     return sorted(out, key=lambda p: (p.step_s, p.checkpointing != "off", p.peak))
 
 
 def choose(memory: ModelMemory, *, ranks: int, cap_bytes: int, option: str = "dist.memory_cap_gb",
-           **kwargs: Any) -> Prediction:
-    """The fastest choice whose predicted peak is at most ``cap_bytes``.
+           checkpointing: str = "each", **kwargs: Any) -> Prediction:
+    """The fastest choice whose predicted peak is at most ``cap_bytes``, checkpointing as ``predictions`` takes it.
 
     Raises:
         UsageError: naming ``option`` and what would fit (more ranks, a smaller batch) when nothing does.
     """
-    every = predictions(memory, ranks=ranks, **kwargs)
+    every = predictions(memory, ranks=ranks, checkpointing=checkpointing, **kwargs)
     fitting = [p for p in every if p.peak <= cap_bytes]
     if fitting:
         return fitting[0]
@@ -165,7 +204,7 @@ def _ranks_that_fit(memory: ModelMemory, least: Prediction, cap: int, ranks: int
     n = ranks
     while n < 4096:
         n *= 2
-        if predict(memory, ranks=n, stage=least.stage, checkpointing=least.checkpointing, **kwargs).peak <= cap:
+        if predict(memory, ranks=n, stage=least.stage, checkpointing=least.blocks, **kwargs).peak <= cap:
             return n
     return None
 
@@ -173,7 +212,7 @@ def _ranks_that_fit(memory: ModelMemory, least: Prediction, cap: int, ranks: int
 def _batch_that_fits(memory: ModelMemory, least: Prediction, cap: int, **kwargs: Any) -> int | None:
     kwargs.pop("batch", None)
     for batch in range(least.batch - 1, 0, -1):
-        if predict(memory, ranks=least.ranks, stage=least.stage, checkpointing=least.checkpointing, batch=batch,
+        if predict(memory, ranks=least.ranks, stage=least.stage, checkpointing=least.blocks, batch=batch,
                    **kwargs).peak <= cap:
             return batch
     return None

@@ -55,7 +55,8 @@ def _plan(args: argparse.Namespace) -> int:
     from hpcnet.plan import choose, predictions
     from hpcnet.plan.measure import measure_config
 
-    cfg = load_config(args.config, args.overrides)
+    overrides = args.overrides + ([f"dist.memory_cap_gb={args.cap_gb}"] if args.cap_gb is not None else [])
+    cfg = load_config(args.config, overrides)
     cap = args.cap_gb if args.cap_gb is not None else (cfg.dist.memory_cap_gb or None)
     split = open_dataset(cfg.data.dataset, "train", directory=cfg.data.dir, comm=MPI.COMM_SELF,
                          options=cfg.data.options, seed=cfg.run.seed)
@@ -77,9 +78,10 @@ def _plan(args: argparse.Namespace) -> int:
     if cap:
         try:
             chosen = choose(memory, ranks=args.ranks, cap_bytes=int(cap * 1e9), bucket_bytes=bucket,
-                            option="--cap-gb" if args.cap_gb is not None else "dist.memory_cap_gb")
-            print(f"under {cap:g} GB a rank: {chosen.describe()} (the fastest that fits; "
-                  f"dist.memory_cap_gb={cap:g} makes a run choose it)")
+                            option="--cap-gb" if args.cap_gb is not None else "dist.memory_cap_gb",
+                            checkpointing=cfg.train.activation_checkpointing)
+            print(f"under {cap:g} GB a rank, train.activation_checkpointing={cfg.train.activation_checkpointing}: "
+                  f"{chosen.describe()} (the fastest that fits; dist.memory_cap_gb={cap:g} makes a run choose it)")
         except UsageError as exc:
             failure = str(exc)
     if args.json:

@@ -149,7 +149,8 @@ def measure_model(model: nn.Module, optimizer_factory: Any, loss_fn: Any, batch:
     inside = {id(p): p.numel() for _, b in blocks for p in b.parameters() if p.requires_grad}
     total = sum(p.numel() for p in params) or 1
     memory = ModelMemory(sizes=[p.numel() * p.element_size() for p in params],
-                         shapes=[tuple(p.shape) for p in params], block_share=sum(inside.values()) / total)
+                         shapes=[tuple(p.shape) for p in params], block_share=sum(inside.values()) / total,
+                         n_blocks=len(blocks))
     memory.steps["off"] = measure_step(model, optimizer_factory(model), loss_fn, batch)
     if blocks:
         fresh = [b for _, b in blocks if not getattr(b, "_hpcnet_checkpointed", False)]

@@ -24,7 +24,7 @@ MB = 10**6
 
 def _memory(params=100 * MB, backward=40 * MB, optimizer=2 * MB, blocks_backward=10 * MB):
     shapes = [(params // 4 // 1000, 1000)]
-    memory = ModelMemory(sizes=[params], shapes=shapes, block_share=0.9)
+    memory = ModelMemory(sizes=[params], shapes=shapes, block_share=0.9, n_blocks=4)
     common = dict(optimizer=optimizer, batch=8, state_bytes=2 * params)
     memory.steps["off"] = StepMemory(backward=backward, forward_backward_s=1.0,
                                      timeline=((backward, 0), (5 * MB, params)), **common)
@@ -66,6 +66,30 @@ def test_the_choice_is_the_fastest_that_fits_and_nothing_fitting_names_what_woul
         choose(memory, ranks=4, cap_bytes=50 * MB)
 
 
+def test_auto_checkpoints_only_as_many_blocks_as_the_cap_needs():
+    memory = _memory()
+    by_blocks = [predict(memory, ranks=4, stage=0, checkpointing=k) for k in range(5)]
+    assert [p.checkpointing for p in by_blocks] == ["off", "1 of 4 blocks", "2 of 4 blocks", "3 of 4 blocks", "blocks"]
+    peaks = [p.peak for p in by_blocks]
+    assert peaks == sorted(peaks, reverse=True) and peaks[0] - peaks[4] == 30 * MB  # measured: 40 MB -> 10 MB
+    assert peaks[2] == peaks[0] - 15 * MB  # half the blocks, half the saving
+    # A cap between 2 and 3 blocks' peaks at stage 0, below stage 2 without any: the fastest fitting choice.
+    chosen = choose(memory, ranks=1, cap_bytes=peaks[2], checkpointing="auto")
+    assert (chosen.stage, chosen.blocks) == (0, 2)
+    assert choose(memory, ranks=1, cap_bytes=peaks[0], checkpointing="auto").blocks == 0  # fits without
+    with pytest.raises(UsageError, match="no choice fits"):
+        choose(memory, ranks=1, cap_bytes=peaks[2], checkpointing="off")
+
+
+def test_auto_needs_a_cap():
+    from hpcnet.config.load import load_config
+    from hpcnet.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="train.activation_checkpointing=auto needs dist.memory_cap_gb"):
+        load_config(overrides=["train.activation_checkpointing=auto"])
+    assert load_config(overrides=["train.activation_checkpointing=auto", "dist.memory_cap_gb=1"]).dist.memory_cap_gb
+
+
 def test_the_measured_step_sees_activations_and_checkpointing_shrinks_them():
     torch.manual_seed(0)
     model = build_model("transformer", DatasetInfo("tokens", (32,), 512), {"d_model": 64, "n_layers": 4,
@@ -94,10 +118,11 @@ def test_a_capped_run_takes_the_planner_s_choice_and_reports_the_measured_peak(c
     dataset = _dataset(comm, mpi_tmp_path)
     cfg = train_config(mpi_tmp_path, dataset, "capped", "train.steps=3", "model.name=mlp",
                        "model.options.hidden=[1024,1024]", "optim.name=adamw", "checkpoint.at_end=false",
-                       "dist.memory_cap_gb=5")
+                       "dist.memory_cap_gb=5", "train.activation_checkpointing=auto", "dist.zero=2")
     result = run(cfg, comm, plane=data_plane)
     plan = result.summary["memory_plan"]
-    assert (plan["stage"], plan["activation_checkpointing"]) == (0, "off")  # 5 GB: the fastest fits
+    # 5 GB: the fastest fits, with no block checkpointed; the planner's stage replaces dist.zero=2
+    assert (plan["stage"], plan["activation_checkpointing"], plan["blocks"]) == (0, "off", 0)
     assert 0 < plan["peak_bytes"] <= 5e9 and plan["measured_peak_bytes"] > 0
     assert result.summary["comm"]["zero"] == 0
     comm.Barrier()
@@ -118,7 +143,8 @@ def test_python_m_hpcnet_plan_prints_every_choice_and_the_one_under_the_cap(tmp_
     out = subprocess.run([*args, "--cap-gb", "1", "--json", str(tmp_path / "plan.json")], env=clean_env(),
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert "under 1 GB a rank: dist.zero=0, activation checkpointing off" in out.stdout
+    assert "under 1 GB a rank, train.activation_checkpointing=off: dist.zero=0, activation checkpointing off" \
+        in out.stdout
     saved = json.loads((tmp_path / "plan.json").read_text())
     assert len(saved["predictions"]) == 6 and saved["chosen"]["stage"] == 0
     peaks = {(p["stage"], p["activation_checkpointing"]): p["peak_bytes"] for p in saved["predictions"]}
