@@ -178,10 +178,12 @@ def measure_config(cfg: Any, model: nn.Module, split: Any) -> Any:
 
 class ResidentPeak:
     """This process's resident memory above a baseline, and its high-water mark since the last ``reset`` (Linux:
-    ``/proc/self/status``, the mark reset through ``/proc/self/clear_refs``); zeros where neither exists."""
+    ``/proc/self/status``, the mark reset through ``/proc/self/clear_refs``); zeros where neither exists.  Both the
+    baseline and the reset first return freed memory to the system (``malloc_trim``), so memory an earlier phase
+    of the process freed but kept is not taken for the run's or hidden under the baseline."""
 
     def __init__(self) -> None:
-        self.baseline = self._kib("VmRSS")
+        self.baseline = self._settled()
 
     @staticmethod
     def _kib(field: str) -> int:
@@ -194,14 +196,18 @@ class ResidentPeak:
             pass
         return 0
 
-    def reset(self) -> None:
-        """Start the high-water mark at the present resident memory (after the planner's own measurement)."""
+    def _settled(self) -> int:
         import ctypes
         import gc
 
         gc.collect()
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return self._kib("VmRSS")
+
+    def reset(self) -> None:
+        """Start the high-water mark at the present resident memory (after the planner's own measurement)."""
+        self._settled()
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
