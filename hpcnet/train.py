@@ -78,7 +78,7 @@ from hpcnet.observe.runlog import (
 from hpcnet.observe.trace import StepTracer, parse_steps
 from hpcnet.optim import build_optimizer
 from hpcnet.paths import CONFIG_FILE, SUMMARY_FILE, checkpoint_dir, metrics_file
-from hpcnet.plan import choose
+from hpcnet.plan import choose, configured_bucket_bytes
 from hpcnet.plan.measure import ResidentPeak, measure_config
 
 log = logging.getLogger("hpcnet.train")
@@ -276,9 +276,8 @@ def _plan_memory(cfg: Config, comm: Any, world: World, model: nn.Module, split: 
     chosen = None
     with shared_errors(comm):
         if world.is_main:
-            bucket = float(cfg.dist.bucket_mb) * 2**20 if cfg.dist.bucket_mb != "auto" else 25 * 2**20
             chosen = choose(measure_config(cfg, model, split), ranks=world.size,
-                            cap_bytes=int(cfg.dist.memory_cap_gb * 1e9), bucket_bytes=int(bucket),
+                            cap_bytes=int(cfg.dist.memory_cap_gb * 1e9), bucket_bytes=configured_bucket_bytes(cfg.dist),
                             checkpointing=cfg.train.activation_checkpointing)
     chosen = comm.bcast(chosen, root=0)
     cfg.dist.zero = chosen.stage

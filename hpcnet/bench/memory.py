@@ -44,7 +44,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,6 +51,9 @@ import torch
 from torch import nn
 
 from hpcnet.bench.common import describe_environment, environment, load_average, summarize, table, write_json
+from hpcnet.plan.measure import reset_peak as _reset_peak
+from hpcnet.plan.measure import settled_kib as _settle
+from hpcnet.plan.measure import status_kib as _status_kib
 
 MODELS = {
     # GPT-style, 8 blocks of width 512, vocabulary 8192 (tied): 29.4 M parameters (112 MiB), in 100 tensors.
@@ -214,21 +216,6 @@ def rotated(names: tuple[str, ...], round_index: int) -> list[str]:
 
 
 # -- measuring --------------------------------------------------------------------------
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _settle() -> int:
-    """Resident KiB after returning freed memory to the OS."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    return _status_kib("VmRSS")
-
-
 M_MMAP_THRESHOLD = -3
 
 
@@ -238,10 +225,6 @@ def _fixed_mmap_threshold() -> None:
     then keeps what earlier contenders freed (seen here: stage 1 'holding' as much as stage 0)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 * 1024)
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:

@@ -37,11 +37,12 @@ def _train_peak(rung: int, stage: int, checkpointing: str, comm: Any, world: Any
     from hpcnet.models import build_model
     from hpcnet.models.blocks import checkpoint_blocks, find_blocks
     from hpcnet.optim import build_optimizer
+    from hpcnet.plan.measure import reset_peak, settled_kib, status_kib
 
     batches = bm._batches("tokens", (bm.CAP_SEQ,), bm.CAP_VOCAB, bm.CAP_BATCH, world.rank)
-    before = bm._settle()
+    before = settled_kib()
     comm.Barrier()
-    bm._reset_peak()
+    reset_peak()
     torch.manual_seed(0)
     model = build_model("transformer", DatasetInfo("tokens", (bm.CAP_SEQ,), bm.CAP_VOCAB), bm.ladder_options(rung))
     if checkpointing == "blocks":
@@ -54,7 +55,7 @@ def _train_peak(rung: int, stage: int, checkpointing: str, comm: Any, world: Any
         dp.step([batches[step % len(batches)]], compute_loss)
         dp.clip_grad_norm_(1.0)
         optimizer.step()
-    peak = bm._status_kib("VmHWM") - before
+    peak = status_kib("VmHWM") - before
     dp.close()
     del dp, optimizer, model
     return comm.allreduce(peak, op=MPI.MAX) * 1024

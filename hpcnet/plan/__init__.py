@@ -95,6 +95,15 @@ class ModelMemory:
         return sum(self.sizes)
 
 
+def configured_bucket_bytes(dist: Any) -> int:
+    """The bucket size ``dist.bucket_mb`` asks for; 'auto' as without a probed link (``DataParallel.bucket_bytes``:
+    the planner runs before the probe's figures reach the reducer)."""
+    from hpcnet.comm.dataparallel import AUTO_FALLBACK_MB
+
+    mb = AUTO_FALLBACK_MB if dist.bucket_mb == "auto" else float(dist.bucket_mb)
+    return int(mb * 2**20)
+
+
 def largest_share(memory: ModelMemory, ranks: int) -> int:
     """The most parameter bytes one rank owns under the uniform owner plan at ``ranks`` ranks (units cut as
     ``dist.zero`` cuts them)."""

@@ -52,7 +52,7 @@ def _plan(args: argparse.Namespace) -> int:
     from hpcnet.config.load import load_config
     from hpcnet.data.loader import open_dataset
     from hpcnet.models import build_model, count_parameters
-    from hpcnet.plan import choose, predictions
+    from hpcnet.plan import choose, configured_bucket_bytes, predictions
     from hpcnet.plan.measure import measure_config
 
     overrides = args.overrides + ([f"dist.memory_cap_gb={args.cap_gb}"] if args.cap_gb is not None else [])
@@ -63,7 +63,7 @@ def _plan(args: argparse.Namespace) -> int:
     torch.manual_seed(cfg.run.seed)
     model = build_model(cfg.model.name, split.info, cfg.model.options, factory=cfg.model.factory)
     memory = measure_config(cfg, model, split)
-    bucket = int(float(cfg.dist.bucket_mb) * 2**20) if cfg.dist.bucket_mb != "auto" else 25 * 2**20
+    bucket = configured_bucket_bytes(cfg.dist)
     every = predictions(memory, ranks=args.ranks, bucket_bytes=bucket)
     print(f"model {cfg.model.factory or cfg.model.name}: {count_parameters(model):,} parameters "
           f"({memory.param_bytes / 1e9:.3f} GB), blocks {100 * memory.block_share:.0f}% of them; "

@@ -176,43 +176,48 @@ def measure_config(cfg: Any, model: nn.Module, split: Any) -> Any:
     return measure_model(model, lambda m: build_optimizer(m, cfg.optim), loss_in(device, cfg.train.precision), batch)
 
 
+def status_kib(field: str) -> int:
+    """A field of ``/proc/self/status`` in KiB (``VmRSS``, ``VmHWM``); 0 where there is none (not Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def settled_kib() -> int:
+    """Resident KiB after freed memory went back to the system (``gc``, then ``malloc_trim``)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return status_kib("VmRSS")
+
+
+def reset_peak() -> None:
+    """Start the high-water mark (``VmHWM``) at the present resident memory (Linux >= 4.0; else nothing)."""
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 class ResidentPeak:
-    """This process's resident memory above a baseline, and its high-water mark since the last ``reset`` (Linux:
-    ``/proc/self/status``, the mark reset through ``/proc/self/clear_refs``); zeros where neither exists.  Both the
-    baseline and the reset first return freed memory to the system (``malloc_trim``), so memory an earlier phase
-    of the process freed but kept is not taken for the run's or hidden under the baseline."""
+    """This process's resident memory above a baseline, and its high-water mark since the last ``reset``; zeros
+    where ``/proc`` has neither.  Both the baseline and the reset first return freed memory to the system
+    (``settled_kib``), so memory an earlier phase of the process freed but kept is not taken for the run's or
+    hidden under the baseline."""
 
     def __init__(self) -> None:
-        self.baseline = self._settled()
-
-    @staticmethod
-    def _kib(field: str) -> int:
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith(field + ":"):
-                        return int(line.split()[1])
-        except OSError:
-            pass
-        return 0
-
-    def _settled(self) -> int:
-        import ctypes
-        import gc
-
-        gc.collect()
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        return self._kib("VmRSS")
+        self.baseline = settled_kib()
 
     def reset(self) -> None:
         """Start the high-water mark at the present resident memory (after the planner's own measurement)."""
-        self._settled()
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            pass
+        settled_kib()
+        reset_peak()
 
     def peak_bytes(self) -> int:
-        return max(0, self._kib("VmHWM") - self.baseline) * 1024
+        return max(0, status_kib("VmHWM") - self.baseline) * 1024
