@@ -112,9 +112,6 @@ class Placement(Protocol):
     def assign(self, bucket: Bucket) -> None:
         """The owners set last (``set_owners``) for a bucket kept as it is laid out."""
 
-    def prepare(self, bucket: Bucket) -> None:
-        """Ready a bucket for a fold (a dropped buffer is made again)."""
-
     def start(self, bucket: Bucket, wire: torch.Tensor | None) -> Any:
         """Start the bucket's collective, on ``wire`` (its compressed copy) or, when None, its buffer; the handle."""
 
@@ -152,9 +149,6 @@ class Replicated:
         pass
 
     def assign(self, bucket: Bucket) -> None:
-        pass
-
-    def prepare(self, bucket: Bucket) -> None:
         pass
 
     def start(self, bucket: Bucket, wire: torch.Tensor | None) -> Any:

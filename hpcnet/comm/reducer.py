@@ -263,10 +263,9 @@ class Reducer:
         if self._adoptable(bucket, p):
             self._adopt(bucket, p)
             return
-        if bucket.single and not bucket.views:  # let go by zero_grad (_let_go)
+        if not bucket.views and bucket.offsets[-1]:  # let go between steps (_let_go; dist.zero=2 drops them all)
             bucket.buffer = torch.empty(bucket.offsets[-1], dtype=p.dtype, device=p.device)
-            bucket.make_views()
-        self.placement.prepare(bucket)
+            bucket.make_views()  # every element is written by the folds
         if bucket.entry_rows[entries[0]] is not None:
             self._fold_rows(bucket, p, entries)
             return

@@ -553,13 +553,6 @@ class Sharded:
             shard.counts[owner] += t.numel()
         shard.owned, shard.owned_views = None, []  # made when its collective starts (_ensure_owned)
 
-    def prepare(self, bucket: Bucket) -> None:
-        """A dropped bucket is made again (every element is written by the folds)."""
-        if self.drops_buckets and bucket.buffer.numel() == 0 and bucket.offsets[-1] > 0:
-            like = bucket.params[0]
-            bucket.buffer = torch.empty(bucket.offsets[-1], dtype=like.dtype, device=like.device)
-            bucket.make_views()
-
     def start(self, bucket: Bucket, wire: torch.Tensor | None) -> Any:
         shard = bucket.shard
         shard.scattered = wire is None and shard.grouped and self.reduce_scatter is not None
