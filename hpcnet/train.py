@@ -234,9 +234,10 @@ def _model(cfg: Config, comm: Any, world: World, device: torch.device, split: An
     memory_plan = _plan_memory(cfg, comm, world, model, split, resident) if resident is not None else None
     if cfg.train.activation_checkpointing != "off":
         _checkpoint_activations(cfg, comm, world, model, None if memory_plan is None else memory_plan.predicted)
+    blocks = _zero3_blocks(cfg, comm, world, model) if cfg.dist.zero == 3 else None
     with startup_phase(monitor.deadlines, "dist.groups", cfg.dist.startup_timeout_s):
         dp = DataParallel(model, comm, world, cfg.dist, device=device, plan=plan, recorder=monitor.recorder,
-                          link=link, intra_link=intra_link)
+                          link=link, intra_link=intra_link, blocks=blocks)
     try:
         with shared_errors(comm):  # what torch refuses (optim.*) stops every rank alike, before any collective
             optimizer = build_optimizer(model, cfg.optim, fused=settings.fused_optimizer)
@@ -287,6 +288,18 @@ def _plan_memory(cfg: Config, comm: Any, world: World, model: nn.Module, split: 
                  cfg.dist.memory_cap_gb, chosen.describe(),
                  ", and how many blocks to checkpoint" if cfg.train.activation_checkpointing == "auto" else "")
     return MemoryPlan(chosen, resident)
+
+
+def _zero3_blocks(cfg: Config, comm: Any, world: World, model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """dist.zero=3: the blocks of model.blocks, each gathered apart; none found: the whole model is gathered for
+    each forward and backward (only the time between steps holds a share), which the log says."""
+    with shared_errors(comm):
+        blocks = find_blocks(model, cfg.model.blocks)
+    if world.is_main:
+        log.info("dist.zero=3: %s", describe_blocks(blocks, model) if blocks else
+                 f"model.blocks={cfg.model.blocks} finds no blocks in this model: the whole model is gathered for "
+                 "each forward and backward (name its blocks with model.blocks to gather one at a time)")
+    return blocks
 
 
 def _checkpoint_activations(cfg: Config, comm: Any, world: World, model: nn.Module, chosen: Any = None) -> None:

@@ -76,7 +76,8 @@ MAX_JSON_BYTES = 256 << 20
 _COMPONENT_RE = re.compile(r"^[A-Za-z0-9_.:+\-]+$")
 ROW_PIECE = re.compile(r"^(?P<key>.+):(?P<lo>[0-9]+)-(?P<hi>[0-9]+)$")
 """The name of rows lo to hi of a tensor stored in row pieces: ``optim/<index>/<key>:<lo>-<hi>`` holds those rows
-of the optimizer state ``optim/<index>/<key>`` of a parameter cut into row ranges (``dist.zero``)."""
+of the optimizer state ``optim/<index>/<key>`` of a parameter cut into row ranges (``dist.zero``), and
+``model/<key>:<lo>-<hi>`` those of the parameter itself (``dist.zero=3``)."""
 UID_RE = re.compile(r"^[0-9a-f]{32}$")
 
 # torch dtype name -> (numpy storage dtype, raw).  ``raw`` dtypes have no HDF5
@@ -387,13 +388,13 @@ def parse_index(text: Any, kind: str) -> list[dict[str, Any]]:
 
 
 def check_row_pieces(specs: list[TensorSpec]) -> None:
-    """Raise ValueError unless each row piece of optimizer state (``ROW_PIECE``) holds the rows its name says,
-    and the pieces of each state, in one dtype and row shape, cover its rows from 0 once each, with no whole
+    """Raise ValueError unless each row piece of optimizer state or of a parameter (``ROW_PIECE``) holds the rows
+    its name says, and the pieces of each state, in one dtype and row shape, cover its rows from 0 once each, with no whole
     tensor of that name beside them: a reader joins them by their names."""
     names = {spec.name for spec in specs}
     pieces: dict[str, list[tuple[int, int, TensorSpec]]] = {}
     for spec in specs:
-        piece = ROW_PIECE.match(spec.name) if spec.name.startswith("optim/") else None
+        piece = ROW_PIECE.match(spec.name) if spec.name.startswith(("optim/", "model/")) else None
         if piece is None:
             continue
         lo, hi = int(piece["lo"]), int(piece["hi"])

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 # --- state <-> tensors + JSON ----------------------------------------------------
 
-def flatten_state(model: nn.Module, optimizer: torch.optim.Optimizer
+def flatten_state(model: nn.Module, optimizer: torch.optim.Optimizer, sharded: Any = None
                   ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Model and optimizer state as named tensors (not copied) and JSON-able meta.
 
@@ -43,26 +43,36 @@ def flatten_state(model: nn.Module, optimizer: torch.optim.Optimizer
     same meta and names as the unsharded one would (collective), except that
     the state of a parameter cut into row ranges comes in pieces,
     ``optim/<index>/<key>:<lo>-<hi>``: its own entries, and the others' as
-    ``meta``-device tensors (``flatten_with_holders`` says who holds them).
+    ``meta``-device tensors (``flatten_with_holders`` says who holds them).  With sharded parameters
+    (``sharded``: ``dist.zero=3``'s ``hpcnet.comm.zero3.ShardedParams``) the parameters come from their owners
+    too, a cut one in row pieces, ``model/<key>:<lo>-<hi>``.
     """
-    tensors, meta, _ = flatten_with_holders(model, optimizer)
+    tensors, meta, _ = flatten_with_holders(model, optimizer, sharded)
     return tensors, meta
 
 
-def flatten_with_holders(model: nn.Module, optimizer: torch.optim.Optimizer
+def flatten_with_holders(model: nn.Module, optimizer: torch.optim.Optimizer, sharded: Any = None
                          ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, int]]:
-    """``flatten_state``, and of its tensors those one rank alone holds (a sharded optimizer's state) -> that
-    rank; empty when every rank holds everything."""
+    """``flatten_state``, and of its tensors those one rank alone holds (a sharded optimizer's state, sharded
+    parameters) -> that rank; empty when every rank holds everything."""
     tensors: dict[str, torch.Tensor] = {}
+    holders: dict[str, int] = {}
+    managed, managed_holders = sharded.checkpoint_state() if sharded is not None else ({}, {})
     for key, value in model.state_dict().items():
+        if sharded is not None and key in sharded.keys:
+            # The parameter from its owners, where the state dict has it (its pieces together).
+            for name in [n for n in managed if n == f"model/{key}" or n.startswith(f"model/{key}:")]:
+                tensors[name] = managed[name]
+                holders[name] = managed_holders[name]
+            continue
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"model state {key!r} is a {type(value).__name__}, not a tensor; it cannot be saved")
         tensors[f"model/{key}"] = value
-    holders: dict[str, int] = {}
     scalars: dict[str, dict[str, Any]] = {}
     if hasattr(optimizer, "checkpoint_state"):
-        optim_tensors, scalars, holders = optimizer.checkpoint_state()
+        optim_tensors, scalars, optim_holders = optimizer.checkpoint_state()
         tensors.update(optim_tensors)
+        holders.update(optim_holders)
         groups = optimizer.full_param_groups()
     else:
         state = optimizer.state_dict()
@@ -95,15 +105,24 @@ def state_wanted(optimizer: Any) -> Callable[[str], bool] | None:
 
 
 def restore_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, tensors: dict[str, torch.Tensor],
-                  meta: dict[str, Any], source: str = "checkpoint") -> None:
+                  meta: dict[str, Any], source: str = "checkpoint", sharded: Any = None) -> None:
     """Load what ``flatten_state`` produced back into ``model`` and ``optimizer`` (exact, strict).
 
     Raises UsageError, its message starting with ``source`` (the checkpoint, by
     name), when the checkpoint does not fit the model or optimizer: other
-    names, or the same names with other shapes.
+    names, or the same names with other shapes.  A parameter saved in row pieces (``dist.zero=3``) is joined;
+    with sharded parameters (``sharded``) each rank fills the rows it owns.
     """
     model_state = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
     live = model.state_dict()
+    try:
+        if sharded is not None:
+            model_state = sharded.load(model_state, source)
+            live = {key: value for key, value in live.items() if key not in sharded.keys}
+        else:
+            model_state = _joined(model_state)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     missing, unexpected = set(live) - set(model_state), set(model_state) - set(live)
     if missing or unexpected:
         raise UsageError(f"{source} does not match the model: missing {sorted(missing)[:5]}, "
@@ -113,7 +132,7 @@ def restore_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, ten
     if other:
         raise UsageError(f"{source} does not match the model (was it saved with other model.* options?): "
                          f"{'; '.join(other[:3])}{f'; and {len(other) - 3} more' if len(other) > 3 else ''}")
-    model.load_state_dict(model_state)
+    model.load_state_dict(model_state, strict=sharded is None)  # sharded: the parameters are in already
     if optimizer is None:
         return
     if meta.get("optimizer") != optimizer_name(optimizer):
@@ -144,10 +163,14 @@ def restore_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, ten
 
 def join_pieces(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``tensors`` (a loaded checkpoint's) with the row pieces of each cut parameter's optimizer state
-    (``optim/<index>/<key>:<lo>-<hi>``, ``dist.zero``) joined into one tensor under the unsharded name: the
-    names and values an unsharded run saves.  ValueError when a tensor's pieces leave rows out."""
-    out, pieces = split_pieces({k: v for k, v in tensors.items() if k.startswith("optim/")})
-    out.update({k: v for k, v in tensors.items() if not k.startswith("optim/")})
+    (``optim/<index>/<key>:<lo>-<hi>``, ``dist.zero``) and of each cut parameter (``model/<key>:<lo>-<hi>``,
+    ``dist.zero=3``) joined into one tensor under the unsharded name: the names and values an unsharded run
+    saves.  ValueError when a tensor's pieces leave rows out."""
+    return _joined(tensors)
+
+
+def _joined(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out, pieces = split_pieces(tensors)
     for name, parts in pieces.items():
         out[name] = rows_of(parts, 0, max(hi for _, hi, _ in parts), name)
     return out
@@ -237,9 +260,14 @@ class TrainState:
         meta, so a resume goes on with the owners in force."""
         self.last_saved_step = -1
 
+    @property
+    def sharded(self) -> Any:
+        """``dist.zero=3``'s sharded parameters (``hpcnet.comm.zero3.ShardedParams``), or None."""
+        return getattr(self.shards, "sharded_params", None)
+
     def save(self, step: int, loader_state: dict[str, Any]) -> Path:
         """Collective: checkpoint the state after ``step`` (blocks only for the snapshot when async)."""
-        tensors, state_meta, holders = flatten_with_holders(self.model, self.optimizer)
+        tensors, state_meta, holders = flatten_with_holders(self.model, self.optimizer, self.sharded)
         if self.shards is not None:  # int8's residuals (dist.compression=int8), each held by its rank
             residuals, residual_holders = self.shards.feedback_state()
             tensors.update(residuals)
@@ -266,7 +294,7 @@ class TrainState:
         """
         from mpi4py import MPI
 
-        tensors, _ = flatten_state(self.model, self.optimizer)
+        tensors, _ = flatten_state(self.model, self.optimizer, self.sharded)
         checks: dict[torch.device, list[torch.Tensor]] = {}
         for tensor in tensors.values():
             if tensor.is_meta:
@@ -291,7 +319,11 @@ class TrainState:
         t0 = time.perf_counter()
         # Read straight into the model's own tensors where they fit (CPU): a resume then holds no second copy of
         # the model, and with a sharded optimizer no other rank's state either, so it fits wherever a step does.
-        into = {f"model/{key}": value for key, value in self.model.state_dict().items()}
+        sharded = self.sharded
+        into = {f"model/{key}": value for key, value in self.model.state_dict().items()
+                if sharded is None or key not in sharded.keys}
+        if sharded is not None:  # the owned units, where a unit is a whole parameter
+            into.update(sharded.into())
         loaded = self.manager.resume(which, into=into, wanted_from_meta=self._plan_from)
         if loaded is None:
             log.info("no checkpoint in %s yet: starting from step 0", self.manager.directory)
@@ -308,11 +340,15 @@ class TrainState:
         wanted = state_wanted(self.optimizer)
         if self.shards is None:
             return wanted
-        shards = self.shards
+        shards, sharded = self.shards, self.sharded
 
-        def wants(name: str) -> bool:  # of int8's residuals, this rank's own only
-            if name.startswith(FEEDBACK_PREFIX):
+        def wants(name: str) -> bool:  # of int8's residuals, this rank's own only; of the parameters at
+            if name.startswith(FEEDBACK_PREFIX):  # dist.zero=3, the owned rows only
                 return shards.wants_feedback(name)
+            if sharded is not None:
+                param = sharded.wants(name)
+                if param is not None:
+                    return param
             return wanted is None or wanted(name)
         return wants
 
@@ -321,7 +357,7 @@ class TrainState:
         # RNG state), so the outcome is shared before the next collective.
         with shared_errors(self.manager.comm):
             restore_state(self.model, self.optimizer, loaded.tensors, loaded.meta["state"],
-                          source=f"checkpoint {str(loaded.path)!r}")
+                          source=f"checkpoint {str(loaded.path)!r}", sharded=self.sharded)
             # Any world size and batch size continue from the saved sample position;
             # a malformed state or a shrunk dataset is a clear ValueError.
             self.sampler.load_state_dict(loaded.meta["sampler"])

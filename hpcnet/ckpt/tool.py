@@ -121,7 +121,10 @@ def cmd_export(path: Path, output: str | None, out: Any) -> int:
 
     loaded = load_checkpoint(MPI.COMM_SELF, str(path))
     assert loaded is not None
-    state = {k.removeprefix("model/"): v.clone() for k, v in loaded.tensors.items() if k.startswith("model/")}
+    from hpcnet.ckpt.state import join_pieces  # a dist.zero=3 checkpoint's cut parameters are in row pieces
+
+    state = {k.removeprefix("model/"): v.clone() for k, v in join_pieces(loaded.tensors).items()
+             if k.startswith("model/")}
     if not state:
         raise UsageError(f"{str(loaded.path)!r} holds no model/ tensors")
     target = Path(output) if output else Path(loaded.path.stem + ".pt")

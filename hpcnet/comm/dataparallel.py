@@ -45,6 +45,7 @@ from hpcnet.comm.zero import (
     split_units,
     unit_grad_norm,
 )
+from hpcnet.comm.zero3 import ShardedParams
 from hpcnet.config import DistConfig
 from hpcnet.errors import RestartableError, UsageError
 from hpcnet.fault.flightrec import NULL_RECORDER
@@ -104,11 +105,14 @@ class DataParallel:
         link: the probed link (the inter-node one where there are nodes): ``dist.bucket_mb=auto``, the shard
             plan, and the communication forecast (``_forecast``); None: not probed.
         intra_link: the probed intra-node link where there are nodes (the hierarchical forecast's inner phases).
+        blocks: ``dist.zero=3``: the model's blocks (``hpcnet.models.blocks.find_blocks``), each gathered apart
+            (``hpcnet.comm.zero3``); None or empty: the whole model is one group.
     """
 
     def __init__(self, model: nn.Module, comm: Any, world: World, cfg: DistConfig, *,
                  device: torch.device, plan: Plan, recorder: Any = NULL_RECORDER,
-                 link: LinkCost | None = None, intra_link: LinkCost | None = None) -> None:
+                 link: LinkCost | None = None, intra_link: LinkCost | None = None,
+                 blocks: list[tuple[str, nn.Module]] | None = None) -> None:
         self.model = model
         self.comm = comm
         self.world = world
@@ -133,6 +137,14 @@ class DataParallel:
             self.layout = ShardLayout(self.params, world.size)
             self.shards, self.speeds = plan_shards(self.layout.tensors, comm, mode=cfg.plan, link=link,
                                                    device=device)
+        self.sharded_params: ShardedParams | None = None
+        if cfg.zero == 3:
+            assert self.layout is not None and self.shards is not None
+            self.sharded_params = ShardedParams(
+                model, self.layout, self.shards.owner, comm, blocks or [], device=device,
+                collective="mpi" if device.type == "cpu" else "torch")
+            if world.is_main:
+                log.info("%s", self.sharded_params.describe())
         units = self.layout.units if self.layout is not None else split_units(self.params, world.size)
         self._norm_units = units if any(not u.whole for u in units) else None
         self._norm_order = norm_order(self.params)
@@ -145,8 +157,8 @@ class DataParallel:
             bucket_bytes=self.bucket_bytes(), first_bucket_bytes=int(cfg.first_bucket_mb * 2**20),
             compression=_DTYPES[cfg.compression] if cfg.compression in HALF_PRECISIONS else None,
             find_unused=cfg.find_unused, timeout_s=cfg.timeout_s,
-            recorder=recorder, owners=self.shards.owner if cfg.zero == 2 else None,
-            units=self.layout if cfg.zero == 2 else None)
+            recorder=recorder, owners=self.shards.owner if cfg.zero >= 2 else None,
+            units=self.layout if cfg.zero >= 2 else None)
         if cfg.compression == "int8" and world.num_nodes == 1 and world.is_main and world.size > 1:
             log.info("dist.compression=int8 compresses only between nodes, and this job has one: the sums are exact")
         self.forecast: CommForecast | None = None
@@ -181,12 +193,13 @@ class DataParallel:
             if self.world.is_main:
                 log.info("dist.bucket_mb=auto: %.2f MiB buckets (link %.1f us, %.2f GB/s; %.1f MiB of gradients)",
                          chosen / 2**20, self.link.latency_s * 1e6, self.link.bandwidth_Bps / 1e9, total / 2**20)
-        if self.cfg.zero == 2 and self.world.size > 1:
+        if self.cfg.zero >= 2 and self.world.size > 1:
             cap = stage2_bucket_cap(total, self.world.size)
             if chosen > cap:
                 if self.world.is_main:
-                    log.info("dist.zero=2: buckets of %.2f MiB, not %.2f (at most a quarter of a rank's %.1f MiB "
-                             "gradient shard)", cap / 2**20, chosen / 2**20, total / self.world.size / 2**20)
+                    log.info("dist.zero=%d: buckets of %.2f MiB, not %.2f (at most a quarter of a rank's %.1f MiB "
+                             "gradient shard)", self.cfg.zero, cap / 2**20, chosen / 2**20,
+                             total / self.world.size / 2**20)
                 chosen = cap
         return chosen
 
@@ -199,7 +212,9 @@ class DataParallel:
         self.optimizer = ShardedOptimizer(optimizer, self.shards, self.layout, self.comm, self.cfg.zero)
         self.optimizer.clock = self.clock
         self._plan_file = OptionalFile(run_dir / PLAN_FILE) if run_dir is not None and self.world.is_main else None
-        self._replanning = self.cfg.plan == "auto" and self.cfg.replan_every > 0 and self.world.size > 1
+        # At stage 3 new owners would gather the whole model on every rank: the start-up plan stays.
+        self._replanning = (self.cfg.plan == "auto" and self.cfg.replan_every > 0 and self.world.size > 1
+                            and self.cfg.zero < 3)
         if self.world.is_main:
             log.info("%s", self.describe_shards())
         self._write_plan()
@@ -294,8 +309,10 @@ class DataParallel:
         """Move to ``plan``'s owners (collective): the optimizer state and, at stage 2, the buckets' layout;
         returns the bytes of state moved by all ranks together."""
         assert self.optimizer is not None
+        if self.sharded_params is not None:
+            self.sharded_params.reown(plan.owner)
         sent = self.optimizer.reshard(plan)
-        if self.cfg.zero == 2:
+        if self.cfg.zero >= 2:
             self.reducer.reassign(plan.owner)
         self.shards, self.speeds = plan, speeds
         return self.comm.allreduce(sent)
@@ -410,8 +427,8 @@ class DataParallel:
                 f"{', '.join(f'{s:.2f}' for s in self.speeds[:8])}{' ...' if len(self.speeds) > 8 else ''}")
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the model (collective with ``dist.zero=2``)."""
-        if self.optimizer is not None and self.cfg.zero == 2:
+        """``torch.nn.utils.clip_grad_norm_`` over the model (collective with ``dist.zero`` 2 and 3)."""
+        if self.optimizer is not None and self.cfg.zero >= 2:
             return self.optimizer.clip_grad_norm_(max_norm)
         total = self.grad_norm()
         grads = [p for p in self.params if p.grad is not None]
@@ -423,7 +440,7 @@ class DataParallel:
         """The total gradient 2-norm (collective with ``dist.zero=2``).  Where ``dist.zero=2`` would cut a parameter
         at this world size, every stage takes the norm unit by unit as it does (``zero.unit_grad_norm``), so
         the stages clip alike, bit for bit; otherwise it is ``torch.nn.utils.get_total_norm``'s."""
-        if self.optimizer is not None and self.cfg.zero == 2:
+        if self.optimizer is not None and self.cfg.zero >= 2:
             return self.optimizer.grad_norm()
         if self._norm_units is not None:
             return unit_grad_norm(self.params, self._norm_units, self._norm_order)
@@ -528,6 +545,8 @@ class DataParallel:
                 loss = loss_fn(self.model, inputs, targets) / n
                 self.clock.mark("forward")
                 loss.backward()
+                if self.sharded_params is not None:
+                    self.sharded_params.after_backward()
                 self.clock.mark("backward")
             total += loss.detach()
         return total
@@ -582,3 +601,5 @@ class DataParallel:
         self.reducer.close(collective)
         if self.optimizer is not None and collective:
             self.optimizer.close()
+        if self.sharded_params is not None and collective:
+            self.sharded_params.close()

@@ -226,8 +226,9 @@ class ShardedOptimizer:
         plan: the owners (by unit index in ``layout``).
         layout: the model's trainable parameters, in model order, and their units.
         comm: the ranks' communicator.
-        stage: 1 or 2 (2: the gradients of units owned elsewhere are None here, those of owned cut units are
-            on the units' tensors).
+        stage: 1, 2 or 3 (2: the gradients of units owned elsewhere are None here, those of owned cut units are
+            on the units' tensors; 3: every unit has a tensor of its own (``hpcnet.comm.zero3``), its gradient is
+            there, and nothing is broadcast after the update: the next forward gathers the parameters).
     """
 
     def __init__(self, full: torch.optim.Optimizer, plan: ShardPlan, layout: ShardLayout, comm: Any,
@@ -271,11 +272,12 @@ class ShardedOptimizer:
             mine = [u for i in members for u in of_param[i] if owner[u] == self.rank]
             self.owned.extend(mine)
             groups.append({**group_hyper, "params": [self.layout.tensors[u] for u in mine]})
-        self._owned_cut = [u for u in self.owned if not self.layout.units[u].whole]
+        # The owned units whose gradient is not their parameter's .grad.
+        self._owned_cut = [u for u in self.owned if self.stage == 3 or not self.layout.units[u].whole]
         self.inner = self._cls(groups, **self._options)
         if self.gather is not None:
             self.gather.close()
-        self.gather = ParamGather(self.layout.tensors, owner, self.comm)
+        self.gather = ParamGather(self.layout.tensors, owner, self.comm) if self.stage < 3 else None
 
     # -- the optimizer interface the loop uses --------------------------------------
     @property
@@ -300,10 +302,10 @@ class ShardedOptimizer:
         self.inner.step()
         if self.clock is not None:
             self.clock.mark("optimizer")
-        assert self.gather is not None
-        self.gather.run()
-        if self.clock is not None:
-            self.clock.mark("comm")
+        if self.gather is not None:
+            self.gather.run()
+            if self.clock is not None:
+                self.clock.mark("comm")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:

@@ -91,10 +91,10 @@ class ModelConfig:
     options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for the model factory, e.g. model.options.hidden=[1024,1024]."""
     blocks: str = "auto"
-    """The model's blocks, which train.activation_checkpointing recomputes: 'auto' (of the module classes repeated
-    side by side, as the layers of a ModuleList, the one holding the most parameters: a transformer's layers, a
-    ResNet's basic blocks), a class 'package.module.Class' (its outermost instances), or module paths
-    'blocks.0,blocks.1'."""
+    """The model's blocks, which train.activation_checkpointing recomputes and dist.zero=3 gathers one at a time:
+    'auto' (of the module classes repeated side by side, as the layers of a ModuleList, the one holding the most
+    parameters: a transformer's layers, a ResNet's basic blocks), a class 'package.module.Class' (its outermost
+    instances), or module paths 'blocks.0,blocks.1'."""
 
     def __post_init__(self) -> None:
         if not self.blocks.strip():
@@ -302,7 +302,8 @@ class DistConfig:
     zero: int = 0
     """Sharded data parallelism (ZeRO): 0 = every rank holds all optimizer state and gradients; 1 = each parameter's
     optimizer state on its owner rank only, parameters all-gathered after the update; 2 = also its averaged gradient
-    (reduce-scattered to the owner)."""
+    (reduce-scattered to the owner); 3 = also the parameter itself, gathered block by block (model.blocks) for each
+    block's forward and backward and released after."""
     plan: str = "auto"
     """Who owns which parameter with dist.zero > 0: 'auto' (the cost model: bytes, the measured link and each rank's
     measured speed, so a slower rank owns less) or 'uniform' (bytes balanced, ranks taken as equal); written to
@@ -350,8 +351,8 @@ class DistConfig:
             raise ConfigError(f"dist.fallback: {self.fallback!r} is not one of 'auto', 'gloo', 'mpi', 'none'")
         if self.fail_at_step < 0:
             raise ConfigError(f"dist.fail_at_step must be >= 0, got {self.fail_at_step}")
-        if self.zero not in (0, 1, 2) or isinstance(self.zero, bool):
-            raise ConfigError(f"dist.zero: {self.zero!r} is not one of 0, 1, 2")
+        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
+            raise ConfigError(f"dist.zero: {self.zero!r} is not one of 0, 1, 2, 3")
         if self.plan not in ("auto", "uniform"):
             raise ConfigError(f"dist.plan: {self.plan!r} is not one of 'auto', 'uniform'")
         if isinstance(self.memory_cap_gb, bool) or not isinstance(self.memory_cap_gb, (int, float)) \
