@@ -389,8 +389,8 @@ def parse_index(text: Any, kind: str) -> list[dict[str, Any]]:
 
 def check_row_pieces(specs: list[TensorSpec]) -> None:
     """Raise ValueError unless each row piece of optimizer state or of a parameter (``ROW_PIECE``) holds the rows
-    its name says, and the pieces of each state, in one dtype and row shape, cover its rows from 0 once each, with no whole
-    tensor of that name beside them: a reader joins them by their names."""
+    its name says, and the pieces of each state, in one dtype and row shape, cover its rows from 0 once each,
+    with no whole tensor of that name beside them: a reader joins them by their names."""
     names = {spec.name for spec in specs}
     pieces: dict[str, list[tuple[int, int, TensorSpec]]] = {}
     for spec in specs:

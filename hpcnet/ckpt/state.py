@@ -22,7 +22,7 @@ from hpcnet.agree import shared_errors
 from hpcnet.ckpt.load import Loaded
 from hpcnet.ckpt.manager import CheckpointManager
 from hpcnet.comm.dataparallel import FEEDBACK_PREFIX
-from hpcnet.comm.zero import rows_of, split_pieces
+from hpcnet.comm.zero import PIECE, rows_of, split_pieces
 from hpcnet.config import Config
 from hpcnet.config.load import to_dict
 from hpcnet.errors import UsageError
@@ -170,9 +170,16 @@ def join_pieces(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _joined(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out, pieces = split_pieces(tensors)
-    for name, parts in pieces.items():
-        out[name] = rows_of(parts, 0, max(hi for _, hi, _ in parts), name)
+    """``join_pieces``, each joined tensor where its first piece was (a state dict keeps its order)."""
+    _, pieces = split_pieces(tensors)
+    out: dict[str, torch.Tensor] = {}
+    for name, value in tensors.items():
+        piece = PIECE.match(name)
+        if piece is None:
+            out[name] = value
+        elif piece["key"] not in out:
+            parts = pieces[piece["key"]]
+            out[piece["key"]] = rows_of(parts, 0, max(hi for _, hi, _ in parts), piece["key"])
     return out
 
 

@@ -601,5 +601,5 @@ class DataParallel:
         self.reducer.close(collective)
         if self.optimizer is not None and collective:
             self.optimizer.close()
-        if self.sharded_params is not None and collective:
-            self.sharded_params.close()
+        if self.sharded_params is not None:
+            self.sharded_params.close(collective)

@@ -454,19 +454,35 @@ class ShardedParams:
                         t.copy_(value)
         return {key: value for key, value in plain.items() if key not in self.keys}
 
-    def close(self) -> None:
+    def unshard(self) -> None:
+        """Give every parameter its whole value in memory of its own again (collective), group by group (the
+        whole model, plus one group's buffer, at the peak): the model as the other stages leave it, for what
+        comes after training (the run's result, an export)."""
+        with torch.no_grad():
+            for g in self.groups:
+                self.need(g)
+                for i in g.params:
+                    p = self.params[i]
+                    p.data = p.data.clone()
+                self._release(g)
+
+    def close(self, collective: bool = True) -> None:
+        """Remove the hooks; ``collective`` (every rank closes): first ``unshard`` the model.  Otherwise (an error
+        on this rank alone) the parameters stay without memory."""
+        if collective:
+            self.unshard()
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
         for g in self.groups:
-            if g.pending is not None and not isinstance(g.pending, tuple):
-                g.pending.Wait()
+            if collective and g.pending is not None and not isinstance(g.pending, tuple):
+                g.pending.Wait()  # (unshard waited for every gather; alone, a wait could wait forever)
             g.pending = None
             for t in ([g.send[1]] if g.send else []) + (list(g.recv[1]) if g.recv else []):
                 if t is not None:
                     t.Free()
             g.send = g.recv = None
-        if self.comm is not None:
+        if self.comm is not None and collective:
             self.comm.Free()
             self.comm = None
 

@@ -301,8 +301,8 @@ def test_bad_zero_options_are_named():
     from hpcnet.config.load import load_config
     from hpcnet.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"dist.zero: 3 is not one of 0, 1, 2"):
-        load_config(overrides=["dist.zero=3"])
+    with pytest.raises(ConfigError, match=r"dist.zero: 5 is not one of 0, 1, 2, 3"):
+        load_config(overrides=["dist.zero=5"])
     with pytest.raises(ConfigError, match=r"dist.plan: 'greedy' is not one of 'auto', 'uniform'"):
         load_config(overrides=["dist.plan=greedy"])
 
