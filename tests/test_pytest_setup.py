@@ -30,5 +30,6 @@ def test_plain_mpiexec_pytest_runs_the_mpi_tests():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # The two ranks write to one stream: a summary line may run into the other's ("...in 0.04s1 passed, ..."),
     # so the count looks for the words, not for a word boundary before them.
-    assert re.findall(r"(?<!\d)1 passed, 1 skipped\b", result.stdout) == ["1 passed, 1 skipped"] * 2, result.stdout[-3000:]
+    found = re.findall(r"(?<!\d)1 passed, 1 skipped\b", result.stdout)
+    assert found == ["1 passed, 1 skipped"] * 2, result.stdout[-3000:]
     assert "starts its own mpirun" in result.stdout
