@@ -1,10 +1,10 @@
-"""Memory per rank, step time and capacity of hpcnet's dist.zero=0/1/2 against DDP, DDP+ZeroRedundancyOptimizer and
-FSDP2, with and without activation checkpointing.
+"""Memory per rank, step time and capacity of hpcnet's dist.zero=0/1/2/3 against DDP, DDP+ZeroRedundancyOptimizer
+and FSDP2, with and without activation checkpointing.
 
 Launch:
     mpirun -np 4 python -m mpi4py -m hpcnet.bench memory [--models transformer] [--cap-gb 0.5] [--json out.json]
 
-The contenders are the entries of ``CONTENDERS`` (a new one, hpcnet ``dist.zero=3``, is one more entry). Those
+The contenders are the entries of ``CONTENDERS``. Those
 marked ``+ac`` recompute each block's activations in backward with ``hpcnet.models.blocks.checkpoint_blocks``
 (non-reentrant ``torch.utils.checkpoint``), applied to the model before DDP, ``fully_shard`` or hpcnet wrap it,
 so every contender checkpoints the same way. Every contender trains its own copy of one model (same weights,
@@ -100,10 +100,16 @@ CONTENDERS: dict[str, ContenderSpec] = {
     "hpcnet-zero2": ContenderSpec(kind="hpcnet", zero=2, capacity=True, cap_timed=True, guess_bytes_per_param=10.0),
     "hpcnet-zero2+ac": ContenderSpec(kind="hpcnet", zero=2, checkpointed=True, plain="hpcnet-zero2", capacity=True,
                                      cap_timed=True, guess_bytes_per_param=9.0),
+    "hpcnet-zero3": ContenderSpec(kind="hpcnet", zero=3, capacity=True, cap_timed=True, guess_bytes_per_param=6.0),
+    "hpcnet-zero3+ac": ContenderSpec(kind="hpcnet", zero=3, checkpointed=True, plain="hpcnet-zero3", capacity=True,
+                                     cap_timed=True, guess_bytes_per_param=5.0),
 }
-"""Every contender, in the table's order (the capacity search's too). hpcnet ``dist.zero=3``, once it exists, is
-``"hpcnet-zero3": ContenderSpec(kind="hpcnet", zero=3, capacity=True, cap_timed=True)`` (and a ``+ac`` twin)."""
+"""Every contender, in the table's order (the capacity search's too)."""
 TIME_PEERS = ("ddp", "fsdp2", "hpcnet-zero0")
+CAPACITY_TARGETS = {"hpcnet-best / fsdp2-best": 1.25, "hpcnet-zero3 / fsdp2": 1.0, "hpcnet-zero2 / ddp": 2.0}
+"""The largest model under the cap, parameters over parameters: the issues' targets (31 for stage 3, 12 for 2)."""
+FSDP2_MODEL_TIME_TARGET = ("hpcnet-zero3", 0.9)
+"""Issue 31: stage 3's step time on FSDP2's largest model at most this times FSDP2's (median of paired rounds)."""
 CAP_CONTENDERS = tuple(name for name, spec in CONTENDERS.items() if spec.capacity)
 CAP_TIMED = tuple(name for name, spec in CONTENDERS.items() if spec.cap_timed)
 CAP_VOCAB, CAP_SEQ, CAP_BATCH = 8192, 64, 4  # the capacity ladder's data: the table's transformer's
@@ -240,6 +246,8 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
 
 def _hpcnet_tensors(model: nn.Module, dp: Any, optimizer: Any) -> dict[str, int]:
     params = list(model.parameters())
+    if dp.sharded_params is not None:  # dist.zero=3: the owned units, beside the (released) parameters
+        params += dp.layout.tensors
     grads = [p.grad for p in params if p.grad is not None]
     for bucket in dp.reducer.buckets:
         grads.extend(dp.reducer.placement.tensors(bucket))
@@ -272,11 +280,17 @@ class Contender:
 
     def full_weights(self) -> torch.Tensor:
         """Every parameter, whole, flat in name order (collective for FSDP2: its shards are gathered)."""
+        sharded = self.dp.sharded_params if self.dp is not None else None
+        if sharded is not None:  # dist.zero=3: gathered for the reading, released after
+            sharded.gather_all()
         tensors = []
         for _, p in sorted(self.model.named_parameters(), key=lambda item: item[0]):
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
             tensors.append(full.detach().reshape(-1))
-        return torch.cat(tensors)
+        flat = torch.cat(tensors)
+        if sharded is not None:
+            sharded.release_all()
+        return flat
 
     def close(self) -> None:
         if self.dp is not None:
@@ -317,7 +331,8 @@ def _build(name: str, model: nn.Module, comm: Any, world: Any, optim: str) -> Co
     if spec.kind == "hpcnet":
         cfg = DistConfig(zero=spec.zero, plan="uniform")
         dp = DataParallel(model, comm, world, cfg, device=torch.device("cpu"),
-                          plan=decide_plan(comm, world, cfg, device_type="cpu"))
+                          plan=decide_plan(comm, world, cfg, device_type="cpu"),
+                          blocks=find_blocks(model) if spec.zero == 3 else None)  # FSDP2's units
         return Contender(name, model, model, dp.shard_optimizer(build_optimizer(model, optim_cfg)), dp)
     if spec.kind == "fsdp2":
         from torch.distributed.fsdp import fully_shard
@@ -411,7 +426,7 @@ def bench_model(key: str, comm: Any, world: Any, args: argparse.Namespace) -> di
     n_params = sum(p.numel() for p in base.parameters())
     # One unmeasured step of each kind first: what the first use of autograd, gloo, MPI, FSDP2 and checkpointing
     # allocates for good would otherwise be charged to the first contender of the kind.
-    for name in ("ddp", "fsdp2", "hpcnet-zero2", "hpcnet-zero2+ac"):
+    for name in ("ddp", "fsdp2", "hpcnet-zero2", "hpcnet-zero2+ac", "hpcnet-zero3"):
         warm = _build(name, copy.deepcopy(base), comm, world, args.optim)
         warm.step(batches)
         warm.close()
@@ -444,9 +459,12 @@ def bench_model(key: str, comm: Any, world: Any, args: argparse.Namespace) -> di
 
 
 def targets(memory: dict[str, Any], ratios: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
-    """Issue 12's targets for hpcnet dist.zero=2 (stated at 4 ranks), each with its measured figure."""
+    """The targets stated at 4 ranks (issue 12's for dist.zero=2, issue 31's held memory for dist.zero=3), each
+    with its measured figure."""
     peak = {name: max(r["peak_mib"]) for name, r in memory.items()}
-    rows = [("peak / DDP's", peak["hpcnet-zero2"] / peak["ddp"], 0.5),
+    held = {name: max(r["held_mib"]) for name, r in memory.items()}
+    rows = [("stage 3 held between steps / FSDP2's", held["hpcnet-zero3"] / held["fsdp2"], 1.05),
+            ("peak / DDP's", peak["hpcnet-zero2"] / peak["ddp"], 0.5),
             ("peak / DDP+ZeroRedundancyOptimizer's", peak["hpcnet-zero2"] / peak["ddp+torch-zero1"], 0.8),
             ("step time / FSDP2's (median of rounds)", ratios["fsdp2"]["hpcnet-zero2"]["median"], 1.0),
             ("step time / hpcnet zero 0's (median of rounds)", ratios["hpcnet-zero0"]["hpcnet-zero2"]["median"], 1.1)]
@@ -542,6 +560,7 @@ def bench_capacity(comm: Any, world: Any, args: argparse.Namespace, measured: di
     hpcnet = [n for n in found if CONTENDERS[n].kind == "hpcnet"]
     fsdp2 = [n for n in found if CONTENDERS[n].kind == "fsdp2"]
     ratios = {"hpcnet-best / fsdp2-best": capacity_ratio(found, hpcnet, fsdp2),
+              "hpcnet-zero3 / fsdp2": capacity_ratio(found, ["hpcnet-zero3"], ["fsdp2"]),
               "hpcnet-zero2 / fsdp2": capacity_ratio(found, ["hpcnet-zero2"], ["fsdp2"]),
               "hpcnet-zero2 / ddp": capacity_ratio(found, ["hpcnet-zero2"], ["ddp"])}
     return {"cap_bytes": cap, "steps": args.cap_steps, "batch": [CAP_BATCH, CAP_SEQ], "vocab": CAP_VOCAB,
@@ -635,7 +654,8 @@ def report_capacity(cap: dict[str, Any]) -> str:
         bounds = ""
         if r["bracket"]:
             bounds = f"; between the sizes tried, the true ratio lies in {r['bracket'][0]:.2f}-{r['bracket'][1]:.2f}"
-        target = f", target >= 2: {'met' if r['ratio'] >= 2 else 'NOT met'}" if what == "hpcnet-zero2 / ddp" else ""
+        bound = CAPACITY_TARGETS.get(what)
+        target = f", target >= {bound:g}: {'met' if r['ratio'] >= bound else 'NOT met'}" if bound else ""
         lines.append(f"parameters, {what} ({r['numerator']} / {r['denominator']}): {r['ratio']:.2f}{target}{bounds}")
     return "\n".join(lines)
 
@@ -653,7 +673,16 @@ def report_fsdp2_model(out: dict[str, Any], cap_gb: float) -> str:
         f"on FSDP2's largest model, {out['d_model']} x {out['n_layers']} ({out['parameters'] / 1e6:.1f} M parameters), "
         f"without the cap; {out['rounds']} rounds x 1 step in rotated order:",
         table(["contender", "held MiB", f"/{peer}", "peak MiB", f"/{peer}", "under cap", "step ms (range)",
-               f"/{peer} (paired)"], rows)])
+               f"/{peer} (paired)"], rows), *_time_target(out)])
+
+
+def _time_target(out: dict[str, Any]) -> list[str]:
+    name, bound = FSDP2_MODEL_TIME_TARGET
+    if out["peer"] != "fsdp2" or name not in out["time_ratios"]:
+        return []
+    median = out["time_ratios"][name]["median"]
+    return [f"step time, {name} / fsdp2 (median of paired rounds): {median:.2f}, target <= {bound:g}: "
+            f"{'met' if median <= bound else 'NOT met'}"]
 
 
 def main(argv: list[str] | None = None) -> int:
