@@ -21,7 +21,7 @@ import torch
 
 from hpcnet.bench.common import describe_environment, environment, load_average, table, write_json
 
-CHOICES = [(0, "off"), (1, "off"), (2, "off"), (0, "blocks"), (2, "blocks")]
+CHOICES = [(0, "off"), (1, "off"), (2, "off"), (3, "off"), (0, "blocks"), (2, "blocks"), (3, "blocks")]
 
 
 def _train_peak(rung: int, stage: int, checkpointing: str, comm: Any, world: Any, steps: int) -> int:
@@ -49,7 +49,8 @@ def _train_peak(rung: int, stage: int, checkpointing: str, comm: Any, world: Any
         checkpoint_blocks(find_blocks(model))
     cfg = DistConfig(zero=stage, plan="uniform")
     dp = DataParallel(model, comm, world, cfg, device=torch.device("cpu"),
-                      plan=decide_plan(comm, world, cfg, device_type="cpu"))
+                      plan=decide_plan(comm, world, cfg, device_type="cpu"),
+                      blocks=find_blocks(model) if stage == 3 else None)
     optimizer = dp.shard_optimizer(build_optimizer(model, OptimConfig(name="adamw", lr=1e-3)))
     for step in range(steps):  # as bench memory's contenders step: clipped at norm 1
         dp.step([batches[step % len(batches)]], compute_loss)

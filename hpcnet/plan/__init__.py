@@ -10,11 +10,14 @@ the shares the uniform owner plan gives (``hpcnet.comm.zero``).  The peak is the
 the optimizer step's.  At stage 2 the share of each gradient a rank keeps appears as the backward hands the
 gradients over, so its backward peak is the most, over the measured backward, of what is alive plus the share
 of what was handed over so far (``StepMemory.backward_with_kept``), and two buckets besides (one being filled,
-one in the transport).
+one in the transport).  Stage 3 keeps only its share of the parameters too, and holds whole, during the backward,
+the root's parameters (those outside the blocks) and two blocks' (the one in use and the one prefetched), each
+block taken as the blocks' mean; without blocks, all of them (``hpcnet.comm.zero3``).
 
 The step time of each choice comes from the same measurement and the link model (``hpcnet.comm.costmodel``):
 the measured forward and backward (with the blocks' recomputation where they are checkpointed), and the
-collectives (an all-reduce of the gradients; from stage 1 on the parameters' all-gather besides).  ``choose`` takes the
+collectives (an all-reduce of the gradients; from stage 1 on the parameters' all-gather besides; at stage 3 twice,
+for the forward and again for the backward).  ``choose`` takes the
 fastest choice whose peak fits the cap, and when none does, says what would: more ranks, a smaller batch.
 """
 
@@ -28,7 +31,9 @@ from hpcnet.comm.zero import DEFAULT_LINK, UPDATE_S_PER_BYTE, split_units
 from hpcnet.errors import UsageError
 from hpcnet.plan.measure import StepMemory
 
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
+STAGE3_BLOCKS_GATHERED = 2
+"""Blocks whose parameters a rank holds whole at once at stage 3: the one in use and the one prefetched."""
 STAGE2_BUCKETS_ALIVE = 2
 """Buckets a rank holds at once at stage 2 during backward: the one being filled and the one being summed (Open
 MPI's reduce-scatter keeps a scratch copy of about its size)."""
@@ -119,6 +124,16 @@ def largest_share(memory: ModelMemory, ranks: int) -> int:
     return max(owned)
 
 
+def gathered_bytes(memory: ModelMemory) -> int:
+    """Parameter bytes a rank holds whole at stage 3's peak: the root's and ``STAGE3_BLOCKS_GATHERED`` blocks'
+    (the blocks' mean size); without blocks, every parameter."""
+    P = memory.param_bytes
+    if memory.n_blocks == 0:
+        return P
+    inside = memory.block_share * P
+    return int(P - inside + min(memory.n_blocks, STAGE3_BLOCKS_GATHERED) * inside / memory.n_blocks)
+
+
 def predict(memory: ModelMemory, *, ranks: int, stage: int, checkpointing: "str | int", batch: int | None = None,
             bucket_bytes: int = 25 * 2**20, link: LinkCost | None = None) -> Prediction:
     """Each rank's peak and the step time of one choice (see the module's doc); ``checkpointing`` is 'off',
@@ -136,15 +151,17 @@ def predict(memory: ModelMemory, *, ranks: int, stage: int, checkpointing: "str 
     if stage < 2 or ranks == 1:
         grads = P  # the buckets live from step to step
         transient_b = int(_measured(memory, k, lambda m: m.backward) * scale)
-        backward = P + grads + optimizer + transient_b
+        held = P + (gathered_bytes(memory) if stage == 3 else 0)  # one rank: every unit, and the groups in use
+        backward = held + grads + optimizer + transient_b
         after = P + grads + optimizer + transient_o
     else:
         bucket = min(bucket_bytes, stage2_bucket_cap(P, ranks))
         kept = _measured(memory, k, lambda m: m.backward_with_kept(share / P))
         transient_b = int(kept * scale) + STAGE2_BUCKETS_ALIVE * bucket
         grads = share
-        backward = P + optimizer + transient_b
-        after = P + share + optimizer + transient_o
+        held = P if stage == 2 else share + gathered_bytes(memory)
+        backward = held + optimizer + transient_b
+        after = (P if stage == 2 else share) + share + optimizer + transient_o
     phase = "backward" if backward >= after else "optimizer"
     # Measured with the blocks checkpointed where they are; recomputing never makes a step faster (timing noise).
     compute = max(_measured(memory, k, lambda m: m.forward_backward_s),
@@ -152,8 +169,9 @@ def predict(memory: ModelMemory, *, ranks: int, stage: int, checkpointing: "str 
     link = link or DEFAULT_LINK
     comm = link.all_reduce_s(P, ranks) if ranks > 1 else 0.0
     if stage and ranks > 1:
-        comm += link.all_gather_s(P, ranks)
-    return Prediction(stage=stage, checkpointing=memory.label(k), blocks=k, ranks=ranks, batch=batch, params=P,
+        comm += link.all_gather_s(P, ranks) * (2 if stage == 3 else 1)
+    return Prediction(stage=stage, checkpointing=memory.label(k), blocks=k, ranks=ranks, batch=batch,
+                      params=held if phase == "backward" else P if stage < 3 else share,
                       grads=grads, optimizer=optimizer, transient=transient_b if phase == "backward" else transient_o,
                       peak=max(backward, after), phase=phase, step_s=compute + comm)
 

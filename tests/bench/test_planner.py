@@ -14,5 +14,5 @@ def test_planner_under_mpirun(launch, tmp_path):
     assert "within 10%" in proc.stdout
     results = json.loads(out.read_text())["results"]
     assert {(r["stage"], r["activation_checkpointing"]) for r in results} == \
-        {(0, "off"), (1, "off"), (2, "off"), (0, "blocks"), (2, "blocks")}
+        {(0, "off"), (1, "off"), (2, "off"), (3, "off"), (0, "blocks"), (2, "blocks"), (3, "blocks")}
     assert all(r["predicted_bytes"] > 0 and r["measured_bytes"] > 0 for r in results)
