@@ -203,12 +203,16 @@ def plan_time_s(sizes_bytes: list[int], owner: list[int], rank_speeds: list[floa
 
 STAGE2_BUCKET_SHARE = 0.25
 """dist.zero=2: a bucket is at most this share of a rank's gradient shard (``stage2_bucket_cap``)."""
+STAGE3_BUCKET_SHARE = 1 / 16
+"""dist.zero=3: ... and at stage 3 this share, where the buckets in flight weigh more beside a rank's share of
+everything: on a 71 M-parameter transformer at 4 ranks, buckets of 4 MiB instead of 17.8 lowered the peak by 35 to
+42 MiB (of about 475) at the same step time (benchmarks/2026-12-07-memory-zero3.md)."""
 
 
 def stage2_bucket_cap(total_bytes: int, n_ranks: int, *, share: float = STAGE2_BUCKET_SHARE,
                       min_bytes: int = 1 << 20) -> int:
-    """The largest gradient bucket at ``dist.zero=2``: ``share`` of the ``total_bytes / n_ranks`` a rank keeps,
-    rounded down to 64 KiB, at least ``min_bytes``.
+    """The largest gradient bucket at ``dist.zero=2`` (and with ``share=STAGE3_BUCKET_SHARE`` at 3): ``share`` of
+    the ``total_bytes / n_ranks`` a rank keeps, rounded down to 64 KiB, at least ``min_bytes``.
 
     At stage 2 a rank holds its own gradient shard between steps, and during backward the buckets being filled
     and in flight, each with the transport's scratch of its size (Open MPI's reduce-scatter: about one bucket):

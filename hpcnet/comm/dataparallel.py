@@ -20,6 +20,8 @@ from torch import nn
 
 from hpcnet.agree import mark_agreed
 from hpcnet.comm.costmodel import (
+    STAGE2_BUCKET_SHARE,
+    STAGE3_BUCKET_SHARE,
     CommForecast,
     LinkCost,
     ShardPlan,
@@ -194,11 +196,13 @@ class DataParallel:
                 log.info("dist.bucket_mb=auto: %.2f MiB buckets (link %.1f us, %.2f GB/s; %.1f MiB of gradients)",
                          chosen / 2**20, self.link.latency_s * 1e6, self.link.bandwidth_Bps / 1e9, total / 2**20)
         if self.cfg.zero >= 2 and self.world.size > 1:
-            cap = stage2_bucket_cap(total, self.world.size)
+            cap = stage2_bucket_cap(total, self.world.size,
+                                    share=STAGE3_BUCKET_SHARE if self.cfg.zero == 3 else STAGE2_BUCKET_SHARE)
             if chosen > cap:
                 if self.world.is_main:
-                    log.info("dist.zero=%d: buckets of %.2f MiB, not %.2f (at most a quarter of a rank's %.1f MiB "
+                    log.info("dist.zero=%d: buckets of %.2f MiB, not %.2f (at most 1/%d of a rank's %.1f MiB "
                              "gradient shard)", self.cfg.zero, cap / 2**20, chosen / 2**20,
+                             round(1 / (STAGE3_BUCKET_SHARE if self.cfg.zero == 3 else STAGE2_BUCKET_SHARE)),
                              total / self.world.size / 2**20)
                 chosen = cap
         return chosen
