@@ -110,7 +110,6 @@ class ShardedParams:
         self._bind()
         self._hooks: list[Any] = []
         self._install(model, blocks)
-        self.gathers = 0  # groups gathered (a count for tests and the summary)
 
     # -- set-up ---------------------------------------------------------------------
     def _make_groups(self, model: nn.Module, blocks: list[tuple[str, nn.Module]],
@@ -174,7 +173,8 @@ class ShardedParams:
             self._hooks.append(module.register_forward_pre_hook(lambda m, a, g=g: self._pre_forward(g)))
             self._hooks.append(module.register_forward_hook(lambda m, a, out, g=g: self._post_forward(g, out)))
         for i, p in enumerate(self.params):
-            # Registered after the reducer's: it runs once the gradient has been handed over.
+            # Beside the reducer's hook, in either order: the release frees the parameter's memory, never the
+            # gradient autograd hands over.
             self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, i=i: self._arrived(i)))
 
     # -- the hooks ----------------------------------------------------------------------
@@ -234,7 +234,6 @@ class ShardedParams:
 
     def _start(self, g: Group) -> None:
         g.flat.untyped_storage().resize_(g.nbytes)
-        self.gathers += 1
         if self.size == 1 or not g.params:
             self._copy_own(g)
             g.pending = ()
