@@ -11,8 +11,8 @@ the optimizer step's.  At stage 2 the share of each gradient a rank keeps appear
 gradients over, so its backward peak is the most, over the measured backward, of what is alive plus the share
 of what was handed over so far (``StepMemory.backward_with_kept``), and two buckets besides (one being filled,
 one in the transport).  Stage 3 keeps only its share of the parameters too, and holds whole, during the backward,
-the root's parameters (those outside the blocks) and two blocks' (the one in use and the one prefetched), each
-block taken as the blocks' mean; without blocks, all of them (``hpcnet.comm.zero3``).
+the root's parameters (those outside the blocks) and some blocks' (``STAGE3_BLOCKS_GATHERED``), each block taken as
+the blocks' mean; without blocks, all of them (``hpcnet.comm.zero3``).
 
 The step time of each choice comes from the same measurement and the link model (``hpcnet.comm.costmodel``):
 the measured forward and backward (with the blocks' recomputation where they are checkpointed), and the
@@ -38,8 +38,12 @@ from hpcnet.errors import UsageError
 from hpcnet.plan.measure import StepMemory
 
 STAGES = (0, 1, 2, 3)
-STAGE3_BLOCKS_GATHERED = 2
-"""Blocks whose parameters a rank holds whole at once at stage 3: the one in use and the one prefetched."""
+STAGE3_BLOCKS_GATHERED = 1
+"""Blocks whose parameters the planner counts whole beside the root at stage 3's backward peak.  Two are held once
+the blocks' backward runs (the one in use and the one prefetched), none at the backward's start, where the
+activations are most (only the root is held while the loss and output layer run backward); the measured step does
+not tell where each block starts, so the planner takes one: counting two over-predicted stage 3 by up to 14% on the
+ladder, one by at most 7% (benchmarks/2026-12-07-memory-planner-zero3.md)."""
 STAGE2_BUCKETS_ALIVE = 2
 """Buckets a rank holds at once at stage 2 during backward: the one being filled and the one being summed (Open
 MPI's reduce-scatter keeps a scratch copy of about its size)."""
