@@ -26,7 +26,7 @@ from hpcnet.paths import PLAN_FILE
 from hpcnet.train import run
 from tests.helpers.comm import owned_params
 from tests.helpers.data import tiny_images
-from tests.helpers.train import StopAfter, train_config
+from tests.helpers.train import StopAfter, assert_same, flat_params, train_config
 
 # Parameters of 11 sizes (2048 to 4 elements): owners get uneven shares, and at 4 ranks some a single bias.
 MODEL = ["model.name=mlp", "model.options.hidden=[32,24]"]
@@ -39,18 +39,6 @@ def _dataset(comm, tmp):
 def _cfg(tmp, dataset, name, *extra):
     return train_config(tmp, dataset, name, "train.steps=6", "optim.warmup_steps=2", "optim.grad_clip=0.5",
                         "optim.lr=0.2", "checkpoint.at_end=false", *MODEL, *extra)
-
-
-def _params(result):
-    return torch.cat([p.detach().reshape(-1) for p in result.model.parameters()])
-
-
-def _assert_same(a, b, exact):
-    """Bit for bit where the summation orders agree, else to the rounding of other orders."""
-    if exact:
-        assert torch.equal(a, b), (a - b).abs().max()
-    else:
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
 
 
 def _exact_expected(comm, zero, backend):
@@ -76,7 +64,7 @@ def test_zero_updates_equal_zero_0(comm, data_plane, mpi_tmp_path, zero, optim, 
     sharded = run(_cfg(mpi_tmp_path, dataset, f"z{zero}-{name}", *args, f"dist.zero={zero}"), comm,
                   plane=data_plane)
     # Different summation orders: 1e-8 apart after 6 SGD steps here, 1e-6 with AdamW (it divides by sqrt(v)).
-    _assert_same(_params(replicated), _params(sharded), _exact_expected(comm, zero, backend))
+    assert_same(flat_params(replicated), flat_params(sharded), _exact_expected(comm, zero, backend))
     assert sharded.summary["final_loss"] == pytest.approx(replicated.summary["final_loss"], rel=1e-4)
 
     # What each rank holds: the optimizer state of its own units only, all of them together once; at 2 ranks and
@@ -203,10 +191,11 @@ def test_param_gather_gives_every_rank_every_owner_s_values(comm):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("saved_zero,resumed_zero", [(2, 2), (2, 0), (0, 1)])
+@pytest.mark.parametrize("saved_zero,resumed_zero", [(2, 2), (2, 0), (0, 1), (3, 3), (3, 0), (0, 3), (2, 3)])
 def test_resume_across_stages_is_exact(comm, data_plane, mpi_tmp_path, saved_zero, resumed_zero):
     """A checkpoint holds the optimizer state in the unsharded layout, whoever wrote it: a run stopped at
-    dist.zero=A and resumed at B ends as an uninterrupted run at A would, bit for bit where A and B sum alike."""
+    dist.zero=A and resumed at B ends as an uninterrupted run at A would, bit for bit where A and B sum alike
+    (a stage-3 checkpoint holds the parameters by their owners, a cut one in row pieces)."""
     dataset = _dataset(comm, mpi_tmp_path)
     # Uniform owners: the two uninterrupted-or-not runs plan alike (auto plans from speeds measured at each
     # start, and so may differ from run to run; what a resume does with that is tested below).
@@ -220,7 +209,7 @@ def test_resume_across_stages_is_exact(comm, data_plane, mpi_tmp_path, saved_zer
     second = run(_cfg(mpi_tmp_path, dataset, name, *common, f"dist.zero={resumed_zero}", "checkpoint.resume=auto"),
                  comm, plane=data_plane)
     assert second.summary["start_step"] == 3 and second.summary["steps"] == 8
-    _assert_same(_params(straight), _params(second),
+    assert_same(flat_params(straight), flat_params(second),
                  _exact_expected(comm, max(saved_zero, resumed_zero), "mpi") or saved_zero == resumed_zero)
     comm.Barrier()
 
@@ -250,7 +239,7 @@ def test_a_resume_goes_on_with_the_owners_it_was_saved_under(comm, data_plane, m
     assert list(second.optimizer.plan.owner) == saved_owners
     held = {k for k, t in enumerate(second.optimizer.layout.tensors) if t in second.optimizer.state}
     assert held == {k for k, o in enumerate(saved_owners) if o == rank}  # the state moved to them
-    _assert_same(_params(straight), _params(second), True)
+    assert_same(flat_params(straight), flat_params(second), True)
     if rank == 0:
         plan = json.loads((mpi_tmp_path / "runs" / "owners" / PLAN_FILE).read_text())
         assert plan["owner"] == saved_owners
@@ -317,7 +306,7 @@ def test_stage_2_falls_back_and_redoes_the_step(comm, data_plane, mpi_tmp_path):
     failed = run(_cfg(mpi_tmp_path, dataset, "fb-failed", *args, "dist.fail_at_step=3"), comm, plane=data_plane)
     assert [f["step"] for f in failed.summary["comm"]["fallbacks"]] == [3]
     assert failed.summary["comm"]["backend"] == "gloo"
-    _assert_same(_params(clean), _params(failed), comm.Get_size() <= 2)
+    assert_same(flat_params(clean), flat_params(failed), comm.Get_size() <= 2)
     comm.Barrier()
 
 
@@ -361,7 +350,7 @@ def test_stage_2_on_virtual_nodes_in_bf16_equals_stage_0(comm, data_plane, mpi_t
     sharded = run(_cfg(mpi_tmp_path, dataset, "vn-2", *args, "dist.zero=2"), comm, plane=data_plane)
     assert sharded.summary["comm"]["hierarchical"] == (comm.Get_size() >= 4)
     exact = sharded.summary["comm"]["hierarchical"] or _exact_expected(comm, 2, "mpi")
-    _assert_same(_params(replicated), _params(sharded), exact)
+    assert_same(flat_params(replicated), flat_params(sharded), exact)
     comm.Barrier()
 
 
@@ -396,7 +385,7 @@ def test_replan_moves_state_and_keeps_the_updates(comm, data_plane, mpi_tmp_path
     name = f"replan-{zero}-{backend}"
     replicated = run(_cfg(mpi_tmp_path, dataset, f"{name}-z0", *args), comm, plane=data_plane)
     sharded = run(_cfg(mpi_tmp_path, dataset, name, *args, f"dist.zero={zero}"), comm, plane=data_plane)
-    _assert_same(_params(replicated), _params(sharded), _exact_expected(comm, zero, backend))
+    assert_same(flat_params(replicated), flat_params(sharded), _exact_expected(comm, zero, backend))
     if size > 1:
         assert sharded.summary["comm"]["replans"] == 1
         owned = sharded.summary["comm"]["owned_bytes"]
@@ -412,7 +401,7 @@ def test_replan_moves_state_and_keeps_the_updates(comm, data_plane, mpi_tmp_path
     resumed = run(_cfg(mpi_tmp_path, dataset, f"{name}-stop", *args, f"dist.zero={zero}",
                        "checkpoint.resume=auto"), comm, plane=data_plane)
     assert resumed.summary["start_step"] == 4
-    _assert_same(_params(sharded), _params(resumed), _exact_expected(comm, zero, backend))
+    assert_same(flat_params(sharded), flat_params(resumed), _exact_expected(comm, zero, backend))
     comm.Barrier()
 
 

@@ -9,11 +9,10 @@ from torch import nn
 
 from hpcnet.comm.zero import ShardLayout
 from hpcnet.comm.zero3 import ShardedParams
-from hpcnet.errors import ExitCode
 from hpcnet.models.blocks import find_blocks
 from hpcnet.train import run
 from tests.helpers.data import tiny_images
-from tests.helpers.train import StopAfter, train_config
+from tests.helpers.train import assert_same, flat_params, train_config
 
 MLP = ["model.name=mlp", "model.options.hidden=[32,24]"]
 TRANSFORMER = ["model.name=transformer", "model.options.d_model=32", "model.options.n_layers=3",
@@ -39,15 +38,8 @@ def _cfg(tmp, dataset, name, *extra):
                         "optim.lr=0.2", "checkpoint.at_end=false", "dist.plan=uniform", *extra)
 
 
-def _params(result):
-    return torch.cat([p.detach().reshape(-1) for p in result.model.parameters()])
-
-
 def _assert_same(a, b, exact):
-    if exact:
-        assert torch.equal(a, b), (a - b).abs().max()
-    else:
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=5e-5)
+    assert_same(a, b, exact, atol=5e-5)  # 20 AdamW steps of the transformer at 4 ranks: the issue's bound
 
 
 def _exact(comm, backend):
@@ -89,7 +81,7 @@ def test_stage_3_trains_as_stage_0(comm, data_plane, mpi_tmp_path, model, optim,
     # data.balance splits each batch by the speeds it measures, which differ from run to run: the same mean
     # gradient, summed from other splits.
     exact = (_exact(comm, backend) or reference == 2) and "data.balance=auto" not in extra
-    _assert_same(_params(plain), _params(sharded), exact)
+    _assert_same(flat_params(plain), flat_params(sharded), exact)
     assert sharded.summary["final_loss"] == pytest.approx(plain.summary["final_loss"], rel=1e-4)
     if "eval" in plain.summary:
         assert sharded.summary["eval"] == pytest.approx(plain.summary["eval"], rel=1e-4)
@@ -182,26 +174,6 @@ def test_new_owners_keep_the_values(comm):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("saved,resumed", [(3, 3), (3, 0), (0, 3), (2, 3)])
-def test_resume_across_stages_is_exact(comm, data_plane, mpi_tmp_path, saved, resumed):
-    """Stopped at dist.zero=A after 3 steps and resumed at B: the parameters of an uninterrupted run at A, bit for
-    bit where A and B sum alike (a stage-3 checkpoint holds a cut parameter in row pieces, each by its owner)."""
-    dataset = _images(comm, mpi_tmp_path)
-    common = [*MLP, "optim.name=adamw", "optim.lr=0.003", "train.steps=8", "checkpoint.at_end=true"]
-    name = f"z3-resume-{saved}-{resumed}"
-    straight = run(_cfg(mpi_tmp_path, dataset, f"{name}-straight", *common, f"dist.zero={saved}"), comm,
-                   plane=data_plane)
-    first = run(_cfg(mpi_tmp_path, dataset, name, *common, f"dist.zero={saved}"), comm, plane=data_plane,
-                stop=StopAfter(3))
-    assert first.exit_code == ExitCode.PREEMPTED and first.summary["steps"] == 3
-    second = run(_cfg(mpi_tmp_path, dataset, name, *common, f"dist.zero={resumed}", "checkpoint.resume=auto"),
-                 comm, plane=data_plane)
-    assert second.summary["start_step"] == 3 and second.summary["steps"] == 8
-    _assert_same(_params(straight), _params(second), _exact(comm, "mpi") or saved == resumed)
-    comm.Barrier()
-
-
-@pytest.mark.mpi
 def test_a_stage_3_checkpoint_resumes_on_one_rank_and_exports_whole(comm, data_plane, mpi_tmp_path):
     """Saved by every rank at stage 3 (the largest layer in row pieces from 2 ranks on): read by each rank alone at
     stages 0 and 3, and by all ranks at stage 0, the same parameters and optimizer state; ``ckpt export`` joins the
@@ -212,7 +184,7 @@ def test_a_stage_3_checkpoint_resumes_on_one_rank_and_exports_whole(comm, data_p
     common = [*MLP, "optim.name=adamw", "optim.lr=0.003", "train.steps=3"]
     saved = run(_cfg(mpi_tmp_path, dataset, "z3-ws", *common, "dist.zero=3", "checkpoint.at_end=true"), comm,
                 plane=data_plane)
-    expected = _params(saved)
+    expected = flat_params(saved)
     ckpt = mpi_tmp_path / "ckpt" / "z3-ws"
     for zero, sub, where in ((0, MPI.COMM_SELF, f"self0-{comm.Get_rank()}"),
                              (3, MPI.COMM_SELF, f"self3-{comm.Get_rank()}"), (0, comm, "all")):
@@ -221,7 +193,7 @@ def test_a_stage_3_checkpoint_resumes_on_one_rank_and_exports_whole(comm, data_p
                            *(["dist.backend=mpi", "dist.fallback=none"] if sub is not comm else []))
         result = run(cfg, sub, plane=data_plane if sub is comm else None)
         assert result.summary["start_step"] == 3
-        assert torch.equal(_params(result), expected), (zero, where)
+        assert torch.equal(flat_params(result), expected), (zero, where)
     if comm.Get_rank() == 0:
         target = mpi_tmp_path / "z3.pt"
         assert cmd_export(sorted(ckpt.glob("ckpt-*.h5"))[-1], str(target), io.StringIO()) == 0

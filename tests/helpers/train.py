@@ -25,3 +25,20 @@ class StopAfter:
     def signum(self):
         self.calls += 1
         return signal.SIGUSR2 if self.calls >= self.steps else 0
+
+
+def flat_params(result):
+    """A run's parameters (``run(...).model``), flat in model order."""
+    import torch
+
+    return torch.cat([p.detach().reshape(-1) for p in result.model.parameters()])
+
+
+def assert_same(a, b, exact, atol=1e-5):
+    """Bit for bit where the summation orders agree, else to the rounding of other orders."""
+    import torch
+
+    if exact:
+        assert torch.equal(a, b), (a - b).abs().max()
+    else:
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=atol)
