@@ -235,7 +235,7 @@ def choose(memory: ModelMemory, *, ranks: int, cap_bytes: int, option: str = "di
     raise UsageError(
         f"{option}={cap_bytes / 1e9:g}: no choice fits at {ranks} ranks; the least is "
         f"{least.describe()}" + ("; would fit: " + " or ".join(hints) if hints else
-                                   "; the parameters alone do not fit: more memory per rank is needed"))
+                                   "; neither more ranks nor a smaller batch fits: more memory per rank is needed"))
 
 
 def _ranks_that_fit(memory: ModelMemory, least: Prediction, cap: int, ranks: int, **kwargs: Any) -> int | None:

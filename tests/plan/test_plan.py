@@ -46,6 +46,9 @@ def test_each_stage_keeps_less_and_the_parts_add_up():
     bucket = min(25 * 2**20, share // 4 // 65536 * 65536)
     assert p2.transient == max(40 * MB, 5 * MB + share) + 2 * bucket
     assert predict(memory, ranks=4, stage=2, checkpointing="blocks").peak < p2.peak
+    # Stage 3 keeps its share of the parameters, and holds the root (10% here) and one block (of 4) whole.
+    p3 = predict(memory, ranks=4, stage=3, checkpointing="off")
+    assert p3.params == share + 10 * MB + 90 * MB // 4 and p3.peak < p2.peak and p3.grads == share
     assert predict(memory, ranks=4, stage=0, checkpointing="off", batch=16).transient == 80 * MB  # scales
 
 
@@ -60,12 +63,16 @@ def test_the_choice_is_the_fastest_that_fits_and_nothing_fitting_names_what_woul
     # Stage 3 keeps a share of the parameters too: its peak is the least.
     least = predict(memory, ranks=4, stage=3, checkpointing="blocks").peak
     assert least < predict(memory, ranks=4, stage=2, checkpointing="blocks").peak
-    with pytest.raises(UsageError, match=r"dist.memory_cap_gb=0.15: no choice fits at 4 ranks; the least is "
+    with pytest.raises(UsageError, match=r"dist.memory_cap_gb=0.12: no choice fits at 4 ranks; the least is "
                                          r"dist.zero=3, activation checkpointing blocks.*would fit: \d+ ranks"):
-        choose(memory, ranks=4, cap_bytes=int(0.15e9))
-    assert least > 0.15e9
-    with pytest.raises(UsageError, match="the parameters alone do not fit"):
+        choose(memory, ranks=4, cap_bytes=int(0.12e9))
+    assert least > 0.12e9
+    # Stage 3 shares the parameters out: more ranks fit where stage 2 would need more memory a rank ...
+    with pytest.raises(UsageError, match=r"would fit: \d+ ranks at dist.zero=3"):
         choose(memory, ranks=4, cap_bytes=50 * MB)
+    # ... but not what a rank holds whole in a step (the root, a block, the activations).
+    with pytest.raises(UsageError, match="neither more ranks nor a smaller batch fits: more memory per rank"):
+        choose(memory, ranks=4, cap_bytes=20 * MB)
 
 
 def test_auto_checkpoints_only_as_many_blocks_as_the_cap_needs():
