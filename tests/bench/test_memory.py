@@ -67,7 +67,8 @@ def test_memory_ladder_and_helpers():
 def test_memory_contenders_table():
     from hpcnet.bench.memory import CAP_CONTENDERS, CAP_TIMED, CONTENDERS, TIME_PEERS
 
-    assert {"ddp", "fsdp2", "fsdp2+ac", "hpcnet-zero2", "hpcnet-zero2+ac"} <= set(CAP_CONTENDERS)
+    assert {"ddp", "fsdp2", "fsdp2+ac", "hpcnet-zero2", "hpcnet-zero2+ac", "hpcnet-zero3",
+            "hpcnet-zero3+ac"} <= set(CAP_CONTENDERS)
     assert set(CAP_TIMED) <= set(CONTENDERS) and "fsdp2" in CAP_TIMED and set(TIME_PEERS) <= set(CONTENDERS)
     for name, spec in CONTENDERS.items():
         assert spec.kind in ("ddp", "ddp+torch-zero1", "fsdp2", "hpcnet") and spec.guess_bytes_per_param > 0
@@ -95,12 +96,14 @@ def test_memory_capacity_ratio_brackets_the_truth():
 
 @pytest.mark.launch
 def test_memory_under_mpirun(launch, tmp_path):
-    from hpcnet.bench.memory import CAP_CONTENDERS, CONTENDERS, TIME_PEERS
+    from hpcnet.bench.memory import CONTENDERS, TIME_PEERS
 
     out = tmp_path / "memory.json"
+    # Five of the capacity contenders (each kind, stage 3 with its twin; the others' search is the same code).
+    searched = ["ddp", "fsdp2", "hpcnet-zero2", "hpcnet-zero3", "hpcnet-zero3+ac"]
     proc = launch(2, "memory", "--models", "mlp-small", "--steps", "1", "--rounds", "2", "--round-steps", "1",
-                  "--cap-gb", "0.07", "--cap-time", "fsdp2,hpcnet-zero2+ac", "--json", str(out),
-                  module="hpcnet.bench", timeout=300)
+                  "--cap-gb", "0.07", "--cap-contenders", ",".join(searched), "--cap-time", "fsdp2,hpcnet-zero3+ac",
+                  "--json", str(out), module="hpcnet.bench", timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for name in CONTENDERS:
         assert f"\n{name} " in proc.stdout
@@ -123,7 +126,7 @@ def test_memory_under_mpirun(launch, tmp_path):
     assert res["max_checkpointing_difference"] == 0.0
     assert set(res["checkpointing_differences"]) == {n for n, s in CONTENDERS.items() if s.plain}
     cap = report["capacity"]
-    assert cap["cap_bytes"] == 0.07e9 and list(cap["largest"]) == list(CAP_CONTENDERS)
+    assert cap["cap_bytes"] == 0.07e9 and list(cap["largest"]) == searched
     for name, found in cap["largest"].items():
         mine = [t for t in cap["trials"] if t["contender"] == name]
         tried = {t["rung"]: t for t in mine if not t["extra_blocks"]}
@@ -137,11 +140,11 @@ def test_memory_under_mpirun(launch, tmp_path):
         plain = CONTENDERS[name].plain
         if plain and cap["largest"][plain]["rung"]:  # the search starts above the twin's answer
             assert found["start_rung"] == cap["largest"][plain]["rung"] + 1
-    assert {"hpcnet-best / fsdp2-best", "hpcnet-zero2 / fsdp2", "hpcnet-zero2 / ddp"} <= set(cap["ratios"])
+    assert {"hpcnet-best / fsdp2-best", "hpcnet-zero3 / fsdp2", "hpcnet-zero2 / ddp"} <= set(cap["ratios"])
     best = cap["ratios"]["hpcnet-best / fsdp2-best"]
-    assert best["ratio"] == (max(cap["largest"][n]["parameters"] for n in ("hpcnet-zero2", "hpcnet-zero2+ac"))
-                             / max(cap["largest"][n]["parameters"] for n in ("fsdp2", "fsdp2+ac")))
+    assert best["ratio"] == (max(cap["largest"][n]["parameters"] for n in searched if n.startswith("hpcnet"))
+                             / cap["largest"]["fsdp2"]["parameters"])
     at = cap["fsdp2_model"]
     assert at["parameters"] == cap["largest"]["fsdp2"]["parameters"] and at["peer"] == "fsdp2"
-    assert list(at["memory"]) == ["fsdp2", "hpcnet-zero2+ac"] and len(at["step_s_rounds"]["fsdp2"]) == 2
-    assert at["time_ratios"]["fsdp2"]["median"] == 1.0 and at["time_ratios"]["hpcnet-zero2+ac"]["median"] > 0
+    assert list(at["memory"]) == ["fsdp2", "hpcnet-zero3+ac"] and len(at["step_s_rounds"]["fsdp2"]) == 2
+    assert at["time_ratios"]["fsdp2"]["median"] == 1.0 and at["time_ratios"]["hpcnet-zero3+ac"]["median"] > 0
