@@ -57,13 +57,11 @@ def flatten_with_holders(model: nn.Module, optimizer: torch.optim.Optimizer, sha
     parameters) -> that rank; empty when every rank holds everything."""
     tensors: dict[str, torch.Tensor] = {}
     holders: dict[str, int] = {}
-    managed, managed_holders = sharded.checkpoint_state() if sharded is not None else ({}, {})
     for key, value in model.state_dict().items():
-        if sharded is not None and key in sharded.keys:
-            # The parameter from its owners, where the state dict has it (its pieces together).
-            for name in [n for n in managed if n == f"model/{key}" or n.startswith(f"model/{key}:")]:
-                tensors[name] = managed[name]
-                holders[name] = managed_holders[name]
+        if sharded is not None and key in sharded.keys:  # the parameter from its owners, where the state dict has it
+            for name, tensor, holder in sharded.checkpoint_entries(key):
+                tensors[name] = tensor
+                holders[name] = holder
             continue
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"model state {key!r} is a {type(value).__name__}, not a tensor; it cannot be saved")
@@ -120,7 +118,7 @@ def restore_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, ten
             model_state = sharded.load(model_state, source)
             live = {key: value for key, value in live.items() if key not in sharded.keys}
         else:
-            model_state = _joined(model_state)
+            model_state = join_pieces(model_state)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     missing, unexpected = set(live) - set(model_state), set(model_state) - set(live)
@@ -165,12 +163,8 @@ def join_pieces(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``tensors`` (a loaded checkpoint's) with the row pieces of each cut parameter's optimizer state
     (``optim/<index>/<key>:<lo>-<hi>``, ``dist.zero``) and of each cut parameter (``model/<key>:<lo>-<hi>``,
     ``dist.zero=3``) joined into one tensor under the unsharded name: the names and values an unsharded run
-    saves.  ValueError when a tensor's pieces leave rows out."""
-    return _joined(tensors)
-
-
-def _joined(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``join_pieces``, each joined tensor where its first piece was (a state dict keeps its order)."""
+    saves, each joined tensor where its first piece was (a state dict keeps its order).  ValueError when a tensor's
+    pieces leave rows out."""
     _, pieces = split_pieces(tensors)
     out: dict[str, torch.Tensor] = {}
     for name, value in tensors.items():

@@ -209,6 +209,11 @@ everything: on a 71 M-parameter transformer at 4 ranks, buckets of 4 MiB instead
 42 MiB (of about 475) at the same step time (benchmarks/2026-12-07-memory-zero3.md)."""
 
 
+def bucket_share(stage: int) -> float:
+    """The share of a rank's gradient shard a bucket may hold at ``dist.zero`` ``stage`` (2 or 3)."""
+    return STAGE3_BUCKET_SHARE if stage == 3 else STAGE2_BUCKET_SHARE
+
+
 def stage2_bucket_cap(total_bytes: int, n_ranks: int, *, share: float = STAGE2_BUCKET_SHARE,
                       min_bytes: int = 1 << 20) -> int:
     """The largest gradient bucket at ``dist.zero=2`` (and with ``share=STAGE3_BUCKET_SHARE`` at 3): ``share`` of

@@ -20,12 +20,11 @@ from torch import nn
 
 from hpcnet.agree import mark_agreed
 from hpcnet.comm.costmodel import (
-    STAGE2_BUCKET_SHARE,
-    STAGE3_BUCKET_SHARE,
     CommForecast,
     LinkCost,
     ShardPlan,
     auto_bucket_bytes,
+    bucket_share,
     forecast_allreduce,
     measured_speeds,
     plan_time_s,
@@ -196,13 +195,13 @@ class DataParallel:
                 log.info("dist.bucket_mb=auto: %.2f MiB buckets (link %.1f us, %.2f GB/s; %.1f MiB of gradients)",
                          chosen / 2**20, self.link.latency_s * 1e6, self.link.bandwidth_Bps / 1e9, total / 2**20)
         if self.cfg.zero >= 2 and self.world.size > 1:
-            cap = stage2_bucket_cap(total, self.world.size,
-                                    share=STAGE3_BUCKET_SHARE if self.cfg.zero == 3 else STAGE2_BUCKET_SHARE)
+            share = bucket_share(self.cfg.zero)
+            cap = stage2_bucket_cap(total, self.world.size, share=share)
             if chosen > cap:
                 if self.world.is_main:
                     log.info("dist.zero=%d: buckets of %.2f MiB, not %.2f (at most 1/%d of a rank's %.1f MiB "
                              "gradient shard)", self.cfg.zero, cap / 2**20, chosen / 2**20,
-                             round(1 / (STAGE3_BUCKET_SHARE if self.cfg.zero == 3 else STAGE2_BUCKET_SHARE)),
+                             round(1 / share),
                              total / self.world.size / 2**20)
                 chosen = cap
         return chosen
@@ -441,9 +440,9 @@ class DataParallel:
         return total
 
     def grad_norm(self) -> torch.Tensor:
-        """The total gradient 2-norm (collective with ``dist.zero=2``).  Where ``dist.zero=2`` would cut a parameter
-        at this world size, every stage takes the norm unit by unit as it does (``zero.unit_grad_norm``), so
-        the stages clip alike, bit for bit; otherwise it is ``torch.nn.utils.get_total_norm``'s."""
+        """The total gradient 2-norm (collective with ``dist.zero`` 2 and 3).  Where ``dist.zero=2`` would cut a
+        parameter at this world size, every stage takes the norm unit by unit as it does (``zero.unit_grad_norm``),
+        so the stages clip alike, bit for bit; otherwise it is ``torch.nn.utils.get_total_norm``'s."""
         if self.optimizer is not None and self.cfg.zero >= 2:
             return self.optimizer.grad_norm()
         if self._norm_units is not None:

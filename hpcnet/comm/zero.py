@@ -272,8 +272,8 @@ class ShardedOptimizer:
             mine = [u for i in members for u in of_param[i] if owner[u] == self.rank]
             self.owned.extend(mine)
             groups.append({**group_hyper, "params": [self.layout.tensors[u] for u in mine]})
-        # The owned units whose gradient is not their parameter's .grad.
-        self._owned_cut = [u for u in self.owned if self.stage == 3 or not self.layout.units[u].whole]
+        # The owned units whose gradient is on the unit's tensor, not its parameter's .grad.
+        self._own_grads = [u for u in self.owned if self.stage == 3 or not self.layout.units[u].whole]
         self.inner = self._cls(groups, **self._options)
         if self.gather is not None:
             self.gather.close()
@@ -295,7 +295,7 @@ class ShardedOptimizer:
     def step(self) -> None:
         """Update the owned units, then all-gather every unit from its owner (collective)."""
         if self.stage < 2:  # every rank has every gradient: a cut unit's is rows of its parameter's
-            for k in self._owned_cut:
+            for k in self._own_grads:
                 u = self.layout.units[k]
                 grad = self.params[u.param].grad
                 self.layout.tensors[k].grad = None if grad is None else grad[u.lo:u.hi]
@@ -310,7 +310,7 @@ class ShardedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             p.grad = None
-        for k in self._owned_cut:
+        for k in self._own_grads:
             self.layout.tensors[k].grad = None
 
     # -- state --------------------------------------------------------------------------

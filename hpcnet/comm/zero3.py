@@ -244,7 +244,7 @@ class ShardedParams:
         from mpi4py import MPI
 
         send = self._send_type(g)
-        _, recv = self._recv_types(g)
+        recv = self._recv_types(g)
         counts = [1 if send is not None else 0] * self.size
         recv_counts = [1 if t is not None else 0 for t in recv]
         g.pending = self.comm.Ialltoallw(
@@ -306,13 +306,13 @@ class ShardedParams:
         g.send = (key, dtype)
         return dtype
 
-    def _recv_types(self, g: Group) -> tuple[list[int], list[Any]]:
+    def _recv_types(self, g: Group) -> list[Any]:
         """Each rank's units of ``g`` at their places relative to the flat buffer (None: it owns none there)."""
         from mpi4py import MPI
 
         owners = [self.owner[k] for k in g.units]
         if g.recv is not None and g.recv[0] == owners:
-            return g.recv
+            return g.recv[1]
         if g.recv is not None:
             for t in g.recv[1]:
                 if t is not None:
@@ -328,7 +328,7 @@ class ShardedParams:
         types = [MPI.BYTE.Create_hindexed([n for _, n in blocks], [a for a, _ in blocks]).Commit() if blocks
                  else None for blocks in per_rank]
         g.recv = (owners, types)
-        return g.recv
+        return types
 
     def _release(self, g: Group) -> None:
         if g.pending is not None:
@@ -375,20 +375,18 @@ class ShardedParams:
     def _key_units(self, key: str) -> list[int]:
         return self.layout.of_param[self.keys[key]]
 
-    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-        """The parameters under checkpoint names, by their owners (see the module's doc): this rank's units as
-        they are, the others' as ``meta`` tensors of their shapes; and who holds each name."""
-        tensors: dict[str, torch.Tensor] = {}
-        holders: dict[str, int] = {}
-        for key in self.keys:
-            for k in self._key_units(key):
-                u = self.layout.units[k]
-                name = f"model/{key}" if u.whole else f"model/{key}:{u.lo}-{u.hi}"
-                t = self.layout.tensors[k]
-                tensors[name] = (t.detach() if self.owner[k] == self.rank
-                                 else torch.empty(t.shape, dtype=t.dtype, device="meta"))
-                holders[name] = self.owner[k]
-        return tensors, holders
+    def checkpoint_entries(self, key: str) -> list[tuple[str, torch.Tensor, int]]:
+        """State-dict entry ``key`` (a parameter's) under checkpoint names, by its owners (see the module's doc):
+        (name, tensor, holder) for each unit, this rank's tensor as it is, the others' as a ``meta`` tensor of its
+        shape."""
+        entries = []
+        for k in self._key_units(key):
+            u, t = self.layout.units[k], self.layout.tensors[k]
+            name = f"model/{key}" if u.whole else f"model/{key}:{u.lo}-{u.hi}"
+            mine = self.owner[k] == self.rank
+            entries.append((name, t.detach() if mine else torch.empty(t.shape, dtype=t.dtype, device="meta"),
+                            self.owner[k]))
+        return entries
 
     def wants(self, name: str) -> bool | None:
         """Whether this rank reads checkpoint tensor ``name``: of a parameter's, those over the rows it owns (any

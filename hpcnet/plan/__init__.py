@@ -26,13 +26,7 @@ from typing import Any
 
 import torch
 
-from hpcnet.comm.costmodel import (
-    STAGE2_BUCKET_SHARE,
-    STAGE3_BUCKET_SHARE,
-    LinkCost,
-    assign_shards,
-    stage2_bucket_cap,
-)
+from hpcnet.comm.costmodel import LinkCost, assign_shards, bucket_share, stage2_bucket_cap
 from hpcnet.comm.zero import DEFAULT_LINK, UPDATE_S_PER_BYTE, split_units
 from hpcnet.errors import UsageError
 from hpcnet.plan.measure import StepMemory
@@ -165,8 +159,7 @@ def predict(memory: ModelMemory, *, ranks: int, stage: int, checkpointing: "str 
         backward = held + grads + optimizer + transient_b
         after = P + grads + optimizer + transient_o
     else:
-        bucket = min(bucket_bytes, stage2_bucket_cap(
-            P, ranks, share=STAGE3_BUCKET_SHARE if stage == 3 else STAGE2_BUCKET_SHARE))
+        bucket = min(bucket_bytes, stage2_bucket_cap(P, ranks, share=bucket_share(stage)))
         kept = _measured(memory, k, lambda m: m.backward_with_kept(share / P))
         transient_b = int(kept * scale) + STAGE2_BUCKETS_ALIVE * bucket
         grads = share
