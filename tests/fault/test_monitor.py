@@ -91,7 +91,7 @@ def test_silent_rank_is_named_by_its_watchers(comm, mpi_tmp_path):
     # cores, once went 0.61 s unscheduled and was declared failed beside the muted one.
     monitor = _monitor(comm, mpi_tmp_path, found, heartbeat_interval_s=0.5).start()
     monitor.step(3)
-    time.sleep(0.5)
+    time.sleep(1.0)  # two beat intervals: a beat carrying step 3 has left before rank 1 falls silent
     if rank == 1:
         monitor._muted = True  # stops beating, as a SIGSTOPped rank would
     watchers = [w for w in range(size) if 1 in ring_peers(w, size)[1]]
