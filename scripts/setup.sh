@@ -74,7 +74,8 @@ import importlib.util
 import h5py, mpi4py, torch, numpy, xxhash, pytest, pytest_mpi, hpcnet  # noqa: F401
 # python -m hpcnet.report's plots, scripts/test.sh's lint and its parallel serial pass: found, not imported (a
 # second import would slow every set-up check).
-if any(importlib.util.find_spec(name) is None for name in ("matplotlib", "ruff", "xdist")):
+if any(importlib.util.find_spec(name) is None
+       for name in ("matplotlib", "ruff", "xdist", "transformers", "safetensors", "tokenizers", "tensorboard")):
     raise SystemExit(4)
 raise SystemExit(0 if h5py.get_config().mpi else 3)
 PY
@@ -104,10 +105,10 @@ if ! h5py_is_mpi; then
     h5py_is_mpi || die "h5py.get_config().mpi is False after building against parallel HDF5; see README.md, Quick start"
 fi
 
-# --- 4. hpcnet itself (editable), the test tools and the report's matplotlib --
-say "installing hpcnet (editable), test and report requirements"
-pip install --no-build-isolation -e "$root[test,report]"
+# --- 4. hpcnet itself (editable), the test tools, the report's matplotlib, the optional extras ---
+say "installing hpcnet (editable), test, report, hf and tensorboard requirements"
+pip install --no-build-isolation -e "$root[test,report,hf,tensorboard]"
 
-check_env || die "the environment in $venv does not import (h5py, mpi4py, torch, xxhash, pytest-mpi, pytest-xdist, matplotlib, ruff, hpcnet)"
+check_env || die "the environment in $venv does not import (h5py, mpi4py, torch, xxhash, pytest-mpi, pytest-xdist, matplotlib, ruff, transformers, safetensors, tokenizers, tensorboard, hpcnet)"
 printf '%s' "$want" >"$stamp"
 say "environment ready ($venv)"

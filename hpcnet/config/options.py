@@ -67,6 +67,9 @@ class RunConfig:
     """Print a progress line on rank 0 every this many steps."""
     metrics: str = "rank0"
     """Write JSON-lines metrics from: 'rank0', 'all' ranks, or 'none'."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files from rank 0 into <run directory>/tensorboard (needs the 'tensorboard' extra:
+    pip install 'hpcnet[tensorboard]')."""
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -90,6 +93,15 @@ class ModelConfig:
     model.name."""
     options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for the model factory, e.g. model.options.hidden=[1024,1024]."""
+    hf: str = ""
+    """A Hugging Face model: a local config.json, or a local model directory (config.json, with weights or without);
+    built with AutoModelForCausalLM for token datasets, AutoModelForSequenceClassification otherwise (from_pretrained
+    when weights are there, else from_config; offline). Needs the 'hf' extra: pip install 'hpcnet[hf]'. Overrides
+    model.name; excludes model.factory."""
+    loss: str = ""
+    """Import path 'package.module:function' of the training objective, called as fn(model, batch) -> loss or
+    (loss, {name: tensor}) for every micro-batch and in evaluation; batch is what the dataset yields (tensors,
+    tuples, dicts), on the device. Empty: cross-entropy of the output (or of its .logits), or the output's own .loss."""
     blocks: str = "auto"
     """The model's blocks, which train.activation_checkpointing recomputes and dist.zero=3 gathers one at a time:
     'auto' (of the module classes repeated side by side, as the layers of a ModuleList, the one holding the most
@@ -101,6 +113,10 @@ class ModelConfig:
             raise ConfigError("model.blocks must not be empty: 'auto', a class 'package.module.Class' or module paths")
         if self.factory and not is_import_path(self.factory):
             raise ConfigError(f"model.factory: {self.factory!r} is not of the form 'package.module:function'")
+        if self.loss and not is_import_path(self.loss):
+            raise ConfigError(f"model.loss: {self.loss!r} is not of the form 'package.module:function'")
+        if self.hf and self.factory:
+            raise ConfigError("model.hf and model.factory both name the model: set one of them")
 
 
 @dataclass(kw_only=True, slots=True)
