@@ -1,20 +1,15 @@
 """The training loop: one optimizer step per iteration, progress logs, evaluation, and the step boundary at
 which every rank agrees on stopping, saving and non-finite values (docs/fault-tolerance.md, docs/checkpoints.md)."""
 
-import contextlib
 import logging
 import math
 import signal
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from hpcnet.ckpt.schedule import NONFINITE_GRAD, NONFINITE_LOSS, SavePolicy
 from hpcnet.ckpt.state import TrainState
@@ -25,10 +20,10 @@ from hpcnet.data.balance import Balancer
 from hpcnet.data.loader import BatchLoader
 from hpcnet.data.sampler import eval_indices
 from hpcnet.errors import ExitCode
-from hpcnet.fault.flightrec import NULL_RECORDER
 from hpcnet.fault.inject import FaultInjector
 from hpcnet.fault.monitor import Monitor
 from hpcnet.models.device import BatchMover, DeviceSettings
+from hpcnet.objective import Objective
 from hpcnet.observe.phases import bucket_times, rss_mib
 from hpcnet.observe.runlog import MetricsWriter, format_duration
 from hpcnet.observe.stats import job_step_stats, rank_step_stats
@@ -49,82 +44,8 @@ def finite_flags(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> tuple[bo
     return loss_ok, grad_ok
 
 
-def compute_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The training loss of one micro-batch."""
-    return loss_and_correct(model(inputs), targets)[0]
-
-
-def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """The forward's precision context (``train.precision``): nothing for fp32 (bit for bit the plain forward),
-    ``torch.autocast`` in bfloat16 for bf16 (matmuls and convolutions in bf16; losses, norms and softmax stay
-    float32, as torch's autocast policy has it; parameters and gradients stay float32)."""
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-
-
-def loss_in(device: torch.device, precision: str) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``compute_loss`` under ``autocast(device, precision)``."""
-    if precision == "fp32":
-        return compute_loss
-
-    def loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with autocast(device, precision):
-            return compute_loss(model, inputs, targets)
-
-    return loss
-
-
 def _ms(seconds: float) -> str:
     return f"{1e3 * seconds:.0f} ms" if seconds >= 0.01 else f"{1e3 * seconds:.1f} ms"
-
-
-def _slowed(loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor], faults: FaultInjector
-            ) -> Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``loss_fn`` with ``fault.slow_per_sample_s`` injected into its forward."""
-
-    def loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        faults.slow_compute(len(inputs))
-        return loss_fn(model, inputs, targets)
-
-    return loss
-
-
-def loss_and_correct(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean cross-entropy and the number of correct predictions (tokens or images)."""
-    logits = logits.reshape(-1, logits.shape[-1])
-    targets = targets.reshape(-1)
-    loss = F.cross_entropy(logits, targets)
-    correct = (logits.argmax(dim=-1) == targets).sum()
-    return loss, correct
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, split: Any, comm: Any, *, batch_size: int, max_batches: int,
-             device: torch.device, recorder: Any = NULL_RECORDER, precision: str = "fp32",
-             move: Callable[[Any], tuple[torch.Tensor, ...]] | None = None) -> dict[str, float]:
-    """Loss and accuracy on the held-out split, each rank on its own shard (collective); ``move`` puts a batch
-    on the device (``hpcnet.models.device.BatchMover``; default ``.to(device)``)."""
-    from mpi4py import MPI
-
-    was_training = model.training
-    model.eval()
-    indices = eval_indices(len(split), comm.Get_rank(), comm.Get_size())
-    totals = np.zeros(3)  # loss sum, correct, count
-    for n, start in enumerate(range(0, len(indices), batch_size)):
-        if max_batches and n >= max_batches:
-            break
-        batch = split.read(indices[start:start + batch_size])
-        inputs, targets = move(batch) if move is not None else (t.to(device) for t in batch)
-        with autocast(device, precision):
-            loss, correct = loss_and_correct(model(inputs), targets)
-        count = targets.numel()
-        totals += (loss.item() * count, correct.item(), count)
-    with recorder.op("eval.allreduce"):
-        comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
-    model.train(was_training)
-    count = max(totals[2], 1)
-    return {"eval_loss": totals[0] / count, "eval_accuracy": totals[1] / count}
 
 
 def _update(optimizer: torch.optim.Optimizer, loss: torch.Tensor, grad_norm: torch.Tensor | None,
@@ -185,7 +106,7 @@ class Loop:
                  loader: BatchLoader, eval_split: Any, device: torch.device, metrics: MetricsWriter,
                  state: TrainState, faults: FaultInjector, monitor: Monitor, stop: Any = None,
                  mover: BatchMover | None = None, balancer: Balancer | None = None,
-                 tracer: StepTracer | None = None) -> None:
+                 tracer: StepTracer | None = None, objective: Objective | None = None) -> None:
         self.cfg, self.comm, self.world, self.dp, self.optimizer = cfg, comm, world, dp, optimizer
         self.loader, self.eval_split, self.device, self.metrics = loader, eval_split, device, metrics
         self.state, self.faults, self.monitor, self.stop = state, faults, monitor, stop
@@ -193,9 +114,10 @@ class Loop:
         self.global_batch = cfg.train.batch_size * cfg.train.grad_accumulation * world.size
         self.on_nonfinite = cfg.train.nonfinite  # stop | skip | ignore
         self.policy = SavePolicy.from_config(cfg)
-        self._loss = loss_in(device, cfg.train.precision)
+        # model.loss (checked at start-up by the trainer), under train.precision
+        self.objective = objective or Objective(cfg.model.loss, device=device, precision=cfg.train.precision)
         if cfg.fault.slow_per_sample_s:
-            self._loss = _slowed(self._loss, faults)
+            self.objective.slow = faults.slow_compute
         self.mover = mover or BatchMover(device, DeviceSettings())
         self.balancer = balancer
         self.clock = dp.clock  # where each step's time goes (hpcnet.observe.phases); DataParallel marks its part
@@ -221,7 +143,7 @@ class Loop:
             self.tracer.close(p.step)
         self.clock.end()
         if loss is not None and p.step % self.cfg.run.log_every and p.step != self.total:  # stopped between logs
-            p.loss_value = self._gather_log(loss.item(), p.shares, [])[0]
+            p.loss_value = self._gather_log(loss.item(), self.objective.take_metrics(), p.shares, [])[0]
         self.dp.sync_buffers()
         step_stats = self._step_stats()
         elapsed = time.perf_counter() - p.t_loop
@@ -241,7 +163,7 @@ class Loop:
             group["lr"] = cfg.optim.lr * lr_factor(p.step, self.total, cfg.optim)
         batches = [self.mover(self.loader.next()) for _ in range(cfg.train.grad_accumulation)]
         self.clock.mark("data")
-        loss = self.dp.step(batches, self._loss, step=p.step + 1)
+        loss = self.dp.step(batches, self.objective, step=p.step + 1)
         # The averaged gradients are the same on every rank, so a verdict from their norm needs
         # no collective; computing it costs a pass over them, paid only for clipping or skip.
         grad_norm = None
@@ -265,17 +187,23 @@ class Loop:
                             p.step, p.skipped_steps)
         return loss, nonfinite
 
-    def _gather_log(self, local_loss: float, shares: list[float] | None, step_s: list[float], comm_s: float = 0.0
-                    ) -> tuple[float, list[tuple[float, float, float]]]:
-        """The global loss of a step computed with batch ``shares`` (None: equal), and every rank's (loss, median
-        step seconds, exposed-communication share) of the interval (collective)."""
+    def _gather_log(self, local_loss: float, metrics: dict[str, float], shares: list[float] | None,
+                    step_s: list[float], comm_s: float = 0.0
+                    ) -> tuple[float, list[tuple[float, float, float, dict[str, float]]], dict[str, float]]:
+        """The global loss of a step computed with batch ``shares`` (None: equal), every rank's (loss, median
+        step seconds, exposed-communication share, model.loss's metrics) of the interval, and the metrics'
+        global means, weighted as the loss is (collective)."""
         median = statistics.median(step_s) if step_s else 0.0
         with self.monitor.collective("loss.allreduce"):
-            every = self.comm.allgather((local_loss, median, comm_s / sum(step_s) if step_s else 0.0))
-        if shares is not None and len(set(shares)) > 1:
-            # Slices of unequal size: each rank's mean counts by its share of the global batch.
-            return math.fsum(loss * share for (loss, _, _), share in zip(every, shares)), every
-        return math.fsum(loss for loss, _, _ in every) / self.world.size, every
+            every = self.comm.allgather((local_loss, median, comm_s / sum(step_s) if step_s else 0.0, metrics))
+        weights = (list(shares) if shares is not None and len(set(shares)) > 1
+                   else [1 / self.world.size] * self.world.size)  # unequal slices: each rank's mean by its share
+
+        def mean(values: list[float]) -> float:
+            return math.fsum(value * weight for value, weight in zip(values, weights))
+        names = sorted(set().union(*(m for *_, m in every)))
+        return (mean([loss for loss, *_ in every]), every,
+                {name: mean([m.get(name, math.nan) for *_, m in every]) for name in names})
 
     def _log_if_due(self, p: LoopProgress, loss: torch.Tensor) -> None:
         if p.step % self.cfg.run.log_every and p.step != self.total:
@@ -283,7 +211,8 @@ class Loop:
         self.clock.split()  # the interval's steps end here; what follows is the next step's
         step_s, phases = self.clock.take_interval()
         local_loss = loss.item()
-        p.loss_value, every = self._gather_log(local_loss, p.shares, step_s, phases["comm"])
+        p.loss_value, every, metrics = self._gather_log(local_loss, self.objective.take_metrics(), p.shares, step_s,
+                                                        phases["comm"])
         self.clock.mark("comm")
         now = time.perf_counter()
         rate = (p.step - p.last_step) * self.global_batch / max(now - p.t_last, 1e-9)
@@ -291,10 +220,11 @@ class Loop:
         lr = self.optimizer.param_groups[0]["lr"]
         slowest = max(range(len(every)), key=lambda r: (every[r][1], -r))
         if self.world.is_main:
-            log.info("step %*d/%d | loss %.4f | lr %.2e | %.0f samples/s | step %s (slowest: rank %d, %s) "
-                     "| comm %.0f%% | eta %s", len(str(self.total)), p.step, self.total, p.loss_value, lr, rate,
+            log.info("step %*d/%d | loss %.4f%s | lr %.2e | %.0f samples/s | step %s (slowest: rank %d, %s) "
+                     "| comm %.0f%% | eta %s", len(str(self.total)), p.step, self.total, p.loss_value,
+                     "".join(f" | {name} {value:.4g}" for name, value in metrics.items()), lr, rate,
                      _ms(every[0][1]), slowest, _ms(every[slowest][1]),
-                     100 * statistics.fmean(c for _, _, c in every), format_duration(eta))
+                     100 * statistics.fmean(c for _, _, c, _ in every), format_duration(eta))
         extra: dict[str, Any] = {}
         if self.device.type == "cuda":
             extra["cuda_mb"] = round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
@@ -302,7 +232,8 @@ class Loop:
                            epoch=self.loader.epoch, steps=len(step_s), step_s=[round(t, 6) for t in step_s],
                            phases_s={k: round(v, 6) for k, v in phases.items()}, rss_mb=round(rss_mib(), 1),
                            buckets=bucket_times(self.monitor.recorder.entries(), self._log_from_step),
-                           slowest_rank=slowest, slowest_step_s=round(every[slowest][1], 6), **extra)
+                           slowest_rank=slowest, slowest_step_s=round(every[slowest][1], 6),
+                           **{f"train_{name}": value for name, value in metrics.items()}, **extra)
         self._log_from_step = p.step
         p.t_last, p.last_step = now, p.step
 
@@ -320,14 +251,16 @@ class Loop:
         if not every or (p.step % every and p.step != self.total):
             return
         self.dp.sync_buffers()
-        p.evaluation = evaluate(self.dp.model, self.eval_split, self.comm, batch_size=self.cfg.train.batch_size,
-                                max_batches=self.cfg.train.eval_batches, device=self.device,
-                                recorder=self.monitor.recorder, precision=self.cfg.train.precision,
-                                move=self.mover)
+        p.evaluation = self.objective.evaluate(
+            self.dp.model, self.eval_split, self.comm, indices=eval_indices(len(self.eval_split), self.world.rank,
+                                                                            self.world.size),
+            batch_size=self.cfg.train.batch_size, max_batches=self.cfg.train.eval_batches, move=self.mover,
+            recorder=self.monitor.recorder)
         self.clock.mark("eval")
         if self.world.is_main:
-            log.info("eval at step %d: loss %.4f, accuracy %.2f%%", p.step, p.evaluation["eval_loss"],
-                     100 * p.evaluation["eval_accuracy"])
+            log.info("eval at step %d: %s", p.step, ", ".join(
+                f"accuracy {100 * value:.2f}%" if name == "eval_accuracy" else f"{name[5:]} {value:.4f}"
+                for name, value in p.evaluation.items()))
         self.metrics.write(step=p.step, **p.evaluation)
 
     def _boundary(self, p: LoopProgress, nonfinite: int) -> bool:
@@ -364,8 +297,11 @@ class Loop:
         if finite:
             self.state.save(p.step, self.loader.state_dict())
             self.policy.saved()
+            timings = self.state.manager.last_timings
             if self.tracer is not None:
-                self.tracer.checkpoint(p.step, self.state.manager.last_timings)
+                self.tracer.checkpoint(p.step, timings)
+            # What this rank's save took (an async one: what it blocked; the write goes on behind the loop).
+            self.metrics.write(step=p.step, checkpoint={k: round(v, 6) for k, v in timings.items()})
         else:
             p.diverged = (f"non-finite model or optimizer state after step {p.step} (an update overflowed, "
                           "or a forward pass left non-finite statistics)")

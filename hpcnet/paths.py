@@ -38,6 +38,9 @@ PLAN_FILE = "plan.json"
 """With dist.zero > 0: who owns which parameter, the measured speeds and link the cost model used."""
 TRACE_FILE = "trace.json"
 """The merged Chrome trace of ``train.trace_steps``, in the run directory."""
+TENSORBOARD_DIR = "tensorboard"
+"""With ``run.tensorboard``: rank 0's TensorBoard event files, a folder of the run directory (one file a run in it:
+a resumed run adds its own)."""
 LAUNCH_FILE = "launch.json"
 """The supervisor's record of every attempt, in the launch directory."""
 

@@ -66,6 +66,7 @@ from hpcnet.models import build_model, count_parameters
 from hpcnet.models.blocks import checkpoint_blocks, find_blocks
 from hpcnet.models.blocks import describe as describe_blocks
 from hpcnet.models.device import BatchMover, DeviceSettings, apply_settings, device_settings
+from hpcnet.objective import Objective
 from hpcnet.observe.runlog import (
     MetricsWriter,
     OptionalFile,
@@ -75,9 +76,10 @@ from hpcnet.observe.runlog import (
     setup_logging,
     strict_json,
 )
+from hpcnet.observe.tensorboard import TensorBoardWriter, require_tensorboard
 from hpcnet.observe.trace import StepTracer, parse_steps
 from hpcnet.optim import build_optimizer
-from hpcnet.paths import CONFIG_FILE, SUMMARY_FILE, checkpoint_dir, metrics_file
+from hpcnet.paths import CONFIG_FILE, SUMMARY_FILE, TENSORBOARD_DIR, checkpoint_dir, metrics_file
 from hpcnet.plan import choose, configured_bucket_bytes
 from hpcnet.plan.measure import ResidentPeak, measure_config
 
@@ -143,6 +145,9 @@ def _start(cfg: Config, comm: Any) -> tuple[World, Path, torch.device, Monitor]:
     """Ranks, the run directory and its logs, the device, the monitor thread, the resolved config written."""
     world = discover(comm)
     check_same_config(comm, cfg)
+    with shared_errors(comm):  # before the run directory: only rank 0 writes the events, every rank stops alike
+        if cfg.run.tensorboard and world.is_main:
+            require_tensorboard()
     run_dir = make_run_dir(comm, cfg.run.dir, cfg.run.name, exact=cfg.run.dir_exact)
     setup_logging(run_dir, world.rank)
     # More ranks than cores on this machine (hosts that share one count together): blocked MPI calls must give the
@@ -222,15 +227,19 @@ def _data(cfg: Config, comm: Any, world: World) -> tuple[Any, Any, GlobalBatchSa
 def _model(cfg: Config, comm: Any, world: World, device: torch.device, split: Any, plan: Any,
            monitor: Monitor, link: LinkCost | None = None, run_dir: Path | None = None,
            intra_link: LinkCost | None = None
-           ) -> tuple[DataParallel, torch.optim.Optimizer, DeviceSettings, "MemoryPlan | None"]:
+           ) -> tuple[DataParallel, torch.optim.Optimizer, DeviceSettings, "MemoryPlan | None", Objective]:
     """The same seed on every rank, then rank 0's weights broadcast (inside DataParallel), so a
     rank-dependent factory cannot make the replicas diverge; the ``cuda.*`` settings applied."""
     torch.manual_seed(cfg.run.seed)
     resident = ResidentPeak() if cfg.dist.memory_cap_gb else None
     with shared_errors(comm):
-        model = build_model(cfg.model.name, split.info, cfg.model.options, factory=cfg.model.factory).to(device)
+        model = build_model(cfg.model.name, split.info, cfg.model.options, factory=cfg.model.factory,
+                            hf=cfg.model.hf).to(device)
     settings = device_settings(cfg.cuda, device, model)
     model = apply_settings(settings, model)
+    with shared_errors(comm):  # an objective that cannot be computed stops every rank alike, before any step
+        objective = Objective(cfg.model.loss, device=device, precision=cfg.train.precision)
+        objective.check(model, split, BatchMover(device, settings))
     memory_plan = _plan_memory(cfg, comm, world, model, split, resident) if resident is not None else None
     if cfg.train.activation_checkpointing != "off":
         _checkpoint_activations(cfg, comm, world, model, None if memory_plan is None else memory_plan.predicted)
@@ -247,7 +256,7 @@ def _model(cfg: Config, comm: Any, world: World, device: torch.device, split: An
     optimizer = dp.shard_optimizer(optimizer, run_dir)
     torch.manual_seed(cfg.run.seed + 1 + world.rank)  # dropout etc. differ per rank
     random.seed(cfg.run.seed + world.rank)
-    return dp, optimizer, settings, memory_plan
+    return dp, optimizer, settings, memory_plan, objective
 
 
 @dataclass
@@ -326,13 +335,16 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any
     """Data, model, checkpoints, then the loop from where the checkpoints say; closed whatever happens."""
     train_split, eval_split, sampler = _data(cfg, comm, world)
     faults.before_phase("groups")
-    dp, optimizer, settings, memory_plan = _model(cfg, comm, world, device, train_split, plan, monitor, link,
-                                                  run_dir, intra_link)
+    dp, optimizer, settings, memory_plan, objective = _model(cfg, comm, world, device, train_split, plan, monitor,
+                                                             link, run_dir, intra_link)
     metrics = MetricsWriter(run_dir / metrics_file(world.rank)
-                            if cfg.run.metrics == "all" or (cfg.run.metrics == "rank0" and world.is_main) else None)
+                            if cfg.run.metrics == "all" or (cfg.run.metrics == "rank0" and world.is_main) else None,
+                            tensorboard=TensorBoardWriter(run_dir / TENSORBOARD_DIR)
+                            if cfg.run.tensorboard and world.is_main else None)
     if world.is_main:
         log.info("model %s: %s parameters; dataset %s: %d train / %d eval samples; global batch %d",
-                 cfg.model.factory or cfg.model.name, f"{count_parameters(dp.model):,}", cfg.data.dataset,
+                 f"hf {cfg.model.hf}" if cfg.model.hf else cfg.model.factory or cfg.model.name,
+                 f"{count_parameters(dp.model):,}", cfg.data.dataset,
                  len(train_split), len(eval_split), cfg.train.batch_size * cfg.train.grad_accumulation * world.size)
         log.info("%s", dp.describe())
         log.info("device settings (cuda.*): %s", settings.describe())
@@ -360,7 +372,7 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any
                   if steps else None)  # clocks compared over MPI here, once
         result.summary = Loop(cfg, comm, world, dp, optimizer, loader, eval_split, device, metrics, state, faults,
                               monitor, stop, mover=BatchMover(device, settings), balancer=balancer,
-                              tracer=tracer).run(start_step)
+                              tracer=tracer, objective=objective).run(start_step)
     finally:
         if _may_communicate():
             manager.close()  # a checkpoint still being written is committed before we leave

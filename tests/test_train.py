@@ -17,8 +17,8 @@ from hpcnet.config.load import load_config
 from hpcnet.data.loader import open_dataset
 from hpcnet.data.sampler import GlobalBatchSampler
 from hpcnet.errors import ExitCode
-from hpcnet.loop import loss_and_correct
 from hpcnet.models import build_model
+from hpcnet.objective import loss_and_correct
 from hpcnet.optim import build_optimizer, lr_factor
 from hpcnet.train import run
 from tests.helpers.data import tiny_images
@@ -255,8 +255,10 @@ def test_code_error_on_one_rank_ends_the_job(launch, tmp_path):
     (tmp_path / "badmodel.py").write_text(
         "import torch\nfrom mpi4py import MPI\n"
         "class Bad(torch.nn.Linear):\n"
+        "    calls = 0\n"
         "    def forward(self, x):\n"
-        "        if MPI.COMM_WORLD.Get_rank() == 1:\n"
+        "        self.calls += 1  # the start-up check of the objective and the first step pass\n"
+        "        if MPI.COMM_WORLD.Get_rank() == 1 and self.calls > 2:\n"
         "            raise ZeroDivisionError('model bug on rank 1')\n"
         "        return super().forward(x.flatten(1))\n"
         "def make(info):\n    return Bad(3 * 32 * 32, info.num_classes)\n")
@@ -318,10 +320,10 @@ def test_sigterm_to_one_rank_stops_all(launch, tmp_path):
 
 
 @pytest.mark.launch
-def test_readme_user_model_and_dataset(launch, tmp_path):
-    """The worked example of the README runs as written."""
-    readme = (ROOT / "README.md").read_text()
-    code = re.search(r"```python\n# mywork.py\n(.*?)```", readme, re.S).group(1)
+def test_docs_user_model_and_dataset(launch, tmp_path):
+    """The worked example of docs/data.md (your own model and dataset) runs as written."""
+    page = (ROOT / "docs" / "data.md").read_text()
+    code = re.search(r"```python\n# mywork.py\n(.*?)```", page, re.S).group(1)
     (tmp_path / "mywork.py").write_text(code)
     out = launch(2, *_tiny_args(tmp_path, "model.factory=mywork:make_model", "model.options.hidden=64",
                                 "data.dataset=mywork:make_dataset", "data.options.n=1024"),
@@ -331,7 +333,7 @@ def test_readme_user_model_and_dataset(launch, tmp_path):
 
 
 def test_autocast_is_nothing_for_fp32_and_bf16_matmuls_for_bf16():
-    from hpcnet.loop import autocast
+    from hpcnet.objective import autocast
 
     layer = torch.nn.Linear(4, 3)
     x = torch.randn(2, 4)

@@ -265,7 +265,7 @@ class Contender:
 
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One training step on the next of ``batches`` (collective)."""
-        from hpcnet.loop import compute_loss
+        from hpcnet.objective import compute_loss
 
         x, y = batches[self.steps % len(batches)]
         if self.dp is not None:
@@ -273,7 +273,7 @@ class Contender:
             self.dp.clip_grad_norm_(1.0)
         else:
             self.optimizer.zero_grad(set_to_none=True)
-            compute_loss(self.forward, x, y).backward()
+            compute_loss(self.forward, (x, y)).backward()
             nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
         self.steps += 1

@@ -33,9 +33,9 @@ def _train_peak(rung: int, stage: int, checkpointing: str, comm: Any, world: Any
     from hpcnet.comm.plan import decide_plan
     from hpcnet.config import DistConfig, OptimConfig
     from hpcnet.data.info import DatasetInfo
-    from hpcnet.loop import compute_loss
     from hpcnet.models import build_model
     from hpcnet.models.blocks import checkpoint_blocks, find_blocks
+    from hpcnet.objective import compute_loss
     from hpcnet.optim import build_optimizer
     from hpcnet.plan.measure import reset_peak, settled_kib, status_kib
 
@@ -67,8 +67,8 @@ def _predict(rung: int, ranks: int) -> dict[tuple[int, str], Any]:
     from hpcnet.bench import memory as bm
     from hpcnet.config import OptimConfig
     from hpcnet.data.info import DatasetInfo
-    from hpcnet.loop import compute_loss
     from hpcnet.models import build_model
+    from hpcnet.objective import compute_loss
     from hpcnet.optim import build_optimizer
     from hpcnet.plan import predict
     from hpcnet.plan.measure import measure_model

@@ -170,11 +170,11 @@ def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.dev
     from hpcnet.comm.plan import decide_plan
     from hpcnet.config import DistConfig, OptimConfig
     from hpcnet.data.info import DatasetInfo
-    from hpcnet.loop import loss_in
     from hpcnet.models import build_model
+    from hpcnet.objective import Objective
     from hpcnet.optim import build_optimizer
 
-    compute_loss = loss_in(device, precision)  # every contender's forward in the same precision
+    compute_loss = Objective(device=device, precision=precision)  # every contender's forward in the same precision
 
     if base is None:  # the model every contender copies (``bench_model`` builds it to decide the settings)
         torch.manual_seed(seed)
@@ -226,7 +226,7 @@ def _plain(name: str, model: nn.Module, forward: nn.Module, updater: Callable[[n
 
     def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
-        loss = compute_loss(forward, x, y)
+        loss = compute_loss(forward, (x, y))
         loss.backward()
         return loss.detach()
 

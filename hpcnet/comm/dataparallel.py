@@ -463,10 +463,10 @@ class DataParallel:
                 f"{'none (auto)' if self.cfg.compression == 'auto' else self.cfg.compression}, "
                 f"fallback {self.plan.fallback or 'none'}")
 
-    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
-             loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor], *,
+    def step(self, batches: list[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor], *,
              step: int | None = None) -> torch.Tensor:
-        """Forward and backward over the micro-batches, then average the gradients.
+        """Forward and backward over the micro-batches, ``loss_fn(model, batch)`` the mean loss of each (an
+        ``hpcnet.objective.Objective``), then average the gradients.
 
         ``step`` is the global number of the step being computed (1 for the
         first step of a run, resumed or not, as ``fault.*`` count them); None
@@ -526,8 +526,8 @@ class DataParallel:
         self.reducer.set_share(share)
         self.share = share
 
-    def _forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                          loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def _forward_backward(self, batches: list[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor]
+                          ) -> torch.Tensor:
         if self.compute_timer is not None:
             self.compute_timer.start()
         loss = self._forward_backward_untimed(batches, loss_fn)
@@ -535,17 +535,16 @@ class DataParallel:
             self.compute_timer.stop()
         return loss
 
-    def _forward_backward_untimed(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                                  loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    def _forward_backward_untimed(self, batches: list[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor]
                                   ) -> torch.Tensor:
         self.reducer.zero_grad()
         total = torch.zeros((), device=self.device)
         n = len(batches)
-        for k, (inputs, targets) in enumerate(batches):
+        for k, batch in enumerate(batches):
             # Communicate only after the last micro-batch.
             context = self.reducer.no_sync() if k < n - 1 else contextlib.nullcontext()
             with context:
-                loss = loss_fn(self.model, inputs, targets) / n
+                loss = loss_fn(self.model, batch) / n
                 self.clock.mark("forward")
                 loss.backward()
                 if self.sharded_params is not None:

@@ -95,8 +95,9 @@ class ModelConfig:
     """Keyword arguments for the model factory, e.g. model.options.hidden=[1024,1024]."""
     hf: str = ""
     """A Hugging Face model: a local config.json, or a local model directory (config.json, with weights or without);
-    built with AutoModelForCausalLM for token datasets, AutoModelForSequenceClassification otherwise (from_pretrained
-    when weights are there, else from_config; offline). Needs the 'hf' extra: pip install 'hpcnet[hf]'. Overrides
+    built with AutoModelForCausalLM for token datasets, AutoModelForSequenceClassification for sequence datasets (one
+    class a sequence; other kinds are an error), from_pretrained when weights are there, else from_config; offline;
+    model.options override config fields (docs/models.md). Needs the 'hf' extra: pip install 'hpcnet[hf]'. Overrides
     model.name; excludes model.factory."""
     loss: str = ""
     """Import path 'package.module:function' of the training objective, called as fn(model, batch) -> loss or
@@ -259,7 +260,7 @@ class TrainConfig:
 ACTIVATION_CHECKPOINTING = ("off", "blocks", "auto")
 """``train.activation_checkpointing`` values (``hpcnet.models.blocks``)."""
 PRECISIONS = ("fp32", "bf16")
-"""``train.precision`` values (``hpcnet.loop.autocast``)."""
+"""``train.precision`` values (``hpcnet.objective.autocast``)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,7 +1,9 @@
 """User datasets: ``data.dataset = "package.module:function"``, called as ``function(split, **data.options)``.
 
 The function returns a map-style torch ``Dataset`` (adapted by ``TorchDatasetSplit``) or an object with
-``info``, ``__len__`` and ``read(indices)`` (used as is); both are checked by reading their first sample.
+``info``, ``__len__`` and ``read(indices)`` (used as is); both are checked by reading their first sample. Items
+are (input, class index) pairs (images, tokens, sequences) or, for a model trained with ``model.loss``, any
+structure of tensors (kind 'other').
 See docs/data.md.
 """
 
@@ -10,62 +12,84 @@ from typing import Any
 import numpy as np
 import torch
 
+from hpcnet.config.importing import load_object
 from hpcnet.data.info import DatasetInfo, Split
 from hpcnet.errors import DatasetError
-from hpcnet.config.importing import load_object
 
 MAX_SCANNED_ITEMS = 100_000
 """A map-style dataset larger than this must say its ``num_classes`` instead of being scanned for it."""
 
 
 class TorchDatasetSplit:
-    """Adapt a map-style ``torch.utils.data.Dataset`` of ``(input, target)`` items to ``Split``."""
+    """Adapt a map-style ``torch.utils.data.Dataset`` to ``Split``.
+
+    An ``(input, class index)`` item is an image (float input, one class), tokens (integer [T] input, [T] next
+    tokens) or a sequence (integer [T] input, one class); any other item (a dict, a longer tuple, float targets)
+    is kind 'other', batched as its structure with each tensor stacked (``default_collate``), for a model whose
+    ``model.loss`` understands it."""
 
     def __init__(self, dataset: Any, label: str) -> None:
         """Wrap ``dataset`` and infer its ``DatasetInfo`` (a ``dataset.info`` attribute overrides).
 
         Args:
-            dataset: supports ``len()`` and ``dataset[i] -> (input, target)``.
+            dataset: supports ``len()`` and ``dataset[i]``.
             label: names the dataset in error messages, e.g. ``"data.dataset: 'pkg.mod:fn' (train split)"``.
         """
         self.dataset = dataset
         self.label = label
         if len(dataset) == 0:
             raise DatasetError(f"{label}: the dataset is empty")
-        x, y = self._item(0)
         info = getattr(dataset, "info", None)
         if info is not None and not isinstance(info, DatasetInfo):
             raise DatasetError(f"{label}: dataset.info is a {type(info).__name__}, not an hpcnet.data.info.DatasetInfo")
+        first = dataset[0]
+        pair = _class_pair(first)
         if info is None:
-            kind = "image" if x.is_floating_point() else "tokens"
-            if kind == "tokens" and (x.ndim != 1 or y.shape != x.shape):
-                raise DatasetError(f"{label}: integer inputs are read as tokens and must be [T] with targets "
-                                   f"of the same shape; got inputs {list(x.shape)}, targets {list(y.shape)}")
-            if kind == "image" and y.ndim != 0:
-                raise DatasetError(f"{label}: float inputs are read as images and need one class index per "
-                                   f"sample; got targets of shape {list(y.shape)}")
-            try:
-                info = DatasetInfo(kind, tuple(x.shape), self._count_classes(kind))
-            except ValueError as exc:
-                raise DatasetError(f"{label}: {exc}") from exc
+            info = self._infer(first, pair)
+        elif info.kind != "other" and pair is None:
+            raise DatasetError(f"{label}: dataset.info says kind {info.kind!r}, whose items are (input, class "
+                               f"index) pairs; dataset[0] is {_describe(first)}")
         self.info = info
+
+    def _infer(self, first: Any, pair: tuple[torch.Tensor, torch.Tensor] | None) -> DatasetInfo:
+        if pair is None:
+            leaf = _first_tensor(first)
+            if leaf is None:
+                raise DatasetError(f"{self.label}: dataset[0] is {_describe(first)}, which holds no tensor or number")
+            return DatasetInfo("other", tuple(leaf.shape), int(getattr(self.dataset, "num_classes", 0) or 0))
+        x, y = pair
+        if x.is_floating_point():
+            kind = "image"
+            if y.ndim != 0:
+                raise DatasetError(f"{self.label}: float inputs are read as images and need one class index per "
+                                   f"sample; got targets of shape {list(y.shape)}")
+        elif x.ndim == 1 and y.shape == x.shape:
+            kind = "tokens"
+        elif x.ndim == 1 and y.ndim == 0:
+            kind = "sequence"
+        else:
+            raise DatasetError(f"{self.label}: integer inputs are read as tokens ([T] inputs, [T] targets) or "
+                               f"sequences ([T] inputs, one class); got inputs {list(x.shape)}, targets "
+                               f"{list(y.shape)}")
+        try:
+            return DatasetInfo(kind, tuple(x.shape), self._count_classes(kind))
+        except ValueError as exc:
+            raise DatasetError(f"{self.label}: {exc}") from exc
 
     def _item(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         item = self.dataset[index]
-        if not isinstance(item, (tuple, list)) or len(item) != 2:
-            raise DatasetError(f"{self.label}: dataset[{index}] must be an (input, target) pair, "
-                               f"got {type(item).__name__}")
-        x, y = torch.as_tensor(item[0]), torch.as_tensor(item[1])
-        if y.is_floating_point() or y.dtype == torch.bool:
-            raise DatasetError(f"{self.label}: targets must be integer class indices, got {y.dtype}")
-        return x, y
+        pair = _class_pair(item)
+        if pair is None:
+            raise DatasetError(f"{self.label}: dataset[{index}] must be an (input, class index) pair like the "
+                               f"items before it, got {_describe(item)}")
+        return pair
 
     def _count_classes(self, kind: str) -> int:
         for attr in ("num_classes", "vocab_size") if kind == "tokens" else ("num_classes",):
             value = getattr(self.dataset, attr, None)
             if value is not None:
                 return value
-        if kind == "image" and getattr(self.dataset, "classes", None) is not None:
+        if kind != "tokens" and getattr(self.dataset, "classes", None) is not None:
             return len(self.dataset.classes)  # torchvision's convention
         if len(self.dataset) > MAX_SCANNED_ITEMS:
             raise DatasetError(f"{self.label}: cannot infer the number of classes of {len(self.dataset)} items "
@@ -79,15 +103,19 @@ class TorchDatasetSplit:
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def read(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fetch and stack items ``indices`` (in that order).
+    def read(self, indices: np.ndarray) -> Any:
+        """Fetch and stack items ``indices`` (in that order): an (inputs, targets) pair, or for kind 'other' the
+        items' structure with every tensor stacked.
 
         Args:
             indices: 1-D integer item numbers.
         """
-        items = [self._item(int(i)) for i in np.asarray(indices).reshape(-1)]
+        numbers = [int(i) for i in np.asarray(indices).reshape(-1)]
+        if self.info.kind == "other":
+            return self._collate(numbers)
+        items = [self._item(i) for i in numbers]
         expected = self.info.input_shape
-        for i, (x, y) in zip(np.asarray(indices).reshape(-1), items):
+        for i, (x, _) in zip(numbers, items):
             if tuple(x.shape) != expected:
                 raise DatasetError(f"{self.label}: item {i} has input shape {list(x.shape)}, expected {list(expected)}")
         dtype = torch.float32 if self.info.kind == "image" else torch.int64
@@ -100,6 +128,52 @@ class TorchDatasetSplit:
             raise DatasetError(f"{self.label}: targets of different shapes: {exc}") from exc
         return inputs, targets
 
+    def _collate(self, numbers: list[int]) -> Any:
+        items = [self.dataset[i] for i in numbers]
+        try:
+            return torch.utils.data.default_collate(items)
+        except (RuntimeError, TypeError, ValueError, KeyError) as exc:
+            raise DatasetError(f"{self.label}: items {numbers[:8]}{'...' if len(numbers) > 8 else ''} do not "
+                               f"batch together (each tensor stacked, the same keys and shapes): "
+                               f"{type(exc).__name__}: {exc}") from exc
+
+
+def _class_pair(item: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``item`` as (input, class index) tensors when it is such a pair: two tensors or numbers, the second integer.
+    None for anything else (kind 'other')."""
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        return None
+    try:
+        x, y = torch.as_tensor(item[0]), torch.as_tensor(item[1])
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+        return None
+    return x, y
+
+
+def _first_tensor(item: Any) -> torch.Tensor | None:
+    """The first tensor (or number, as a tensor) of ``item``, depth first through dicts, tuples and lists."""
+    if isinstance(item, torch.Tensor):
+        return item
+    if isinstance(item, (int, float, np.ndarray, np.number)) and not isinstance(item, bool):
+        return torch.as_tensor(item)
+    values = item.values() if isinstance(item, dict) else item if isinstance(item, (tuple, list)) else ()
+    for value in values:
+        found = _first_tensor(value)
+        if found is not None:
+            return found
+    return None
+
+
+def _describe(item: Any) -> str:
+    """A short description of an item's structure for an error message."""
+    if isinstance(item, dict):
+        return "a dict with keys " + ", ".join(repr(k) for k in list(item)[:8])
+    if isinstance(item, (tuple, list)):
+        return f"a {type(item).__name__} of {len(item)}"
+    return f"a {type(item).__name__}"
+
 
 def _check_user_split(split: Any, label: str) -> Any:
     """Check a factory's result against ``Split`` by reading its first sample."""
@@ -108,12 +182,16 @@ def _check_user_split(split: Any, label: str) -> Any:
     if len(split) < 1:
         raise DatasetError(f"{label}: the dataset is empty")
     result = split.read(np.zeros(1, dtype=np.int64))
+    info = split.info
+    if info.kind == "other":
+        if _first_tensor(result) is None:
+            raise DatasetError(f"{label}: read([0]) gave {_describe(result)}, which holds no tensor")
+        return split
     if not (isinstance(result, tuple) and len(result) == 2 and all(isinstance(t, torch.Tensor) for t in result)):
         raise DatasetError(f"{label}: read(indices) must return an (inputs, targets) pair of tensors")
     inputs, targets = result
-    info = split.info
     want = torch.float32 if info.kind == "image" else torch.int64
-    target_shape = (1,) if info.kind == "image" else (1, *info.input_shape)
+    target_shape = (1, *info.input_shape) if info.kind == "tokens" else (1,)
     if inputs.dtype != want or tuple(inputs.shape) != (1, *info.input_shape):
         raise DatasetError(f"{label}: read([0]) gave inputs {inputs.dtype}{list(inputs.shape)}, "
                            f"expected {want}{[1, *info.input_shape]} for {info}")

@@ -1,7 +1,8 @@
-"""Model zoo: ResNets, an MLP and a small GPT-style language model, built by name.
+"""Model zoo: ResNets, an MLP and a small GPT-style language model, built by name; or a Hugging Face model.
 
 ``build_model(name, info, options)`` (here) is the one entry point the trainer uses; each family
-lives in its own module (resnet, mlp, transformer), the option checks in ``options``.
+lives in its own module (resnet, mlp, transformer), the option checks in ``options``, Hugging Face
+transformers models (``model.hf``) in ``hf``.
 Every built-in factory has the signature ``factory(info, **options)`` with
 keyword-only options and defaults, so the options a config may set are exactly
 the factory's keyword parameters.
@@ -72,7 +73,7 @@ def _check_options(factory: Callable[..., Any], info: DatasetInfo, options: dict
 
 
 def build_model(
-    name: str, info: DatasetInfo, options: dict[str, Any] | None = None, *, factory: str = ""
+    name: str, info: DatasetInfo, options: dict[str, Any] | None = None, *, factory: str = "", hf: str = ""
 ) -> nn.Module:
     """Build a model for the dataset described by ``info``.
 
@@ -82,12 +83,20 @@ def build_model(
         options: keyword options for the factory (``model.options``).
         factory: import path ``package.module:function`` of a user factory called as
             ``function(info, **options)``; empty to use the built-in ``name``.
+        hf: ``model.hf``: a local Hugging Face config.json or model directory (``hpcnet.models.hf``);
+            ``options`` then override the config's fields.  Overrides ``name``; excludes ``factory``.
 
     Raises:
         ConfigError: unknown name, unknown or bad option, a factory that cannot be
             loaded or does not return a module, or a model that does not fit the data.
     """
     options = dict(options or {})
+    if hf:
+        if factory:
+            raise ConfigError("model.hf and model.factory both name the model: set one of them")
+        from hpcnet.models.hf import build_hf_model  # imports transformers: only when asked for
+
+        return build_hf_model(hf, info, options)
     if factory:
         make = load_object(factory, "model.factory")
         label = f"factory {factory!r}"

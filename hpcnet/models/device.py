@@ -22,6 +22,7 @@ forward.
 """
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,8 +87,9 @@ def apply_settings(settings: DeviceSettings, model: nn.Module) -> nn.Module:
 
 
 class BatchMover:
-    """Moves a batch to the device: channels-last for 4-d inputs when on, from pinned memory on a side stream
-    when ``pin_memory`` (see the module docstring for the stream order)."""
+    """Moves a batch to the device: each tensor of it, through dicts, tuples and lists (``map_tensors``);
+    channels-last for 4-d tensors when on, from pinned memory on a side stream when ``pin_memory`` (see the
+    module docstring for the stream order)."""
 
     def __init__(self, device: torch.device, settings: DeviceSettings) -> None:
         self.device = device
@@ -99,14 +101,33 @@ class BatchMover:
             return t.contiguous(memory_format=torch.channels_last)
         return t
 
-    def __call__(self, batch: Any) -> tuple[torch.Tensor, ...]:
+    def __call__(self, batch: Any) -> Any:
         if self._stream is None:
-            return tuple(self._format(t.to(self.device, non_blocking=True)) for t in batch)
-        pinned = [t.pin_memory() for t in batch]
+            return map_tensors(lambda t: self._format(t.to(self.device, non_blocking=True)), batch)
+        pinned = map_tensors(lambda t: t.pin_memory(), batch)
         compute = torch.cuda.current_stream(self.device)
+        moved: list[torch.Tensor] = []
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            moved.append(self._format(t.to(self.device, non_blocking=True)))
+            return moved[-1]
         with torch.cuda.stream(self._stream):
-            moved = [self._format(t.to(self.device, non_blocking=True)) for t in pinned]
+            result = map_tensors(move, pinned)
         compute.wait_stream(self._stream)
         for t in moved:
             t.record_stream(compute)
-        return tuple(moved)
+        return result
+
+
+def map_tensors(fn: Any, batch: Any) -> Any:
+    """``batch`` with ``fn`` applied to each tensor in it, through mappings (as dicts), tuples (named ones too) and
+    lists; anything else is kept as it is."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        return {key: map_tensors(fn, value) for key, value in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(map_tensors(fn, value) for value in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(map_tensors(fn, value) for value in batch)
+    return batch

@@ -4,9 +4,10 @@ Rank 0 talks to the console; every rank logs to ``rank<r>.log`` in the run
 directory; metrics go to ``metrics.rank<r>.jsonl``, one JSON object a line.
 
 The files that describe a run (metrics, ``plan.json``, ``trace.json``,
-``topology.json``, ``summary.json``) are best effort (``OptionalFile``,
-``MetricsWriter``): where one cannot be written (a full disk, a quota, no
-permission, a directory in the way) the rank that writes it logs one warning
+``topology.json``, ``summary.json``, TensorBoard's event files) are best effort
+(``OptionalFile``, ``MetricsWriter``, ``hpcnet.observe.tensorboard``): where
+one cannot be written (a full disk, a quota, no permission, a directory in the
+way) the rank that writes it logs one warning
 naming the file and the error and trains on.  Only that rank writes it and
 nothing waits for it, so a failure stays local and needs no agreement; the
 checkpoints, which the run cannot do without, are not held up by it.
@@ -21,11 +22,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from hpcnet.agree import agree_on_error
 from hpcnet.errors import UsageError
 from hpcnet.paths import rank_log, run_dir_path
+
+if TYPE_CHECKING:
+    from hpcnet.observe.tensorboard import TensorBoardWriter
 
 _FORMAT = "%(asctime)s rank %(rank)s %(levelname)s %(name)s: %(message)s"
 log = logging.getLogger(__name__)
@@ -109,9 +113,28 @@ def close_logging() -> None:
         handler.close()
 
 
-def _warn_unwritten(path: Path, error: OSError) -> None:
+def warn_unwritten(path: Path, error: OSError) -> None:
+    """The one warning of a best-effort file that cannot be written."""
     log.warning("cannot write %s: %s; training goes on without it (no further warning for this file)", path,
                 error.strerror or error)
+
+
+def append_whole(fd: int, data: bytes) -> None:
+    """Append ``data`` to the file open as ``fd`` (``O_APPEND``), all of it or nothing.
+
+    On an ``OSError`` (the disk filling up in the middle) the part that reached
+    the file is cut off again before the error is raised, so a reader never
+    meets half a record, and a later one that is written follows whole ones.
+    """
+    size = os.fstat(fd).st_size
+    rest = memoryview(data)
+    try:
+        while rest:  # a short write (the disk filling up) leaves the rest to write
+            rest = rest[os.write(fd, rest):]
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, size)
+        raise
 
 
 class OptionalFile:
@@ -138,7 +161,7 @@ class OptionalFile:
                 tmp.unlink(missing_ok=True)
             if not self.warned:
                 self.warned = True
-                _warn_unwritten(self.path, exc)
+                warn_unwritten(self.path, exc)
             return False
 
 
@@ -148,10 +171,16 @@ class MetricsWriter:
     Best effort: a line that cannot be written is dropped, with one warning for the file (the first failure),
     and any part of it that reached the file is cut off again, so the file stays whole lines; each later line is
     tried again (a full disk may be freed).
+
+    Args:
+        path: the JSON-lines file; None: no lines (this rank does not write them, or run.metrics=none).
+        tensorboard: with run.tensorboard, on rank 0: given every record as well (with or without ``path``) and
+            closed with this writer.
     """
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, *, tensorboard: "TensorBoardWriter | None" = None) -> None:
         self.path = path
+        self.tensorboard = tensorboard
         self._fd: int | None = None
         self.warned = False
         if path is not None:
@@ -167,26 +196,21 @@ class MetricsWriter:
     def _failed(self, error: OSError) -> None:
         if not self.warned and self.path is not None:
             self.warned = True
-            _warn_unwritten(self.path, error)
+            warn_unwritten(self.path, error)
 
     def write(self, **record: Any) -> None:
+        record.setdefault("time", round(time.time(), 3))
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
         if self.path is None:
             return
         if self._fd is None:
             self._open()
             if self._fd is None:
                 return
-        record.setdefault("time", round(time.time(), 3))
-        line = memoryview((json.dumps(record) + "\n").encode())
-        size = None
         try:
-            size = os.fstat(self._fd).st_size
-            while line:  # a short write (the disk filling up) leaves the rest to write
-                line = line[os.write(self._fd, line):]
+            append_whole(self._fd, (json.dumps(record) + "\n").encode())
         except OSError as exc:
-            if size is not None:
-                with contextlib.suppress(OSError):
-                    os.ftruncate(self._fd, size)
             self._failed(exc)
 
     def close(self) -> None:
@@ -194,6 +218,8 @@ class MetricsWriter:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def strict_json(value: Any) -> Any:

@@ -19,6 +19,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from hpcnet.objective import samples_in
+
 
 class _LiveBytes(TorchDispatchMode):
     """Bytes of the storages created under it that are still alive, and the most at any moment."""
@@ -83,16 +85,15 @@ class StepMemory:
         return int(max(live + fraction * handed for live, handed in self.timeline))
 
 
-def measure_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, batch: tuple[Any, Any]
+def measure_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, batch: Any
                  ) -> StepMemory:
     """Measure one step (see the module's doc); the model's parameters end as they were (the steps' updates are
     undone), its gradients None, and the optimizer's state as a first step made it."""
     params = [p for p in model.parameters() if p.requires_grad]
     saved = [p.detach().clone() for p in params]
-    inputs, targets = batch
 
     def step_once() -> None:
-        loss_fn(model, inputs, targets).backward()
+        loss_fn(model, batch).backward()
         optimizer.step()
         for p in params:
             p.grad = None
@@ -109,10 +110,10 @@ def measure_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: An
     hooks = [p.register_post_accumulate_grad_hook(hand_over) for p in params]
     try:
         with tracker:
-            loss_fn(model, inputs, targets).backward()
+            loss_fn(model, batch).backward()
         backward, timeline = tracker.peak, _rises(tracker.timeline)
         started = time.perf_counter()  # timed apart: the tracker's bookkeeping slows every operation
-        loss_fn(model, inputs, targets).backward()
+        loss_fn(model, batch).backward()
         seconds = time.perf_counter() - started
     finally:
         for hook in hooks:
@@ -126,7 +127,7 @@ def measure_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: An
         for p, value in zip(params, saved):
             p.copy_(value)
             p.grad = None
-    return StepMemory(backward=backward, optimizer=optimizer_peak, batch=len(inputs), state_bytes=state_bytes,
+    return StepMemory(backward=backward, optimizer=optimizer_peak, batch=samples_in(batch), state_bytes=state_bytes,
                       forward_backward_s=seconds, timeline=timeline)
 
 
@@ -137,7 +138,7 @@ def _rises(timeline: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     return tuple(kept + timeline[-1:])
 
 
-def measure_model(model: nn.Module, optimizer_factory: Any, loss_fn: Any, batch: tuple[Any, Any]) -> Any:
+def measure_model(model: nn.Module, optimizer_factory: Any, loss_fn: Any, batch: Any) -> Any:
     """``hpcnet.plan.ModelMemory`` of ``model``: its parameter sizes, its blocks' share, and one measured step
     without checkpointing and, where it has blocks (``model.blocks=auto``), one with them checkpointed.
     ``optimizer_factory(model)`` makes a fresh optimizer (dropped after)."""
@@ -167,13 +168,14 @@ def measure_config(cfg: Any, model: nn.Module, split: Any) -> Any:
     the run's optimizer (``optim.*``) and precision (``train.precision``), on the model's device."""
     import numpy as np
 
-    from hpcnet.loop import loss_in
+    from hpcnet.models.device import map_tensors
+    from hpcnet.objective import Objective
     from hpcnet.optim import build_optimizer
 
     device = next(model.parameters()).device
-    inputs, targets = split.read(np.arange(min(cfg.train.batch_size, len(split))))
-    batch = (inputs.to(device), targets.to(device))
-    return measure_model(model, lambda m: build_optimizer(m, cfg.optim), loss_in(device, cfg.train.precision), batch)
+    batch = map_tensors(lambda t: t.to(device), split.read(np.arange(min(cfg.train.batch_size, len(split)))))
+    return measure_model(model, lambda m: build_optimizer(m, cfg.optim),
+                         Objective(cfg.model.loss, device=device, precision=cfg.train.precision), batch)
 
 
 def status_kib(field: str) -> int:

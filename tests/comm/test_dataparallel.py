@@ -28,7 +28,8 @@ def test_mismatched_models_are_an_error_on_every_rank(comm):
         DataParallel(model, comm, world, DistConfig(), device=torch.device("cpu"), plan=MPI_ONLY)
 
 
-def _loss(model, x, y):
+def _loss(model, batch):
+    x, y = batch
     return nn.functional.cross_entropy(model(x), y)
 
 

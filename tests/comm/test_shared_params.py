@@ -51,7 +51,8 @@ class Shared(nn.Module):
         return nn.functional.linear(h, self.inp.weight.t(), self.out_bias)
 
 
-def _loss(model, x, y):
+def _loss(model, batch):
+    x, y = batch
     return nn.functional.cross_entropy(model(x), y)
 
 
@@ -65,7 +66,7 @@ def _backward(model, x, y, parts, reducer=None):
     for k, (xs, ys) in enumerate(zip(x.chunk(parts), y.chunk(parts))):
         quiet = reducer is not None and k < parts - 1
         with reducer.no_sync() if quiet else contextlib.nullcontext():
-            (_loss(model, xs, ys) / parts).backward()
+            (_loss(model, (xs, ys)) / parts).backward()
 
 
 class _Replica:
@@ -178,7 +179,7 @@ def test_n_ranks_train_as_one_with_n_times_the_batch(comm, mode, progress, zero)
         dp.step(list(zip(x[mine].chunk(parts), y[mine].chunk(parts))), _loss)
         optimizer.step()
         alone_optimizer.zero_grad()
-        _loss(alone, x, y).backward()
+        _loss(alone, (x, y)).backward()
         alone_optimizer.step()
     for name, (a, b) in zip([n for n, _ in model.named_parameters()], zip(model.parameters(), alone.parameters())):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")

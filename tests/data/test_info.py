@@ -23,12 +23,12 @@ def test_dataset_info_is_a_hashable_value():
 
 
 @pytest.mark.parametrize(("args", "fragment"), [
-    (("audio", (3,), 2), "kind must be one of image, tokens, got 'audio'"),
+    (("audio", (3,), 2), "kind must be one of image, tokens, sequence, other, got 'audio'"),
     (("image", (), 2), "input_shape must be positive integers"),
     (("image", (3, 0, 8), 2), "input_shape must be positive integers"),
     (("image", (True, 8, 8), 2), "input_shape must be positive integers"),
     (("image", (3, 8.0, 8), 2), "input_shape must be positive integers"),
-    (("tokens", (4, 4), 2), "must be (T,) for token data"),
+    (("tokens", (4, 4), 2), "must be (T,) for tokens data"),
     (("tokens", (4,), 0), "num_classes must be a positive integer, got 0"),
     (("tokens", (4,), True), "num_classes must be a positive integer, got True"),
 ])

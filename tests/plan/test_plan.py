@@ -10,8 +10,8 @@ import torch
 
 from hpcnet.data.info import DatasetInfo
 from hpcnet.errors import ExitCode, UsageError
-from hpcnet.loop import compute_loss
 from hpcnet.models import build_model
+from hpcnet.objective import compute_loss
 from hpcnet.plan import ModelMemory, choose, largest_share, predict, predictions
 from hpcnet.plan.measure import StepMemory, measure_model
 from hpcnet.train import run
