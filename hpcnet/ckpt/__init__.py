@@ -5,7 +5,8 @@ directory's files), ``job`` (the records of one save), ``collective`` and ``dire
 local writes), ``write`` (one save in collective and local stretches, the commit, pruning), ``read`` (the verified
 read and exchange at any world size), ``load`` (which checkpoint a resume takes), ``sharedfs`` (every rank sees
 one directory), ``manager`` (saves in the background and resumes), ``state`` (what a run saves), ``schedule``
-(when it saves), ``tool`` (``python -m hpcnet.ckpt``).  Reference: docs/checkpoints.md.
+(when it saves), ``tool`` (``python -m hpcnet.ckpt``), ``export`` (a state dict, safetensors or a Hugging Face
+directory out of a checkpoint).  Reference: docs/checkpoints.md.
 """
 
 from hpcnet import _lazy_exports

@@ -3,9 +3,11 @@
     python -m hpcnet.ckpt list    DIR_OR_FILE    committed checkpoints: step, kind, base, size
     python -m hpcnet.ckpt inspect DIR_OR_FILE    one checkpoint (the newest in a directory): attributes, meta, tensors
     python -m hpcnet.ckpt verify  DIR_OR_FILE    read and check every checksum of each checkpoint's chain
-    python -m hpcnet.ckpt export  DIR_OR_FILE [-o OUT]
-                                                 the model's state_dict as a plain torch file:
-                                                 torch.load(OUT, weights_only=True) reads it without hpcnet or MPI
+    python -m hpcnet.ckpt export  DIR_OR_FILE [--format pt|safetensors|hf] [-o OUT]
+                                                 the model for readers without hpcnet or MPI: a state_dict for
+                                                 torch.load(OUT, weights_only=True) (pt, the default), one
+                                                 .safetensors file, or a directory for from_pretrained (hf: a
+                                                 run with model.hf); hpcnet.ckpt.export says what each holds
 
 Exit status: 0 fine, 1 a checkpoint failed verification (damaged, or crafted: declared sizes are checked
 against the file before anything is allocated, and links or storage outside the file are refused),
@@ -113,36 +115,50 @@ def cmd_verify(path: Path, out: Any) -> int:
     return 1 if failed else 0
 
 
-def cmd_export(path: Path, output: str | None, out: Any) -> int:
-    import torch
+def cmd_export(path: Path, output: str | None, out: Any, fmt: str = "pt", hf_config: str | None = None) -> int:
     from mpi4py import MPI
 
+    from hpcnet.ckpt import export
     from hpcnet.ckpt.load import load_checkpoint
 
+    if fmt not in export.FORMATS:
+        raise UsageError(f"--format {fmt!r} is not one of {', '.join(export.FORMATS)}")
+    if hf_config and fmt != "hf":
+        raise UsageError("--hf-config is for --format hf only")
     loaded = load_checkpoint(MPI.COMM_SELF, str(path))
     assert loaded is not None
+    # Before the tensors are joined: a run without model.hf fails at once.
+    hf, options = export.run_model_config(loaded.meta, repr(str(loaded.path))) if fmt == "hf" else ("", {})
     from hpcnet.ckpt.state import join_pieces  # a dist.zero=3 checkpoint's cut parameters are in row pieces
 
     state = {k.removeprefix("model/"): v.clone() for k, v in join_pieces(loaded.tensors).items()
              if k.startswith("model/")}
     if not state:
         raise UsageError(f"{str(loaded.path)!r} holds no model/ tensors")
-    target = Path(output) if output else Path(loaded.path.stem + ".pt")
-    tmp = target.with_name(target.name + ".tmp")
+    target = Path(output) if output else Path(loaded.path.stem + export.SUFFIXES[fmt])
+    source = f"from {loaded.path} (step {loaded.step})"
     try:
-        with open(tmp, "wb") as handle:
-            torch.save(state, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
+        if fmt == "pt":
+            export.write_pt(state, target)
+            how = f"state_dict of {len(state)} tensors {source}; read it with torch.load({str(target)!r}, " \
+                  "weights_only=True)"
+        elif fmt == "safetensors":
+            export.write_safetensors(state, target, {"hpcnet_checkpoint": loaded.path.name,
+                                                     "hpcnet_step": str(loaded.step)})
+            how = f"state_dict of {len(state)} tensors {source}; read it with " \
+                  f"safetensors.torch.load_file({str(target)!r})"
+        else:
+            name = export.write_hf(state, hf_config or hf, options, target)
+            how = f"{name} {source}; load it with {name}.from_pretrained({str(target)!r})"
     except OSError as exc:
         raise UsageError(f"cannot write {str(target)!r}: {exc.strerror or exc}") from None
-    print(f"wrote {target}: state_dict of {len(state)} tensors from {loaded.path} (step {loaded.step}); "
-          f"read it with torch.load({str(target)!r}, weights_only=True)", file=out)
+    print(f"wrote {target}: {how}", file=out)
     return 0
 
 
 def main(argv: list[str] | None = None, out: Any = None) -> int:
+    from hpcnet.ckpt.export import FORMATS  # torch-free, as this module
+
     out = out or sys.stdout
     parser = argparse.ArgumentParser(prog="python -m hpcnet.ckpt", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -150,7 +166,13 @@ def main(argv: list[str] | None = None, out: Any = None) -> int:
         p = sub.add_parser(name)
         p.add_argument("path", help="a checkpoint directory or file")
         if name == "export":
-            p.add_argument("-o", "--output", help="output file (default: <checkpoint name>.pt here)")
+            p.add_argument("--format", default="pt", choices=FORMATS,
+                           help="pt: a torch.save'd state_dict (default); safetensors: the state_dict in one "
+                                ".safetensors file; hf: a directory for from_pretrained (a run with model.hf)")
+            p.add_argument("-o", "--output", help="output file, or directory for hf (default: <checkpoint name>.pt, "
+                                                  ".safetensors or -hf here); an earlier export there is replaced")
+            p.add_argument("--hf-config", help="hf: the config.json or model directory to rebuild the model from, "
+                                               "instead of the run's model.hf (moved, or relative to elsewhere)")
     args = parser.parse_args(argv)
     path = Path(args.path)
     try:
@@ -160,7 +182,7 @@ def main(argv: list[str] | None = None, out: Any = None) -> int:
             return cmd_inspect(path, out)
         if args.command == "verify":
             return cmd_verify(path, out)
-        return cmd_export(path, args.output, out)
+        return cmd_export(path, args.output, out, args.format, args.hf_config)
     except CheckpointCorrupt as exc:
         print(f"error: {exc}", file=sys.stderr)
         return int(ExitCode.CODE_ERROR)

@@ -1,0 +1,161 @@
+"""What ``python -m hpcnet.ckpt export --format pt|safetensors|hf`` writes: a checkpoint's model for readers
+without hpcnet or MPI.
+
+- ``pt``: the state dict, ``torch.save``'d (``torch.load(OUT, weights_only=True)``).
+- ``safetensors``: the state dict in one ``.safetensors`` file, every key of it
+  (``safetensors.torch.load_file(OUT)`` then ``load_state_dict(strict=True)``).  A tied weight is stored
+  under each of its names: safetensors refuses tensors that share memory, and a reader of the plain file
+  knows nothing of ties, so each name gets its own copy.
+- ``hf``: a directory that ``AutoModelFor...from_pretrained(OUT)`` loads: the model rebuilt from the run's
+  ``model.hf`` config (with its ``model.options``), the state loaded strictly, then ``save_pretrained``
+  (config.json, model.safetensors, transformers' own handling of ties), and the tokenizer files of the
+  ``model.hf`` directory, if any.
+
+Each is written under a temporary name and renamed into place.  Reference: docs/checkpoints.md.
+"""
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from hpcnet.errors import ConfigError, UsageError
+
+FORMATS = ("pt", "safetensors", "hf")
+SUFFIXES = {"pt": ".pt", "safetensors": ".safetensors", "hf": "-hf"}
+"""The default output: the checkpoint's name with this suffix, here."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "vocab.txt")
+"""Copied from a ``model.hf`` directory into an hf export, so AutoTokenizer loads from it too."""
+HF_OUTPUT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                   *TOKENIZER_FILES)
+"""What an hf export holds: an existing output directory with nothing else is a previous export, replaced."""
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _replace_file(tmp: Path, target: Path) -> None:
+    _fsync_file(tmp)
+    os.replace(tmp, target)
+
+
+def write_pt(state: dict[str, Any], target: Path) -> None:
+    """``torch.save(state)`` to ``target``, atomically."""
+    import torch
+
+    tmp = target.with_name(target.name + ".tmp")
+    with open(tmp, "wb") as handle:
+        torch.save(state, handle)
+    _replace_file(tmp, target)
+
+
+def unaliased(state: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``state`` with every tensor that shares memory with an earlier one copied, contiguous; and the copied
+    keys.  safetensors refuses aliased tensors (a tied weight under two names)."""
+    seen: set[tuple[int, int]] = set()
+    out, copied = {}, []
+    for key, tensor in state.items():
+        storage = (tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
+        if tensor.numel() and storage in seen:
+            tensor = tensor.clone()
+            copied.append(key)
+        elif tensor.numel():
+            seen.add(storage)
+        out[key] = tensor.contiguous()
+    return out, copied
+
+
+def write_safetensors(state: dict[str, Any], target: Path, metadata: dict[str, str]) -> None:
+    """``state`` as one ``.safetensors`` file, every key, atomically; ``metadata`` goes in its header."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError as exc:
+        raise UsageError(f"--format safetensors needs the safetensors package: pip install 'hpcnet[hf]' ({exc})"
+                         ) from None
+    tensors, _ = unaliased(state)
+    tmp = target.with_name(target.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt", **metadata})
+    _replace_file(tmp, target)
+
+
+def run_model_config(meta: dict[str, Any], source: str) -> tuple[str, dict[str, Any]]:
+    """``(model.hf, model.options)`` of the run that saved a checkpoint (its meta's resolved config).
+
+    Raises:
+        UsageError: the checkpoint holds no run config, or its run did not train a model.hf.
+    """
+    model = (meta.get("config") or {}).get("model")
+    if not isinstance(model, dict):
+        raise UsageError(f"--format hf: {source} holds no run config (not saved by python -m hpcnet.train): "
+                         "export --format safetensors or pt instead")
+    if not model.get("hf"):
+        built = f"model.factory={model['factory']!r}" if model.get("factory") else f"model.name={model.get('name')!r}"
+        raise UsageError(f"--format hf needs a run with model.hf (a Hugging Face model); {source} trained "
+                         f"{built}: export --format safetensors (or pt) instead")
+    return str(model["hf"]), dict(model.get("options") or {})
+
+
+def _check_hf_target(target: Path) -> None:
+    if not target.exists():
+        return
+    if not target.is_dir():
+        raise UsageError(f"-o {str(target)!r} exists and is not a directory (--format hf writes a directory)")
+    foreign = sorted(p.name for p in target.iterdir() if p.name not in HF_OUTPUT_FILES)
+    if foreign:
+        raise UsageError(f"-o {str(target)!r} exists and holds {', '.join(foreign[:3])}, which an export does "
+                         "not write: remove it or choose another -o")
+
+
+def write_hf(state: dict[str, Any], hf: str, options: dict[str, Any], target: Path) -> str:
+    """The model as a Hugging Face directory ``target`` (see the module's doc); returns its class name.
+
+    Args:
+        state: the model's full state dict.
+        hf: the config.json or model directory to rebuild the model from (the run's ``model.hf``).
+        options: the run's ``model.options``.
+        target: the output directory; an earlier export there is replaced, anything else refused.
+
+    Raises:
+        UsageError: the config cannot be built, the state does not fit it, or the target is taken.
+    """
+    from hpcnet.models.hf import config_file, model_for_state
+
+    _check_hf_target(target)
+    try:
+        model = model_for_state(hf, options, {k: tuple(v.shape) for k, v in state.items()},
+                                option="--format hf (the run's model.hf)")
+        _, directory = config_file(hf)
+    except ConfigError as exc:
+        moved = "" if Path(hf).expanduser().exists() else "; --hf-config PATH names where the config is now"
+        raise UsageError(f"{exc}{moved}") from None
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise UsageError(f"the checkpoint does not fit {hf!r}: {' '.join(str(exc).split())[:300]}") from None
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one small bar a file on stderr, in a tool whose stderr is its errors
+    target = target.resolve()  # '-o .' names the directory by its own name
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        model.save_pretrained(str(tmp))
+        for name in TOKENIZER_FILES if directory is not None else ():
+            if (directory / name).is_file():
+                shutil.copyfile(directory / name, tmp / name)
+        for path in tmp.iterdir():
+            os.chmod(path, 0o666 & ~umask)  # transformers writes its weights 0600; others read what torch.save writes
+            _fsync_file(path)
+        if target.exists():
+            os.replace(target, old)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return type(model).__name__
