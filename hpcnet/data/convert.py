@@ -1,7 +1,8 @@
-"""Convert the user's arrays into an hpcnet HDF5 dataset file.
+"""Convert the user's arrays, or text files, into an hpcnet HDF5 dataset file.
 
     python -m hpcnet.data convert --npz data.npz --inputs x --targets y --out data.h5
     python -m hpcnet.data convert --inputs-npy X.npy --targets-npy Y.npy --out data.h5 --eval-fraction 0.2
+    python -m hpcnet.data convert --text a.txt b.txt --tokenizer tokenizer.json --seq-len 512 --out data.h5
 
 The arrays are checked before they are trusted (numeric dtypes, matching row counts, the shapes of
 the kind, whole non-negative labels below ``num_classes``, finite image inputs), converted a block of
@@ -10,7 +11,8 @@ and CRC-32 are checked against the archive: ``hpcnet.data.arrays``), so memory s
 written through ``hpcnet.data.h5`` (the format's one home) to a temporary name that is renamed into
 place only when everything succeeded. Every bad input raises ``DatasetError`` naming the file, the
 member, the array or the option; the command line prints it on one line and exits with status 2.
-docs/data.md."""
+Text files become a token stream (``hpcnet.data.text``) cut into rows of next-token prediction
+(``convert_text``), written the same way. docs/data.md."""
 
 import argparse
 import dataclasses
@@ -27,6 +29,7 @@ import numpy as np
 from hpcnet.data.arrays import Arrays, MemberCheck, load_npy_pair, load_npz
 from hpcnet.data.h5 import atomic_h5, create_split, set_root_attributes
 from hpcnet.data.info import DATASET_KINDS
+from hpcnet.data.text import BYTES, check_text_files, load_tokenizer, token_rows, token_stream
 from hpcnet.errors import DatasetError
 
 CHUNK_BYTES = 16 << 10
@@ -43,7 +46,7 @@ tokenizer's vocabulary (under 300,000) and every class count of public classific
 about 22,000), so a larger label is far more likely a stray value (an id, a timestamp) than a class,
 and it would make the model's output layer that wide. ``--num-classes`` says it is meant."""
 
-__all__ = ["Arrays", "Converted", "convert", "load_npy_pair", "load_npz", "main"]
+__all__ = ["Arrays", "Converted", "convert", "convert_text", "load_npy_pair", "load_npz", "main"]
 
 
 # ---------------------------------------------------------------------------
@@ -241,7 +244,7 @@ class Converted:
 
 def convert(out: str | Path, train: Arrays, eval_arrays: Arrays | None = None, *, eval_fraction: float = 0.1,
             kind: str | None = None, num_classes: int | None = None, shuffle: bool = False, seed: int = 0,
-            overwrite: bool = False, quiet: bool = True) -> Converted:
+            overwrite: bool = False, quiet: bool = True, provenance: dict[str, Any] | None = None) -> Converted:
     """Write ``train`` (and ``eval_arrays``, or a fraction of ``train``) as an hpcnet dataset file.
 
     Args:
@@ -257,15 +260,13 @@ def convert(out: str | Path, train: Arrays, eval_arrays: Arrays | None = None, *
         seed: the shuffle's seed.
         overwrite: replace ``out`` if it exists.
         quiet: False prints progress lines to stderr during long conversions.
+        provenance: more root attributes (they replace the default ``source``).
 
     Raises:
         DatasetError: naming the file, array or option that is wrong; ``out`` is then left as it was.
     """
     out = Path(out)
-    if out.is_dir():
-        raise DatasetError(f"--out {out} is a directory; give the .h5 file to write")
-    if out.exists() and not overwrite:
-        raise DatasetError(f"--out {out} exists; pass --force to replace it")
+    _check_out(out, overwrite)
     if kind is not None and kind not in DATASET_KINDS:
         raise DatasetError(f"--kind must be one of {', '.join(DATASET_KINDS)}, got {kind!r}")
     if num_classes is not None and (isinstance(num_classes, bool) or not isinstance(num_classes, int)
@@ -275,8 +276,7 @@ def convert(out: str | Path, train: Arrays, eval_arrays: Arrays | None = None, *
     _check_arrays(train, kind)
     total = len(train)
     if eval_arrays is None:
-        if not 0 < eval_fraction < 1:
-            raise DatasetError(f"--eval-fraction must be between 0 and 1 (exclusive), got {eval_fraction!r}")
+        _check_eval_fraction(eval_fraction)
         num_eval = round(total * eval_fraction)
         if not 0 < num_eval < total:
             raise DatasetError(f"--eval-fraction {eval_fraction} of {total} rows leaves "
@@ -309,11 +309,88 @@ def convert(out: str | Path, train: Arrays, eval_arrays: Arrays | None = None, *
         for check in checks:  # before anything is committed
             check.verify()
         found = num_classes if num_classes is not None else labels.max_seen + 1
-        set_root_attributes(f, kind, found, generator="hpcnet.data.convert", source="; ".join(sources),
-                            shuffled=bool(shuffle), seed=seed)
+        set_root_attributes(f, kind, found, generator="hpcnet.data.convert",
+                            **{"source": "; ".join(sources), "shuffled": bool(shuffle), "seed": seed,
+                               **(provenance or {})})
         if not overwrite and out.exists():  # appeared while converting: do not clobber someone's file
             raise DatasetError(f"--out {out} was created by someone else during the conversion; not replaced")
     return Converted(out, kind, found, plan[0][3], plan[1][3])
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.is_dir():
+        raise DatasetError(f"--out {out} is a directory; give the .h5 file to write")
+    if out.exists() and not overwrite:
+        raise DatasetError(f"--out {out} exists; pass --force to replace it")
+
+
+def _check_eval_fraction(eval_fraction: float) -> None:
+    if not 0 < eval_fraction < 1:
+        raise DatasetError(f"--eval-fraction must be between 0 and 1 (exclusive), got {eval_fraction!r}")
+
+
+def _file_list(paths: Sequence[Path], max_chars: int = 4096) -> str:
+    """The files, ``"a.txt; b.txt"``, cut short with how many more: an HDF5 attribute holds at most 64 KiB."""
+    listed: list[str] = []
+    for name in map(str, paths):
+        if sum(map(len, listed)) + 2 * len(listed) + len(name) + 40 > max_chars:  # 40: room for "; and N more"
+            return "; ".join([*listed, f"and {len(paths) - len(listed)} more"])
+        listed.append(name)
+    return "; ".join(listed)
+
+
+def convert_text(out: str | Path, files: Sequence[str | Path], *, seq_len: int, tokenizer: str | Path = BYTES,
+                 eval_fraction: float = 0.1, shuffle: bool = False, seed: int = 0, overwrite: bool = False,
+                 quiet: bool = True, piece_bytes: int | None = None) -> Converted:
+    """Write text files as an hpcnet tokens dataset file of next-token rows (``hpcnet.data.text``).
+
+    The files' tokens, joined into one stream (the tokenizer's end-of-text token between two files), are cut
+    into consecutive windows of ``seq_len + 1``: inputs the first ``seq_len`` tokens of each, targets the last
+    ``seq_len``; the tail shorter than a window is left out. ``num_classes`` is the vocabulary size and the
+    tokens are stored in the smallest unsigned integer type that holds it.
+
+    Args:
+        out: the ``.h5`` file to write, atomically.
+        files: the UTF-8 text files (any bytes with ``"bytes"``), in order.
+        seq_len: tokens per row, at least 1.
+        tokenizer: ``"bytes"`` (every byte a token, vocabulary 256) or the path of a Hugging Face
+            ``tokenizer.json``.
+        eval_fraction: the share of the rows held out, in (0, 1): the last ones (the end of the stream), or a
+            random sample with ``shuffle``.
+        shuffle: shuffle the rows before the eval rows are taken.
+        seed: the shuffle's seed.
+        overwrite: replace ``out`` if it exists.
+        quiet: False says on stderr how many tokens there are and how many are left out, and how far a long
+            conversion is.
+        piece_bytes: the size of the pieces the files are read in; None is ``hpcnet.data.text.PIECE_BYTES``.
+
+    Raises:
+        DatasetError: naming the file or option that is wrong; ``out`` is then left as it was.
+    """
+    out = Path(out)
+    _check_out(out, overwrite)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise DatasetError(f"--seq-len must be a positive integer, got {seq_len!r}")
+    _check_eval_fraction(eval_fraction)
+    paths = check_text_files(files)
+    text_tokenizer = load_tokenizer(tokenizer)
+    source = f"--text {paths[0]}" + (f" and {len(paths) - 1} more" if len(paths) > 1 else "")
+    with token_stream(paths, text_tokenizer, out, quiet=quiet, piece_bytes=piece_bytes) as tokens:
+        num_tokens = len(tokens)
+        rows, left_out = divmod(num_tokens, seq_len + 1)
+        if rows == 0:
+            raise DatasetError(f"{source} gives {num_tokens} tokens (--tokenizer {text_tokenizer.name}), fewer than "
+                               f"one row of --seq-len {seq_len} takes: {seq_len + 1}, the inputs and one more target")
+        done = convert(out, token_rows(tokens, seq_len, source), eval_fraction=eval_fraction, kind="tokens",
+                       num_classes=text_tokenizer.vocab_size, shuffle=shuffle, seed=seed, overwrite=overwrite,
+                       quiet=quiet, provenance={"source": _file_list(paths), "tokenizer": text_tokenizer.name,
+                                                "seq_len": seq_len, "end_of_text": text_tokenizer.end_of_text or ""})
+    if not quiet:
+        between = ("nothing" if text_tokenizer.end_of_text is None else text_tokenizer.end_of_text) + " between files"
+        print(f"{num_tokens:,} tokens from {len(paths)} file(s) (--tokenizer {text_tokenizer.name}, "
+              f"vocabulary {text_tokenizer.vocab_size:,}, {between}): {rows:,} rows of {seq_len} + 1; the "
+              f"last {left_out:,} tokens, less than a row, are left out", file=sys.stderr, flush=True)
+    return done
 
 
 # ---------------------------------------------------------------------------
@@ -327,15 +404,25 @@ def add_convert_command(commands: Any) -> None:
         commands: what ``ArgumentParser.add_subparsers`` returned.
     """
     cmd = commands.add_parser(
-        "convert", help="convert .npz/.npy arrays into an hpcnet dataset file",
-        description="Convert your arrays into an hpcnet HDF5 dataset file (docs/data.md). Give "
-                    "--npz with --inputs and --targets, or --inputs-npy and --targets-npy.")
+        "convert", help="convert .npz/.npy arrays or text files into an hpcnet dataset file",
+        description="Convert your arrays or text files into an hpcnet HDF5 dataset file (docs/data.md). Give "
+                    "--npz with --inputs and --targets, or --inputs-npy and --targets-npy, or --text with "
+                    "--seq-len.")
     src = cmd.add_argument_group("the data")
     src.add_argument("--npz", type=Path, help="an .npz archive (np.savez) holding the arrays")
     src.add_argument("--inputs", metavar="NAME", help="with --npz: the name of the inputs array")
     src.add_argument("--targets", metavar="NAME", help="with --npz: the name of the targets array")
     src.add_argument("--inputs-npy", type=Path, metavar="FILE", help="a .npy file of inputs")
     src.add_argument("--targets-npy", type=Path, metavar="FILE", help="a .npy file of targets")
+    text = cmd.add_argument_group("text (rows of next-token prediction, kind tokens)")
+    text.add_argument("--text", type=Path, nargs="+", metavar="FILE",
+                      help="text files, joined in this order into one stream of tokens")
+    text.add_argument("--tokenizer", metavar="bytes|FILE",
+                      help="bytes (default): every byte is a token, vocabulary 256; or a Hugging Face "
+                           "tokenizer.json (needs pip install 'hpcnet[hf]')")
+    text.add_argument("--seq-len", type=int, metavar="T",
+                      help="tokens per row: the stream is cut into windows of T + 1, inputs the first T, "
+                           "targets the last T")
     split = cmd.add_argument_group("the eval split (default: --eval-fraction 0.1)")
     split.add_argument("--eval-fraction", type=float, metavar="F",
                        help="hold out this share of the rows, the last ones unless --shuffle")
@@ -377,7 +464,7 @@ def _sources(args: argparse.Namespace) -> tuple[Arrays, Arrays | None]:
         train = load_npy_pair(args.inputs_npy, args.targets_npy)
     else:
         raise DatasetError("no data: give --npz FILE --inputs NAME --targets NAME, "
-                           "or --inputs-npy FILE --targets-npy FILE")
+                           "or --inputs-npy FILE --targets-npy FILE, or --text FILE... --seq-len T")
     eval_npy = args.eval_inputs_npy is not None or args.eval_targets_npy is not None
     given = [o for o, v in (("--eval-fraction", args.eval_fraction is not None),
                             ("--eval-npz", args.eval_npz is not None),
@@ -410,17 +497,10 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         if args.seed is not None and not args.shuffle:
             raise DatasetError("--seed is the seed of --shuffle; give --shuffle too")
-        train, eval_arrays = _sources(args)
-        if args.channels_last:
-            if args.kind == "tokens":
-                raise DatasetError("--channels-last applies to image inputs, not --kind tokens")
-            train = _channels_first(train)
-            if eval_arrays is not None:
-                eval_arrays = _channels_first(eval_arrays)
-        done = convert(args.out, train, eval_arrays,
-                       eval_fraction=0.1 if args.eval_fraction is None else args.eval_fraction,
-                       kind=args.kind, num_classes=args.num_classes, shuffle=args.shuffle,
-                       seed=args.seed or 0, overwrite=args.force, quiet=False)
+        if args.text is not None:
+            done = _run_text(args)
+        else:
+            done = _run_arrays(args)
     except DatasetError as exc:
         parser.exit(2, f"{prog}: error: {exc}\n")
     except OSError as exc:
@@ -431,6 +511,43 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               f"{done.eval_rows} eval rows, inputs {x.dtype}{list(x.shape[1:])}, targets "
               f"{f['train/targets'].dtype}, {x.chunks[0]} rows a chunk")
     return 0
+
+
+def _run_text(args: argparse.Namespace) -> Converted:
+    arrays = [option for option, value in (
+        ("--npz", args.npz), ("--inputs", args.inputs), ("--targets", args.targets),
+        ("--inputs-npy", args.inputs_npy), ("--targets-npy", args.targets_npy), ("--eval-npz", args.eval_npz),
+        ("--eval-inputs-npy", args.eval_inputs_npy), ("--eval-targets-npy", args.eval_targets_npy),
+        ("--channels-last", args.channels_last or None)) if value is not None]
+    if arrays:
+        raise DatasetError(f"give --text or {arrays[0]}, not both: --text makes the rows from text files")
+    if args.kind == "image":
+        raise DatasetError("--text makes rows of tokens; --kind image does not apply")
+    if args.num_classes is not None:
+        raise DatasetError("--num-classes comes from --tokenizer with --text (its vocabulary size)")
+    if args.seq_len is None:
+        raise DatasetError("--text needs --seq-len T, the tokens of one row")
+    return convert_text(args.out, args.text, seq_len=args.seq_len, tokenizer=args.tokenizer or BYTES,
+                        eval_fraction=0.1 if args.eval_fraction is None else args.eval_fraction,
+                        shuffle=args.shuffle, seed=args.seed or 0, overwrite=args.force, quiet=False)
+
+
+def _run_arrays(args: argparse.Namespace) -> Converted:
+    given = [option for option, value in (("--tokenizer", args.tokenizer), ("--seq-len", args.seq_len))
+             if value is not None]
+    if given:
+        raise DatasetError(f"{given[0]} goes with --text FILE...; arrays give their rows as they are")
+    train, eval_arrays = _sources(args)
+    if args.channels_last:
+        if args.kind == "tokens":
+            raise DatasetError("--channels-last applies to image inputs, not --kind tokens")
+        train = _channels_first(train)
+        if eval_arrays is not None:
+            eval_arrays = _channels_first(eval_arrays)
+    return convert(args.out, train, eval_arrays,
+                   eval_fraction=0.1 if args.eval_fraction is None else args.eval_fraction,
+                   kind=args.kind, num_classes=args.num_classes, shuffle=args.shuffle,
+                   seed=args.seed or 0, overwrite=args.force, quiet=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
