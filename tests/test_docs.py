@@ -206,7 +206,7 @@ COMMAND_BLOCKS = [(line, lines, note) for line, lang, lines, note in readme_bloc
 
 def test_every_readme_block_says_what_it_is_and_why_a_command_is_not_run():
     for line, lang, _, note in readme_blocks():
-        assert lang in ("bash", "toml", "python", "text"), f"README.md:{line}: a block without a known language"
+        assert lang in ("bash", "toml", "python", "json", "text"), f"README.md:{line}: a block without a known language"
         if note.startswith("not-run:"):
             assert len(note) > 20, f"README.md:{line}: say why the block is not run"
         elif note:
