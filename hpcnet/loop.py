@@ -300,8 +300,8 @@ class Loop:
             timings = self.state.manager.last_timings
             if self.tracer is not None:
                 self.tracer.checkpoint(p.step, timings)
-            # What this rank's save took (an async one: what it blocked; the write goes on behind the loop).
-            self.metrics.write(step=p.step, checkpoint={k: round(v, 6) for k, v in timings.items()})
+            if self.state.manager.in_flight:  # what it blocked; the manager's on_finished records the whole save
+                self.metrics.write(step=p.step, checkpoint={k: round(v, 6) for k, v in timings.items()})
         else:
             p.diverged = (f"non-finite model or optimizer state after step {p.step} (an update overflowed, "
                           "or a forward pass left non-finite statistics)")

@@ -353,6 +353,8 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any
                                 keep=cfg.checkpoint.keep, full_every=cfg.checkpoint.full_every,
                                 async_save=cfg.checkpoint.async_save, move_aside=cfg.checkpoint.move_aside,
                                 fault=faults.io_fault, deadlines=monitor.deadlines, timeout_s=cfg.checkpoint.timeout_s)
+    manager.on_finished = lambda step, timings: metrics.write(
+        step=step, checkpoint={k: round(v, 6) for k, v in timings.items()})  # a committed save's times
     state = TrainState(cfg, dp.model, optimizer, sampler, manager, shards=dp)
     result = TrainResult(dp.model, optimizer)
     loader = None

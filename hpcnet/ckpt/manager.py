@@ -166,6 +166,8 @@ class CheckpointManager:
         self._previous: _Previous | None = None
         self._next_seq: int | None = None
         self.last_timings: dict[str, float] = {}
+        self.on_finished: Callable[[int, dict[str, float]], None] | None = None
+        """Called in the training thread with a save's step and timings when it is committed (metrics, TensorBoard)."""
         """Seconds spent: blocking (in save), snapshot, hash, write, commit (after wait)."""
 
     # -- saving --
@@ -317,6 +319,8 @@ class CheckpointManager:
         self.last_timings["bytes"] = result.bytes_written
         self._last_save_s = io_s
         self._flight = None
+        if self.on_finished is not None:
+            self.on_finished(job.step, {**self.last_timings, "io_s": io_s})
 
     @property
     def in_flight(self) -> bool:

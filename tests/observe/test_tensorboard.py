@@ -70,8 +70,10 @@ def test_a_run_writes_every_tag_and_the_loss_of_its_metrics_lines(tmp_path):
         assert found[f"eval/{name}"] == [(r["step"], _f32(r[f"eval_{name}"])) for r in evaluations]
     assert [s for s, _ in found["eval/loss"]] == [3, 6]
     saves = [r for r in lines if "checkpoint" in r]
-    assert [r["step"] for r in saves] == [3, 6] and found["checkpoint/blocking_s"] == [
-        (r["step"], _f32(r["checkpoint"]["blocking_s"])) for r in saves]
+    # each asynchronous save twice: what it blocked, at the save; every time of it once committed (with io_s)
+    assert [(r["step"], "io_s" in r["checkpoint"]) for r in saves] == [(3, False), (3, True), (6, False), (6, True)]
+    assert found["checkpoint/blocking_s"] == [(r["step"], _f32(r["checkpoint"]["blocking_s"])) for r in saves]
+    assert found["checkpoint/io_s"] == [(r["step"], _f32(r["checkpoint"]["io_s"])) for r in saves[1::2]]
     phases = {f"time/phase/{name}" for name in logged[0]["phases_s"]}
     assert {"time/phase/comm", "time/phase/forward", "time/phase/checkpoint"} <= phases <= set(found)
     assert {"train/samples_per_s", "time/step_s", "time/slowest_step_s", "time/comm_share", "memory/rss_mb",
