@@ -105,3 +105,26 @@ class SelfLoss(nn.Module):
 def self_loss(info, width: int = 64) -> nn.Module:
     """``model.factory`` of ``SelfLoss`` for the dataset's vocabulary (``info.num_classes``)."""
     return SelfLoss(info.num_classes, width)
+
+
+class Parity(torch.utils.data.Dataset):
+    """Token sequences with one class each (kind 'sequence'): whether the count of tokens below ``vocab // 2`` in
+    the sequence is even or odd; for a sequence classifier (``model.hf`` builds
+    ``AutoModelForSequenceClassification`` on such data)."""
+
+    def __init__(self, split: str, n: int = 1024, seq_len: int = 16, vocab: int = 64, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed + (split == "eval"))
+        self.x = torch.randint(1, vocab, (n, seq_len), generator=g)  # 0 left for padding
+        self.y = (self.x < vocab // 2).sum(1) % 2
+        self.num_classes = 2
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+def parity(split: str, **options: int) -> Parity:
+    """``data.dataset`` factory of ``Parity``."""
+    return Parity(split, **options)

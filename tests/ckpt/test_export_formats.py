@@ -208,3 +208,21 @@ def _exports(tmp, ckpt):
             json.loads((tmp / "one-hf" / "config.json").read_text()),
             json.loads((tmp / "sharded-hf" / "config.json").read_text()),
             torch.equal(saved["lm_head.weight"], saved["transformer.wte.weight"]))
+
+
+def test_a_sequence_classifier_trains_on_sequences_and_exports_for_from_pretrained(single_process, tmp_path):
+    """A 'sequence' dataset (one class a sequence) under model.hf: AutoModelForSequenceClassification with the
+    dataset's classes, trained with the default cross-entropy of its .logits, evaluated with accuracy; its hf
+    export loads with from_pretrained and computes the trained logits."""
+    config = write_config(tmp_path / "gpt2")
+    cfg = train_config(tmp_path, "examples.objectives:parity", "seq", f"model.hf={config}",
+                       "model.options.pad_token_id=0", "data.options.n=256", "train.steps=6", "train.eval_every=6",
+                       "optim.name=adamw", "optim.lr=0.003", "checkpoint.async_save=false")
+    result = run(cfg, MPI.COMM_SELF)
+    assert result.exit_code == 0 and type(result.model).__name__ == "GPT2ForSequenceClassification"
+    assert result.model.config.num_labels == 2 and set(result.summary["eval"]) == {"eval_loss", "eval_accuracy"}
+    assert _export(tmp_path / "ckpt" / "seq", "--format", "hf", "-o", tmp_path / "seq-hf")[0] == 0
+    loaded = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "seq-hf").eval()
+    tokens = torch.randint(1, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, result.model.eval()(tokens).logits)
