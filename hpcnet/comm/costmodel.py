@@ -333,6 +333,48 @@ def forecast_allreduce(gradient_bytes: int, *, nodes: int, local: int, hierarchi
     return CommForecast("hierarchical", wire, host_bytes, max(between, within) + min(between, within) / chunks)
 
 
+CHUNK_CHOICES = (4 << 20, 8 << 20, 16 << 20)
+"""The pipelined chunk sizes ``choose_path`` considers. None below 4 MiB: the model has no per-chunk CPU cost, and
+1 MiB chunks measured slower than 4 MiB on the local cluster (1.14x against 1.20-1.24x DDP-gloo; CHANGELOG
+2026-12-06), where it predicts them faster."""
+
+
+@dataclass(frozen=True, slots=True)
+class PathChoice:
+    """``dist.hierarchical=auto``'s choice between the flat and the hierarchical all-reduce (``choose_path``)."""
+
+    hierarchical: bool
+    chunk_bytes: int
+    """The hierarchical path's pipelined chunk (the fastest of ``CHUNK_CHOICES``), also when flat is chosen."""
+    flat: CommForecast
+    nested: CommForecast
+    """The hierarchical path's forecast at ``chunk_bytes``."""
+
+    @property
+    def chosen(self) -> CommForecast:
+        return self.nested if self.hierarchical else self.flat
+
+    def describe(self) -> str:
+        """One line for the log: the choice and both forecasts."""
+        chunk = f", {self.chunk_bytes >> 20} MiB chunks" if self.hierarchical else ""
+        return (f"{'hierarchical' if self.hierarchical else 'flat'}{chunk} (forecast of a step's all-reduce: "
+                f"hierarchical {self.nested.seconds * 1e3:.1f} ms with {self.chunk_bytes >> 20} MiB chunks, "
+                f"flat {self.flat.seconds * 1e3:.1f} ms)")
+
+
+def choose_path(gradient_bytes: int, *, nodes: int, local: int, inter: LinkCost, intra: LinkCost | None,
+                chunks: tuple[int, ...] = CHUNK_CHOICES) -> PathChoice:
+    """The exact path the forecast says is faster (pure): hierarchical at its best chunk of ``chunks`` (ties go to
+    the smaller, which pipelines deeper), or flat where that is faster, as on a node whose ranks reach each
+    other more slowly than they reach the other nodes. Only exact paths: lossy compression is the user's choice."""
+    flat = forecast_allreduce(gradient_bytes, nodes=nodes, local=local, hierarchical=False, inter=inter,
+                              intra=intra)
+    nested, chunk = min(((forecast_allreduce(gradient_bytes, nodes=nodes, local=local, hierarchical=True,
+                                             inter=inter, intra=intra, chunk_bytes=c), c) for c in chunks),
+                        key=lambda option: (option[0].seconds, option[1]))
+    return PathChoice(nested.seconds <= flat.seconds, chunk, flat, nested)
+
+
 def measured_speeds(step_times_s: list[float]) -> list[float]:
     """Relative speeds from each rank's measured time for the same work: the fastest is 1.0.
 

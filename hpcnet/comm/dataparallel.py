@@ -8,6 +8,7 @@ a run without the failure.
 """
 
 import contextlib
+import dataclasses
 import json
 import logging
 import statistics
@@ -22,9 +23,11 @@ from hpcnet.agree import mark_agreed
 from hpcnet.comm.costmodel import (
     CommForecast,
     LinkCost,
+    PathChoice,
     ShardPlan,
     auto_bucket_bytes,
     bucket_share,
+    choose_path,
     forecast_allreduce,
     measured_speeds,
     plan_time_s,
@@ -119,13 +122,18 @@ class DataParallel:
         self.world = world
         self.cfg = cfg
         self.device = device
-        self.plan = plan
         check_same_model(model, comm)
+        self.path: PathChoice | None = None
+        if link is not None and cfg.hierarchical == "auto" and plan.hierarchical and world.num_nodes > 1 \
+                and cfg.compression in ("none", "auto"):
+            plan = self._choose_path(plan, model, link, intra_link)
+        self.plan = plan
         self.progress = mpi_progress(cfg.progress, cores_per_rank(world))
         self.feedback = ErrorFeedback()  # int8's residuals: kept here, so a checkpoint holds them
         transport = build_transport(plan.primary, plan.hierarchical, comm, world, timeout_s=cfg.timeout_s,
                                     progress=self.progress, inter_node=plan.inter_node,
-                                    wire=_DTYPES[cfg.compression], feedback=self.feedback)
+                                    wire=_DTYPES[cfg.compression], feedback=self.feedback,
+                                    **({"chunk_bytes": self.path.chunk_bytes} if self.path is not None else {}))
         if cfg.fail_at_step:
             transport = FaultyTransport(transport, fail=not cfg.fail_ranks or world.rank in cfg.fail_ranks)
         broadcast_module(model, comm)  # replicas start equal even if initialisation differed
@@ -176,6 +184,19 @@ class DataParallel:
             import torch.distributed as dist
 
             self._buffer_group = dist.group.WORLD
+
+    def _choose_path(self, plan: Plan, model: nn.Module, inter: LinkCost, intra: LinkCost | None) -> Plan:
+        """``dist.hierarchical=auto`` where the layout allows both paths and the sums are exact: the flat or the
+        hierarchical all-reduce and its chunk, whichever the forecast from the probed links says is faster
+        (``costmodel.choose_path``); rank 0's choice, so every rank builds the same transport (collective)."""
+        total = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        world = self.world
+        choice = choose_path(total, nodes=world.num_nodes, local=world.size // world.num_nodes, inter=inter,
+                             intra=intra) if world.is_main else None
+        self.path = choice = self.comm.bcast(choice, root=0)
+        if world.is_main:
+            log.info("dist.hierarchical=auto: %s", choice.describe())
+        return plan if choice.hierarchical else dataclasses.replace(plan, hierarchical=False, inter_node=None)
 
     def bucket_bytes(self) -> int:
         """``dist.bucket_mb`` in bytes; 'auto' from the probed link (``costmodel.auto_bucket_bytes``); at
@@ -593,6 +614,9 @@ class DataParallel:
         if self.forecast is not None:
             out["forecast"] = {"path": self.forecast.path, "wire": self.forecast.wire,
                                "host_bytes": self.forecast.host_bytes, "allreduce_ms": self.forecast.seconds * 1e3}
+        if self.path is not None:  # dist.hierarchical=auto's choice from the probe
+            out["path"] = {"hierarchical": self.path.hierarchical, "chunk_bytes": self.path.chunk_bytes,
+                           "flat_ms": self.path.flat.seconds * 1e3, "hierarchical_ms": self.path.nested.seconds * 1e3}
         if self.shards is not None:
             out["owned_bytes"] = self.shards.rank_bytes
             out["replans"] = self.replans

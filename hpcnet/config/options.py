@@ -289,8 +289,9 @@ class DistConfig:
     first_bucket_mb: float = 1.0
     """Size of the first bucket (the last layers), small so communication starts early; 0 = bucket_mb."""
     hierarchical: str = "auto"
-    """Hierarchical all-reduce across nodes: 'auto' (when >1 node and the same number >1 of ranks on every node), 'on'
-    (an error on nodes of unequal sizes) or 'off'."""
+    """Hierarchical all-reduce across nodes: 'auto' (where >1 node and the same number >1 of ranks on every node allow
+    it and the sums are exact: hierarchical or flat, and the pipelined chunk, as the forecast from the probed links
+    says is faster; without a probe, hierarchical), 'on' (an error on nodes of unequal sizes) or 'off'."""
     inter_node: str = "auto"
     """Between nodes on the hierarchical path under the mpi backend (CPU): 'gloo' (its sockets block while they wait,
     so the sums between nodes run beside backward without taking a core), 'primary' (MPI, which polls), or 'auto'

@@ -323,3 +323,26 @@ def test_the_forecast_on_a_faked_probe_sends_each_host_its_share_once():
     assert one.host_bytes == 0 and one.seconds == pytest.approx(intra.all_reduce_s(grad, 4))
     with pytest.raises(ValueError, match="wire: 'int4'"):
         forecast_allreduce(grad, hierarchical=True, wire="int4", **kw)
+
+
+def test_dist_hierarchical_auto_chooses_the_path_and_chunk_the_forecast_says_is_faster():
+    """On faked probes: hierarchical where each host's link is the limit (its ranks reach each other faster), at the
+    chunk that pipelines best; flat where a node's ranks reach each other more slowly than the other nodes (the
+    hierarchical path's inner phases would be the slow part); a high-latency link takes larger chunks."""
+    from hpcnet.comm.costmodel import CHUNK_CHOICES, choose_path
+
+    grad = 40 << 20
+    slow_link = choose_path(grad, nodes=2, local=2, inter=LinkCost.from_probe(100.0, 1.0),
+                            intra=LinkCost.from_probe(5.0, 10.0))
+    assert slow_link.hierarchical and slow_link.chunk_bytes == CHUNK_CHOICES[0]
+    assert slow_link.chosen is slow_link.nested and slow_link.flat.seconds > 1.4 * slow_link.nested.seconds
+    assert "hierarchical, 4 MiB chunks (forecast" in slow_link.describe()
+    slow_inside = choose_path(grad, nodes=2, local=4, inter=LinkCost.from_probe(2.0, 100.0),
+                              intra=LinkCost.from_probe(50.0, 2.0))
+    assert not slow_inside.hierarchical and slow_inside.chosen is slow_inside.flat
+    assert slow_inside.describe().startswith("flat (forecast")
+    far = choose_path(grad, nodes=2, local=2, inter=LinkCost.from_probe(500.0, 10.0),
+                      intra=LinkCost.from_probe(5.0, 100.0))
+    assert far.hierarchical and far.chunk_bytes == CHUNK_CHOICES[-1]  # 0.5 ms a message: fewer, larger chunks
+    # Without a measured intra-node link the inner phases cost nothing in the model: hierarchical.
+    assert choose_path(grad, nodes=2, local=2, inter=LinkCost.from_probe(100.0, 1.0), intra=None).hierarchical

@@ -193,3 +193,35 @@ def test_the_communication_forecast_is_logged_beside_the_measured_time(comm, dat
         assert "communication forecast (" in text and "communication: forecast" in text and "measured" in text
         assert ("opt in with dist.compression" in text) == (nodes > 1)
     comm.Barrier()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("inside_us,inside_gbit,hierarchical", [(5.0, 10.0, True), (1000.0, 0.5, False)])
+def test_hierarchical_auto_follows_the_faked_probe_and_both_paths_average_alike(comm, data_plane, inside_us,
+                                                                               inside_gbit, hierarchical):
+    """dist.hierarchical=auto on virtual nodes of 2 with a faked probe: a 1 Gbit/s, 100 us link between the nodes
+    and fast ranks inside gives the hierarchical path; ranks inside slower than the link (this small model's
+    all-reduce is latency-bound: 1 ms inside) the flat one; the choice is rank 0's on every rank, and either
+    path's gradients are the average."""
+    from hpcnet.comm.costmodel import LinkCost
+
+    world = discover(comm, environ=even_nodes(comm))
+    if world.num_nodes < 2 or world.size == world.num_nodes:
+        pytest.skip("needs nodes of 2 ranks (an even world size above 2)")
+    plan = Plan("mpi", True, None, "gloo")
+    torch.manual_seed(0)
+    model = Net()
+    dp = DataParallel(model, comm, world, DistConfig(bucket_mb=0.004), device=torch.device("cpu"), plan=plan,
+                      link=LinkCost.from_probe(100.0, 1.0), intra_link=LinkCost.from_probe(inside_us, inside_gbit))
+    try:
+        assert dp.plan.hierarchical == hierarchical and dp.summary()["path"]["hierarchical"] == hierarchical
+        assert dp.backend == ("hierarchical-mpi+gloo" if hierarchical else "mpi")
+        if hierarchical:
+            assert dp.reducer.transport.chunk_bytes == dp.path.chunk_bytes
+        x, y = _data(comm)
+        expected = reference_grads(model, x, y, comm)
+        dp.step([(x, y)], _loss)
+        for p, g in zip(model.parameters(), expected):
+            torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-6)
+    finally:
+        dp.close()

@@ -42,7 +42,7 @@ from hpcnet.comm.transport.base import (
     wait_all,
 )
 from hpcnet.comm.transport.faulty import FaultyTransport
-from hpcnet.comm.transport.hierarchical import HierarchicalTransport, enqueue_in_order
+from hpcnet.comm.transport.hierarchical import PIPELINE_CHUNK_BYTES, HierarchicalTransport, enqueue_in_order
 from hpcnet.comm.transport.mpi import MpiTransport
 from hpcnet.comm.transport.shm import ShmTransport
 from hpcnet.comm.transport.torchdist import TorchTransport
@@ -55,7 +55,8 @@ __all__ = ["CollectiveExecutor", "CommFailure", "Done", "Failed", "FaultyTranspo
 
 def build_transport(kind: str, hierarchical: bool, comm: Any, world: World, *,
                     timeout_s: float | None = None, progress: str = "thread",
-                    inter_node: str | None = None, wire: Any = None, feedback: Any = None) -> Transport:
+                    inter_node: str | None = None, wire: Any = None, feedback: Any = None,
+                    chunk_bytes: int = PIPELINE_CHUNK_BYTES) -> Transport:
     """Create a transport over the ranks of ``comm`` (collective).
 
     ``timeout_s`` (``dist.timeout_s``; None: torch's default) is given to
@@ -67,7 +68,8 @@ def build_transport(kind: str, hierarchical: bool, comm: Any, world: World, *,
     between the nodes when not ``kind``; ``wire`` (``dist.compression``'s
     dtype) is applied by a hierarchical transport with gloo between the nodes,
     there only, and ignored by the others (the reducer compresses for them);
-    ``feedback`` (``hpcnet.comm.quantize.ErrorFeedback``) keeps int8's residuals.
+    ``feedback`` (``hpcnet.comm.quantize.ErrorFeedback``) keeps int8's residuals; ``chunk_bytes`` is a
+    hierarchical transport's pipelined chunk.
     """
     if kind == "shm":
         return ShmTransport(comm, world)  # hierarchical by construction: shared memory in a node, MPI across
@@ -75,7 +77,8 @@ def build_transport(kind: str, hierarchical: bool, comm: Any, world: World, *,
         between = inter_node or kind
         return HierarchicalTransport(comm, node_index=world.node_index, local_rank=world.local_rank, kind=kind,
                                      timeout_s=timeout_s, progress=progress, cross_kind=inter_node,
-                                     wire=wire if between == "gloo" else None, feedback=feedback)
+                                     wire=wire if between == "gloo" else None, feedback=feedback,
+                                     chunk_bytes=chunk_bytes)
     if kind == "mpi":
         return MpiTransport(comm, progress)
     import torch.distributed as dist
