@@ -162,6 +162,7 @@ class Loop:
         for group in self.optimizer.param_groups:
             group["lr"] = cfg.optim.lr * lr_factor(p.step, self.total, cfg.optim)
         batches = [self.mover(self.loader.next()) for _ in range(cfg.train.grad_accumulation)]
+        self.objective.start_step()  # the metrics logged are this step's, as its loss is
         self.clock.mark("data")
         loss = self.dp.step(batches, self.objective, step=p.step + 1)
         # The averaged gradients are the same on every rank, so a verdict from their norm needs

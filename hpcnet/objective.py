@@ -29,6 +29,8 @@ from hpcnet.fault.flightrec import NULL_RECORDER
 
 CHECK_SAMPLES = 2
 """Samples of the train split the objective is tried on at start-up (``Objective.check``), on every rank alike."""
+RESERVED_METRICS = ("loss", "accuracy", "lr", "epoch", "samples_per_s")
+"""Names a user function's metrics cannot take: the loop logs these itself (``train_<name>``, ``eval_<name>``)."""
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -134,7 +136,7 @@ class Objective:
         self.precision = precision
         self.names: list[str] = []
         """The user function's metric names, fixed by its first call (``check``)."""
-        self._sums: dict[str, float] = {}
+        self._sums: dict[str, torch.Tensor] = {}
         self._calls = 0
         self.slow: Callable[[int], None] | None = None
         """``fault.slow_per_sample_s``: called with a micro-batch's samples before its forward."""
@@ -157,6 +159,9 @@ class Objective:
             if not isinstance(name, str) or not name.isidentifier():
                 raise UsageError(f"model.loss: {self.spec!r} returned a metric named {name!r}; metric names are "
                                  "identifiers (letters, digits, '_')")
+            if name in RESERVED_METRICS:
+                raise UsageError(f"model.loss: {self.spec!r} returned a metric named {name!r}, which hpcnet logs "
+                                 f"itself; name it otherwise ({', '.join(RESERVED_METRICS)} are taken)")
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 value = torch.tensor(float(value))
             if not isinstance(value, torch.Tensor) or value.numel() != 1:
@@ -178,16 +183,21 @@ class Objective:
             loss, metrics = self._call(model, batch)
         if metrics:
             self._calls += 1
-            for name, value in metrics.items():
-                self._sums[name] = self._sums.get(name, 0.0) + float(value)
+            for name, value in metrics.items():  # summed on the device: no synchronisation a micro-batch
+                self._sums[name] = self._sums[name] + value if name in self._sums else value.float()
         return loss
 
+    def start_step(self) -> None:
+        """Forget the metrics of earlier steps: ``take_metrics`` then gives this step's, as the loss logged."""
+        self._sums, self._calls = {}, 0
+
     def take_metrics(self) -> dict[str, float]:
-        """The mean of each metric over the calls since the last take (empty without a user function's metrics)."""
+        """The mean of each metric over the calls since ``start_step`` (the step's micro-batches); empty without a
+        user function's metrics."""
         if not self._calls:
             return {}
-        taken = {name: total / self._calls for name, total in self._sums.items()}
-        self._sums, self._calls = {}, 0
+        taken = {name: total.item() / self._calls for name, total in self._sums.items()}
+        self.start_step()
         return taken
 
     def check(self, model: nn.Module, split: Any, move: Callable[[Any], Any]) -> None:
@@ -230,6 +240,23 @@ class Objective:
 
         names = ["loss", "accuracy"] if self.fn is None else ["loss", *self.names]
         totals = np.zeros(len(names) + 1)  # weighted sums, then the weight
+        was_training = model.training
+        model.eval()  # dropout off, batch norm from its running statistics (and not updated by the eval shards)
+        try:
+            self._evaluate(model, split, indices, batch_size, max_batches, move, totals)
+        finally:
+            model.train(was_training)
+        with recorder.op("eval.allreduce"):
+            comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
+        weight = max(totals[-1], 1)
+        result = {f"eval_{name}": totals[i] / weight for i, name in enumerate(names)}
+        if self.fn is None and math.isnan(result["eval_accuracy"]):
+            del result["eval_accuracy"]  # a dict batch's own loss: no predictions to count
+        return result
+
+    def _evaluate(self, model: nn.Module, split: Any, indices: np.ndarray, batch_size: int, max_batches: int,
+                  move: Callable[[Any], Any], totals: np.ndarray) -> None:
+        """This rank's weighted sums of ``evaluate``'s figures, into ``totals``."""
         for n, start in enumerate(range(0, len(indices), batch_size)):
             if max_batches and n >= max_batches:
                 break
@@ -243,11 +270,4 @@ class Objective:
                     count = samples_in(batch)
                     values = [loss.item(), *(float(metrics[name]) for name in self.names)]
             totals += (*(v * count for v in values), count)
-        with recorder.op("eval.allreduce"):
-            comm.Allreduce(MPI.IN_PLACE, totals, op=MPI.SUM)
-        weight = max(totals[-1], 1)
-        result = {f"eval_{name}": totals[i] / weight for i, name in enumerate(names)}
-        if self.fn is None and math.isnan(result["eval_accuracy"]):
-            del result["eval_accuracy"]  # a dict batch's own loss: no predictions to count
-        return result
 

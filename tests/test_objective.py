@@ -48,6 +48,10 @@ def bad_metric(model, batch):
     return F.cross_entropy(model(batch[0]), batch[1]), {"a b": 1.0}
 
 
+def reserved_metric(model, batch):
+    return F.cross_entropy(model(batch[0]), batch[1]), {"loss": 1.0}
+
+
 class Logits(nn.Module):
     """A linear model whose output carries ``.logits`` (and ``.loss`` when given labels), as Hugging Face's do."""
 
@@ -108,12 +112,18 @@ def test_a_user_function_s_loss_and_metrics_are_kept_and_averaged_over_its_calls
     taken = objective.take_metrics()
     assert taken == pytest.approx({"top1": sum(firsts) / 2, "one": 1.0})
     assert objective.take_metrics() == {}  # taken once
+    objective(model, _pair(seed=3))
+    objective.start_step()  # a new step: the earlier calls' metrics are not its own
+    x, y = _pair(seed=4)
+    objective(model, (x, y))
+    assert objective.take_metrics()["top1"] == pytest.approx((model(x).argmax(-1) == y).float().mean().item())
 
 
 @pytest.mark.parametrize(("fn", "error", "match"), [
     ("returns_none", UsageError, "returned a NoneType as the loss; return a floating-point scalar tensor"),
     ("detached", UsageError, "does not depend on the model's parameters"),
     ("bad_metric", UsageError, "a metric named 'a b'"),
+    ("reserved_metric", UsageError, "a metric named 'loss', which hpcnet logs itself"),
     ("no_such_function", ConfigError, "model.loss: module 'tests.test_objective' has no attribute"),
 ])
 def test_a_wrong_user_function_is_named_at_start_up(fn, error, match):
@@ -130,6 +140,26 @@ def test_the_start_up_check_keeps_the_model_s_mode_and_the_random_state():
     torch.manual_seed(5)
     Objective().check(model, split, lambda b: b)
     assert model.training and torch.equal(torch.rand(3), expected)
+
+
+def test_evaluation_runs_in_eval_mode_and_leaves_the_model_as_it_was():
+    """Dropout off and batch norm from its running statistics: two evaluations agree, the statistics do not move,
+    and the model is back in training mode after."""
+    x, y = _pair(16)
+    split = TorchDatasetSplit(torch.utils.data.TensorDataset(x, y), "test")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 3))
+    stats = model[1].running_mean.clone()
+    objective = Objective()
+
+    def evaluate():
+        return objective.evaluate(model, split, MPI.COMM_SELF, indices=np.arange(16), batch_size=4, max_batches=0,
+                                  move=lambda b: b)
+    first = evaluate()
+    assert evaluate() == first and model.training and torch.equal(model[1].running_mean, stats)
+    with torch.no_grad():
+        expected = F.cross_entropy(model.eval()(x), y).item()
+    assert first["eval_loss"] == pytest.approx(expected, rel=1e-6)
 
 
 def test_evaluation_weights_batches_by_their_samples():

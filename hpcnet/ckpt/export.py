@@ -14,6 +14,7 @@ without hpcnet or MPI.
 Each is written under a temporary name and renamed into place.  Reference: docs/checkpoints.md.
 """
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -28,7 +29,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "merges.txt", "tokenizer.model", "added_tokens.json", "vocab.txt")
 """Copied from a ``model.hf`` directory into an hf export, so AutoTokenizer loads from it too."""
 HF_OUTPUT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
-                   *TOKENIZER_FILES)
+                   "hpcnet-export.json", *TOKENIZER_FILES)
 """What an hf export holds: an existing output directory with nothing else is a previous export, replaced."""
 
 
@@ -37,19 +38,33 @@ def _fsync_file(path: Path) -> None:
         os.fsync(handle.fileno())
 
 
-def _replace_file(tmp: Path, target: Path) -> None:
-    _fsync_file(tmp)
-    os.replace(tmp, target)
+def _check_file_target(target: Path) -> None:
+    if target.is_dir():
+        raise UsageError(f"-o {str(target)!r} is a directory; --format pt and safetensors write a file")
+
+
+def _write_file(target: Path, write: Any) -> None:
+    """``write(tmp)`` to a temporary name beside ``target``, then renamed into place; nothing is left of a failed
+    write (a full disk), and ``target`` keeps what it held."""
+    _check_file_target(target)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        _fsync_file(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_pt(state: dict[str, Any], target: Path) -> None:
     """``torch.save(state)`` to ``target``, atomically."""
     import torch
 
-    tmp = target.with_name(target.name + ".tmp")
-    with open(tmp, "wb") as handle:
-        torch.save(state, handle)
-    _replace_file(tmp, target)
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as handle:
+            torch.save(state, handle)
+    _write_file(target, write)
 
 
 def unaliased(state: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -76,9 +91,13 @@ def write_safetensors(state: dict[str, Any], target: Path, metadata: dict[str, s
         raise UsageError(f"--format safetensors needs the safetensors package: pip install 'hpcnet[hf]' ({exc})"
                          ) from None
     tensors, _ = unaliased(state)
-    tmp = target.with_name(target.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt", **metadata})
-    _replace_file(tmp, target)
+    umask = os.umask(0)
+    os.umask(umask)
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, str(tmp), metadata={"format": "pt", **metadata})
+        os.chmod(tmp, 0o666 & ~umask)  # the library creates it 0600; others read what torch.save writes
+    _write_file(target, write)
 
 
 def run_model_config(meta: dict[str, Any], source: str) -> tuple[str, dict[str, Any]]:
@@ -98,18 +117,31 @@ def run_model_config(meta: dict[str, Any], source: str) -> tuple[str, dict[str, 
     return str(model["hf"]), dict(model.get("options") or {})
 
 
-def _check_hf_target(target: Path) -> None:
+EXPORT_MARKER = "hpcnet-export.json"
+"""The file an hf export writes beside the model (what it was exported from): a directory is replaced only when it
+holds one, an earlier export (so never a model a user wrote, nor the run's own ``model.hf`` directory)."""
+
+
+def _check_hf_target(target: Path, source: Path | None) -> None:
     if not target.exists():
         return
     if not target.is_dir():
         raise UsageError(f"-o {str(target)!r} exists and is not a directory (--format hf writes a directory)")
+    if source is not None and target.resolve() == source.resolve():
+        raise UsageError(f"-o {str(target)!r} is the run's model.hf directory, which holds the model it was built "
+                         "from: choose another -o")
     foreign = sorted(p.name for p in target.iterdir() if p.name not in HF_OUTPUT_FILES)
     if foreign:
         raise UsageError(f"-o {str(target)!r} exists and holds {', '.join(foreign[:3])}, which an export does "
                          "not write: remove it or choose another -o")
+    if any(target.iterdir()) and not (target / EXPORT_MARKER).is_file():
+        raise UsageError(f"-o {str(target)!r} holds a model that is not an earlier hpcnet export: remove it or "
+                         "choose another -o")
 
 
-def write_hf(state: dict[str, Any], hf: str, options: dict[str, Any], target: Path) -> str:
+
+def write_hf(state: dict[str, Any], hf: str, options: dict[str, Any], target: Path,
+             provenance: dict[str, Any] | None = None) -> str:
     """The model as a Hugging Face directory ``target`` (see the module's doc); returns its class name.
 
     Args:
@@ -117,17 +149,18 @@ def write_hf(state: dict[str, Any], hf: str, options: dict[str, Any], target: Pa
         hf: the config.json or model directory to rebuild the model from (the run's ``model.hf``).
         options: the run's ``model.options``.
         target: the output directory; an earlier export there is replaced, anything else refused.
+        provenance: what the export is of (checkpoint, step), written with ``model.hf`` to ``EXPORT_MARKER``.
 
     Raises:
         UsageError: the config cannot be built, the state does not fit it, or the target is taken.
     """
     from hpcnet.models.hf import config_file, model_for_state
 
-    _check_hf_target(target)
     try:
         model = model_for_state(hf, options, {k: tuple(v.shape) for k, v in state.items()},
                                 option="--format hf (the run's model.hf)")
-        _, directory = config_file(hf)
+        config, directory = config_file(hf)
+        _check_hf_target(target, directory or Path(config).parent)
     except ConfigError as exc:
         moved = "" if Path(hf).expanduser().exists() else "; --hf-config PATH names where the config is now"
         raise UsageError(f"{exc}{moved}") from None
@@ -146,6 +179,8 @@ def write_hf(state: dict[str, Any], hf: str, options: dict[str, Any], target: Pa
     os.umask(umask)
     try:
         model.save_pretrained(str(tmp))
+        provenance = provenance or {}
+        (tmp / EXPORT_MARKER).write_text(json.dumps({"model.hf": hf, **provenance}) + "\n")
         for name in TOKENIZER_FILES if directory is not None else ():
             if (directory / name).is_file():
                 shutil.copyfile(directory / name, tmp / name)

@@ -148,10 +148,16 @@ def cmd_export(path: Path, output: str | None, out: Any, fmt: str = "pt", hf_con
             how = f"state_dict of {len(state)} tensors {source}; read it with " \
                   f"safetensors.torch.load_file({str(target)!r})"
         else:
-            name = export.write_hf(state, hf_config or hf, options, target)
+            name = export.write_hf(state, hf_config or hf, options, target,
+                                   {"checkpoint": str(loaded.path), "step": loaded.step})
             how = f"{name} {source}; load it with {name}.from_pretrained({str(target)!r})"
     except OSError as exc:
         raise UsageError(f"cannot write {str(target)!r}: {exc.strerror or exc}") from None
+    except (UsageError, KeyboardInterrupt):
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch's and safetensors' own errors of a failed write (a full disk)
+        raise UsageError(f"cannot write {str(target)!r}: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+                         ) from None
     print(f"wrote {target}: {how}", file=out)
     return 0
 

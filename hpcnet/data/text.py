@@ -179,30 +179,43 @@ def check_text_files(files: Sequence[str | os.PathLike[str]]) -> list[Path]:
 
 
 def _candidates(piece: bytes) -> Iterator[int]:
-    """Where a piece of a file that goes on may end, best first, all in its second half (so each piece is at
-    least half of ``piece_bytes``): between two lines, the first ending and the next starting in a character that
-    is not a space (no word, run of blank lines or indentation is cut); after any other line end; before a space
-    that follows a word; between two UTF-8 characters."""
-    half, seen = len(piece) // 2, set()
-    end = len(piece) - 1
-    while (i := piece.rfind(b"\n", half, end)) > 0:
-        if piece[i - 1] not in _SPACE and piece[i + 1] not in _SPACE:
-            seen.add(i + 1)
-            yield i + 1
-        end = i
-    end = len(piece)
-    while (i := piece.rfind(b"\n", half, end)) >= 0:
-        if i + 1 not in seen:
-            yield i + 1
-        end = i
-    end = len(piece)
-    while (i := piece.rfind(b" ", half, end)) > 0:
-        if piece[i - 1] not in _SPACE:
-            yield i
-        end = i
-    for i in range(len(piece) - 1, half, -1):
-        if piece[i] & 0xC0 != 0x80:  # not a continuation byte: a character starts here
-            yield i
+    """Where a piece of a file that goes on may end, all in its second half (so each piece is at least half of
+    ``piece_bytes``), from four kinds, taken in turn so that no kind uses up the tries (``CUT_TRIES``) of the
+    others: between two lines, the first ending and the next starting in a character that is not a space (no word,
+    run of blank lines or indentation is cut); after any other line end; before a space that follows a word (where
+    a SentencePiece-style tokenizer starts a token); between two UTF-8 characters."""
+    half = len(piece) // 2
+
+    def line_ends(clean: bool) -> Iterator[int]:
+        end = len(piece) - 1 if clean else len(piece)
+        while (i := piece.rfind(b"\n", half, end)) >= (1 if clean else 0):
+            between_words = i > 0 and piece[i - 1] not in _SPACE and i + 1 < len(piece) and piece[i + 1] not in _SPACE
+            if between_words == clean:
+                yield i + 1
+            end = i
+
+    def before_spaces() -> Iterator[int]:
+        end = len(piece)
+        while (i := piece.rfind(b" ", half, end)) > 0:
+            if piece[i - 1] not in _SPACE:
+                yield i
+            end = i
+
+    def characters() -> Iterator[int]:
+        for i in range(len(piece) - 1, half, -1):
+            if piece[i] & 0xC0 != 0x80:  # not a continuation byte: a character starts here
+                yield i
+
+    kinds = [line_ends(True), line_ends(False), before_spaces(), characters()]
+    seen: set[int] = set()
+    while kinds:
+        for kind in list(kinds):
+            at = next(kind, None)
+            if at is None:
+                kinds.remove(kind)
+            elif at not in seen:
+                seen.add(at)
+                yield at
 
 
 def _cut(buffer: bytes, piece_bytes: int, clean: Callable[[str, str], bool]) -> int:

@@ -16,6 +16,9 @@ from hpcnet.config.importing import load_object
 from hpcnet.data.info import DatasetInfo, Split
 from hpcnet.errors import DatasetError
 
+OTHER_HINT = ("; for other targets (a mask, several labels) give the dataset an info attribute, "
+              "DatasetInfo('other', input_shape, num_classes), and set model.loss")
+"""How an (input, integer target) item that fits no kind is trained: kind 'other' with the user's objective."""
 MAX_SCANNED_ITEMS = 100_000
 """A map-style dataset larger than this must say its ``num_classes`` instead of being scanned for it."""
 
@@ -62,7 +65,7 @@ class TorchDatasetSplit:
             kind = "image"
             if y.ndim != 0:
                 raise DatasetError(f"{self.label}: float inputs are read as images and need one class index per "
-                                   f"sample; got targets of shape {list(y.shape)}")
+                                   f"sample; got targets of shape {list(y.shape)}{OTHER_HINT}")
         elif x.ndim == 1 and y.shape == x.shape:
             kind = "tokens"
         elif x.ndim == 1 and y.ndim == 0:
@@ -70,7 +73,7 @@ class TorchDatasetSplit:
         else:
             raise DatasetError(f"{self.label}: integer inputs are read as tokens ([T] inputs, [T] targets) or "
                                f"sequences ([T] inputs, one class); got inputs {list(x.shape)}, targets "
-                               f"{list(y.shape)}")
+                               f"{list(y.shape)}{OTHER_HINT}")
         try:
             return DatasetInfo(kind, tuple(x.shape), self._count_classes(kind))
         except ValueError as exc:

@@ -117,9 +117,9 @@ def load_config(path: str, options: dict[str, Any] | None = None, *, training: b
             config = type(config).from_dict({**raw, **options})
     except ConfigError:
         raise
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{option}: {str(file)!r} is not a config transformers {transformers.__version__} can "
-                          f"build: {_first_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - transformers' and huggingface_hub's validation errors have no common base
+        raise ConfigError(f"{option}: {str(file)!r}{f' with model.options {options}' if options else ''} is not a "
+                          f"config transformers {transformers.__version__} can build: {_first_line(exc)}") from None
     if training and "use_cache" not in options and hasattr(config, "use_cache"):
         config.use_cache = False
     return config, build, directory
@@ -181,7 +181,7 @@ def build_hf_model(path: str, info: Any, options: dict[str, Any] | None = None) 
         try:
             model, loading = auto.from_pretrained(str(directory), config=config, local_files_only=True,
                                                   output_loading_info=True, **build)
-        except (OSError, ValueError, RuntimeError, KeyError, TypeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a corrupt file is a SafetensorError, a wrong shape a RuntimeError
             raise ConfigError(f"model.hf: cannot load the weights in {path!r}: {_first_line(exc)}") from None
         fresh = loading.get("missing_keys") or []
         ignored = loading.get("unexpected_keys") or []
@@ -191,8 +191,9 @@ def build_hf_model(path: str, info: Any, options: dict[str, Any] | None = None) 
     else:
         try:
             model = auto.from_config(config, **build)
-        except (ValueError, TypeError, ImportError) as exc:  # e.g. an attn_implementation this model lacks
-            raise ConfigError(f"model.hf: cannot build {path!r} as {auto.__name__}: {_first_line(exc)}") from None
+        except Exception as exc:  # noqa: BLE001 - an attn_implementation this model lacks, a negative size in options
+            raise ConfigError(f"model.hf: cannot build {path!r} as {auto.__name__} (with model.options "
+                              f"{options or {}}): {_first_line(exc)}") from None
     # from_pretrained hands the model over in eval mode; hpcnet's loop expects a module as torch builds it.
     return model.train()
 

@@ -70,6 +70,14 @@ def test_hf_export_loads_with_from_pretrained_and_computes_the_trained_logits(si
     (out / "notes.txt").write_text("mine")
     assert _export(ckpt, "--format", "hf", "-o", out)[0] == 2
     assert (out / "notes.txt").exists()
+    assert json.loads((out / "hpcnet-export.json").read_text())["step"] == 3
+    # Never over a model it did not write: the run's own model.hf directory, or another saved model.
+    status, _ = _export(ckpt, "--format", "hf", "-o", tmp_path / "gpt2")
+    assert status == 2 and json.loads((tmp_path / "gpt2" / "config.json").read_text())["n_layer"] == 2
+    loaded.save_pretrained(tmp_path / "theirs")
+    before = (tmp_path / "theirs" / "model.safetensors").read_bytes()
+    assert _export(ckpt, "--format", "hf", "-o", tmp_path / "theirs")[0] == 2
+    assert (tmp_path / "theirs" / "model.safetensors").read_bytes() == before
     # A config that moved: --hf-config names where it is now.
     (tmp_path / "gpt2").rename(tmp_path / "moved")
     status, _ = _export(ckpt, "--format", "hf", "-o", tmp_path / "again")
@@ -226,3 +234,33 @@ def test_a_sequence_classifier_trains_on_sequences_and_exports_for_from_pretrain
     tokens = torch.randint(1, 64, (4, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(loaded(tokens).logits, result.model.eval()(tokens).logits)
+
+
+@pytest.mark.parametrize("fmt", ["pt", "safetensors", "hf"])
+def test_a_failed_export_leaves_nothing_and_says_so_in_one_line(single_process, tmp_path, capsys, fmt):
+    """A full disk (a file size limit here) stops the write: status 2, one line naming the output, no temporary
+    file left, an earlier export at -o kept; a directory where a file goes is refused."""
+    import resource
+
+    _, ckpt = _hf_run(tmp_path, "gpt2", MPI.COMM_SELF)
+    out = tmp_path / "out" / ("model" if fmt == "hf" else f"model.{fmt}")
+    out.parent.mkdir()
+    assert _export(ckpt, "--format", fmt, "-o", out)[0] == 0
+    kept = sorted(p.name for p in out.iterdir()) if fmt == "hf" else out.read_bytes()
+    capsys.readouterr()
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, limits[1]))
+    try:
+        import signal
+
+        previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead
+        status, _ = _export(ckpt, "--format", fmt, "-o", out)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, previous)
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and f"cannot write {str(out)!r}" in err and "Traceback" not in err
+    assert sorted(p.name for p in out.parent.iterdir()) == [out.name]  # no temporary file beside it
+    assert (sorted(p.name for p in out.iterdir()) if fmt == "hf" else out.read_bytes()) == kept
+    if fmt != "hf":
+        assert _export(ckpt, "--format", fmt, "-o", tmp_path / "out")[0] == 2  # a directory

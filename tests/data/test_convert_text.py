@@ -197,6 +197,27 @@ def test_a_file_read_in_many_pieces_converts_as_in_one(name, piece_bytes, tokeni
     assert np.array_equal(_windows(whole.path), _windows(pieces.path))
 
 
+def test_pieces_with_more_line_ends_than_tries_still_cut_cleanly(tmp_path):
+    """A SentencePiece-style tokenizer that marks every word (``Metaspace``, prepend 'always') over text of short
+    lines: 16 KiB pieces hold more line ends than ``CUT_TRIES``, none of them clean (the word after a line end is
+    marked as a word's start only when the piece starts there); the other kinds of cut are still tried."""
+    tk = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    rng = random.Random(1)
+    words = ["héllo", "wörld", "  ", "\n", "\n\n", "the", "cat", "日本語", "tab\t", "x" * 30, "🙂", "a.b", "--"]
+    text = "".join(rng.choice(words) + rng.choice([" ", "", "\n", " "]) for _ in range(12000))
+    (tmp_path / "a.txt").write_text(text, encoding="utf-8")
+    tokenizer = tk.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"]))
+    tokenizer.save(str(tmp_path / "tok.json"))
+    whole = convert_text(tmp_path / "whole.h5", [tmp_path / "a.txt"], seq_len=9, tokenizer=tmp_path / "tok.json")
+    pieces = convert_text(tmp_path / "pieces.h5", [tmp_path / "a.txt"], seq_len=9, tokenizer=tmp_path / "tok.json",
+                          piece_bytes=16 << 10)
+    assert np.array_equal(_windows(whole.path), _windows(pieces.path))
+
+
 @pytest.mark.parametrize("tokenize", [False, True], ids=["bytes", "tokenizer"])
 def test_the_file_is_read_in_bounded_pieces(tokenize, tokenizers, tmp_path):
     """Every piece is at most ``piece_bytes`` (at least half of it but the last), the reads are bounded too,

@@ -156,3 +156,18 @@ def test_without_transformers_the_error_says_what_to_install(tmp_path, monkeypat
 def test_hf_and_factory_together_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match="model.hf and model.factory both name the model"):
         build_model("", TOKENS, {}, hf=str(write_config(tmp_path)), factory="os:getcwd")
+
+
+def test_bad_options_and_damaged_weights_are_config_errors_naming_the_option(tmp_path):
+    """A wrongly typed or impossible config field, and weights that do not read: one ConfigError each (status 2 in a
+    run), whatever transformers, huggingface_hub or safetensors raised."""
+    path = write_config(tmp_path / "cfg")
+    with pytest.raises(ConfigError, match=r"model.hf: .* with model.options \{'n_layer': 'two'\}"):
+        build_model("", TOKENS, {"n_layer": "two"}, hf=str(path))
+    with pytest.raises(ConfigError, match=r"model.hf: cannot build .* \{'n_embd': -4\}\): Trying to create"):
+        build_model("", TOKENS, {"n_embd": -4}, hf=str(path))
+    directory = tmp_path / "damaged"
+    build_model("", TOKENS, {}, hf=str(path)).save_pretrained(directory)
+    (directory / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ConfigError, match="model.hf: cannot load the weights in"):
+        build_model("", TOKENS, {}, hf=str(directory))
