@@ -22,14 +22,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 from hpcnet.agree import agree_on_error
 from hpcnet.errors import UsageError
 from hpcnet.paths import rank_log, run_dir_path
-
-if TYPE_CHECKING:
-    from hpcnet.observe.tensorboard import TensorBoardWriter
 
 _FORMAT = "%(asctime)s rank %(rank)s %(levelname)s %(name)s: %(message)s"
 log = logging.getLogger(__name__)
@@ -174,11 +171,12 @@ class MetricsWriter:
 
     Args:
         path: the JSON-lines file; None: no lines (this rank does not write them, or run.metrics=none).
-        tensorboard: with run.tensorboard, on rank 0: given every record as well (with or without ``path``) and
+        tensorboard: with run.tensorboard, on rank 0, a ``hpcnet.observe.tensorboard.TensorBoardWriter`` (not
+            imported here: it imports this module): given every record as well (with or without ``path``) and
             closed with this writer.
     """
 
-    def __init__(self, path: Path | None, *, tensorboard: "TensorBoardWriter | None" = None) -> None:
+    def __init__(self, path: Path | None, *, tensorboard: Any = None) -> None:
         self.path = path
         self.tensorboard = tensorboard
         self._fd: int | None = None
