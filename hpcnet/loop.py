@@ -44,6 +44,12 @@ def finite_flags(loss: torch.Tensor, grad_norm: torch.Tensor | None) -> tuple[bo
     return loss_ok, grad_ok
 
 
+def record_checkpoint(metrics: MetricsWriter, step: int, timings: dict[str, float]) -> None:
+    """A save's times in the metrics (and TensorBoard): at the save, or once committed (``io_s`` and each stretch:
+    the checkpoint manager's ``on_finished``)."""
+    metrics.write(step=step, checkpoint={k: round(v, 6) for k, v in timings.items()})
+
+
 def _ms(seconds: float) -> str:
     return f"{1e3 * seconds:.0f} ms" if seconds >= 0.01 else f"{1e3 * seconds:.1f} ms"
 
@@ -302,7 +308,7 @@ class Loop:
             if self.tracer is not None:
                 self.tracer.checkpoint(p.step, timings)
             if self.state.manager.in_flight:  # what it blocked; the manager's on_finished records the whole save
-                self.metrics.write(step=p.step, checkpoint={k: round(v, 6) for k, v in timings.items()})
+                record_checkpoint(self.metrics, p.step, timings)
         else:
             p.diverged = (f"non-finite model or optimizer state after step {p.step} (an update overflowed, "
                           "or a forward pass left non-finite statistics)")

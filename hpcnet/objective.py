@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpcnet.config.importing import load_object
+from hpcnet.data.user import describe, first_tensor
 from hpcnet.errors import UsageError
 from hpcnet.fault.flightrec import NULL_RECORDER
 
@@ -58,7 +59,7 @@ def logits_of(output: Any) -> torch.Tensor:
     logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
     if isinstance(logits, torch.Tensor):
         return logits
-    raise UsageError(f"model.loss is not set and the model returned {_describe(output)}, not logits (a tensor, "
+    raise UsageError(f"model.loss is not set and the model returned {describe(output)}, not logits (a tensor, "
                      "or an output with .logits): set model.loss to a function fn(model, batch) that computes the "
                      "loss from it")
 
@@ -69,15 +70,9 @@ def compute_loss(model: nn.Module, batch: Any) -> torch.Tensor:
 
 
 def samples_in(batch: Any) -> int:
-    """Samples in a batch: the length of its first tensor (depth first through dicts, tuples and lists)."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() else 1
-    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (tuple, list)) else ()
-    for value in values:
-        size = samples_in(value)
-        if size:
-            return size
-    return 0
+    """Samples in a batch: the length of its first tensor (``hpcnet.data.user.first_tensor``); 0 without one."""
+    first = first_tensor(batch)
+    return 0 if first is None else int(first.shape[0]) if first.dim() else 1
 
 
 def _default(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor | None, int]:
@@ -87,13 +82,13 @@ def _default(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor |
         loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
         if not isinstance(loss, torch.Tensor):
             raise UsageError(f"model.loss is not set, so a dict batch (keys {', '.join(map(repr, batch))}) is "
-                             f"passed as model(**batch), and the model returned {_describe(output)} without a "
+                             f"passed as model(**batch), and the model returned {describe(output)} without a "
                              ".loss: put the labels in the batch (a Hugging Face model computes its loss from "
                              "'labels'), or set model.loss")
         return loss, None, samples_in(batch)
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2
             and all(isinstance(t, torch.Tensor) for t in batch)):
-        raise UsageError(f"model.loss is not set and the dataset yields {_describe(batch)}, not (inputs, targets) "
+        raise UsageError(f"model.loss is not set and the dataset yields {describe(batch)}, not (inputs, targets) "
                          "tensors: set model.loss to a function fn(model, batch) that computes the loss from it")
     inputs, targets = batch
     if targets.is_floating_point() or targets.dtype == torch.bool:
@@ -105,21 +100,11 @@ def _default(model: nn.Module, batch: Any) -> tuple[torch.Tensor, torch.Tensor |
     return loss, correct, targets.numel()
 
 
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {list(value.shape)}"
-    if isinstance(value, Mapping):
-        return f"a {type(value).__name__} with keys {', '.join(map(repr, list(value)[:8]))}"
-    if isinstance(value, (tuple, list)):
-        return f"a {type(value).__name__} of {len(value)}"
-    return f"a {type(value).__name__}"
-
-
 class Objective:
     """The loss of a micro-batch (``__call__``, in training) and the evaluation's sums (``evaluate``).
 
-    A user function's metrics of the calls since ``take_metrics`` are kept (detached, averaged over the calls),
-    so the loop logs them at its interval as it logs the loss.
+    A user function's metrics of the step's calls (since ``start_step``) are kept, detached and summed on the
+    device, so the loop logs the step's means (``take_metrics``) beside its loss.
     """
 
     def __init__(self, spec: str = "", *, device: torch.device | None = None, precision: str = "fp32") -> None:
@@ -152,7 +137,7 @@ class Objective:
                                  "or (loss, {name: tensor})")
             result, metrics = result
         if not isinstance(result, torch.Tensor) or result.numel() != 1 or not result.is_floating_point():
-            raise UsageError(f"model.loss: {self.spec!r} returned {_describe(result)} as the loss; return a "
+            raise UsageError(f"model.loss: {self.spec!r} returned {describe(result)} as the loss; return a "
                              "floating-point scalar tensor (the micro-batch's mean)")
         checked = {}
         for name, value in metrics.items():
@@ -165,7 +150,7 @@ class Objective:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 value = torch.tensor(float(value))
             if not isinstance(value, torch.Tensor) or value.numel() != 1:
-                raise UsageError(f"model.loss: {self.spec!r} returned metric {name!r} as {_describe(value)}; "
+                raise UsageError(f"model.loss: {self.spec!r} returned metric {name!r} as {describe(value)}; "
                                  "return a scalar tensor or number")
             checked[name] = value.detach().reshape(())
         if self.names and sorted(checked) != self.names:
@@ -262,12 +247,12 @@ class Objective:
                 break
             batch = move(split.read(indices[start:start + batch_size]))
             with autocast(self.device, self.precision):
-                if self.fn is None:
+                if self.fn is None:  # the summed loss, the correct predictions (a dict batch's own loss: none)
                     loss, correct, count = _default(model, batch)
-                    values = [loss.item(), (correct.item() / count) if correct is not None and count else math.nan]
-                else:
+                    sums = [loss.item() * count, math.nan if correct is None else correct.item()]
+                else:  # the loss and each metric, weighted by the batch's samples
                     loss, metrics = self._call(model, batch)
                     count = samples_in(batch)
-                    values = [loss.item(), *(float(metrics[name]) for name in self.names)]
-            totals += (*(v * count for v in values), count)
+                    sums = [loss.item() * count, *(float(metrics[name]) * count for name in self.names)]
+            totals += (*sums, count)
 

@@ -18,6 +18,7 @@ if __name__ == "__main__":
 
     _STOP = hold_stop_signals()
 
+import functools
 import json
 import logging
 import os
@@ -61,7 +62,7 @@ from hpcnet.fault.monitor import Monitor
 from hpcnet.fault.watchdog import startup_phase
 from hpcnet.launch.park import park
 from hpcnet.launch.stop import StopRequest
-from hpcnet.loop import Loop
+from hpcnet.loop import Loop, record_checkpoint
 from hpcnet.models import build_model, count_parameters
 from hpcnet.models.blocks import checkpoint_blocks, find_blocks
 from hpcnet.models.blocks import describe as describe_blocks
@@ -145,9 +146,10 @@ def _start(cfg: Config, comm: Any) -> tuple[World, Path, torch.device, Monitor]:
     """Ranks, the run directory and its logs, the device, the monitor thread, the resolved config written."""
     world = discover(comm)
     check_same_config(comm, cfg)
-    with shared_errors(comm):  # before the run directory: only rank 0 writes the events, every rank stops alike
-        if cfg.run.tensorboard and world.is_main:
-            require_tensorboard()
+    if cfg.run.tensorboard:  # the same on every rank (check_same_config): no collective for runs without it
+        with shared_errors(comm):  # before the run directory: only rank 0 writes the events, every rank stops alike
+            if world.is_main:
+                require_tensorboard()
     run_dir = make_run_dir(comm, cfg.run.dir, cfg.run.name, exact=cfg.run.dir_exact)
     setup_logging(run_dir, world.rank)
     # More ranks than cores on this machine (hosts that share one count together): blocked MPI calls must give the
@@ -353,8 +355,7 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any
                                 keep=cfg.checkpoint.keep, full_every=cfg.checkpoint.full_every,
                                 async_save=cfg.checkpoint.async_save, move_aside=cfg.checkpoint.move_aside,
                                 fault=faults.io_fault, deadlines=monitor.deadlines, timeout_s=cfg.checkpoint.timeout_s)
-    manager.on_finished = lambda step, timings: metrics.write(
-        step=step, checkpoint={k: round(v, 6) for k, v in timings.items()})  # a committed save's times
+    manager.on_finished = functools.partial(record_checkpoint, metrics)  # a committed save's times
     state = TrainState(cfg, dp.model, optimizer, sampler, manager, shards=dp)
     result = TrainResult(dp.model, optimizer)
     loader = None

@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from hpcnet.ckpt.durable import fsync_path
 from hpcnet.errors import ConfigError, UsageError
 
 FORMATS = ("pt", "safetensors", "hf")
@@ -31,11 +32,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 HF_OUTPUT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
                    "hpcnet-export.json", *TOKENIZER_FILES)
 """What an hf export holds: an existing output directory with nothing else is a previous export, replaced."""
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
 
 
 def _check_file_target(target: Path) -> None:
@@ -50,7 +46,7 @@ def _write_file(target: Path, write: Any) -> None:
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         write(tmp)
-        _fsync_file(tmp)
+        fsync_path(tmp)
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -186,7 +182,7 @@ def write_hf(state: dict[str, Any], hf: str, options: dict[str, Any], target: Pa
                 shutil.copyfile(directory / name, tmp / name)
         for path in tmp.iterdir():
             os.chmod(path, 0o666 & ~umask)  # transformers writes its weights 0600; others read what torch.save writes
-            _fsync_file(path)
+            fsync_path(path)
         if target.exists():
             os.replace(target, old)
         os.replace(tmp, target)

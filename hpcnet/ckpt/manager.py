@@ -166,9 +166,9 @@ class CheckpointManager:
         self._previous: _Previous | None = None
         self._next_seq: int | None = None
         self.last_timings: dict[str, float] = {}
+        """Seconds spent: blocking (in save), snapshot, hash, write, commit (after wait)."""
         self.on_finished: Callable[[int, dict[str, float]], None] | None = None
         """Called in the training thread with a save's step and timings when it is committed (metrics, TensorBoard)."""
-        """Seconds spent: blocking (in save), snapshot, hash, write, commit (after wait)."""
 
     # -- saving --
 

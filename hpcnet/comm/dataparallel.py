@@ -37,6 +37,7 @@ from hpcnet.comm.plan import HALF_PRECISIONS, Plan, mpi_progress
 from hpcnet.comm.quantize import ErrorFeedback
 from hpcnet.comm.reducer import LateGradient, Reducer, broadcast_buffers, broadcast_module
 from hpcnet.comm.transport import CommFailure, FaultyTransport, build_transport
+from hpcnet.comm.transport.hierarchical import PIPELINE_CHUNK_BYTES
 from hpcnet.comm.world import World, cores_per_rank
 from hpcnet.comm.zero import (
     DEFAULT_LINK,
@@ -133,7 +134,7 @@ class DataParallel:
         transport = build_transport(plan.primary, plan.hierarchical, comm, world, timeout_s=cfg.timeout_s,
                                     progress=self.progress, inter_node=plan.inter_node,
                                     wire=_DTYPES[cfg.compression], feedback=self.feedback,
-                                    **({"chunk_bytes": self.path.chunk_bytes} if self.path is not None else {}))
+                                    chunk_bytes=PIPELINE_CHUNK_BYTES if self.path is None else self.path.chunk_bytes)
         if cfg.fail_at_step:
             transport = FaultyTransport(transport, fail=not cfg.fail_ranks or world.rank in cfg.fail_ranks)
         broadcast_module(model, comm)  # replicas start equal even if initialisation differed

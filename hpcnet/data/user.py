@@ -7,6 +7,7 @@ structure of tensors (kind 'other').
 See docs/data.md.
 """
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -51,14 +52,14 @@ class TorchDatasetSplit:
             info = self._infer(first, pair)
         elif info.kind != "other" and pair is None:
             raise DatasetError(f"{label}: dataset.info says kind {info.kind!r}, whose items are (input, class "
-                               f"index) pairs; dataset[0] is {_describe(first)}")
+                               f"index) pairs; dataset[0] is {describe(first)}")
         self.info = info
 
     def _infer(self, first: Any, pair: tuple[torch.Tensor, torch.Tensor] | None) -> DatasetInfo:
         if pair is None:
-            leaf = _first_tensor(first)
+            leaf = first_tensor(first)
             if leaf is None:
-                raise DatasetError(f"{self.label}: dataset[0] is {_describe(first)}, which holds no tensor or number")
+                raise DatasetError(f"{self.label}: dataset[0] is {describe(first)}, which holds no tensor or number")
             return DatasetInfo("other", tuple(leaf.shape), int(getattr(self.dataset, "num_classes", 0) or 0))
         x, y = pair
         if x.is_floating_point():
@@ -84,7 +85,7 @@ class TorchDatasetSplit:
         pair = _class_pair(item)
         if pair is None:
             raise DatasetError(f"{self.label}: dataset[{index}] must be an (input, class index) pair like the "
-                               f"items before it, got {_describe(item)}")
+                               f"items before it, got {describe(item)}")
         return pair
 
     def _count_classes(self, kind: str) -> int:
@@ -155,27 +156,30 @@ def _class_pair(item: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     return x, y
 
 
-def _first_tensor(item: Any) -> torch.Tensor | None:
-    """The first tensor (or number, as a tensor) of ``item``, depth first through dicts, tuples and lists."""
+def first_tensor(item: Any) -> torch.Tensor | None:
+    """The first tensor (or number, as a tensor) of an item or a batch, depth first through mappings, tuples and
+    lists; None where there is none."""
     if isinstance(item, torch.Tensor):
         return item
     if isinstance(item, (int, float, np.ndarray, np.number)) and not isinstance(item, bool):
         return torch.as_tensor(item)
-    values = item.values() if isinstance(item, dict) else item if isinstance(item, (tuple, list)) else ()
+    values = item.values() if isinstance(item, Mapping) else item if isinstance(item, (tuple, list)) else ()
     for value in values:
-        found = _first_tensor(value)
+        found = first_tensor(value)
         if found is not None:
             return found
     return None
 
 
-def _describe(item: Any) -> str:
-    """A short description of an item's structure for an error message."""
-    if isinstance(item, dict):
-        return "a dict with keys " + ", ".join(repr(k) for k in list(item)[:8])
-    if isinstance(item, (tuple, list)):
-        return f"a {type(item).__name__} of {len(item)}"
-    return f"a {type(item).__name__}"
+def describe(value: Any) -> str:
+    """A short description of an item's, a batch's or a model output's structure for an error message."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {list(value.shape)}"
+    if isinstance(value, Mapping):
+        return f"a {type(value).__name__} with keys {', '.join(map(repr, list(value)[:8]))}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
 
 
 def _check_user_split(split: Any, label: str) -> Any:
@@ -187,8 +191,8 @@ def _check_user_split(split: Any, label: str) -> Any:
     result = split.read(np.zeros(1, dtype=np.int64))
     info = split.info
     if info.kind == "other":
-        if _first_tensor(result) is None:
-            raise DatasetError(f"{label}: read([0]) gave {_describe(result)}, which holds no tensor")
+        if first_tensor(result) is None:
+            raise DatasetError(f"{label}: read([0]) gave {describe(result)}, which holds no tensor")
         return split
     if not (isinstance(result, tuple) and len(result) == 2 and all(isinstance(t, torch.Tensor) for t in result)):
         raise DatasetError(f"{label}: read(indices) must return an (inputs, targets) pair of tensors")
