@@ -63,7 +63,7 @@ from hpcnet.fault.watchdog import startup_phase
 from hpcnet.launch.park import park
 from hpcnet.launch.stop import StopRequest
 from hpcnet.loop import Loop, record_checkpoint
-from hpcnet.models import build_model, count_parameters
+from hpcnet.models import build_from_config, count_parameters
 from hpcnet.models.blocks import checkpoint_blocks, find_blocks
 from hpcnet.models.blocks import describe as describe_blocks
 from hpcnet.models.device import BatchMover, DeviceSettings, apply_settings, device_settings
@@ -81,7 +81,7 @@ from hpcnet.observe.tensorboard import TensorBoardWriter, require_tensorboard
 from hpcnet.observe.trace import StepTracer, parse_steps
 from hpcnet.optim import build_optimizer
 from hpcnet.paths import CONFIG_FILE, SUMMARY_FILE, TENSORBOARD_DIR, checkpoint_dir, metrics_file
-from hpcnet.plan import choose, configured_bucket_bytes
+from hpcnet.plan import cap_in_bytes, choose, configured_bucket_bytes
 from hpcnet.plan.measure import ResidentPeak, measure_config
 
 log = logging.getLogger("hpcnet.train")
@@ -235,8 +235,7 @@ def _model(cfg: Config, comm: Any, world: World, device: torch.device, split: An
     torch.manual_seed(cfg.run.seed)
     resident = ResidentPeak() if cfg.dist.memory_cap_gb else None
     with shared_errors(comm):
-        model = build_model(cfg.model.name, split.info, cfg.model.options, factory=cfg.model.factory,
-                            hf=cfg.model.hf).to(device)
+        model = build_from_config(cfg.model, split.info).to(device)
     settings = device_settings(cfg.cuda, device, model)
     model = apply_settings(settings, model)
     with shared_errors(comm):  # an objective that cannot be computed stops every rank alike, before any step
@@ -289,7 +288,8 @@ def _plan_memory(cfg: Config, comm: Any, world: World, model: nn.Module, split: 
     with shared_errors(comm):
         if world.is_main:
             chosen = choose(measure_config(cfg, model, split), ranks=world.size,
-                            cap_bytes=int(cfg.dist.memory_cap_gb * 1e9), bucket_bytes=configured_bucket_bytes(cfg.dist),
+                            cap_bytes=cap_in_bytes(cfg.dist.memory_cap_gb),
+                            bucket_bytes=configured_bucket_bytes(cfg.dist),
                             checkpointing=cfg.train.activation_checkpointing)
     chosen = comm.bcast(chosen, root=0)
     cfg.dist.zero = chosen.stage
@@ -345,7 +345,7 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any
                             if cfg.run.tensorboard and world.is_main else None)
     if world.is_main:
         log.info("model %s: %s parameters; dataset %s: %d train / %d eval samples; global batch %d",
-                 f"hf {cfg.model.hf}" if cfg.model.hf else cfg.model.factory or cfg.model.name,
+                 cfg.model.describe(),
                  f"{count_parameters(dp.model):,}", cfg.data.dataset,
                  len(train_split), len(eval_split), cfg.train.batch_size * cfg.train.grad_accumulation * world.size)
         log.info("%s", dp.describe())

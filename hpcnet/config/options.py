@@ -119,6 +119,10 @@ class ModelConfig:
         if self.hf and self.factory:
             raise ConfigError("model.hf and model.factory both name the model: set one of them")
 
+    def describe(self) -> str:
+        """What builds the model, as the logs name it: ``hf PATH``, the factory, or the built-in name."""
+        return f"hf {self.hf}" if self.hf else self.factory or self.name
+
 
 @dataclass(kw_only=True, slots=True)
 class DataConfig:

@@ -1,6 +1,7 @@
 """Model zoo: ResNets, an MLP and a small GPT-style language model, built by name; or a Hugging Face model.
 
-``build_model(name, info, options)`` (here) is the one entry point the trainer uses; each family
+``build_model(name, info, options)`` (here) builds a model by name; ``build_from_config(cfg.model, info)`` is
+the one entry point for what a run's ``model.*`` options name, which the trainer and the planner use; each family
 lives in its own module (resnet, mlp, transformer), the option checks in ``options``, Hugging Face
 transformers models (``model.hf``) in ``hf``.
 Every built-in factory has the signature ``factory(info, **options)`` with
@@ -16,13 +17,14 @@ from typing import Any
 from torch import nn
 
 from hpcnet.config.importing import load_object
+from hpcnet.config.options import ModelConfig
 from hpcnet.data.info import DatasetInfo
 from hpcnet.errors import ConfigError
 from hpcnet.models.mlp import mlp
 from hpcnet.models.resnet import BasicBlock, Bottleneck, resnet_factory
 from hpcnet.models.transformer import transformer
 
-__all__ = ["build_model", "count_parameters", "mlp", "resnet_factory", "transformer"]
+__all__ = ["build_from_config", "build_model", "count_parameters", "mlp", "resnet_factory", "transformer"]
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -114,3 +116,13 @@ def build_model(
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model.factory: {factory or name!r} returned {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+def build_from_config(model: ModelConfig, info: DatasetInfo) -> nn.Module:
+    """Build the model a run's ``model.*`` options name (``model.hf``, ``model.factory`` or ``model.name``, with
+    ``model.options``) for the dataset ``info``: what training trains and ``python -m hpcnet.plan`` measures.
+
+    Raises:
+        ConfigError: as ``build_model``.
+    """
+    return build_model(model.name, info, model.options, factory=model.factory, hf=model.hf)

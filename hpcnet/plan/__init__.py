@@ -38,6 +38,8 @@ the blocks' backward runs (the one in use and the one prefetched), none at the b
 activations are most (only the root is held while the loss and output layer run backward); the measured step does
 not tell where each block starts, so the planner takes one: counting two over-predicted stage 3 by up to 14% on the
 ladder, one by at most 7% (benchmarks/2026-12-07-memory-planner-zero3.md)."""
+ADDRESS_SPACE_BYTES = 2**64
+"""The most memory a rank can address: ``cap_in_bytes`` takes a larger cap as this."""
 STAGE2_BUCKETS_ALIVE = 2
 """Buckets a rank holds at once at stage 2 during backward: the one being filled and the one being summed (Open
 MPI's reduce-scatter keeps a scratch copy of about its size)."""
@@ -204,6 +206,12 @@ def predictions(memory: ModelMemory, *, ranks: int, checkpointing: str = "each",
             raise UsageError("train.activation_checkpointing=blocks: the model has no blocks (model.blocks)")
     out = [predict(memory, ranks=ranks, stage=s, checkpointing=k, **kwargs) for k in ks for s in STAGES]
     return sorted(out, key=lambda p: (p.step_s, p.checkpointing != "off", p.peak))
+
+
+def cap_in_bytes(cap_gb: float) -> int:
+    """A cap of ``cap_gb`` GB (1e9 bytes) in bytes.  Past a 64-bit address space it is that space: every choice
+    fits it as it fits any cap above its peak, where ``int(cap_gb * 1e9)`` would overflow (above about 1.8e299)."""
+    return int(min(cap_gb * 1e9, ADDRESS_SPACE_BYTES))
 
 
 def choose(memory: ModelMemory, *, ranks: int, cap_bytes: int, option: str = "dist.memory_cap_gb",

@@ -51,8 +51,8 @@ def _plan(args: argparse.Namespace) -> int:
 
     from hpcnet.config.load import load_config
     from hpcnet.data.loader import open_dataset
-    from hpcnet.models import build_model, count_parameters
-    from hpcnet.plan import choose, configured_bucket_bytes, predictions
+    from hpcnet.models import build_from_config, count_parameters
+    from hpcnet.plan import cap_in_bytes, choose, configured_bucket_bytes, predictions
     from hpcnet.plan.measure import measure_config
 
     overrides = args.overrides + ([f"dist.memory_cap_gb={args.cap_gb}"] if args.cap_gb is not None else [])
@@ -61,11 +61,11 @@ def _plan(args: argparse.Namespace) -> int:
     split = open_dataset(cfg.data.dataset, "train", directory=cfg.data.dir, comm=MPI.COMM_SELF,
                          options=cfg.data.options, seed=cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
-    model = build_model(cfg.model.name, split.info, cfg.model.options, factory=cfg.model.factory)
+    model = build_from_config(cfg.model, split.info)  # as training builds it
     memory = measure_config(cfg, model, split)
     bucket = configured_bucket_bytes(cfg.dist)
     every = predictions(memory, ranks=args.ranks, bucket_bytes=bucket)
-    print(f"model {cfg.model.factory or cfg.model.name}: {count_parameters(model):,} parameters "
+    print(f"model {cfg.model.describe()}: {count_parameters(model):,} parameters "
           f"({memory.param_bytes / 1e9:.3f} GB), blocks {100 * memory.block_share:.0f}% of them; "
           f"{args.ranks} ranks, train.batch_size={cfg.train.batch_size}, optim.name={cfg.optim.name}, "
           f"train.precision={cfg.train.precision}")
@@ -77,7 +77,7 @@ def _plan(args: argparse.Namespace) -> int:
     chosen, failure = None, None
     if cap:
         try:
-            chosen = choose(memory, ranks=args.ranks, cap_bytes=int(cap * 1e9), bucket_bytes=bucket,
+            chosen = choose(memory, ranks=args.ranks, cap_bytes=cap_in_bytes(cap), bucket_bytes=bucket,
                             option="--cap-gb" if args.cap_gb is not None else "dist.memory_cap_gb",
                             checkpointing=cfg.train.activation_checkpointing)
             print(f"under {cap:g} GB a rank, train.activation_checkpointing={cfg.train.activation_checkpointing}: "
@@ -85,13 +85,21 @@ def _plan(args: argparse.Namespace) -> int:
         except UsageError as exc:
             failure = str(exc)
     if args.json:
-        Path(args.json).write_text(json.dumps({
+        _write_json(args.json, {
             "ranks": args.ranks, "cap_gb": cap, "param_bytes": memory.param_bytes,
             "block_share": memory.block_share, "predictions": [p.to_json() for p in every],
-            "chosen": chosen.to_json() if chosen else None, "error": failure}, indent=1) + "\n")
+            "chosen": chosen.to_json() if chosen else None, "error": failure})
     if failure:
         raise UsageError(failure)
     return ExitCode.OK
+
+
+def _write_json(path: str, record: dict) -> None:
+    """``--json PATH``: the record, or a UsageError naming the option and the file when it cannot be written."""
+    try:
+        Path(path).write_text(json.dumps(record, indent=1) + "\n")
+    except OSError as exc:
+        raise UsageError(f"--json {path}: cannot write it: {exc.strerror or exc}") from None
 
 
 if __name__ == "__main__":

@@ -123,14 +123,16 @@ def _dataset(comm, tmp):
 
 
 @pytest.mark.mpi
-def test_a_capped_run_takes_the_planner_s_choice_and_reports_the_measured_peak(comm, data_plane, mpi_tmp_path):
+@pytest.mark.parametrize("cap_gb", [5, 1e300])
+def test_a_capped_run_takes_the_planner_s_choice_and_reports_the_measured_peak(comm, data_plane, mpi_tmp_path,
+                                                                               cap_gb):
     dataset = _dataset(comm, mpi_tmp_path)
-    cfg = train_config(mpi_tmp_path, dataset, "capped", "train.steps=3", "model.name=mlp",
+    cfg = train_config(mpi_tmp_path, dataset, f"capped-{cap_gb:g}", "train.steps=3", "model.name=mlp",
                        "model.options.hidden=[1024,1024]", "optim.name=adamw", "checkpoint.at_end=false",
-                       "dist.memory_cap_gb=5", "train.activation_checkpointing=auto", "dist.zero=2")
+                       f"dist.memory_cap_gb={cap_gb}", "train.activation_checkpointing=auto", "dist.zero=2")
     result = run(cfg, comm, plane=data_plane)
     plan = result.summary["memory_plan"]
-    # 5 GB: the fastest fits, with no block checkpointed; the planner's stage replaces dist.zero=2
+    # 5 GB (or any larger cap): the fastest fits, with no block checkpointed; the planner's stage replaces dist.zero=2
     assert (plan["stage"], plan["activation_checkpointing"], plan["blocks"]) == (0, "off", 0)
     assert 0 < plan["peak_bytes"] <= 5e9 and plan["measured_peak_bytes"] > 0
     assert result.summary["comm"]["zero"] == 0
@@ -163,3 +165,51 @@ def test_python_m_hpcnet_plan_prints_every_choice_and_the_one_under_the_cap(tmp_
     assert bad.returncode == ExitCode.USAGE_ERROR
     assert bad.stderr.startswith("hpcnet.plan: error: --cap-gb=0.0001: no choice fits at 4 ranks")
     assert "Traceback" not in bad.stderr
+
+
+def _plan(capsys, *argv):
+    """``python -m hpcnet.plan ARGV`` in this process: its status, stdout and stderr."""
+    from hpcnet.plan.__main__ import main
+
+    status = main([str(a) for a in argv])
+    said = capsys.readouterr()
+    return status, said.out, said.err
+
+
+GPT2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 256, "n_positions": 64,
+        "bos_token_id": 0, "eos_token_id": 0}
+"""A tiny GPT-2 for synthetic-tokens (vocabulary 256, 64 tokens a sequence)."""
+
+
+@pytest.mark.parametrize("extra", [[], ["model.name=transformer"]])
+def test_the_planner_measures_the_hugging_face_model_that_the_same_options_train(tmp_path, capsys, extra):
+    pytest.importorskip("transformers")
+    config = tmp_path / "gpt2.json"
+    config.write_text(json.dumps(GPT2))
+    gpt2 = build_model("", DatasetInfo("tokens", (64,), 256), {}, hf=str(config))
+    status, out, err = _plan(capsys, f"model.hf={config}", "data.dataset=synthetic-tokens",
+                             f"data.dir={tmp_path / 'data'}", "train.batch_size=2", *extra)
+    assert status == 0, err
+    parameters = sum(p.numel() for p in gpt2.parameters())
+    assert out.startswith(f"model hf {config}: {parameters:,} parameters"), out
+
+
+def test_a_huge_cap_is_met_by_the_fastest_choice(tmp_path, capsys):
+    """1e300 GB: every choice fits, so the planner takes the fastest, as under any cap above every peak (a cap in
+    bytes past a 64-bit address space is that space)."""
+    args = [f"data.dir={tmp_path / 'data'}", "model.name=mlp", "model.options.hidden=[16]", "train.batch_size=4"]
+    status, out, err = _plan(capsys, "--cap-gb", "1e300", *args)
+    assert status == 0, err
+    assert "under 1e+300 GB a rank, train.activation_checkpointing=off: dist.zero=0, activation checkpointing off" \
+        in out
+    status, out, err = _plan(capsys, "dist.memory_cap_gb=1e300", *args)
+    assert status == 0 and "under 1e+300 GB a rank" in out, err
+
+
+@pytest.mark.parametrize("where", ["missing/plan.json", "."])
+def test_a_json_file_that_cannot_be_written_is_one_line_naming_it(tmp_path, capsys, where):
+    target = tmp_path / where
+    status, _, err = _plan(capsys, "--json", target, f"data.dir={tmp_path / 'data'}", "model.name=mlp",
+                             "model.options.hidden=[16]", "train.batch_size=4")
+    assert status == ExitCode.USAGE_ERROR
+    assert err.startswith(f"hpcnet.plan: error: --json {target}: cannot write it: ") and err.count("\n") == 1, err
