@@ -11,7 +11,11 @@
 - ``model.options`` override fields of config.json (``model.options.n_layer=4``), as if the file said so; two
   are not config fields: ``attn_implementation`` (default ``sdpa``) and ``dtype`` (default ``float32``).
 
-Always local (``local_files_only``, ``HF_HUB_OFFLINE``): nothing is downloaded.  The parameters are float32
+Always local (``local_files_only``, ``HF_HUB_OFFLINE``): nothing is downloaded.  Never a model directory's own
+code (``trust_remote_code=False`` on every call): a config.json whose ``auto_map`` names code for a model type
+transformers does not know is a ConfigError, and transformers never asks on a terminal whether to run it.
+Fields whose names say they size or count something cannot be negative, and no parameter may come out empty
+(``check_sizes``, ``check_not_empty``).  The parameters are float32
 whatever config.json's ``dtype``/``torch_dtype`` says (that records how the weights were stored; hpcnet keeps
 float32 weights and ``train.precision=bf16`` autocasts over them); ``model.options.dtype`` asks otherwise.
 Attention is ``sdpa``: transformers' own default, so the exported model loaded with plain ``from_pretrained``
@@ -39,6 +43,13 @@ ATTN_IMPLEMENTATION = "sdpa"
 DTYPES = ("float32", "bfloat16", "float16")
 BUILD_OPTIONS = ("attn_implementation", "dtype")
 """``model.options`` that are not config.json fields but arguments of the build."""
+SIZE_FIRST_WORDS = ("n", "num", "d", "max")
+SIZE_LAST_WORDS = ("size", "dim", "dims", "layers", "heads", "embd", "positions", "embeddings", "experts", "channels",
+                   "labels")
+"""A config field sizes or counts something when its name's first word (``n_layer``, ``num_hidden_layers``,
+``d_model``, ``max_position_embeddings``) or last word (``hidden_size``, ``head_dim``, ``encoder_layers``) says so:
+transformers' naming, whatever the model type.  Ids and indices (``pad_token_id``, ``vision_feature_layer``),
+which may be negative, are neither."""
 HEADS = {"tokens": "AutoModelForCausalLM", "sequence": "AutoModelForSequenceClassification"}
 """Dataset kind -> the transformers Auto class whose model trains on it."""
 INSTALL = "pip install 'hpcnet[hf]'"
@@ -90,6 +101,7 @@ def load_config(path: str, options: dict[str, Any] | None = None, *, training: b
     import torch
 
     file, directory = config_file(path, option)
+    _refuse_own_code(transformers, file, option)
     options = dict(options or {})
     build = {"attn_implementation": options.pop("attn_implementation", ATTN_IMPLEMENTATION)}
     dtype = options.pop("dtype", "float32")
@@ -99,7 +111,7 @@ def load_config(path: str, options: dict[str, Any] | None = None, *, training: b
     major = int(transformers.__version__.split(".")[0])
     build["dtype" if major >= 5 else "torch_dtype"] = getattr(torch, dtype)
     try:
-        config = transformers.AutoConfig.from_pretrained(str(file), local_files_only=True)
+        config = transformers.AutoConfig.from_pretrained(str(file), local_files_only=True, trust_remote_code=False)
         if options:
             unknown = [k for k in options if not hasattr(config, k)]
             if unknown:
@@ -120,14 +132,81 @@ def load_config(path: str, options: dict[str, Any] | None = None, *, training: b
     except Exception as exc:  # noqa: BLE001 - transformers' and huggingface_hub's validation errors have no common base
         raise ConfigError(f"{option}: {str(file)!r}{f' with model.options {options}' if options else ''} is not a "
                           f"config transformers {transformers.__version__} can build: {_first_line(exc)}") from None
+    check_sizes(config, options, file)
     if training and "use_cache" not in options and hasattr(config, "use_cache"):
         config.use_cache = False
     return config, build, directory
 
 
+def _refuse_own_code(transformers: Any, file: Path, option: str) -> None:
+    """ConfigError when ``file`` names code of its own (``auto_map``) for a model type transformers does not know:
+    the only way to build it would be to run that code."""
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return  # transformers' own reading says what is wrong with it
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if isinstance(raw, dict) and raw.get("auto_map") and model_type not in transformers.CONFIG_MAPPING:
+        raise ConfigError(f"{option}: {str(file)!r} names code of its own (auto_map) for model type {model_type!r}, "
+                          f"which transformers {transformers.__version__} does not know; hpcnet never runs a model "
+                          "directory's code (trust_remote_code=False): use a model type transformers has")
+
+
+def is_size_field(name: str) -> bool:
+    """True when the config field ``name`` sizes or counts something (``SIZE_FIRST_WORDS``, ``SIZE_LAST_WORDS``)."""
+    words = name.split("_")
+    return len(words) > 1 and (words[0] in SIZE_FIRST_WORDS or words[-1] in SIZE_LAST_WORDS)
+
+
+def _size_fields(config: Any) -> dict[str, int]:
+    """The integer fields of ``config`` that size or count something, nested configs' as ``text_config.name``."""
+    found = {}
+
+    def walk(fields: dict[str, Any], prefix: str) -> None:
+        for name, value in fields.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{name}.")
+            elif isinstance(value, int) and not isinstance(value, bool) and is_size_field(name):
+                found[prefix + name] = value
+
+    walk(config.to_dict(), "")
+    return found
+
+
+def _where(name: str, options: dict[str, Any], file: Path) -> str:
+    """Where a config field's value came from: ``model.options.NAME=VALUE`` or config.json's ``NAME=VALUE``."""
+    return f"model.options.{name}" if name in options else f"model.hf: {str(file)!r} sets {name}"
+
+
+def check_sizes(config: Any, options: dict[str, Any], file: Path) -> None:
+    """ConfigError naming the option (or config.json's field) for a size or count that is negative: transformers
+    takes ``range(-1)`` as no layers and a negative width as a tensor it cannot make, sometimes only in the
+    forward."""
+    for name, value in _size_fields(config).items():
+        if value < 0:
+            raise ConfigError(f"{_where(name, options, file)}={value}: {name.rpartition('.')[2]} is a size or count of "
+                              f"the {config.model_type} config (its name says so), which cannot be negative")
+
+
+def check_not_empty(model: nn.Module, options: dict[str, Any], file: Path) -> None:
+    """ConfigError when a parameter of ``model`` has no elements: a size of 0 (``n_inner=0``) that builds a model
+    whose forward fails or computes nothing; named by the fields that are 0."""
+    empty = next(((name, tuple(p.shape)) for name, p in model.named_parameters() if p.numel() == 0), None)
+    if empty is None:
+        return
+    zeros = [name for name, value in _size_fields(model.config).items() if value == 0]
+    culprit = f"{_where(zeros[0], options, file)}=0" if zeros else f"model.hf: {str(file)!r}"
+    raise ConfigError(f"{culprit} leaves the model's parameter {empty[0]} with no elements (shape {empty[1]}): "
+                      "sizes must be at least 1")
+
+
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    """The message's first line, and the next too where the first ends with a colon (a validation error's field,
+    then what is wrong with it)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    return " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 def _has_weights(directory: Path | None) -> bool:
@@ -180,7 +259,7 @@ def build_hf_model(path: str, info: Any, options: dict[str, Any] | None = None) 
     if _has_weights(directory):
         try:
             model, loading = auto.from_pretrained(str(directory), config=config, local_files_only=True,
-                                                  output_loading_info=True, **build)
+                                                  output_loading_info=True, trust_remote_code=False, **build)
         except Exception as exc:  # noqa: BLE001 - a corrupt file is a SafetensorError, a wrong shape a RuntimeError
             raise ConfigError(f"model.hf: cannot load the weights in {path!r}: {_first_line(exc)}") from None
         fresh = loading.get("missing_keys") or []
@@ -190,10 +269,11 @@ def build_hf_model(path: str, info: Any, options: dict[str, Any] | None = None) 
                  f"; {len(ignored)} stored tensor(s) unused" if ignored else "")
     else:
         try:
-            model = auto.from_config(config, **build)
-        except Exception as exc:  # noqa: BLE001 - an attn_implementation this model lacks, a negative size in options
+            model = auto.from_config(config, trust_remote_code=False, **build)
+        except Exception as exc:  # noqa: BLE001 - an attn_implementation this model lacks, a head count of 0
             raise ConfigError(f"model.hf: cannot build {path!r} as {auto.__name__} (with model.options "
                               f"{options or {}}): {_first_line(exc)}") from None
+    check_not_empty(model, options or {}, config_file(path)[0])
     # from_pretrained hands the model over in eval mode; hpcnet's loop expects a module as torch builds it.
     return model.train()
 
@@ -214,7 +294,7 @@ def model_for_state(path: str, options: dict[str, Any] | None, keys_shapes: dict
     for kind, name in HEADS.items():
         auto = auto_class(kind, path, option)
         with torch.device("meta"):  # only the names and shapes: no memory, no initialisation
-            probe = auto.from_config(config, **build).state_dict()
+            probe = auto.from_config(config, trust_remote_code=False, **build).state_dict()
         shapes = {k: tuple(v.shape) for k, v in probe.items()}
         if set(shapes) != set(keys_shapes):
             tried.append((name, sorted(set(shapes) - set(keys_shapes)), sorted(set(keys_shapes) - set(shapes))))
@@ -224,7 +304,7 @@ def model_for_state(path: str, options: dict[str, Any] | None, keys_shapes: dict
                     if s != keys_shapes[k] and s[:1] == (config.num_labels,) and s[1:] == keys_shapes[k][1:]}
             if len(rows) == 1:
                 config.num_labels = rows.pop()
-        return auto.from_config(config, **build)
+        return auto.from_config(config, trust_remote_code=False, **build)
     detail = "; ".join(f"{name}: missing {', '.join(missing[:3]) or 'none'}, unexpected "
                        f"{', '.join(unexpected[:3]) or 'none'}" for name, missing, unexpected in tried)
     raise ConfigError(f"{option}: the checkpoint's model is not the one {path!r} builds ({detail})")

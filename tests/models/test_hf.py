@@ -1,5 +1,6 @@
 """hpcnet.models.hf: ``model.hf`` builds a Hugging Face transformers model from a local config or directory."""
 
+import io
 import json
 import sys
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from hpcnet.data.info import DatasetInfo
 from hpcnet.errors import ConfigError
 from hpcnet.models import build_model
 from hpcnet.models.blocks import find_blocks
+from tests.helpers.launch import clean_env
 
 pytest.importorskip("transformers")
 
@@ -18,6 +20,9 @@ GPT2 = {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_si
         "bos_token_id": 0, "eos_token_id": 0}
 """A tiny GPT-2: 2 layers of width 32, vocabulary 256, 64 positions."""
 TOKENS = DatasetInfo("tokens", (16,), 200)
+LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64}
+"""A tiny LLaMA (with GPT2's vocabulary)."""
 
 
 @dataclass(frozen=True)
@@ -164,10 +169,121 @@ def test_bad_options_and_damaged_weights_are_config_errors_naming_the_option(tmp
     path = write_config(tmp_path / "cfg")
     with pytest.raises(ConfigError, match=r"model.hf: .* with model.options \{'n_layer': 'two'\}"):
         build_model("", TOKENS, {"n_layer": "two"}, hf=str(path))
-    with pytest.raises(ConfigError, match=r"model.hf: cannot build .* \{'n_embd': -4\}\): Trying to create"):
-        build_model("", TOKENS, {"n_embd": -4}, hf=str(path))
+    with pytest.raises(ConfigError, match=r"model.hf: .* \{'n_layer': 2.5\} .*: Validation error for field "
+                                          r"'n_layer': TypeError: Field 'n_layer' expected int, got float"):
+        build_model("", TOKENS, {"n_layer": 2.5}, hf=str(path))
+    with pytest.raises(ConfigError, match=r"model.hf: cannot build .* \{'n_head': 0\}\): integer division"):
+        build_model("", TOKENS, {"n_head": 0}, hf=str(path))
     directory = tmp_path / "damaged"
     build_model("", TOKENS, {}, hf=str(path)).save_pretrained(directory)
     (directory / "model.safetensors").write_bytes(b"\xff" * 64)
     with pytest.raises(ConfigError, match="model.hf: cannot load the weights in"):
         build_model("", TOKENS, {}, hf=str(directory))
+
+
+@pytest.mark.parametrize(("model_type", "options"), [
+    ("gpt2", {"n_layer": -1}), ("gpt2", {"n_head": -2}), ("gpt2", {"n_embd": -4}), ("gpt2", {"n_inner": -1}),
+    ("gpt2", {"n_positions": -1}), ("llama", {"num_hidden_layers": -1}), ("llama", {"intermediate_size": -8}),
+    ("llama", {"num_key_value_heads": -1}), ("llama", {"head_dim": -16}),
+])
+def test_a_negative_size_or_count_is_refused_naming_the_option(tmp_path, model_type, options):
+    """Any config's fields whose names say they size or count something (n_*, num_*, *_size, *_dim, *_heads,
+    *_layers, ...) cannot be negative: a GPT-2 with n_layer=-1 would train with no layers."""
+    fields = {} if model_type == "gpt2" else LLAMA
+    path = str(write_config(tmp_path, **fields))
+    (name, value), = options.items()
+    with pytest.raises(ConfigError) as raised:
+        build_model("", TOKENS, options, hf=path)
+    assert str(raised.value) == (f"model.options.{name}={value}: {name} is a size or count of the {model_type} "
+                                 f"config (its name says so), which cannot be negative")
+
+
+def test_a_negative_size_in_config_json_is_refused_naming_the_file(tmp_path):
+    path = str(write_config(tmp_path, n_layer=-1))
+    with pytest.raises(ConfigError, match=rf"^model.hf: {path!r} sets n_layer=-1: n_layer is a size or count of the "
+                                          r"gpt2 config \(its name says so\), which cannot be negative$"):
+        build_model("", TOKENS, {}, hf=path)
+
+
+def test_a_size_of_zero_that_empties_a_parameter_is_refused_naming_the_option(tmp_path):
+    path = str(write_config(tmp_path))
+    with pytest.raises(ConfigError, match=r"^model.options.n_inner=0 leaves the model's parameter "
+                                          r"transformer.h.0.mlp.c_fc.weight with no elements \(shape \(32, 0\)\)"):
+        build_model("", TOKENS, {"n_inner": 0}, hf=path)
+
+
+def test_negative_fields_that_are_not_sizes_and_zero_layers_still_build(tmp_path):
+    """A token id of -1 (the original LLaMA's pad_token_id) is no size; zero layers leave no parameter empty."""
+    path = str(write_config(tmp_path))
+    assert build_model("", TOKENS, {"pad_token_id": -1}, hf=path).config.pad_token_id == -1
+    assert len(build_model("", TOKENS, {"n_layer": 0}, hf=path).transformer.h) == 0
+
+
+def remote_code_directory(tmp_path):
+    """A model directory whose config.json names its own code (``auto_map``) for a model type transformers does
+    not know; the code, if ever run, writes ``ran`` beside it."""
+    directory = tmp_path / "remote"
+    write_config(directory, model_type="hpcnet-remote", auto_map={"AutoConfig": "configuration_remote.RemoteConfig"})
+    (directory / "configuration_remote.py").write_text(
+        "import pathlib\n"
+        f"pathlib.Path({str(directory / 'ran')!r}).write_text('ran')\n"
+        "from transformers import PretrainedConfig\n\n\n"
+        "class RemoteConfig(PretrainedConfig):\n    model_type = 'hpcnet-remote'\n")
+    return directory
+
+
+NEVER_RUN = "hpcnet never runs a model directory's code"
+
+
+def test_a_model_directory_s_own_code_is_never_run_whatever_stdin_answers(tmp_path, monkeypatch):
+    """Transformers asks on stdin whether to run the code (trust_remote_code unset): a 'y' there must not run it."""
+    directory = remote_code_directory(tmp_path)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\n"))
+    with pytest.raises(ConfigError) as raised:
+        build_model("", TOKENS, {}, hf=str(directory))
+    assert str(raised.value).startswith(f"model.hf: {str(directory / 'config.json')!r} names code of its own "
+                                        "(auto_map) for model type 'hpcnet-remote'"), raised.value
+    assert NEVER_RUN in str(raised.value) and "\n" not in str(raised.value)
+    assert not (directory / "ran").exists()
+
+
+def test_the_planner_on_a_terminal_never_prompts_for_a_model_directory_s_code(tmp_path):
+    """On a pseudo-terminal answering 'y': status 2, one line, no question asked, nothing run."""
+    directory = remote_code_directory(tmp_path)
+    command = [sys.executable, "-m", "hpcnet.plan", f"model.hf={directory}", "data.dataset=synthetic-tokens",
+               f"data.dir={tmp_path / 'data'}"]
+    status, said = run_on_terminal(command, "y\n", env=clean_env(HF_MODULES_CACHE=str(tmp_path / "modules")),
+                                   cwd=tmp_path)
+    assert status == 2, said
+    assert "Do you wish to run the custom code" not in said and NEVER_RUN in said, said
+    assert [line for line in said.splitlines() if line.strip()][-1].startswith("hpcnet.plan: error: model.hf: ")
+    assert "Traceback" not in said and not (directory / "ran").exists()
+
+
+def run_on_terminal(command, typed, *, env, cwd, timeout_s=120):
+    """Run ``command`` with a pseudo-terminal as its stdin, stdout and stderr, ``typed`` written to it at the
+    start; its status and everything it printed."""
+    import os
+    import pty
+    import subprocess
+    import time
+
+    master, slave = pty.openpty()
+    try:
+        child = subprocess.Popen(command, stdin=slave, stdout=slave, stderr=slave, env=env, cwd=cwd,
+                                 start_new_session=True)
+        os.close(slave)
+        os.write(master, typed.encode())
+        said, deadline = b"", time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the child closed its end
+                break
+            if not chunk:
+                break
+            said += chunk
+        status = child.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        os.close(master)
+    return status, said.decode(errors="replace")
