@@ -47,9 +47,9 @@ from hpcnet.config import Config
 from hpcnet.config.importing import import_for_training
 from hpcnet.config.load import (
     check_same_config,
+    command_line_config,
     config_reference,
     describe_options,
-    load_config,
     parse_command_line,
     to_toml,
 )
@@ -241,6 +241,7 @@ def _model(cfg: Config, comm: Any, world: World, device: torch.device, split: An
     with shared_errors(comm):  # an objective that cannot be computed stops every rank alike, before any step
         objective = Objective(cfg.model.loss, device=device, precision=cfg.train.precision)
         objective.check(model, split, BatchMover(device, settings))
+    objective.agree_names(comm)  # one exchange at start-up: the metrics are averaged over the ranks by name
     memory_plan = _plan_memory(cfg, comm, world, model, split, resident) if resident is not None else None
     if cfg.train.activation_checkpointing != "off":
         _checkpoint_activations(cfg, comm, world, model, None if memory_plan is None else memory_plan.predicted)
@@ -362,7 +363,7 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any
     try:
         if cfg.checkpoint.resume:
             faults.before_resume(manager.directory, comm)
-        start_step = state.start(cfg.checkpoint.resume, rank=world.rank)
+        start_step = state.start(cfg.checkpoint.resume, rank=world.rank, otherwise=cfg.checkpoint.resume_else)
         if start_step >= cfg.train.steps and world.is_main:
             log.warning("nothing to train: the run resumed at step %d and train.steps is %d. Raise train.steps "
                         "to train on; another run.name or checkpoint.dir starts a new run", start_step,
@@ -446,8 +447,7 @@ def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
         stop = StopRequest().install()
     try:
         with shared_errors(comm):  # a config file missing on one node fails everywhere
-            resume = [f"checkpoint.resume={args.resume}"] if args.resume else []
-            cfg = load_config(args.config, args.overrides + resume)
+            cfg = command_line_config(args)
         if args.print_config:
             if rank == 0:
                 print(to_toml(cfg), end="")

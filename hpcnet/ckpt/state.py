@@ -306,11 +306,14 @@ class TrainState:
         finite = all(bool(torch.stack(flags).all()) for flags in checks.values())
         return bool(self.manager.comm.allreduce(int(finite), op=MPI.MIN))
 
-    def start(self, which: str, *, rank: int) -> int:
+    def start(self, which: str, *, rank: int, otherwise: str = "") -> int:
         """Collective: begin the run, fresh (``''``) or from a checkpoint (``'auto'`` or a path).
 
         Returns the step to continue from.  A fresh run needs a checkpoint
-        directory of its own (see ``CheckpointManager.start_fresh``).
+        directory of its own (see ``CheckpointManager.start_fresh``).  ``otherwise``
+        (``checkpoint.resume_else``): where ``'auto'`` starts while the directory holds no
+        committed checkpoint ('' fresh): a restart of a run that began from another
+        run's checkpoint goes back to it until it has committed one of its own.
         """
         if not which:
             self.manager.start_fresh()
@@ -326,6 +329,10 @@ class TrainState:
         if sharded is not None:  # the owned units, where a unit is a whole parameter
             into.update(sharded.into())
         loaded = self.manager.resume(which, into=into, wanted_from_meta=self._plan_from)
+        if loaded is None and otherwise:
+            log.info("no checkpoint in %s yet: resuming from %s (checkpoint.resume_else)", self.manager.directory,
+                     otherwise)
+            loaded = self.manager.resume(otherwise, into=into, wanted_from_meta=self._plan_from)
         if loaded is None:
             log.info("no checkpoint in %s yet: starting from step 0", self.manager.directory)
             return 0

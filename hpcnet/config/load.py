@@ -224,6 +224,19 @@ def parse_command_line(argv: list[str]) -> CommandLine:
     return CommandLine(args.config, args.resume, args.print_config, args.help, args.help_config, overrides)
 
 
+def command_line_config(args: CommandLine) -> Config:
+    """The configuration of a command line: defaults, ``--config``, the overrides, then ``--resume`` (which wins
+    over ``checkpoint.resume``); what ``hpcnet.train`` runs with and ``hpcnet.launch`` reads."""
+    resume = [override("checkpoint.resume", args.resume)] if args.resume else []
+    return load_config(args.config, args.overrides + resume)
+
+
+def override(option: str, value: Any) -> str:
+    """A command-line override that sets ``option`` to exactly ``value`` (a path such as ``1e3`` or ``true`` stays a
+    string)."""
+    return f"{option}={_toml_value(value)}"
+
+
 def to_dict(cfg: Any) -> dict[str, Any]:
     """The configuration as plain nested dicts (JSON and TOML friendly)."""
     return dataclasses.asdict(cfg)

@@ -435,6 +435,10 @@ class CheckpointConfig:
     """Save once more when training finishes."""
     resume: str = ""
     """'' starts fresh, 'auto' resumes from the last committed checkpoint (fresh if none), or a checkpoint path."""
+    resume_else: str = ""
+    """With resume='auto': the checkpoint (file or directory) to resume from while checkpoint.dir holds no committed
+    checkpoint yet; '' starts fresh then. For a run that starts from another run's checkpoint and is restarted or
+    requeued: hpcnet.launch sets it on restarts."""
     move_aside: bool = False
     """A fresh run into a checkpoint.dir that holds checkpoints moves them into <dir>/aside-<time>-fresh-run/ (never
     deletes); false refuses to start."""
@@ -452,6 +456,11 @@ class CheckpointConfig:
         if not (math.isfinite(self.timeout_s) and self.timeout_s >= 0):
             raise ConfigError(f"checkpoint.timeout_s must be a number of seconds >= 0 (0 = derived), "
                               f"got {self.timeout_s}")
+        if self.resume_else and self.resume != "auto":
+            raise ConfigError(f"checkpoint.resume_else needs checkpoint.resume=auto (it says where to start while "
+                              f"checkpoint.dir holds no checkpoint), got checkpoint.resume={self.resume!r}")
+        if self.resume_else == "auto":
+            raise ConfigError("checkpoint.resume_else must be a checkpoint file or directory, not 'auto'")
         check_durations(self, "checkpoint")
 
 

@@ -1,7 +1,7 @@
 """The command of each attempt: which launcher runs it, where hpcnet.train's arguments start, what is added.
 
 Every attempt runs the user's command with its run and checkpoint directories
-pinned, ``--resume auto`` from the second attempt on, the attempt number
+pinned, ``--resume auto`` from the second attempt on (``restart_args``), the attempt number
 in ``HPCNET_ATTEMPT`` (docs/fault-tolerance.md says why) and, for
 hpcnet.train, where its ranks report that they handle stop signals in
 ``HPCNET_READY`` (``hpcnet.launch.stop``) and the supervisor's token in ``HPCNET_LAUNCH_ID`` (with the attempt,
@@ -9,9 +9,10 @@ what the checkpoint directory's fence names: ``hpcnet.ckpt.fence``).
 """
 
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
-from hpcnet.config.load import parse_command_line
+from hpcnet.config.load import override
 from hpcnet.paths import ATTEMPT_ENV, LAUNCH_ID_ENV, READY_ENV
 
 MPIRUN_NAMES = ("mpirun", "mpiexec", "orterun", "prterun")
@@ -45,14 +46,31 @@ def train_args_start(command: list[str]) -> int | None:
     return None
 
 
-def resume_args(train_args: list[str]) -> list[str]:
-    """What to append so the run resumes from the newest checkpoint ('' if it already does)."""
-    parsed = parse_command_line(train_args)
-    resume = parsed.resume
-    for item in parsed.overrides:  # --resume wins over checkpoint.resume=..., as in hpcnet.train
-        if resume is None and item.startswith("checkpoint.resume="):
-            resume = item.split("=", 1)[1]
-    return [] if resume == "auto" else ["--resume", "auto"]
+def restart_args(resume: str, *, own: bool) -> list[str]:
+    """What a restart appends to hpcnet.train's arguments so that it continues the run (pure).
+
+    A restart resumes from the newest checkpoint of the run's own directory
+    (``--resume auto``); until there is one, from where the first attempt started
+    (``checkpoint.resume_else``: another run's checkpoint, or nothing: fresh).
+
+    Args:
+        resume: the user's ``checkpoint.resume`` as hpcnet.train resolves it (``--resume``, an override, the
+            ``--config`` file): '' (fresh), 'auto' (then the user's own arguments already say it all) or a path.
+        own: whether every checkpoint in the checkpoint directory is this run's (it held none when the
+            supervisor started, or an attempt has committed since).  If not, the restart starts as the first
+            attempt did: its refusal of a directory that holds another run's checkpoints (or its
+            ``checkpoint.move_aside``) then still applies, where ``auto`` would resume that other run.
+    """
+    if resume == "auto" or not own:
+        return []
+    return ["--resume", "auto", *([override("checkpoint.resume_else", resume)] if resume else [])]
+
+
+def restart_from(resume: str, *, own: bool) -> str:
+    """Where a restart starts, in words (``restart_args``)."""
+    if not own and resume != "auto":
+        return "as the first attempt did (the checkpoint directory held checkpoints before it started)"
+    return "from the newest checkpoint" + (f", else from {resume}" if resume not in ("", "auto") else "")
 
 
 def launcher_env(environ: dict[str, str], openmpi: bool) -> dict[str, str]:
@@ -71,8 +89,8 @@ def launcher_env(environ: dict[str, str], openmpi: bool) -> dict[str, str]:
 
 
 def attempt_command(base: list[str], attempt: int, *, train_start: int | None, pinned: list[str],
-                    openmpi: bool) -> list[str]:
-    """The command of attempt ``attempt``: pinned run/checkpoint directories, --resume auto from attempt 2.
+                    openmpi: bool, restart: Sequence[str] = ()) -> list[str]:
+    """The command of attempt ``attempt``: pinned run/checkpoint directories, ``restart`` from attempt 2.
 
     Args:
         base: the user's command (with hosts already excluded).
@@ -80,13 +98,14 @@ def attempt_command(base: list[str], attempt: int, *, train_start: int | None, p
         pinned: ``section.key=value`` overrides appended to hpcnet.train's arguments.
         openmpi: the launcher is Open MPI's mpirun, which exports a variable to
             remote ranks only when told (``-x``).
+        restart: what a restart appends to hpcnet.train's arguments (``restart_args``).
     """
     command = list(base)
     exported = [ATTEMPT_ENV]
     if train_start is not None:
         train_args = command[train_start:] + pinned
         if attempt > 1:
-            train_args += resume_args(train_args)
+            train_args += list(restart)
         command = command[:train_start] + train_args
         exported += [READY_ENV, LAUNCH_ID_ENV]
     if openmpi and launcher_kind(command) == "mpirun":

@@ -48,9 +48,17 @@ from typing import Any, TextIO
 
 from hpcnet.ckpt.fence import Fence, write_fence
 from hpcnet.config import MAX_DURATION_S
-from hpcnet.config.load import load_config, parse_command_line
+from hpcnet.config.load import command_line_config, parse_command_line
 from hpcnet.errors import ConfigError, ExitCode
-from hpcnet.launch.command import attempt_command, is_openmpi, launcher_env, launcher_kind, train_args_start
+from hpcnet.launch.command import (
+    attempt_command,
+    is_openmpi,
+    launcher_env,
+    launcher_kind,
+    restart_args,
+    restart_from,
+    train_args_start,
+)
 from hpcnet.launch.elastic import (
     PROBE_EVERY_S,
     PROBE_TIMEOUT_S,
@@ -478,6 +486,11 @@ class _Job:
     attempts: list[Attempt] = field(default_factory=list)
     launcher: str = ""
     config_file: str | None = None
+    resume: str = ""
+    """The user's ``checkpoint.resume``: where the first attempt starts ('' fresh, 'auto', a checkpoint)."""
+    own: bool = True
+    """Every checkpoint in the checkpoint directory is this run's: it held none at the start, or an attempt has
+    committed since (``hpcnet.launch.command.restart_args``)."""
     launch_id: str = field(default_factory=lambda: secrets.token_hex(8))
     """This supervisor's token: with the attempt number, what the checkpoint directory's fence names."""
     launcher_grace_s: float = LAUNCHER_GRACE_S
@@ -515,12 +528,13 @@ def _prepare(command: list[str], environ: dict[str, str]) -> "_Job | int":
             job.train_start = None
         else:
             try:
-                cfg = load_config(parsed.config, parsed.overrides)
+                cfg = command_line_config(parsed)
             except ConfigError as exc:
                 _say(f"error: {exc}")
                 return ExitCode.USAGE_ERROR
             job.launch_dir = run_dir_path(cfg.run.dir, cfg.run.name, exact=cfg.run.dir_exact).absolute()
             job.checkpoint_dir = checkpoint_dir(cfg.run.dir, cfg.run.name, cfg.checkpoint.dir).absolute()
+            job.resume, job.own = cfg.checkpoint.resume, not committed_checkpoints(job.checkpoint_dir)
     if job.train_start is None:
         _say("the command does not run hpcnet.train: run directories are not pinned, failure.json is not read")
         return job
@@ -537,7 +551,8 @@ def _attempt_plan(job: _Job, attempt: int, environ: dict[str, str]) -> tuple[lis
     """The command, environment and run directory of attempt ``attempt`` as things stand."""
     run_dir = str(attempt_dir(job.launch_dir, attempt)) if job.train_start is not None else None
     pinned = [f"run.dir={run_dir}", "run.dir_exact=true", f"checkpoint.dir={job.checkpoint_dir}"] if run_dir else []
-    cmd = attempt_command(job.base, attempt, train_start=job.train_start, pinned=pinned, openmpi=job.openmpi)
+    cmd = attempt_command(job.base, attempt, train_start=job.train_start, pinned=pinned, openmpi=job.openmpi,
+                          restart=restart_args(job.resume, own=job.own))
     env = {**launcher_env(environ, job.openmpi), ATTEMPT_ENV: str(attempt)}
     if run_dir:
         env[READY_ENV] = str(ready_dir(job.launch_dir, attempt))
@@ -677,6 +692,7 @@ def _run_next(job: _Job, budget: RestartBudget, forwarder: Forwarder, environ: d
             watcher.join()
     _close_fence(job, attempt, f"its launcher ended with status {record.status}")
     record.new_checkpoints = new_checkpoints(before, committed_checkpoints(job.checkpoint_dir))
+    job.own = job.own or bool(record.new_checkpoints)
     record.failure = read_failure(run_dir) or record.failure
     record.signal_received = forwarder.received
     if record.status:
@@ -918,7 +934,8 @@ def supervise(command: list[str], *, max_restarts: int = 3, backoff_base_s: floa
                     return status
                 _watch_excluded(job)
             delay = backoff_s(restart, backoff_base_s, backoff_cap_s)
-            _say(f"restarting from the newest checkpoint in {delay:.1f} s (restart {restart} of {max_restarts}{since})")
+            _say(f"restarting {restart_from(job.resume, own=job.own)} in {delay:.1f} s (restart {restart} of "
+                 f"{max_restarts}{since})")
             forwarder.wake.wait(delay)  # a stop signal ends it: the next _run_next starts nothing
         message = (f"giving up after {len(job.attempts)} attempts ({max_restarts} restarts"
                    f"{' without a new checkpoint' if job.checkpoint_dir else ''}): last status {status}, "

@@ -67,6 +67,8 @@ def test_resolved_toml_round_trips(tmp_path):
     (["dist.backend=mpi2"], "dist.backend"),
     (["run.metrics=some"], "run.metrics"),
     (["positional"], "section.key=value"),
+    (["checkpoint.resume_else=/c/a.h5"], "checkpoint.resume_else needs checkpoint.resume=auto"),
+    (["checkpoint.resume=auto", "checkpoint.resume_else=auto"], "checkpoint.resume_else must be a checkpoint"),
 ])
 def test_errors_name_the_option(args, needle):
     with pytest.raises(ConfigError, match=None) as info:

@@ -1,32 +1,61 @@
-"""What each attempt runs: the pinned directories, --resume auto, the attempt variable, the launcher's environment."""
+"""What each attempt runs: the pinned directories, where a restart resumes, the attempt variable, the launcher's
+environment."""
 
+from hpcnet.config.load import load_config
 from hpcnet.launch.command import (
     SIGKILL_TIMEOUT_ENV,
     attempt_command,
     launcher_env,
     launcher_kind,
-    resume_args,
+    restart_args,
+    restart_from,
     train_args_start,
 )
+from hpcnet.launch.supervisor import _prepare
 
 TRAIN = ["mpirun", "-np", "2", "python", "-m", "mpi4py", "-m", "hpcnet.train"]
 
 
-def test_resume_flag_is_added_once_from_the_second_attempt():
+def test_restarts_resume_from_the_newest_checkpoint_from_the_second_attempt():
     base = [*TRAIN, "run.name=x", "train.steps=5"]
     pinned = ["run.dir=/r/attempt-2", "run.dir_exact=true", "checkpoint.dir=/r/x.ckpt"]
-    first = attempt_command(base, 1, train_start=len(TRAIN), pinned=pinned, openmpi=False)
+    restart = restart_args("", own=True)
+    assert restart == ["--resume", "auto"]
+    first = attempt_command(base, 1, train_start=len(TRAIN), pinned=pinned, openmpi=False, restart=restart)
     assert first == base + pinned
-    second = attempt_command(base, 2, train_start=len(TRAIN), pinned=pinned, openmpi=False)
+    second = attempt_command(base, 2, train_start=len(TRAIN), pinned=pinned, openmpi=False, restart=restart)
     assert second == base + pinned + ["--resume", "auto"]
-    assert resume_args(second[len(TRAIN):]) == []  # a third attempt adds nothing more
-    for already in (["--resume", "auto"], ["--resume=auto"], ["checkpoint.resume=auto"]):
-        cmd = attempt_command(base + already, 3, train_start=len(TRAIN), pinned=[], openmpi=False)
-        assert cmd == base + already
-    # an explicit checkpoint is where the *first* attempt starts; restarts take the newest one
-    explicit = attempt_command(base + ["--resume", "/c/ckpt-5.h5"], 2, train_start=len(TRAIN), pinned=[],
-                               openmpi=False)
-    assert explicit[-2:] == ["--resume", "auto"]
+    assert restart_args("auto", own=True) == []  # the user's own --resume auto (and resume_else) says it all
+
+
+def test_a_restart_of_a_run_that_began_from_a_checkpoint_falls_back_to_it_until_the_run_has_its_own():
+    # the newest checkpoint of the run's own directory, else the one the first attempt started from
+    assert restart_args("/c/ckpt-5.h5", own=True) == ["--resume", "auto", 'checkpoint.resume_else="/c/ckpt-5.h5"']
+    assert restart_from("/c/ckpt-5.h5", own=True) == "from the newest checkpoint, else from /c/ckpt-5.h5"
+    # a path that would read as a number or a boolean stays the path it is
+    tricky = restart_args("1e3", own=True)[-1]
+    assert load_config(overrides=["checkpoint.resume=auto", tricky]).checkpoint.resume_else == "1e3"
+    # the directory held checkpoints before the supervisor started: restarts start as the first attempt did (its
+    # refusal, or checkpoint.move_aside, applies), until an attempt has committed one
+    for resume in ("", "/c/ckpt-5.h5"):
+        assert restart_args(resume, own=False) == []
+        assert restart_from(resume, own=False).startswith("as the first attempt did")
+
+
+def test_the_supervisor_reads_where_the_run_starts_as_hpcnet_train_does(tmp_path, monkeypatch):
+    """--resume, checkpoint.resume=, --checkpoint.resume V and a --config file: what hpcnet.train resolves."""
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "run.toml"
+    config.write_text('[checkpoint]\nresume = "/c/from-file.h5"\n')
+    cases = ((["--resume", "/c/a.h5"], "/c/a.h5"), (["checkpoint.resume=/c/b.h5"], "/c/b.h5"),
+             (["--checkpoint.resume", "/c/c.h5"], "/c/c.h5"), (["--config", str(config)], "/c/from-file.h5"),
+             (["--config", str(config), "--resume=auto"], "auto"), ([], ""))
+    for args, resume in cases:
+        job = _prepare([*TRAIN, "run.name=x", f"run.dir={tmp_path}", *args], {})
+        assert job.resume == resume and job.own, args
+    (tmp_path / "x.ckpt").mkdir()
+    (tmp_path / "x.ckpt" / "ckpt-0000000004.h5").write_bytes(b"")
+    assert not _prepare([*TRAIN, "run.name=x", f"run.dir={tmp_path}"], {}).own
 
 
 def test_attempt_number_is_exported_to_remote_ranks_by_open_mpi_only():

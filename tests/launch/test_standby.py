@@ -30,7 +30,14 @@ from hpcnet.launch.standby import (
 from hpcnet.launch.supervisor import Standby
 from hpcnet.paths import STANDBY_ENV, STANDBY_OWNER_ENV
 from tests.helpers.launch import clean_env
-from tests.launch.test_supervisor import _assert_same, _final_tensors, _serial_only, _train_command, reference  # noqa: F401
+from tests.launch.test_supervisor import (  # noqa: F401
+    _assert_same,
+    _final_tensors,
+    _serial_only,
+    _train_command,
+    reference,
+    reference_dir,
+)
 
 
 # -- pure --------------------------------------------------------------------------------------------------------

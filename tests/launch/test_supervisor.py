@@ -212,13 +212,19 @@ def _final_tensors(tmp_path, name):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """A run without faults: its final checkpoint is what every recovered run must end with."""
+def reference_dir(tmp_path_factory):
+    """A run without faults (``ref``, checkpoints at steps 4, 8 and 10), in the directory returned."""
     _serial_only()
     tmp_path = tmp_path_factory.mktemp("reference")
     out = _supervise(tmp_path, _train_command(tmp_path, "ref"), "--max-restarts", "0", timeout=150)
     assert out.returncode == 0, out.stderr
-    return _final_tensors(tmp_path, "ref")
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def reference(reference_dir):
+    """The reference run's final checkpoint: what every recovered run must end with."""
+    return _final_tensors(reference_dir, "ref")
 
 
 def _assert_same(tensors, reference):
@@ -245,6 +251,27 @@ def test_killed_rank_is_restarted_and_ends_identical(tmp_path, reference):
     assert second.count("--resume") == 1 and second[-2:] == ["--resume", "auto"]
     assert record["attempts"][0]["failure"]["rank"] == 1 and record["attempts"][0]["launcher_report_unix"]
     _assert_same(_final_tensors(tmp_path, "kill"), reference)
+
+
+@pytest.mark.launch
+@pytest.mark.timeout(300)
+def test_a_restart_of_a_run_that_began_from_another_runs_checkpoint_begins_there_again(tmp_path, reference_dir,
+                                                                                       reference):
+    """A run resumed from the reference's step-4 checkpoint (``--resume PATH``; its own seed differs, so a start
+    from fresh weights cannot pass for it) is killed at step 6, before it commits a checkpoint of its own: the
+    restart resumes from PATH again, and the run ends as the reference does, bit for bit."""
+    start = reference_dir / "runs" / "ref.ckpt" / "ckpt-0000000004.h5"
+    out = _supervise(tmp_path, _train_command(tmp_path, "from", "run.seed=5", "fault.kill_at_step=6",
+                                              "fault.only_attempt=1", "--resume", str(start)),
+                     "--max-restarts", "2", "--backoff-s", "0.1", "--standby", "off", timeout=240)
+    assert out.returncode == 0, out.stderr
+    assert "attempt 1 ended with status 137" in out.stderr, out.stderr
+    _assert_same(_final_tensors(tmp_path, "from"), reference)
+    assert f"restarting from the newest checkpoint, else from {start}" in out.stderr, out.stderr
+    record = json.loads(next((tmp_path / "runs").glob("from-*/launch.json")).read_text())
+    assert record["attempts"][1]["command"][-3:] == ["--resume", "auto", f'checkpoint.resume_else="{start}"']
+    second = (Path(record["attempts"][1]["run_dir"]) / "rank0.log").read_text()
+    assert f"resuming from {start} (checkpoint.resume_else)" in second and "at step 4" in second, second
 
 
 @pytest.mark.launch
