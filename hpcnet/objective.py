@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpcnet.agree import mark_agreed
 from hpcnet.config.importing import load_object
 from hpcnet.data.user import describe, first_tensor
 from hpcnet.errors import UsageError
@@ -120,7 +121,9 @@ class Objective:
         self.device = device or torch.device("cpu")
         self.precision = precision
         self.names: list[str] = []
-        """The user function's metric names, fixed by its first call (``check``)."""
+        """The user function's metric names, fixed by its first call (``check``), the same on every rank
+        (``agree_names``)."""
+        self._checked = False
         self._sums: dict[str, torch.Tensor] = {}
         self._calls = 0
         self.slow: Callable[[int], None] | None = None
@@ -153,7 +156,7 @@ class Objective:
                 raise UsageError(f"model.loss: {self.spec!r} returned metric {name!r} as {describe(value)}; "
                                  "return a scalar tensor or number")
             checked[name] = value.detach().reshape(())
-        if self.names and sorted(checked) != self.names:
+        if self._checked and sorted(checked) != self.names:
             raise UsageError(f"model.loss: {self.spec!r} returned metrics {sorted(checked)}, where its first call "
                              f"returned {self.names}; return the same names every call")
         return result.reshape(()), checked
@@ -201,7 +204,7 @@ class Objective:
                         loss = _default(model, batch)[0]
                     else:
                         loss, metrics = self._call(model, batch)
-                        self.names = sorted(metrics)
+                        self.names, self._checked = sorted(metrics), True
         except UsageError:
             raise
         except Exception as exc:  # the model's or the function's code: a code error (status 1), said on every rank
@@ -214,6 +217,28 @@ class Objective:
             raise UsageError(f"{'model.loss: ' + repr(self.spec) if self.fn else 'the loss'} does not depend on "
                              "the model's parameters (no gradient would reach them): compute it from the model's "
                              "output")
+
+    def agree_names(self, comm: Any) -> None:
+        """Collective, once after ``check``: every rank's metric names must be rank 0's, as the ranks' values are
+        averaged name by name (``evaluate`` sums them by position).  A rank's names never change after its check
+        (``_call`` refuses that), so this one exchange holds for the run.
+
+        Raises:
+            UsageError: on every rank alike, naming the ranks and their names, when they differ.
+        """
+        if self.fn is None:
+            return
+        every = comm.allgather(self.names)
+        if all(names == every[0] for names in every):
+            return
+        ranks: dict[tuple[str, ...], list[int]] = {}
+        for rank, names in enumerate(every):
+            ranks.setdefault(tuple(names), []).append(rank)
+        said = "; ".join(f"rank {r[0]}: {list(names)}" if len(r) == 1 else f"ranks {r}: {list(names)}"
+                         for names, r in ranks.items())
+        raise mark_agreed(UsageError(f"model.loss: {self.spec!r} returns other metric names on other ranks: {said}; "
+                                     "return the same names on every rank (their values are averaged over the "
+                                     "ranks name by name)"))
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split: Any, comm: Any, *, indices: np.ndarray, batch_size: int,

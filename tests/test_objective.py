@@ -250,6 +250,46 @@ def test_a_user_objective_trains_as_the_default_one_bit_for_bit(comm, data_plane
     comm.Barrier()
 
 
+def named_by_rank(model, batch):
+    """Cross-entropy, and one metric whose name depends on the rank: a=1 on rank 0, b=100 on the others."""
+    x, y = batch
+    first = MPI.COMM_WORLD.Get_rank() == 0
+    return F.cross_entropy(model(x), y), {"a": 1.0} if first else {"b": 100.0}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_metric_names_that_differ_between_ranks_stop_every_rank_naming_them(comm, data_plane, mpi_tmp_path):
+    """The ranks' metrics are averaged name by name (evaluation sums them by position): rank 0's a=1 and rank 1's
+    b=100 would be reported as 'a 50.5', and logged as 'a nan | b nan'. Every rank refuses at start-up."""
+    dataset = tiny_images(comm, mpi_tmp_path, "objective.h5", num_train=128, num_eval=32, seed=2)
+    cfg = train_config(mpi_tmp_path, dataset, "named-by-rank", *MLP, "train.steps=2", "train.eval_every=2",
+                       f"model.loss={__name__}:named_by_rank")
+    others = list(range(1, comm.Get_size()))
+    with pytest.raises(UsageError) as raised:
+        run(cfg, comm, plane=data_plane)
+    assert str(raised.value) == (
+        f"model.loss: '{__name__}:named_by_rank' returns other metric names on other ranks: rank 0: ['a']; "
+        f"{f'ranks {others}' if len(others) > 1 else 'rank 1'}: ['b']; return the same names on every rank (their "
+        "values are averaged over the ranks name by name)")
+    comm.Barrier()
+
+
+def metrics_from_the_second_call(model, batch):
+    """Cross-entropy; a metric from the second call on (the first is the start-up check)."""
+    metrics_from_the_second_call.calls = getattr(metrics_from_the_second_call, "calls", 0) + 1
+    x, y = batch
+    return F.cross_entropy(model(x), y), {} if metrics_from_the_second_call.calls == 1 else {"late": 1.0}
+
+
+def test_metric_names_are_those_of_the_start_up_check_even_when_it_returned_none():
+    model, batch = nn.Linear(6, 3), _pair()
+    objective = Objective(f"{__name__}:metrics_from_the_second_call")
+    metrics_from_the_second_call.calls = 0
+    objective.check(model, TorchDatasetSplit(torch.utils.data.TensorDataset(*batch), "test"), lambda b: b)
+    with pytest.raises(UsageError, match=r"returned metrics \['late'\], where its first call returned \[\]"):
+        objective(model, batch)
+
+
 @pytest.mark.mpi
 def test_regression_with_data_balance_is_the_single_process_update(comm, data_plane, mpi_tmp_path):
     """MSE on float targets (kind 'other'), a slow last rank given fewer samples: each rank's mean loss is weighted
