@@ -16,11 +16,17 @@ from hpcnet.config.load import override
 from hpcnet.paths import ATTEMPT_ENV, LAUNCH_ID_ENV, READY_ENV
 
 MPIRUN_NAMES = ("mpirun", "mpiexec", "orterun", "prterun")
+LAUNCHER_KINDS = ("mpirun", "srun")
+"""What ``--launcher-kind`` may declare: the options the launcher takes (``-np``, ``--host``, ``--hostfile`` as Open
+MPI's mpirun; ``-n``, ``-N``, ``--exclude``, ``-w`` as SLURM's srun), which the supervisor rewrites."""
 SIGKILL_TIMEOUT_ENV = "OMPI_MCA_odls_base_sigkill_timeout"
 
 
-def launcher_kind(command: list[str]) -> str:
-    """'mpirun', 'srun' or '' for another launcher (or none)."""
+def launcher_kind(command: list[str], declared: str = "") -> str:
+    """'mpirun', 'srun' or '' for another launcher (or none): ``declared`` (``--launcher-kind``, for a site's
+    wrapper), else by the launcher's name."""
+    if declared:
+        return declared
     name = Path(command[0]).name if command else ""
     if name in MPIRUN_NAMES:
         return "mpirun"
@@ -89,7 +95,7 @@ def launcher_env(environ: dict[str, str], openmpi: bool) -> dict[str, str]:
 
 
 def attempt_command(base: list[str], attempt: int, *, train_start: int | None, pinned: list[str],
-                    openmpi: bool, restart: Sequence[str] = ()) -> list[str]:
+                    openmpi: bool, restart: Sequence[str] = (), kind: str = "") -> list[str]:
     """The command of attempt ``attempt``: pinned run/checkpoint directories, ``restart`` from attempt 2.
 
     Args:
@@ -99,6 +105,7 @@ def attempt_command(base: list[str], attempt: int, *, train_start: int | None, p
         openmpi: the launcher is Open MPI's mpirun, which exports a variable to
             remote ranks only when told (``-x``).
         restart: what a restart appends to hpcnet.train's arguments (``restart_args``).
+        kind: the launcher's kind as declared (``launcher_kind``).
     """
     command = list(base)
     exported = [ATTEMPT_ENV]
@@ -108,6 +115,6 @@ def attempt_command(base: list[str], attempt: int, *, train_start: int | None, p
             train_args += list(restart)
         command = command[:train_start] + train_args
         exported += [READY_ENV, LAUNCH_ID_ENV]
-    if openmpi and launcher_kind(command) == "mpirun":
+    if openmpi and launcher_kind(command, kind) == "mpirun":
         command = [command[0], *(arg for name in exported for arg in ("-x", name)), *command[1:]]
     return command

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcnet.launch.command import launcher_kind
+from hpcnet.launch.command import LAUNCHER_KINDS, launcher_kind
 from hpcnet.launch.hosts import exclude_hosts
 
 PROBE_EVERY_S = 5.0
@@ -76,9 +76,10 @@ def _launcher_part(command: list[str]) -> int:
     return len(command) if found is None else found
 
 
-def ranks_of(command: list[str]) -> int | None:
-    """The number of ranks a launcher command asks for (mpirun ``-np``, srun ``-n``); None when it names none."""
-    kind = launcher_kind(command)
+def ranks_of(command: list[str], kind: str = "") -> int | None:
+    """The number of ranks a launcher command asks for (mpirun ``-np``, srun ``-n``); None when it names none.
+    ``kind``, here and below: the launcher's kind as declared (``hpcnet.launch.command.launcher_kind``)."""
+    kind = launcher_kind(command, kind)
     names = _MPIRUN_NP if kind == "mpirun" else _SRUN_NTASKS if kind == "srun" else ()
     found = _find(command, names, _launcher_part(command)) if names else None
     if found is None:
@@ -118,12 +119,12 @@ def parse_hostfile(text: str) -> list[tuple[str, int]]:
 
 
 def host_slots(command: list[str], *, allocation: list[tuple[str, int]] | None = None, excluded: Iterable[str] = (),
-               read_file: Callable[[str], str] | None = None) -> list[tuple[str, int]] | None:
+               read_file: Callable[[str], str] | None = None, kind: str = "") -> list[tuple[str, int]] | None:
     """The (host, slots) a launcher command may place ranks on, ``excluded`` hosts left out; None when unknown.
 
     mpirun: its ``--host`` list or hostfile, else the SLURM ``allocation``.  srun: the ``allocation``.
     """
-    kind = launcher_kind(command)
+    kind = launcher_kind(command, kind)
     found: list[tuple[str, int]] | None = None
     stop = _launcher_part(command)
     if kind == "mpirun":
@@ -139,10 +140,10 @@ def host_slots(command: list[str], *, allocation: list[tuple[str, int]] | None =
     return [(h, n) for h, n in found if not any(_same_host(h, x) for x in gone)]
 
 
-def set_ranks(command: list[str], ranks: int, nodes: int | None = None) -> list[str]:
+def set_ranks(command: list[str], ranks: int, nodes: int | None = None, kind: str = "") -> list[str]:
     """``command`` with ``ranks`` ranks: mpirun's ``-np`` or srun's ``-n`` rewritten (added when absent); srun's
     ``-N`` lowered to ``nodes`` when it asks for more."""
-    kind = launcher_kind(command)
+    kind = launcher_kind(command, kind)
     out = list(command)
     stop = _launcher_part(out)
     names = _MPIRUN_NP if kind == "mpirun" else _SRUN_NTASKS
@@ -178,7 +179,7 @@ class Fit:
                 f"{', '.join(excluded)}); the run resumes at the smaller world size")
 
 
-def fit_ranks(command: list[str], wanted: int, slots: list[tuple[str, int]], min_ranks: int) -> Fit:
+def fit_ranks(command: list[str], wanted: int, slots: list[tuple[str, int]], min_ranks: int, kind: str = "") -> Fit:
     """The next attempt's command on ``slots`` (the hosts left): ``wanted`` ranks (the user's), or as many as the
     slots hold when they hold fewer, never below ``min_ranks`` (``ElasticError`` then)."""
     total = sum(n for _, n in slots)
@@ -187,18 +188,28 @@ def fit_ranks(command: list[str], wanted: int, slots: list[tuple[str, int]], min
     if ranks < min_ranks:
         raise ElasticError(f"the hosts left ({', '.join(hosts) or 'none'}) hold {total} slot(s), fewer than "
                            f"--min-ranks {min_ranks}")
-    return Fit(set_ranks(command, ranks, nodes=len(slots)) if ranks != wanted else list(command), wanted, ranks, hosts)
+    return Fit(set_ranks(command, ranks, nodes=len(slots), kind=kind) if ranks != wanted else list(command), wanted,
+               ranks, hosts)
+
+
+def known_kind(command: list[str], kind: str, option: str, why: str) -> str:
+    """The launcher's kind (``hpcnet.launch.command.launcher_kind``), or ``ElasticError`` saying that ``option``
+    needs one (``why``) and how to declare it."""
+    kind = launcher_kind(command, kind)
+    if kind not in LAUNCHER_KINDS:
+        raise ElasticError(f"{option} needs an mpirun or srun command ({why}): if {Path(command[0]).name!r} wraps "
+                           "one and takes its options, say which with --launcher-kind mpirun|srun")
+    return kind
 
 
 def elastic_ranks(command: list[str], min_ranks: int, *, allocation: list[tuple[str, int]] | None = None,
-                  read_file: Callable[[str], str] | None = None) -> int:
+                  read_file: Callable[[str], str] | None = None, kind: str = "") -> int:
     """The ranks ``command`` runs at its full size (what a grow goes back to), checked against ``--min-ranks``;
     ``ElasticError`` (a usage error) when the command cannot run elastically."""
-    if launcher_kind(command) not in ("mpirun", "srun"):
-        raise ElasticError("--min-ranks needs an mpirun or srun command (it rewrites -np or -n)")
+    kind = known_kind(command, kind, "--min-ranks", "it rewrites -np or -n")
     try:
-        ranks = ranks_of(command)
-        slots = host_slots(command, allocation=allocation, read_file=read_file)
+        ranks = ranks_of(command, kind)
+        slots = host_slots(command, allocation=allocation, read_file=read_file, kind=kind)
     except (ElasticError, OSError) as exc:
         raise ElasticError(f"--min-ranks: {exc}") from None
     if ranks is None:
@@ -230,7 +241,7 @@ class Placement:
 
 def place(command: list[str], excluded: list[str], *, allocation: list[tuple[str, int]] | None,
           min_ranks: int | None, ranks: int, ranks_now: int | None, read_file: Callable[[str], str],
-          hostfile_path: str) -> Placement:
+          hostfile_path: str, kind: str = "") -> Placement:
     """The user's ``command`` without the ``excluded`` hosts (pure but for ``read_file``, which reads a hostfile).
 
     ``min_ranks`` None: ``-np`` is kept (``exclude_hosts`` alone).  Else (elastic) the ranks are what the hosts left
@@ -242,7 +253,7 @@ def place(command: list[str], excluded: list[str], *, allocation: list[tuple[str
                   if min_ranks is not None and ranks_now not in (None, ranks) else "")
         return Placement(list(command), [], f"every host is back: {ranks} rank(s) on the full host list{change}")
     exclusion = exclude_hosts(command, excluded, allocation=allocation, read_file=read_file,
-                              hostfile_path=hostfile_path)
+                              hostfile_path=hostfile_path, kind=kind)
     if exclusion.command == command:
         return Placement(list(command), list(excluded), f"excluding {', '.join(excluded)}: {exclusion.note}",
                          changed=False)
@@ -256,12 +267,12 @@ def place(command: list[str], excluded: list[str], *, allocation: list[tuple[str
             return exclusion.hostfile
         return read_file(name)
 
-    slots = host_slots(exclusion.command, allocation=allocation, excluded=excluded, read_file=read)
+    slots = host_slots(exclusion.command, allocation=allocation, excluded=excluded, read_file=read, kind=kind)
     if slots is None:
         placed.note += "; cannot tell how many slots the hosts left hold: the rank count is kept"
         return placed
     try:
-        fit = fit_ranks(exclusion.command, ranks, slots, min_ranks)
+        fit = fit_ranks(exclusion.command, ranks, slots, min_ranks, kind)
     except ElasticError as exc:
         return Placement(list(command), list(excluded), "", changed=False,
                          error=f"cannot run without {', '.join(excluded)}: {exc}")
@@ -272,7 +283,7 @@ def place(command: list[str], excluded: list[str], *, allocation: list[tuple[str
     return placed
 
 
-def probe_command(command: list[str], host: str, template: str | None = None) -> list[str] | None:
+def probe_command(command: list[str], host: str, template: str | None = None, kind: str = "") -> list[str] | None:
     """A command that succeeds when the launcher of ``command`` can start a process on ``host``; None when there is
     no way to build one (a launcher other than mpirun or srun, no ``template``).
 
@@ -282,7 +293,7 @@ def probe_command(command: list[str], host: str, template: str | None = None) ->
     """
     if template:
         return [arg.replace(HOST_PLACEHOLDER, host) for arg in shlex.split(template)]
-    kind = launcher_kind(command)
+    kind = launcher_kind(command, kind)
     if kind == "srun":
         return [command[0], "-w", host, "-N1", "-n1", "true"]
     if kind != "mpirun":

@@ -89,7 +89,7 @@ class Exclusion:
 
 
 def exclude_hosts(command: list[str], hosts: list[str], *, allocation: list[tuple[str, int]] | None = None,
-                  read_file: Any = None, hostfile_path: str = "hostfile") -> Exclusion:
+                  read_file: Any = None, hostfile_path: str = "hostfile", kind: str = "") -> Exclusion:
     """Leave ``hosts`` out of a launcher command (pure but for ``read_file``, which reads a hostfile).
 
     srun: ``--exclude`` (merged with one already there).  mpirun: filter its
@@ -98,7 +98,7 @@ def exclude_hosts(command: list[str], hosts: list[str], *, allocation: list[tupl
     note saying why.
     """
     hosts = sorted(set(hosts))
-    kind = launcher_kind(command)
+    kind = launcher_kind(command, kind)
     if not hosts:
         return Exclusion(list(command), note="no host to exclude")
     if kind == "srun":

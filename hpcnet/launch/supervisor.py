@@ -51,6 +51,7 @@ from hpcnet.config import MAX_DURATION_S
 from hpcnet.config.load import command_line_config, parse_command_line
 from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.launch.command import (
+    LAUNCHER_KINDS,
     attempt_command,
     is_openmpi,
     launcher_env,
@@ -66,6 +67,7 @@ from hpcnet.launch.elastic import (
     HostWatch,
     check_template,
     elastic_ranks,
+    known_kind,
     place,
     probe_command,
     probe_hosts,
@@ -515,12 +517,13 @@ class _Job:
     standby as soon as it returned."""
 
 
-def _prepare(command: list[str], environ: dict[str, str]) -> "_Job | int":
-    """The launcher and the launch and checkpoint directories of ``command``; a status when its options are bad."""
-    openmpi = launcher_kind(command) == "mpirun" and is_openmpi(command[0])
+def _prepare(command: list[str], environ: dict[str, str], kind: str = "") -> "_Job | int":
+    """The launcher (of ``kind`` if declared: ``--launcher-kind``) and the launch and checkpoint directories of
+    ``command``; a status when its options are bad."""
+    kind = launcher_kind(command, kind)
+    openmpi = kind == "mpirun" and is_openmpi(command[0])
     start = train_args_start(command)
-    job = _Job(command, list(command), openmpi, start, Path.cwd(), None, slurm_allocation(environ),
-               launcher=launcher_kind(command))
+    job = _Job(command, list(command), openmpi, start, Path.cwd(), None, slurm_allocation(environ), launcher=kind)
     if start is not None:
         parsed = parse_command_line(command[start:])
         job.config_file = parsed.config
@@ -552,7 +555,7 @@ def _attempt_plan(job: _Job, attempt: int, environ: dict[str, str]) -> tuple[lis
     run_dir = str(attempt_dir(job.launch_dir, attempt)) if job.train_start is not None else None
     pinned = [f"run.dir={run_dir}", "run.dir_exact=true", f"checkpoint.dir={job.checkpoint_dir}"] if run_dir else []
     cmd = attempt_command(job.base, attempt, train_start=job.train_start, pinned=pinned, openmpi=job.openmpi,
-                          restart=restart_args(job.resume, own=job.own))
+                          restart=restart_args(job.resume, own=job.own), kind=job.launcher)
     env = {**launcher_env(environ, job.openmpi), ATTEMPT_ENV: str(attempt)}
     if run_dir:
         env[READY_ENV] = str(ready_dir(job.launch_dir, attempt))
@@ -624,7 +627,7 @@ def _run_next(job: _Job, budget: RestartBudget, forwarder: Forwarder, environ: d
     record = Attempt(attempt=attempt, command=cmd, run_dir=run_dir, start_unix=time.time(),
                      excluded_hosts=list(job.excluded))
     with contextlib.suppress(ElasticError):
-        record.ranks = ranks_of(cmd)
+        record.ranks = ranks_of(cmd, job.launcher)
 
     def stopping() -> bool:
         return bool(forwarder.received)
@@ -771,7 +774,7 @@ def _exclude_failed_hosts(job: _Job, record: Attempt) -> str | None:
 
 
 def _probe_for(job: _Job, host: str) -> list[str] | None:
-    return probe_command(job.command, host, job.probe_template)
+    return probe_command(job.command, host, job.probe_template, job.launcher)
 
 
 def _reap_probe(sid: int) -> None:
@@ -782,9 +785,9 @@ def _place(job: _Job, excluded: list[str]) -> str | None:
     """Set the next attempts' command to the user's without ``excluded`` (``hpcnet.launch.elastic.place``) and say
     so.  Returns why no attempt may follow (elastic: too few slots left), else None."""
     placed = place(job.command, excluded, allocation=job.allocation, min_ranks=job.min_ranks, ranks=job.ranks,
-                   ranks_now=ranks_of(job.base) if job.min_ranks is not None else None,
+                   ranks_now=ranks_of(job.base, job.launcher) if job.min_ranks is not None else None,
                    read_file=lambda p: Path(p).read_text(),
-                   hostfile_path=str(job.launch_dir / f"hostfile.attempt-{len(job.attempts) + 1}"))
+                   hostfile_path=str(job.launch_dir / f"hostfile.attempt-{len(job.attempts) + 1}"), kind=job.launcher)
     if placed.error:
         return placed.error
     if placed.changed:
@@ -851,12 +854,14 @@ def _grow_step(job: _Job, attempt: int, record: Attempt, proc: subprocess.Popen,
         os.kill(proc.pid, signal.SIGUSR2)
 
 
-def _elastic_setup(job: _Job, min_ranks: int) -> str | None:
-    """Check ``--min-ranks`` against the command (``hpcnet.launch.elastic.elastic_ranks``); why it cannot run
-    elastically, else None."""
+def _elastic_setup(job: _Job, min_ranks: int | None) -> str | None:
+    """Check ``--exclude-failed-hosts`` and ``--min-ranks`` (None: not given) against the command (a launcher whose
+    options the supervisor can rewrite, ``hpcnet.launch.elastic.elastic_ranks``); why it cannot run so, else None."""
     try:
-        job.ranks = elastic_ranks(job.command, min_ranks, allocation=job.allocation,
-                                  read_file=lambda p: Path(p).read_text())
+        known_kind(job.command, job.launcher, "--exclude-failed-hosts", "it rewrites the host list or --exclude")
+        if min_ranks is not None:
+            job.ranks = elastic_ranks(job.command, min_ranks, allocation=job.allocation,
+                                      read_file=lambda p: Path(p).read_text(), kind=job.launcher)
     except ElasticError as exc:
         return str(exc)
     job.min_ranks = min_ranks
@@ -868,7 +873,7 @@ def supervise(command: list[str], *, max_restarts: int = 3, backoff_base_s: floa
               launcher_grace_s: float = LAUNCHER_GRACE_S, environ: dict[str, str] | None = None,
               keep_signal_handlers: bool = False, min_ranks: int | None = None, probe_template: str | None = None,
               probe_every_s: float = PROBE_EVERY_S, probe_timeout_s: float = PROBE_TIMEOUT_S,
-              start_timeout_s: float = START_TIMEOUT_S) -> int:
+              start_timeout_s: float = START_TIMEOUT_S, launcher: str = "") -> int:
     """Run ``command`` until it succeeds, fails for good, or uses up ``max_restarts``; return its status.
 
     ``standby``: 'auto' (a warm standby when the launcher is mpirun or srun, the command runs hpcnet.train and a
@@ -877,18 +882,20 @@ def supervise(command: list[str], *, max_restarts: int = 3, backoff_base_s: floa
     nothing, where the default action would end it with a death by signal instead of the job's status).
     ``min_ranks`` (with ``exclude_failed_hosts``): elastic shrink and grow (``hpcnet.launch.elastic``), the
     excluded hosts probed with ``probe_template`` (or the launcher's own probe) every ``probe_every_s``.
+    ``launcher``: its kind, 'mpirun' or 'srun', for a wrapper that takes their options (``--launcher-kind``; '':
+    by its name).
     """
     environ = dict(os.environ if environ is None else environ)
-    job = _prepare(command, environ)
+    job = _prepare(command, environ, launcher)
     if isinstance(job, int):
         return job
     job.launcher_grace_s, job.start_timeout_s = launcher_grace_s, start_timeout_s
     job.probe_template, job.probe_every_s, job.probe_timeout_s = probe_template, probe_every_s, probe_timeout_s
     job.probe_env = launcher_env(environ, job.openmpi)
-    if min_ranks is not None and (error := _elastic_setup(job, min_ranks)) is not None:
+    if exclude_failed_hosts and (error := _elastic_setup(job, min_ranks)) is not None:
         _say(f"error: {error}")
         return ExitCode.USAGE_ERROR
-    possible = job.launcher in ("mpirun", "srun") and job.train_start is not None and max_restarts > 0
+    possible = job.launcher in LAUNCHER_KINDS and job.train_start is not None and max_restarts > 0
     if standby == "on" and not possible:
         _say("error: --standby on needs an mpirun or srun command that runs hpcnet.train, and --max-restarts > 0")
         return ExitCode.USAGE_ERROR
@@ -990,6 +997,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --exclude-failed-hosts: when the hosts left hold fewer slots than the command's "
                              "ranks, run on them with fewer ranks (at least N; else give up), and go back to the "
                              "full size once an excluded host answers again (elastic shrink and grow)")
+    parser.add_argument("--launcher-kind", choices=LAUNCHER_KINDS, default="",
+                        help="the options the launcher takes, for a site's wrapper of mpirun or srun that "
+                             "--exclude-failed-hosts, --min-ranks and the standby rewrite (default: by its name: "
+                             "mpirun, mpiexec, orterun, prterun, srun)")
     parser.add_argument("--probe-command", default=None, metavar="CMD",
                         help="how to ask whether a host answers (with --min-ranks, and to tell which side of a "
                              "partition was lost): a command line with {host}, status 0 when it does (default: "
@@ -1038,4 +1049,5 @@ def main(argv: list[str] | None = None) -> int:
                      backoff_cap_s=args.max_backoff_s, exclude_failed_hosts=args.exclude_failed_hosts,
                      standby=args.standby, launcher_grace_s=args.launcher_grace_s, keep_signal_handlers=True,
                      min_ranks=args.min_ranks, probe_template=args.probe_command, probe_every_s=args.probe_every_s,
-                     probe_timeout_s=args.probe_timeout_s, start_timeout_s=args.start_timeout_s)
+                     probe_timeout_s=args.probe_timeout_s, start_timeout_s=args.start_timeout_s,
+                     launcher=args.launcher_kind)

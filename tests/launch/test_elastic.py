@@ -183,6 +183,33 @@ def test_place_says_what_it_did_in_one_line():
                                                  "than --min-ranks 3")
 
 
+def test_a_site_wrapper_of_a_launcher_runs_elastically_once_its_kind_is_declared(tmp_path, capsys):
+    """TACC's ibrun, mpiexec.hydra, a site's mpirun: the name says nothing; --launcher-kind says whose options the
+    command takes, and every rewrite follows it."""
+    wrapper = ["site-mpirun", *AGENT, "--host", "a:2,b:2", "-np", "4", *TRAIN]
+    assert ranks_of(wrapper) is None and ranks_of(wrapper, "mpirun") == 4
+    assert host_slots(wrapper, kind="mpirun") == [("a", 2), ("b", 2)]
+    assert probe_command(wrapper, "b") is None
+    assert probe_command(wrapper, "b", kind="mpirun") == ["site-mpirun", *AGENT, "--host", "b:1", "-np", "1", "true"]
+    assert probe_command(["ibrun", "-n", "8", *TRAIN], "b", kind="srun") == ["ibrun", "-w", "b", "-N1", "-n1", "true"]
+    job = _job(tmp_path, wrapper)
+    job.launcher = "mpirun"
+    assert _elastic_setup(job, 2) is None and job.ranks == 4
+    assert _place(job, ["b"]) is None and job.base[:len(AGENT) + 5] == ["site-mpirun", *AGENT, "--host", "a:2",
+                                                                       "-np", "2"]
+    # undeclared: both options are refused at the start, saying how to declare it
+    for min_ranks in (None, 2):
+        assert supervise(wrapper, exclude_failed_hosts=True, min_ranks=min_ranks, standby="off") == 2
+        err = capsys.readouterr().err
+        assert "needs an mpirun or srun command" in err and "--launcher-kind mpirun|srun" in err, err
+        assert "'site-mpirun'" in err and "Traceback" not in err
+    # a kind that is not one is refused by name
+    with pytest.raises(SystemExit) as exited:
+        main(["--launcher-kind", "aprun", "--exclude-failed-hosts", "--", *wrapper])
+    assert exited.value.code == 2
+    assert "--launcher-kind: invalid choice: 'aprun' (choose from 'mpirun', 'srun')" in capsys.readouterr().err
+
+
 def test_min_ranks_that_cannot_hold_is_a_usage_error(tmp_path, capsys):
     for argv, words in ((["--min-ranks", "2", "--", "mpirun", "-np", "2", "true"], "needs --exclude-failed-hosts"),
                         (["--exclude-failed-hosts", "--min-ranks", "0", "--", "mpirun", "true"], "at least 1"),
