@@ -20,7 +20,10 @@ counters (``/sys/class/net/<if>/statistics``, loopback left out) before and
 after each timed block: the bytes a step sends out of a host and receives,
 per contender, set against the link floor, the time an exact hierarchical
 all-reduce needs to send the gradient out of each host once at the link's
-speed (``--link-gbit``).
+rate: ``--link-gbit``, else the rate the topology probe measures between the
+hosts (``hpcnet.comm.topology``, once before the models), never the
+interfaces' nominal speed (a tc limit or a slower switch port does not show
+there), which the line above each table gives beside it.
 """
 
 import argparse
@@ -50,6 +53,7 @@ from hpcnet.bench.common import (
     write_json,
 )
 from hpcnet.bench.stepsplit import profile_block, sync_device
+from hpcnet.comm.topology import HostLinks, host_links, probe
 from hpcnet.config import PRECISIONS
 from hpcnet.models.device import BatchMover, DeviceSettings, apply_settings, device_settings
 
@@ -87,6 +91,8 @@ SPECS: dict[str, ModelSpec] = {
     "mlp-small": ModelSpec("mlp", {"hidden": [256, 256]}, (3, 32, 32), 10, 16, "smoke test", 1.0),
 }
 DEFAULT_MODELS = "mlp,resnet18"
+MEASURED = "measured by the topology probe: the slowest host's link"
+"""The source of the floor's rate without ``--link-gbit`` (``link_floor``)."""
 
 
 @dataclass
@@ -256,8 +262,9 @@ def run_block(contender: Contender, batches: list[tuple[torch.Tensor, torch.Tens
 
 
 def bench_model(name: str, spec: ModelSpec, comm: Any, world: Any, args: argparse.Namespace,
-                device: torch.device) -> dict[str, Any]:
-    """Warm-up, alternating timed rounds and an instrumented block for the model ``SPECS[name]`` (collective)."""
+                device: torch.device, measured_gbit: float | None = None) -> dict[str, Any]:
+    """Warm-up, alternating timed rounds and an instrumented block for the model ``SPECS[name]`` (collective);
+    ``measured_gbit``: the probe's link rate for the floor (``probe_link_gbit``)."""
     from mpi4py import MPI
 
     from hpcnet.data.info import DatasetInfo
@@ -311,7 +318,8 @@ def bench_model(name: str, spec: ModelSpec, comm: Any, world: Any, args: argpars
         for c in contenders:
             if c.dp is not None:
                 c.dp.close()
-    result = _model_result(name, spec, contenders, seconds, profiles, diff, batch_size, world.size, args, link)
+    result = _model_result(name, spec, contenders, seconds, profiles, diff, batch_size, world.size, args, link,
+                           measured_gbit)
     result["device_settings"] = settings.describe()
     return result
 
@@ -388,21 +396,44 @@ def exposed_comm(name: str, profile: dict[str, Any], local_profile: dict[str, An
     return None, False
 
 
-def _link_result(result: dict[str, Any], gradient_bytes: int, ddp: str, link: dict[str, Any],
-                 args: argparse.Namespace) -> None:
-    """Add the link figures (``gather_link``'s ``link``, ``--link-gbit``) to a model's JSON record ``result``."""
-    hosts = link["hosts"]
-    if args.link_gbit:
-        gbit, source = args.link_gbit, "--link-gbit"
-    elif link["speed"] is not None:
-        gbit, source = link["speed"][0], f"/sys/class/net/{link['speed'][1]}/speed"
-    else:
-        gbit, source = None, None
+def measured_link_gbit(hosts: list[HostLinks]) -> float | None:
+    """The slowest host's link to the others as the topology probe measured it (``HostLinks.link_gbps``: the
+    lower of its best one-way rates out and in), Gbit/s (pure).  Virtual nodes sharing a host have no link of
+    their own and are left out; None where no host has a figure."""
+    return min((h.link_gbps for h in hosts if not h.shared and h.link_gbps is not None), default=None)
+
+
+def probe_link_gbit(comm: Any, world: Any) -> float | None:
+    """Collective: ``measured_link_gbit`` of a topology probe of ``comm``; None (no probe) on one host."""
+    if len(set(world.hostnames)) < 2:
+        return None
+    return measured_link_gbit(host_links(probe(comm, world, budget_s=2.0)))
+
+
+def link_floor(gradient_bytes: int, hosts: int, *, given_gbit: float | None, measured_gbit: float | None,
+               nominal: tuple[float, str] | None) -> dict[str, Any]:
+    """A model's ``link`` record (pure): the rate of the floor and its source, ``--link-gbit`` (``given_gbit``)
+    else the probe's ``measured_gbit``, the floor (``link_floor_s``) and the bytes it sends out of each host;
+    None where there is one host or no rate.  The interfaces' ``nominal`` speed (``link_speed_gbit``) is recorded
+    beside it and is never the floor's rate: a tc limit or a slower switch port does not show there."""
+    gbit, source = (given_gbit, "--link-gbit") if given_gbit else (measured_gbit, MEASURED) if measured_gbit \
+        else (None, None)
     floor_s = link_floor_s(gradient_bytes, hosts, gbit) if gbit and hosts > 1 else None
+    return {"hosts": hosts, "gbit": gbit, "gbit_source": source,
+            "floor_ms": None if floor_s is None else floor_s * 1e3,
+            "floor_bytes_per_host": gradient_bytes * 2 * (hosts - 1) / hosts if hosts > 1 else None,
+            "nominal_gbit": nominal[0] if nominal else None,
+            "nominal_source": f"/sys/class/net/{nominal[1]}/speed" if nominal else None}
+
+
+def _link_result(result: dict[str, Any], gradient_bytes: int, ddp: str, link: dict[str, Any],
+                 args: argparse.Namespace, measured_gbit: float | None = None) -> None:
+    """Add the link figures (``gather_link``'s ``link``, ``link_floor`` at ``--link-gbit`` or the probe's
+    ``measured_gbit``) to a model's JSON record ``result``."""
     result["gradient_bytes"] = gradient_bytes
-    result["link"] = {"hosts": hosts, "gbit": gbit, "gbit_source": source,
-                      "floor_ms": None if floor_s is None else floor_s * 1e3,
-                      "floor_bytes_per_host": gradient_bytes * 2 * (hosts - 1) / hosts if hosts > 1 else None}
+    result["link"] = link_floor(gradient_bytes, link["hosts"], given_gbit=args.link_gbit,
+                                measured_gbit=measured_gbit, nominal=link["speed"])
+    floor_ms = result["link"]["floor_ms"]
     per = link["per_contender"]
     ddp_sent = (per.get(ddp) or {}).get("tx_bytes_per_step")
     local_profile = result["contenders"].get("local", {}).get("profile")
@@ -417,13 +448,14 @@ def _link_result(result: dict[str, Any], gradient_bytes: int, ddp: str, link: di
             "link_rx_bytes_per_step_hosts": figures.get("rx_bytes_per_step_hosts"),
             "link_bytes_vs_ddp": sent / ddp_sent if sent is not None and ddp_sent else None,
             "exposed_comm_ms": exposed, "exposed_comm_estimated": estimated,
-            "exposed_comm_vs_link_floor": exposed / (floor_s * 1e3) if exposed is not None and floor_s else None,
+            "exposed_comm_vs_link_floor": exposed / floor_ms if exposed is not None and floor_ms else None,
         })
 
 
 def _model_result(name: str, spec: ModelSpec, contenders: list[Contender], seconds: dict[str, list[float]],
                   profiles: dict[str, Any], diff: float, batch_size: int, world_size: int,
-                  args: argparse.Namespace, link: dict[str, Any]) -> dict[str, Any]:
+                  args: argparse.Namespace, link: dict[str, Any], measured_gbit: float | None = None
+                  ) -> dict[str, Any]:
     """The JSON record of one model: figures per contender and the paired hpcnet/DDP ratio."""
     from hpcnet.models import count_parameters
 
@@ -453,7 +485,7 @@ def _model_result(name: str, spec: ModelSpec, contenders: list[Contender], secon
                                  for c in contenders[2:] if c.name.startswith("ddp")}
     result["target"] = spec.target
     result["met"] = result["ratio_hpcnet_vs_ddp"]["median"] >= spec.target
-    _link_result(result, gradient_bytes, ddp, link, args)
+    _link_result(result, gradient_bytes, ddp, link, args, measured_gbit)
     return result
 
 
@@ -512,10 +544,13 @@ def _describe_link(res: dict[str, Any]) -> str:
     if link.get("hosts", 0) < 2:
         return "link: one host, nothing crosses hosts (link columns '-')"
     text = f"link: {link['hosts']} hosts, "
+    nominal = (f"; nominal {link['nominal_gbit']:g} Gbit/s ({link['nominal_source']})"
+               if link.get("nominal_gbit") is not None else "")
     if link["gbit"] is None:
-        return text + "speed unknown (--link-gbit G for the floor)"
-    return (text + f"{link['gbit']:g} Gbit/s ({link['gbit_source']}); floor: an exact hierarchical all-reduce sends "
-            f"{link['floor_bytes_per_host'] / 2**20:.1f} MiB out of each host a step, {link['floor_ms']:.1f} ms")
+        return text + "rate not measured (--link-gbit G for the floor)" + nominal
+    return (text + f"{link['gbit']:.3g} Gbit/s ({link['gbit_source']}){nominal}; floor: an exact hierarchical "
+            f"all-reduce sends {link['floor_bytes_per_host'] / 2**20:.1f} MiB out of each host a step, "
+            f"{link['floor_ms']:.1f} ms")
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:
@@ -542,9 +577,10 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                              f"(PowerSGD at rank {POWERSGD_RANK}; default none)")
     parser.add_argument("--no-local", action="store_true", help="leave out the no-communication baseline")
     parser.add_argument("--link-gbit", type=float, default=None, metavar="G",
-                        help="the speed of each host's link in Gbit/s, for the link floor (default: the slowest "
-                             "non-loopback interface's /sys/class/net/<if>/speed where the kernel reports one; a tc "
-                             "rate limit does not show there)")
+                        help="the rate of each host's link in Gbit/s, for the link floor (default: the slowest "
+                             "host's link as the topology probe measures it, on more than one host; the interfaces' "
+                             "nominal /sys/class/net/<if>/speed is shown beside it, never used: a tc rate limit "
+                             "does not show there)")
     parser.add_argument("--json", default="", help="also write the results to this JSON file (rank 0)")
     args = parser.parse_args(argv)
     for name in ("steps", "rounds", "distinct_batches"):
@@ -596,10 +632,11 @@ def main(argv: list[str] | None = None) -> int:
     backend = "nccl" if device.type == "cuda" else "gloo"  # DDP and the raw peers run on it
     plane = init_data_plane(comm, world, backend=backend, device=device, timeout_s=300.0)
     try:
+        measured = None if args.link_gbit else probe_link_gbit(comm, world)  # the floor's rate, before any model
         results = []
         for name in args.model_list:
             t0 = time.perf_counter()
-            res = bench_model(name, SPECS[name], comm, world, args, device)
+            res = bench_model(name, SPECS[name], comm, world, args, device, measured)
             res["wall_s"] = time.perf_counter() - t0
             results.append(res)
             if world.is_main:

@@ -6,7 +6,18 @@ import argparse
 import pytest
 
 from hpcnet.bench.common import counter_delta, link_floor_s, link_speed_gbit, net_counters, net_interfaces
-from hpcnet.bench.train import _link_result, _parse_args, gather_link, host_link_record, link_summary
+from hpcnet.bench.train import (
+    MEASURED,
+    _describe_link,
+    _link_result,
+    _parse_args,
+    gather_link,
+    host_link_record,
+    link_floor,
+    link_summary,
+    measured_link_gbit,
+)
+from hpcnet.comm.topology import HostLinks
 
 MIB = 2**20
 
@@ -125,7 +136,8 @@ def test_link_result_sets_bytes_against_ddp_and_exposed_comm_against_the_floor()
     floor_ms = 40 * MIB * 8 / 1e9 * 1e3
     assert res["gradient_bytes"] == gradient
     assert res["link"] == {"hosts": 2, "gbit": 1.0, "gbit_source": "--link-gbit", "floor_ms": pytest.approx(floor_ms),
-                           "floor_bytes_per_host": gradient}
+                           "floor_bytes_per_host": gradient, "nominal_gbit": 10.0,
+                           "nominal_source": "/sys/class/net/eth0/speed"}
     hp, ddp, local = (res["contenders"][n] for n in ("hpcnet", "ddp-gloo", "local"))
     assert hp["link_tx_bytes_per_step"] == 40 * MIB and hp["link_bytes_vs_ddp"] == pytest.approx(2 / 3)
     assert hp["exposed_comm_vs_link_floor"] == pytest.approx(400 / floor_ms) and not hp["exposed_comm_estimated"]
@@ -133,16 +145,62 @@ def test_link_result_sets_bytes_against_ddp_and_exposed_comm_against_the_floor()
     assert ddp["exposed_comm_ms"] == 600.0 and ddp["exposed_comm_estimated"]
     assert ddp["link_bytes_vs_ddp"] == 1.0 and local["exposed_comm_vs_link_floor"] is None
 
-    # Without --link-gbit: the slowest interface's reported speed; on one host: no floor and no bytes.
+    # Without --link-gbit: the probe's measured rate, not the interfaces' nominal 10 Gbit/s; on one host: no floor
+    # and no bytes.
     res = model_result()
-    _link_result(res, gradient, "ddp-gloo", summary, argparse.Namespace(link_gbit=None))
-    assert res["link"]["gbit"] == 10.0 and res["link"]["gbit_source"] == "/sys/class/net/eth0/speed"
+    _link_result(res, gradient, "ddp-gloo", summary, argparse.Namespace(link_gbit=None), measured_gbit=0.94)
+    assert res["link"]["gbit"] == 0.94 and res["link"]["gbit_source"] == MEASURED
+    assert res["contenders"]["hpcnet"]["exposed_comm_vs_link_floor"] == pytest.approx(400 / (floor_ms / 0.94))
     res = model_result()
     alone = link_summary([record("a", {"hpcnet": (1.0, 1.0), "ddp-gloo": (1.0, 1.0), "local": (0.0, 0.0)})])
     _link_result(res, gradient, "ddp-gloo", alone, argparse.Namespace(link_gbit=1.0))
     assert res["link"]["floor_ms"] is None and res["link"]["floor_bytes_per_host"] is None
     assert all(c["link_tx_bytes_per_step"] is None and c["exposed_comm_vs_link_floor"] is None
                for c in res["contenders"].values())
+
+
+def test_the_floor_is_at_the_measured_rate_not_the_interface_s_nominal_speed():
+    """A veth shaped to 1 Gbit/s says 10 in sysfs; the probe measures about 0.94: the floor is 10.6 times the
+    nominal one, and exposed/floor reads 0.94 where it read 9.39."""
+    gradient = 40 * MIB
+    link = link_floor(gradient, 2, given_gbit=None, measured_gbit=0.94, nominal=(10.0, "eth0"))
+    floor_ms = 40 * MIB * 8 / 0.94e9 * 1e3
+    assert link == {"hosts": 2, "gbit": 0.94, "gbit_source": MEASURED, "floor_ms": pytest.approx(floor_ms),
+                    "floor_bytes_per_host": gradient, "nominal_gbit": 10.0,
+                    "nominal_source": "/sys/class/net/eth0/speed"}
+    exposed_ms = 9.39 * link_floor(gradient, 2, given_gbit=10.0, measured_gbit=None, nominal=None)["floor_ms"]
+    assert exposed_ms / link["floor_ms"] == pytest.approx(0.94 * 9.39 / 10)
+    # --link-gbit says what the link is; with no rate at all, no floor: a nominal speed is not one.
+    given = link_floor(gradient, 4, given_gbit=1.0, measured_gbit=0.94, nominal=(10.0, "eth0"))
+    assert (given["gbit"], given["gbit_source"]) == (1.0, "--link-gbit")
+    assert given["floor_ms"] == pytest.approx(1.5 * 40 * MIB * 8 / 1e9 * 1e3)
+    unknown = link_floor(gradient, 2, given_gbit=None, measured_gbit=None, nominal=(10.0, "eth0"))
+    assert unknown["gbit"] is None and unknown["floor_ms"] is None and unknown["nominal_gbit"] == 10.0
+    alone = link_floor(gradient, 1, given_gbit=1.0, measured_gbit=None, nominal=None)
+    assert alone["floor_ms"] is None and alone["floor_bytes_per_host"] is None and alone["nominal_gbit"] is None
+
+
+def host(node, send, receive, shared=False):
+    return HostLinks(node=node, host=f"h{node}", name=f"h{node}", shared=shared, ranks=[node], interface=None,
+                     intra_latency_us=None, intra_bandwidth_gbps=None, inter_latency_us=30.0,
+                     inter_bandwidth_gbps=None, send_gbps=send, receive_gbps=receive, peers=1)
+
+
+def test_the_measured_rate_is_the_slowest_host_s_link():
+    assert measured_link_gbit([host(0, 0.95, 0.94), host(1, 0.97, 0.96)]) == 0.94
+    # Virtual nodes sharing a host have no link of their own; a host without a figure says nothing.
+    assert measured_link_gbit([host(0, 0.9, 0.9), host(1, 20.0, 20.0, shared=True), host(2, None, 1.0)]) == 0.9
+    assert measured_link_gbit([host(0, None, None)]) is None and measured_link_gbit([]) is None
+
+
+def test_the_line_above_the_table_names_the_rate_s_source_and_the_nominal_speed():
+    res = {"link": link_floor(40 * MIB, 2, given_gbit=None, measured_gbit=0.94, nominal=(10.0, "eth0"))}
+    line = _describe_link(res)
+    assert line.startswith(f"link: 2 hosts, 0.94 Gbit/s ({MEASURED}); nominal 10 Gbit/s (/sys/class/net/eth0/speed); "
+                           "floor: an exact hierarchical all-reduce sends 40.0 MiB out of each host a step, 357"), line
+    res = {"link": link_floor(40 * MIB, 2, given_gbit=None, measured_gbit=None, nominal=(10.0, "eth0"))}
+    assert _describe_link(res) == ("link: 2 hosts, rate not measured (--link-gbit G for the floor); nominal 10 Gbit/s "
+                                   "(/sys/class/net/eth0/speed)")
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
