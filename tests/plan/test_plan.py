@@ -213,3 +213,12 @@ def test_a_json_file_that_cannot_be_written_is_one_line_naming_it(tmp_path, caps
                              "model.options.hidden=[16]", "train.batch_size=4")
     assert status == ExitCode.USAGE_ERROR
     assert err.startswith(f"hpcnet.plan: error: --json {target}: cannot write it: ") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("ranks", ["0", str(2**20 + 1), str(10**20)])
+def test_a_rank_count_out_of_range_is_a_usage_error(tmp_path, capsys, ranks):
+    """10^20 ranks was an OverflowError traceback; the owner plan is per rank, so the planner stops at 2^20."""
+    with pytest.raises(SystemExit) as exc:
+        _plan(capsys, "--ranks", ranks, f"data.dir={tmp_path / 'data'}")
+    assert exc.value.code == ExitCode.USAGE_ERROR
+    assert capsys.readouterr().err.endswith(f"error: --ranks must be from 1 to 1048576, got {ranks}\n")
