@@ -262,7 +262,7 @@ class Loop:
             self.dp.model, self.eval_split, self.comm, indices=eval_indices(len(self.eval_split), self.world.rank,
                                                                             self.world.size),
             batch_size=self.cfg.train.batch_size, max_batches=self.cfg.train.eval_batches, move=self.mover,
-            recorder=self.monitor.recorder)
+            recorder=self.monitor.recorder, scope=self.dp.params_in_use)
         self.clock.mark("eval")
         if self.world.is_main:
             log.info("eval at step %d: %s", p.step, ", ".join(

@@ -242,10 +242,12 @@ class Objective:
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split: Any, comm: Any, *, indices: np.ndarray, batch_size: int,
-                 max_batches: int, move: Callable[[Any], Any], recorder: Any = NULL_RECORDER) -> dict[str, float]:
+                 max_batches: int, move: Callable[[Any], Any], recorder: Any = NULL_RECORDER,
+                 scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> dict[str, float]:
         """The mean loss and metrics over this rank's ``indices`` of ``split``, summed over the ranks (collective):
         ``eval_loss``, and ``eval_accuracy`` for the default cross-entropy, or ``eval_<name>`` for each of the
-        user function's metrics."""
+        user function's metrics.  This rank's batches run inside ``scope()`` (``DataParallel.params_in_use``:
+        ranks with fewer batches serve the others' gathers at ``dist.zero=3``)."""
         from mpi4py import MPI
 
         names = ["loss", "accuracy"] if self.fn is None else ["loss", *self.names]
@@ -253,7 +255,8 @@ class Objective:
         was_training = model.training
         model.eval()  # dropout off, batch norm from its running statistics (and not updated by the eval shards)
         try:
-            self._evaluate(model, split, indices, batch_size, max_batches, move, totals)
+            with scope():
+                self._evaluate(model, split, indices, batch_size, max_batches, move, totals)
         finally:
             model.train(was_training)
         with recorder.op("eval.allreduce"):

@@ -169,6 +169,9 @@ class DataParallel:
             find_unused=cfg.find_unused, timeout_s=cfg.timeout_s,
             recorder=recorder, owners=self.shards.owner if cfg.zero >= 2 else None,
             units=self.layout if cfg.zero >= 2 else None)
+        if self.sharded_params is not None:
+            self.reducer.pace()
+            self.sharded_params.rounds.paced = self.reducer
         if cfg.compression == "int8" and world.num_nodes == 1 and world.is_main and world.size > 1:
             log.info("dist.compression=int8 compresses only between nodes, and this job has one: the sums are exact")
         self.forecast: CommForecast | None = None
@@ -562,18 +565,24 @@ class DataParallel:
         self.reducer.zero_grad()
         total = torch.zeros((), device=self.device)
         n = len(batches)
-        for k, batch in enumerate(batches):
-            # Communicate only after the last micro-batch.
-            context = self.reducer.no_sync() if k < n - 1 else contextlib.nullcontext()
-            with context:
-                loss = loss_fn(self.model, batch) / n
-                self.clock.mark("forward")
-                loss.backward()
-                if self.sharded_params is not None:
-                    self.sharded_params.after_backward()
-                self.clock.mark("backward")
-            total += loss.detach()
+        with self.params_in_use():
+            for k, batch in enumerate(batches):
+                # Communicate only after the last micro-batch.
+                context = self.reducer.no_sync() if k < n - 1 else contextlib.nullcontext()
+                with context:
+                    loss = loss_fn(self.model, batch) / n
+                    self.clock.mark("forward")
+                    loss.backward()
+                    if self.sharded_params is not None:
+                        self.sharded_params.after_backward()
+                    self.clock.mark("backward")
+                total += loss.detach()
         return total
+
+    def params_in_use(self) -> contextlib.AbstractContextManager:
+        """Where the model's forwards and backwards run (collective at its end with ``dist.zero=3``: the ranks
+        settle their gathers, ``ShardedParams.in_use``; nothing otherwise)."""
+        return self.sharded_params.in_use() if self.sharded_params is not None else contextlib.nullcontext()
 
     def _snapshot(self) -> dict[str, Any]:
         state = {"cpu_rng": torch.get_rng_state(),

@@ -127,6 +127,7 @@ class Reducer:
         self._outcome = np.zeros(4, dtype=np.int8)
         self._sync = True
         self._next_launch = 0
+        self._paced = False  # ``pace``
         self._hooks: list[Any] = []
         self._uses: dict[nn.Parameter, int] = {}  # arrivals that complete a parameter, where more than one
         self._late: list[str] = []  # parameters whose gradient arrived after their bucket went out, this backward
@@ -223,6 +224,8 @@ class Reducer:
         self._release_early = self.placement.releases_early
         # Whether the hooks send buckets before backward ends (else finish sends them all).
         self._early = not self._synchronous or self.world_size == 1 or self._release_early
+        # dist.zero=3 with a synchronous transport: the early buckets go out where every rank meets (``pace``).
+        self.pacing = self._paced and self._synchronous and self._early and self.world_size > 1
         # A transport that compresses between nodes only (hierarchical, gloo there) gets full-precision buckets.
         self._wire = None if getattr(transport, "compresses", False) else self.compression
 
@@ -416,12 +419,39 @@ class Reducer:
         that lacks a gradient in it completes it in ``finish``, where its backward ends without a collective,
         so the others wait for it but never for each other in another order (the same argument as ``finish``'s).
         """
-        if not self._early and not force:
+        if not force and (not self._early or self.pacing):
             return
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
         if self._release_early and not force:
+            self._release_finished()
+
+    def pace(self) -> None:
+        """Launch early buckets on a synchronous transport only through ``launch_agreed``, never from the hooks.
+
+        At ``dist.zero=3`` the ranks' backwards may take different paths (``hpcnet.comm.gathers``): a rank
+        blocked in a bucket's collective inside a hook would wait for a rank that waits in a gather round for it.
+        The rounds instead carry each rank's ``ready`` count, and every rank launches the buckets all ranks have
+        complete (``launch_agreed``) at the same round, so the early release still bounds the gradient memory.
+        """
+        self._paced = True
+        self._set_transport(self.transport)
+
+    def ready(self) -> int:
+        """The buckets, from the first, that are complete here (launched or not)."""
+        n = self._next_launch
+        while n < len(self.buckets) and self.buckets[n].pending == 0:
+            n += 1
+        return n
+
+    def launch_agreed(self, upto: int) -> None:
+        """Launch the buckets before ``upto``, which every rank has complete (collective: every rank calls it at the
+        same round with the same ``upto``, ``pace``)."""
+        while self._next_launch < upto:
+            self._launch(self.buckets[self._next_launch])
+            self._next_launch += 1
+        if self._release_early:
             self._release_finished()
 
     def _release_finished(self) -> None:

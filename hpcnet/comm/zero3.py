@@ -3,24 +3,33 @@
 Each rank keeps, between uses, only the units of the parameters it owns (``hpcnet.comm.zero.ShardLayout``: the
 same units and owners as stages 1 and 2, cut rows included), in tensors of their own: the optimizer updates them
 and the reducer hands their gradients to them, as at stage 2.  The model's parameters keep their shapes, but
-their memory exists only while a *group* that holds them is in use:
+their memory exists only while a *group* that holds them is gathered:
 
 - **Groups**: one per block (``model.blocks``, ``hpcnet.models.blocks``: a transformer layer, a ResNet block),
   holding the block's trainable parameters, and the *root* group, holding the rest (embeddings, a final norm, an
   output layer, a parameter shared between blocks).  A group's parameters are views of one flat byte buffer; its
   storage is resized to nothing when the group is released and back when it is gathered, so the views (and the
   tensors autograd saved for backward, which are such views) stay valid across a release.
-- **Gather**: on the CPU one ``MPI_Ialltoallw`` a group: each rank sends its owned units from where they are
-  (an ``hindexed`` datatype of their addresses) and receives each rank's units straight into their places in the
-  flat buffer (a datatype per sending rank), so nothing is staged; elsewhere (CUDA) one
-  ``torch.distributed.broadcast`` a unit from its owner, in stream order.
-- **When**: the root group before the model's forward, kept until its gradients are in; a block's group before
-  the block's forward, with the next block's gather started behind it (prefetch, depth 1), and released after
-  the block's forward; gathered again when the gradient of the block's output arrives in backward (before the
-  block's backward, or its recomputation under activation checkpointing), with the previous block's gather
-  started behind it, and released once the gradient of every parameter of the group has been handed to the
-  reducer.  Whatever is still held after a backward is released then (``after_backward``).  Evaluation and any
-  forward without gradients release each group after its forward.
+- **Gathers** are rounds of all ranks (``hpcnet.comm.gathers``): a rank may want any group at any point, and
+  ranks that take different paths (a block skipped or run twice, a parameter read by the loss, fewer
+  evaluation batches) never wait for a gather another rank would not start.  A step's forwards and backwards,
+  and an evaluation's forwards, run inside ``in_use``, which ends with every rank settling: serving the others'
+  gathers until all have finished.
+- **When** (the schedule, for speed and memory): the root group before the model's forward, kept until its
+  gradients are in; a block's group before the block's forward, with the next block's gather started behind it
+  (prefetch, depth 1), and released after the block's forward; gathered again when the gradient of the block's
+  output arrives in backward (before the block's backward, or its recomputation under activation
+  checkpointing), with the previous block's gather started behind it, and released once the gradient of every
+  parameter of the group has been handed to the reducer.  Whatever is still held after a backward is released
+  then (``after_backward``).  A forward without gradients, when no backward is pending, releases the root after
+  it (evaluation).
+- **Whatever the schedule misses is gathered on use**, so user code that works at stage 0 works here: the
+  parameters are ``ShardedParameter``, which gathers its group when an operation reads it while released (a
+  loss that adds an L2 term or logs a weight norm, a model that uses a block's weight outside the block) and
+  keeps the group until the backward is done; and autograd's saved tensors are packed with their group
+  (``saved_tensors_hooks``), so a backward that needs a released group gathers it, whatever container the
+  forward returned its outputs in.  Between steps a read that would need a gather is an error that names the
+  parameter (a rank alone cannot gather); its shape and aliases (``state_dict``) stay available.
 - **Gradients**: reduce-scattered bucket by bucket from the backward hooks, exactly as at stage 2
   (``hpcnet.comm.zero.Sharded``): the sums land on the owners' unit tensors.  The optimizer step updates the
   owned units; nothing is broadcast after it: the next forward gathers the new values.
@@ -32,15 +41,17 @@ is (``hpcnet.ckpt.schema.ROW_PIECE``): nothing is gathered to save, and a reader
 resume at stage 3.
 """
 
+import contextlib
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from hpcnet.comm.exchange import pieces
+from hpcnet.comm.gathers import Rounds
 from hpcnet.comm.zero import PIECE, ShardLayout, rows_of, split_pieces
 
 log = logging.getLogger(__name__)
@@ -53,6 +64,50 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _tensor_functions(getters: str, setters: str, methods: str, functions: str = "") -> frozenset:
+    """The functions ``__torch_function__`` receives for these properties, methods and ``torch`` functions (those
+    of this torch)."""
+    def of(name: str, where: Any = torch.Tensor) -> Any:
+        return getattr(where, name, None)
+    return frozenset([of(name).__get__ for name in getters.split() if of(name) is not None]
+                     + [of(name).__set__ for name in setters.split() if of(name) is not None]
+                     + [of(name) for name in methods.split() if of(name) is not None]
+                     + [of(name, torch) for name in functions.split() if of(name, torch) is not None])
+
+
+METADATA = _tensor_functions(
+    "shape dtype device requires_grad grad grad_fn is_leaf ndim layout is_cuda is_cpu is_meta is_sparse "
+    "is_quantized is_nested names _version _base output_nr itemsize nbytes",
+    "data grad requires_grad",
+    "size dim numel nelement stride storage_offset element_size is_contiguous is_floating_point is_complex "
+    "data_ptr untyped_storage get_device register_hook register_post_accumulate_grad_hook requires_grad_ "
+    "retain_grad _is_view new_empty new_zeros new_ones new_full",
+    "empty_like zeros_like ones_like full_like")
+"""What a ``ShardedParameter`` answers without its values (no gather)."""
+ALIASES = _tensor_functions("data", "", "detach view view_as as_strided")
+"""What only aliases a parameter's memory: between steps these give the alias without a gather (``state_dict``
+takes ``detach()``), where reading the values would need one."""
+
+
+class ShardedParameter(nn.Parameter):
+    """A stage-3 parameter: an operation that reads it while its group is released gathers the group first
+    (``ShardedParams.on_read``); results are plain tensors."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func not in METADATA:
+            for arg in (*args, *kwargs.values()):
+                if isinstance(arg, ShardedParameter):
+                    arg._hpcnet_sharded.on_read(arg, func)
+                elif isinstance(arg, (list, tuple)):
+                    for item in arg:
+                        if isinstance(item, ShardedParameter):
+                            item._hpcnet_sharded.on_read(item, func)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
 @dataclass(eq=False)
 class Group:
     """One gathering unit: a block's trainable parameters, or the root's."""
@@ -63,12 +118,21 @@ class Group:
     offsets: dict[int, int]  # each parameter's byte offset in ``flat``
     nbytes: int
     flat: torch.Tensor  # uint8; its storage is empty while the group is released
-    units: list[int] = field(default_factory=list)  # the units of its parameters
+    units: list[int]  # the units of its parameters
     gathered: bool = False
-    pending: Any = None  # an in-flight gather (an MPI request, or torch.distributed works)
+    pending: Any = None  # an in-flight round (``Rounds.start``)
     arrived: int = 0  # gradients handed over in this backward
-    send: Any = None  # (key, datatype): this rank's owned units as one datatype
-    recv: Any = None  # (owners, datatypes): each rank's units in ``flat``
+    active: int = 0  # forwards of the group's module in progress
+    pinned: bool = False  # read outside its forward: held until the backward is done
+
+
+class _Saved:
+    """A tensor autograd saved that lives in a group's memory (``ShardedParams._pack``)."""
+
+    __slots__ = ("group", "tensor")
+
+    def __init__(self, group: Group, tensor: torch.Tensor) -> None:
+        self.group, self.tensor = group, tensor
 
 
 class ShardedParams:
@@ -78,18 +142,15 @@ class ShardedParams:
         model: the model (its parameters replicated and equal on every rank, as ``broadcast_module`` left them).
         layout: the units of the trainable parameters (its ``tensors`` are replaced by tensors of their own).
         owner: the owner rank of each unit.
-        comm: the ranks' communicator (duplicated: the gathers have their own message space).
+        comm: the ranks' communicator (the gathers duplicate it: they have their own message space).
         blocks: the model's blocks (``find_blocks``); empty: one group, the whole model.
         device: where the parameters live.
-        collective: 'mpi' (CPU parameters) or 'torch' (``torch.distributed`` broadcasts: CUDA, or gloo).
+        collective: 'mpi' (CPU parameters) or 'torch' (``torch.distributed``: CUDA, or gloo).
     """
 
     def __init__(self, model: nn.Module, layout: ShardLayout, owner: list[int], comm: Any,
                  blocks: list[tuple[str, nn.Module]], *, device: torch.device, collective: str = "mpi") -> None:
-        if collective not in ("mpi", "torch"):
-            raise ValueError(f"collective {collective!r} is not 'mpi' or 'torch'")
         self.model, self.layout, self.owner = model, layout, list(owner)
-        self.comm = comm.Dup()
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.device, self.collective = device, collective
         self.params = layout.params
@@ -104,10 +165,18 @@ class ShardedParams:
         for g in self.groups:
             for i in g.params:
                 self.group_of[i] = g.index
-        for g in self.groups:
-            g.units = [k for i in g.params for k in layout.of_param[i]]
+        self.rounds = Rounds(comm, layout, self.owner, self.groups, self._region, collective=collective)
         self._own_units()
+        self.views: list[torch.Tensor] = []  # each parameter's place in its group's buffer, a plain tensor
+        self._by_storage: dict[int, Group] = {}  # the gathered groups by their memory's address (``_pack``)
+        self._using = False  # inside ``in_use``
+        self._grad_forward = False  # a forward with gradients ran since the last backward
         self._bind()
+        self._classes = [type(p) for p in self.params]
+        for i, p in enumerate(self.params):
+            p.__class__ = ShardedParameter
+            p._hpcnet_sharded = self
+            p._hpcnet_index = i
         self._hooks: list[Any] = []
         self._install(model, blocks)
 
@@ -138,7 +207,8 @@ class ShardedParams:
                 offsets[i] = at
                 at += -(-self.params[i].numel() * self.params[i].element_size() // ALIGN) * ALIGN
             flat = torch.empty(at, dtype=torch.uint8, device=self.device)
-            groups.append(Group(g, name, params, offsets, at, flat))
+            units = [k for i in params for k in self.layout.of_param[i]]
+            groups.append(Group(g, name, params, offsets, at, flat, units))
         return groups
 
     def _own_units(self) -> None:
@@ -154,14 +224,16 @@ class ShardedParams:
 
     def _bind(self) -> None:
         """Make each parameter a view of its group's flat buffer, then release every group."""
+        views: list[Any] = [None] * len(self.params)
         with torch.no_grad():
             for g in self.groups:
                 for i in g.params:
                     p = self.params[i]
                     nbytes = p.numel() * p.element_size()
                     region = g.flat[g.offsets[i]:g.offsets[i] + nbytes].view(p.dtype)
-                    p.data = region.as_strided(p.shape, p.stride()) if p.dim() else region.view(())
+                    p.data = views[i] = region.as_strided(p.shape, p.stride()) if p.dim() else region.view(())
                 self._release(g)
+        self.views = views
 
     def _install(self, model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> None:
         self._hooks.append(model.register_forward_pre_hook(self._root_pre_forward))
@@ -177,54 +249,137 @@ class ShardedParams:
             # gradient autograd hands over.
             self._hooks.append(p.register_post_accumulate_grad_hook(lambda p, i=i: self._arrived(i)))
 
-    # -- the hooks ----------------------------------------------------------------------
-    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
-        if _in_backward():
-            return
+    # -- a step's use ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[None]:
+        """Forwards and backwards (a step's micro-batches, an evaluation's batches) may run inside; at the end
+        every group is released and every rank settles (collective, ``Rounds.settle``).  An exception raised
+        inside leaves without settling: a rank that failed alone does not wait for the others (the entry point
+        ends the job)."""
+        if self._using:
+            raise RuntimeError("dist.zero=3: in_use is not reentrant")
+        self._using, self._grad_forward = True, False
         for g in self.groups:
             g.arrived = 0
-        self.need(self.groups[0])
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        except BaseException:
+            self._using = False
+            self._release_idle()
+            raise
+        self._using = False
+        self.release_all()
+        self.rounds.settle()
+
+    def after_backward(self) -> None:
+        """After a backward: release what is still held (a group some of whose parameters got no gradient, a
+        prefetch no block used, a group the loss read)."""
+        self.release_all()
+        self._grad_forward = False
+        for g in self.groups:
+            g.arrived = 0
+
+    def on_read(self, p: nn.Parameter, func: Any) -> None:
+        """An operation ``func`` reads parameter ``p`` (``ShardedParameter``): outside the forward of its group,
+        inside ``in_use``, its group is gathered and kept until the backward is done."""
+        g = self.groups[self.group_of[p._hpcnet_index]]
+        if g.active:
+            return
+        if self._using:
+            g.pinned = True
+            self._need(g)
+        elif not (g.gathered or func in ALIASES):
+            raise RuntimeError(f"dist.zero=3: parameter {self._name(p._hpcnet_index)} was read between steps, "
+                               "where each rank holds only the units it owns; read parameters inside the model's "
+                               "forward or the loss (model.loss), or after training (the run's result, an "
+                               "export)")
+
+    def _name(self, i: int) -> str:
+        return next(key for key, j in self.keys.items() if j == i)
+
+    # -- the hooks ----------------------------------------------------------------------
+    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        root = self.groups[0]
+        root.active += 1
+        if _in_backward():
+            return
+        if not (torch.is_grad_enabled() or self._grad_forward):
+            self._release_idle(pins=True)  # a new evaluation batch: what the last one read is done with
+        self._need(root)
         self._prefetch(1)
 
     def _root_post_forward(self, module: nn.Module, args: Any, out: Any) -> None:
+        root = self.groups[0]
+        root.active -= 1
         if _in_backward():
             return
-        if not (torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(out))):
-            self.release_all()  # evaluation: nothing will come back for the parameters
+        if torch.is_grad_enabled():
+            self._grad_forward = True  # its backward needs the root: kept until after_backward
+        elif not self._grad_forward:
+            self._release_idle()  # evaluation: nothing will come back for the parameters
 
     def _pre_forward(self, g: Group) -> None:
-        self.need(g)
+        g.active += 1
+        self._need(g)
         if not _in_backward():
             self._prefetch(g.index + 1)
 
     def _post_forward(self, g: Group, out: Any) -> None:
+        g.active -= 1
         if _in_backward():
             return  # a recomputation inside backward: the backward uses the group next
-        outputs = [t for t in _tensors(out) if t.requires_grad]
-        if torch.is_grad_enabled() and outputs:
-            g.arrived = 0
-            for t in outputs:
-                t.register_hook(lambda grad, g=g: self._before_backward(g))
-        self._release(g)
+        if torch.is_grad_enabled():
+            # Gathered again when the output's gradient arrives, with the block before it behind; a backward that
+            # comes another way (an output these hooks do not find) gathers it on use (``_unpack``).
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, g=g: self._before_backward(g))
+        if not (g.active or g.pinned):
+            self._release(g)
 
     def _before_backward(self, g: Group) -> None:
-        self.need(g)
+        self._need(g)
         self._prefetch(g.index - 1)
 
     def _arrived(self, i: int) -> None:
         g = self.groups[self.group_of[i]]
         g.arrived += 1
-        if g.arrived >= len(g.params) and g.gathered:
+        if g.arrived >= len(g.params) and g.gathered and not (g.active or g.pinned):
             self._release(g)
 
+    def _pack(self, t: torch.Tensor) -> Any:
+        """Autograd saves ``t``: with its group when it lives in a group's memory (detached: a saved output
+        holding its own graph would be a reference cycle)."""
+        g = self._by_storage.get(t.untyped_storage().data_ptr())
+        return t.detach() if g is None else _Saved(g, t.detach())
+
+    def _unpack(self, saved: Any) -> torch.Tensor:
+        if type(saved) is not _Saved:
+            return saved
+        g = saved.group
+        if not g.gathered:
+            self._need(g)
+            self._prefetch(g.index - 1)
+        return saved.tensor
+
     # -- gather and release ----------------------------------------------------------------
+    def _need(self, g: Group) -> None:
+        """Group ``g`` gathered: its round waited for, or started and waited for."""
+        if not self._using:
+            raise RuntimeError(f"dist.zero=3: the model ran outside a step (group {g.name!r} needed a gather, "
+                               "which every rank must take part in)")
+        self.need(g)
+
     def need(self, g: Group) -> None:
-        """Group ``g`` gathered: its gather waited for, or started and waited for (collective)."""
+        """Group ``g`` gathered (a round of every rank: ``hpcnet.comm.gathers``)."""
         if g.gathered:
             return
         if g.pending is None:
             self._start(g)
-        self._finish(g)
+        pending, g.pending = g.pending, None
+        self.rounds.wait(pending)
+        g.gathered = True
 
     def _prefetch(self, index: int) -> None:
         if 1 <= index < len(self.groups):
@@ -234,120 +389,42 @@ class ShardedParams:
 
     def _start(self, g: Group) -> None:
         g.flat.untyped_storage().resize_(g.nbytes)
-        if self.size == 1 or not g.params:
-            self._copy_own(g)
-            g.pending = ()
-            return
-        if self.collective == "torch":
-            g.pending = self._start_torch(g)
-            return
-        from mpi4py import MPI
-
-        send = self._send_type(g)
-        recv = self._recv_types(g)
-        counts = [1 if send is not None else 0] * self.size
-        recv_counts = [1 if t is not None else 0 for t in recv]
-        g.pending = self.comm.Ialltoallw(
-            [MPI.BOTTOM, counts, [0] * self.size, [send or MPI.BYTE] * self.size],
-            # Not ``flat.numpy()``: a storage once seen by numpy can no longer be resized.
-            [MPI.buffer.fromaddress(g.flat.data_ptr(), g.nbytes), recv_counts, [0] * self.size,
-             [t or MPI.BYTE for t in recv]])
-
-    def _finish(self, g: Group) -> None:
-        pending, g.pending = g.pending, None
-        if pending is not None and not isinstance(pending, tuple):
-            pending.Wait()
-        elif isinstance(pending, tuple):
-            for work in pending:
-                work.wait()
-        g.gathered = True
-
-    def _copy_own(self, g: Group) -> None:
-        with torch.no_grad():
-            for k in g.units:
-                if self.owner[k] == self.rank:
-                    self._region(g, k).copy_(self.layout.tensors[k])
+        if g.nbytes:
+            self._by_storage[g.flat.untyped_storage().data_ptr()] = g
+        g.pending = self.rounds.start(g)
+        g.gathered = g.pending is None  # one rank: its own units, copied
 
     def _region(self, g: Group, k: int) -> torch.Tensor:
         """Unit ``k``'s place in ``g``'s flat buffer, shaped as its tensor."""
         u = self.layout.units[k]
-        p = self.params[u.param]
-        if u.whole:
-            return p.data
-        return p.data[u.lo:u.hi]
-
-    def _start_torch(self, g: Group) -> tuple[Any, ...]:
-        import torch.distributed as dist
-
-        works = []
-        with torch.no_grad():
-            for k in g.units:
-                region = self._region(g, k)
-                if self.owner[k] == self.rank:
-                    region.copy_(self.layout.tensors[k])
-                works.append(dist.broadcast(region, src=self.owner[k], async_op=True))
-        return tuple(works)
-
-    def _send_type(self, g: Group) -> Any:
-        """This rank's owned units of ``g`` at their own addresses (None: it owns none); remade when a tensor
-        moved (a resume writes into them in place, so they rarely do)."""
-        from mpi4py import MPI
-
-        mine = [self.layout.tensors[k] for k in g.units if self.owner[k] == self.rank]
-        key = tuple((t.data_ptr(), t.numel() * t.element_size()) for t in mine)
-        if g.send is not None and g.send[0] == key:
-            return g.send[1]
-        if g.send is not None and g.send[1] is not None:
-            g.send[1].Free()
-        dtype = None
-        if mine:
-            blocks = [(addr + lo, hi - lo) for addr, n in key for lo, hi in pieces(n)]
-            dtype = MPI.BYTE.Create_hindexed([n for _, n in blocks], [a for a, _ in blocks]).Commit()
-        g.send = (key, dtype)
-        return dtype
-
-    def _recv_types(self, g: Group) -> list[Any]:
-        """Each rank's units of ``g`` at their places relative to the flat buffer (None: it owns none there)."""
-        from mpi4py import MPI
-
-        owners = [self.owner[k] for k in g.units]
-        if g.recv is not None and g.recv[0] == owners:
-            return g.recv[1]
-        if g.recv is not None:
-            for t in g.recv[1]:
-                if t is not None:
-                    t.Free()
-        per_rank: list[list[tuple[int, int]]] = [[] for _ in range(self.size)]
-        for k in g.units:
-            u = self.layout.units[k]
-            p = self.params[u.param]
-            row = p.numel() * p.element_size() // max(1, u.rows)
-            start = g.offsets[u.param] + u.lo * row
-            for lo, hi in pieces((u.hi - u.lo) * row):
-                per_rank[self.owner[k]].append((start + lo, hi - lo))
-        types = [MPI.BYTE.Create_hindexed([n for _, n in blocks], [a for a, _ in blocks]).Commit() if blocks
-                 else None for blocks in per_rank]
-        g.recv = (owners, types)
-        return types
+        view = self.views[u.param]
+        return view if u.whole else view[u.lo:u.hi]
 
     def _release(self, g: Group) -> None:
         if g.pending is not None:
-            self._finish(g)
+            pending, g.pending = g.pending, None
+            self.rounds.wait(pending)
+        if g.nbytes and g.flat.untyped_storage().nbytes():
+            self._by_storage.pop(g.flat.untyped_storage().data_ptr(), None)
         g.flat.untyped_storage().resize_(0)
-        g.gathered = False
+        g.gathered = g.pinned = False
+
+    def _release_idle(self, pins: bool = False) -> None:
+        """Release every group not in a forward (nor pinned, unless ``pins``) and with no round in flight (its
+        buffer is being written)."""
+        for g in self.groups:
+            held = (g.gathered or g.pending is not None) and not g.active and (pins or not g.pinned)
+            if held and (g.pending is None or self._using):
+                self._release(g)
 
     def release_all(self) -> None:
         for g in self.groups:
             if g.gathered or g.pending is not None:
                 self._release(g)
 
-    def after_backward(self) -> None:
-        """After a backward: release what is still held (a group some of whose parameters got no gradient, a
-        prefetch no block used)."""
-        self.release_all()
-
     def gather_all(self) -> None:
-        """Every group gathered (collective): the whole model, as the other stages hold it."""
+        """Every group gathered (collective: every rank calls it, between steps): the whole model, as the
+        other stages hold it, until ``release_all``."""
         for g in self.groups:
             self.need(g)
 
@@ -369,6 +446,7 @@ class ShardedParams:
                 elif self.owner[k] == self.rank:
                     t.data.untyped_storage().resize_(0)
         self.owner = list(owner)
+        self.rounds.set_owner(owner)
         self.release_all()
 
     # -- checkpoints ------------------------------------------------------------------------
@@ -459,37 +537,32 @@ class ShardedParams:
             for g in self.groups:
                 self.need(g)
                 for i in g.params:
-                    p = self.params[i]
-                    p.data = p.data.clone()
+                    self.params[i].data = self.views[i].clone()
                 self._release(g)
 
     def close(self, collective: bool = True) -> None:
-        """Remove the hooks; ``collective`` (every rank closes): first ``unshard`` the model.  Otherwise (an error
-        on this rank alone) the parameters stay without memory."""
+        """Remove the hooks; ``collective`` (every rank closes): first ``unshard`` the model, whose parameters
+        are then plain again.  Otherwise (an error on this rank alone) the parameters stay without memory, and
+        reading one is an error that says so (``on_read``)."""
         if collective:
             self.unshard()
+            for p, cls in zip(self.params, self._classes):
+                p.__class__ = cls
+                del p._hpcnet_sharded, p._hpcnet_index
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
         for g in self.groups:
-            if collective and g.pending is not None and not isinstance(g.pending, tuple):
-                g.pending.Wait()  # (unshard waited for every gather; alone, a wait could wait forever)
-            g.pending = None
-            for t in ([g.send[1]] if g.send else []) + (list(g.recv[1]) if g.recv else []):
-                if t is not None:
-                    t.Free()
-            g.send = g.recv = None
-        if self.comm is not None and collective:
-            self.comm.Free()
-            self.comm = None
+            g.pending = None  # (unshard waited for every round; alone, a wait could wait forever)
+        self.rounds.close(collective)
 
     def describe(self) -> str:
         blocks = len(self.groups) - 1
         root = self.groups[0].nbytes
         largest = max((g.nbytes for g in self.groups[1:]), default=0)
         return (f"dist.zero=3: parameters gathered per group: the root ({root / 2**20:.2f} MiB) and {blocks} "
-                f"block(s) (largest {largest / 2**20:.2f} MiB), prefetch depth 1, over "
-                f"{'MPI_Ialltoallw' if self.collective == 'mpi' else 'torch.distributed broadcasts'}")
+                f"block(s) (largest {largest / 2**20:.2f} MiB), prefetch depth 1, in rounds over "
+                f"{'MPI_Ialltoallw' if self.collective == 'mpi' else 'torch.distributed'}")
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:

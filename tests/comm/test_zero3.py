@@ -1,9 +1,12 @@
 """dist.zero=3: the parameters sharded too, gathered block by block (hpcnet.comm.zero3)."""
 
 import io
+import math
+import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 from mpi4py import MPI
 from torch import nn
 
@@ -140,10 +143,11 @@ def test_a_block_is_gathered_for_its_forward_and_backward_only(comm, data_plane,
         block.register_forward_pre_hook(lambda m, a: seen["forward"].append(_held(sharded)))
         block[0].weight.register_hook(lambda g: seen["backward"].append(_held(sharded)))
     x = torch.arange(12).reshape(3, 4) % 16
-    out = net(x)
-    assert seen["forward"] == [[0, 1, 2], [0, 2, 3], [0, 3]]
-    out.square().sum().backward()
-    sharded.after_backward()
+    with sharded.in_use():
+        out = net(x)
+        assert seen["forward"] == [[0, 1, 2], [0, 2, 3], [0, 3]]
+        out.square().sum().backward()
+        sharded.after_backward()
     assert seen["backward"] == [[0, 2, 3], [0, 1, 2], [0, 1]]
     assert all(p.untyped_storage().nbytes() == 0 for p in net.parameters())
     expected = reference(x)
@@ -151,9 +155,9 @@ def test_a_block_is_gathered_for_its_forward_and_backward_only(comm, data_plane,
     expected.square().sum().backward()
     for (name, p), q in zip(net.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
-    with torch.no_grad():  # evaluation: every group released after its forward
+    with torch.no_grad(), sharded.in_use():  # evaluation: every group released after its forward
         torch.testing.assert_close(net(x), expected.detach(), rtol=0, atol=0)
-    assert _held(sharded) == []
+        assert _held(sharded) == []
     sharded.close()
     assert all(torch.equal(p, q) for p, q in zip(net.parameters(), reference.parameters()))  # unsharded
     comm.Barrier()
@@ -167,7 +171,7 @@ def test_new_owners_keep_the_values(comm):
     for k, t in enumerate(sharded.layout.tensors):
         assert (t.untyped_storage().nbytes() > 0) == (sharded.owner[k] == comm.Get_rank())
     x = torch.arange(8).reshape(2, 4)
-    with torch.no_grad():
+    with torch.no_grad(), sharded.in_use():
         torch.testing.assert_close(net(x), reference(x), rtol=0, atol=0)
     sharded.close()
     comm.Barrier()
@@ -210,3 +214,161 @@ def test_stage_4_is_named():
 
     with pytest.raises(ConfigError, match=r"dist.zero: 4 is not one of 0, 1, 2, 3"):
         load_config(overrides=["dist.zero=4"])
+
+
+# -- user code that stage 0 accepts (issue 44): models, losses and paths that differ by rank --------------------
+class _Block(nn.Module):
+    def __init__(self, width, namespace=False):
+        super().__init__()
+        self.lin, self.namespace = nn.Linear(width, width), namespace
+
+    def forward(self, h):
+        out = h + torch.tanh(self.lin(h))
+        return types.SimpleNamespace(hidden=out) if self.namespace else out
+
+
+class _UserNet(nn.Module):
+    """An input layer, three blocks and a final norm and head outside them (the root); the options make the forward
+    return a ``SimpleNamespace`` (blocks too), or skip block 1 on the last rank in training from forward
+    ``skip_from`` on, and in evaluation always (a rank-dependent path, as data-dependent control flow gives)."""
+
+    def __init__(self, info, width=16, namespace=False, skip_from=-1):
+        super().__init__()
+        features = math.prod(info.input_shape)
+        self.inp = nn.Linear(features, width)
+        self.blocks = nn.ModuleList(_Block(width, namespace) for _ in range(3))
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, info.num_classes)
+        self.namespace, self.skip_from, self.calls = namespace, skip_from, 0
+        self.last = MPI.COMM_WORLD.Get_rank() == MPI.COMM_WORLD.Get_size() - 1 > 0
+
+    def forward(self, x):
+        h = self.inp(x.flatten(1))
+        skip = self.last and self.skip_from >= 0 and (not self.training or self.calls >= self.skip_from)
+        self.calls += self.training
+        for b, block in enumerate(self.blocks):
+            if b == 1 and skip:
+                continue
+            h = block(h).hidden if self.namespace else block(h)
+        logits = self.head(self.norm(h))
+        return types.SimpleNamespace(logits=logits) if self.namespace else logits
+
+
+def user_net(info, **options):
+    return _UserNet(info, **options)
+
+
+def _ce(model, batch):
+    x, y = batch
+    out = model(x)
+    return F.cross_entropy(getattr(out, "logits", out), y)
+
+
+def l2_and_weight_norm(model, batch):
+    """An L2 term over every parameter and a weight-norm metric: the parameters read after the forward."""
+    loss = _ce(model, batch)
+    l2 = sum(p.pow(2).sum() for p in model.parameters())
+    norm = torch.sqrt(sum(p.detach().norm() ** 2 for p in model.parameters()))
+    return loss + 1e-3 * l2, {"weight_norm": norm}
+
+
+def second_forward_without_grad(model, batch):
+    """A second forward under no_grad after the trained one, whose backward is still to come."""
+    x, y = batch
+    logits = model(x)
+    with torch.no_grad():
+        again = model(x)
+    return F.cross_entropy(logits, y), {"same": (again.argmax(-1) == logits.argmax(-1)).float().mean()}
+
+
+def idle_on_the_last_rank(model, batch):
+    """In training, the last rank's loss does not depend on the model (its backward reaches no parameter)."""
+    loss = _ce(model, batch)
+    if model.training and MPI.COMM_WORLD.Get_rank() == MPI.COMM_WORLD.Get_size() - 1 > 0:
+        return loss.detach() * 0 + torch.ones((), requires_grad=True)
+    return loss
+
+
+USER = ["model.factory=tests.comm.test_zero3:user_net", "model.blocks=blocks.0,blocks.1,blocks.2",
+        "optim.name=adamw", "optim.lr=0.01", "train.eval_every=6"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("case,extra", [
+    ("skip", ["model.options.skip_from=0", "dist.find_unused=true"]),
+    ("skip-late", ["model.options.skip_from=4", "dist.find_unused=true", "train.activation_checkpointing=blocks"]),
+    ("l2", ["model.loss=tests.comm.test_zero3:l2_and_weight_norm"]),
+    ("no-grad-again", ["model.loss=tests.comm.test_zero3:second_forward_without_grad"]),
+    ("namespace", ["model.options.namespace=true", "model.loss=tests.comm.test_zero3:_ce"]),
+])
+@pytest.mark.timeout(120)
+def test_stage_3_runs_user_code_that_stage_0_runs(comm, data_plane, mpi_tmp_path, case, extra):
+    """Ranks that skip a block (from the first step, or from a later one under activation checkpointing), a loss
+    that reads every parameter, a second forward without gradients, outputs in a SimpleNamespace: stage 3 trains
+    and evaluates as stage 0 (bit for bit at up to 2 ranks), never hangs.  The evaluation set gives the ranks
+    unequal numbers of batches (9 samples, batches of 4)."""
+    dataset = tiny_images(comm, mpi_tmp_path, "z3-user.h5", num_train=128, num_eval=9, seed=7)
+    results = [run(_cfg(mpi_tmp_path, dataset, f"user-{case}-z{zero}", *USER, *extra, f"dist.zero={zero}"), comm,
+                   plane=data_plane) for zero in (0, 3)]
+    _assert_same(flat_params(results[0]), flat_params(results[1]), _exact(comm, "mpi"))
+    assert results[1].summary["eval"] == pytest.approx(results[0].summary["eval"], rel=1e-4)
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_a_rank_whose_loss_reaches_no_parameter_is_an_error_on_every_rank_as_at_stage_0(comm, data_plane,
+                                                                                         mpi_tmp_path):
+    dataset = tiny_images(comm, mpi_tmp_path, "z3-user.h5", num_train=128, num_eval=9, seed=7)
+    for zero in (0, 3):
+        cfg = _cfg(mpi_tmp_path, dataset, f"idle-z{zero}", *USER, f"dist.zero={zero}",
+                   "model.loss=tests.comm.test_zero3:idle_on_the_last_rank")
+        if comm.Get_size() == 1:
+            run(cfg, comm, plane=data_plane)
+            continue
+        with pytest.raises(RuntimeError, match="parameters received no gradient"):
+            run(cfg, comm, plane=data_plane)
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("collective", ["mpi", "torch"])
+def test_ranks_that_use_different_blocks_get_the_gradients_of_their_own_paths(comm, data_plane, collective):
+    """Rank r runs the blocks other than r % 3, reads the last block's weight after the forward, and its
+    parameters' gradients are those of the unsharded model on the same path; the rounds agree whatever each
+    rank wants."""
+    net, reference, sharded = _sharded_net(comm, collective=collective)
+    skip = comm.Get_rank() % 3
+
+    def forward(model, x):
+        h = model.embed(x)
+        for b, block in enumerate(model.blocks):
+            if b != skip:
+                h = h + block(h)
+        return model.head(h).square().sum() + model.blocks[2][2].weight.sum()
+    x = torch.arange(12).reshape(3, 4) % 16
+    with sharded.in_use():
+        forward(net, x).backward()
+        sharded.after_backward()
+    forward(reference, x).backward()
+    for (name, p), q in zip(net.named_parameters(), reference.parameters()):
+        if q.grad is None:
+            assert p.grad is None, name
+        else:
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+    assert _held(sharded) == []
+    sharded.close()
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+def test_between_steps_a_parameter_s_values_are_an_error_and_its_shape_and_state_dict_are_not(comm):
+    net, reference, sharded = _sharded_net(comm)
+    weight = net.blocks[0][0].weight
+    assert weight.shape == (8, 8) and list(net.state_dict()) == list(reference.state_dict())
+    with pytest.raises(RuntimeError, match=r"parameter blocks\.0\.0\.weight was read between steps"):
+        weight.sum()
+    with pytest.raises(RuntimeError, match="the model ran outside a step"):
+        net(torch.zeros(1, 4, dtype=torch.long))
+    sharded.close()
+    assert type(weight) is nn.Parameter and torch.equal(weight, reference.blocks[0][0].weight)
+    comm.Barrier()
