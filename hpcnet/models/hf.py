@@ -23,6 +23,8 @@ computes the same bits as the trained one, and on a CPU its kernels are determin
 (``use_cache=False``) in training: a training forward has no use for it.  Reference: docs/models.md.
 """
 
+import functools
+import inspect
 import json
 import logging
 import os
@@ -49,7 +51,8 @@ SIZE_LAST_WORDS = ("size", "dim", "dims", "layers", "heads", "embd", "positions"
 """A config field sizes or counts something when its name's first word (``n_layer``, ``num_hidden_layers``,
 ``d_model``, ``max_position_embeddings``) or last word (``hidden_size``, ``head_dim``, ``encoder_layers``) says so:
 transformers' naming, whatever the model type.  Ids and indices (``pad_token_id``, ``vision_feature_layer``),
-which may be negative, are neither."""
+which may be negative, are neither; nor is a field whose config class defaults to a negative value (a sentinel:
+DeBERTa's ``max_relative_positions=-1``)."""
 HEADS = {"tokens": "AutoModelForCausalLM", "sequence": "AutoModelForSequenceClassification"}
 """Dataset kind -> the transformers Auto class whose model trains on it."""
 INSTALL = "pip install 'hpcnet[hf]'"
@@ -158,19 +161,32 @@ def is_size_field(name: str) -> bool:
     return len(words) > 1 and (words[0] in SIZE_FIRST_WORDS or words[-1] in SIZE_LAST_WORDS)
 
 
-def _size_fields(config: Any) -> dict[str, int]:
-    """The integer fields of ``config`` that size or count something, nested configs' as ``text_config.name``."""
+def _size_fields(config: Any) -> dict[str, tuple[int, Any]]:
+    """The integer fields of ``config`` that size or count something, nested configs' as ``text_config.name``:
+    ``(value, the config class's default)`` (``inspect.Parameter.empty`` where it has none)."""
     found = {}
 
-    def walk(fields: dict[str, Any], prefix: str) -> None:
-        for name, value in fields.items():
-            if isinstance(value, dict):
-                walk(value, f"{prefix}{name}.")
-            elif isinstance(value, int) and not isinstance(value, bool) and is_size_field(name):
-                found[prefix + name] = value
+    def walk(cfg: Any, prefix: str) -> None:
+        defaults = _class_defaults(type(cfg))
+        for name, value in cfg.to_dict().items():
+            nested = getattr(cfg, name, None) if isinstance(value, dict) else None
+            if hasattr(nested, "to_dict") and hasattr(nested, "model_type"):  # a config within the config
+                walk(nested, f"{prefix}{name}.")
+            elif isinstance(value, int) and not isinstance(value, bool) and is_size_field(str(name)):
+                found[prefix + name] = (value, defaults.get(name, inspect.Parameter.empty))
 
-    walk(config.to_dict(), "")
+    walk(config, "")
     return found
+
+
+@functools.cache
+def _class_defaults(cls: type) -> dict[str, Any]:
+    """The defaults of a config class's ``__init__``: what the class itself holds in a field's domain."""
+    try:
+        parameters = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {name: p.default for name, p in parameters.items() if p.default is not inspect.Parameter.empty}
 
 
 def _where(name: str, options: dict[str, Any], file: Path) -> str:
@@ -181,9 +197,10 @@ def _where(name: str, options: dict[str, Any], file: Path) -> str:
 def check_sizes(config: Any, options: dict[str, Any], file: Path) -> None:
     """ConfigError naming the option (or config.json's field) for a size or count that is negative: transformers
     takes ``range(-1)`` as no layers and a negative width as a tensor it cannot make, sometimes only in the
-    forward."""
-    for name, value in _size_fields(config).items():
-        if value < 0:
+    forward.  Where the config class's own default is negative (DeBERTa's ``max_relative_positions=-1``: no
+    limit), negative values are in the field's domain."""
+    for name, (value, default) in _size_fields(config).items():
+        if value < 0 and not (isinstance(default, int) and default < 0):
             raise ConfigError(f"{_where(name, options, file)}={value}: {name.rpartition('.')[2]} is a size or count of "
                               f"the {config.model_type} config (its name says so), which cannot be negative")
 
@@ -194,7 +211,7 @@ def check_not_empty(model: nn.Module, options: dict[str, Any], file: Path) -> No
     empty = next(((name, tuple(p.shape)) for name, p in model.named_parameters() if p.numel() == 0), None)
     if empty is None:
         return
-    zeros = [name for name, value in _size_fields(model.config).items() if value == 0]
+    zeros = [name for name, (value, _) in _size_fields(model.config).items() if value == 0]
     culprit = f"{_where(zeros[0], options, file)}=0" if zeros else f"model.hf: {str(file)!r}"
     raise ConfigError(f"{culprit} leaves the model's parameter {empty[0]} with no elements (shape {empty[1]}): "
                       "sizes must be at least 1")

@@ -212,6 +212,22 @@ def test_a_size_of_zero_that_empties_a_parameter_is_refused_naming_the_option(tm
         build_model("", TOKENS, {"n_inner": 0}, hf=path)
 
 
+def test_a_negative_default_of_the_config_class_is_in_the_field_s_domain(tmp_path):
+    """DeBERTa's max_relative_positions defaults to -1 (no limit): its config loads; a negative layer count does
+    not, nor one nested in another config (text_config)."""
+    from hpcnet.models.hf import load_config
+
+    path = str(write_config(tmp_path / "deberta", model_type="deberta", hidden_size=32, num_hidden_layers=1,
+                            num_attention_heads=2, intermediate_size=64, max_position_embeddings=64))
+    assert load_config(path)[0].max_relative_positions == -1
+    with pytest.raises(ConfigError, match="^model.options.num_hidden_layers=-2: num_hidden_layers is a size"):
+        load_config(path, {"num_hidden_layers": -2})
+    nested = str(write_config(tmp_path / "llava", model_type="llava",
+                              text_config={"model_type": "llama", "num_hidden_layers": -1}))
+    with pytest.raises(ConfigError, match=r"sets text_config.num_hidden_layers=-1: num_hidden_layers is a size"):
+        load_config(nested)
+
+
 def test_negative_fields_that_are_not_sizes_and_zero_layers_still_build(tmp_path):
     """A token id of -1 (the original LLaMA's pad_token_id) is no size; zero layers leave no parameter empty."""
     path = str(write_config(tmp_path))
