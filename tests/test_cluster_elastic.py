@@ -1,11 +1,14 @@
 """Elastic shrink and grow under ``python -m hpcnet.launch --exclude-failed-hosts --min-ranks N``, for real, on the
 local cluster (docs/fault-tolerance.md, "Shrink and grow").
 
-The job is the supervisor over ``mpirun $(scripts/cluster.sh env) -np 4`` on two hosts (two ranks each); rank 1 (on
-the first host, there in every attempt) sleeps in every step so that the faults land mid-training.  The second
-host is cut off (``cluster.sh partition``): both sides name each other in ``failure.json``, and the supervisor's
-probe tells which one the launcher cannot reach; the next attempt runs its 2 ranks on the first host; the link
-healed, the probe answers, the attempt saves and stops, and the last one runs 4 ranks on both hosts again.
+The job is the supervisor over ``mpirun $(scripts/cluster.sh env) -np 4`` on two hosts (two ranks each), listed
+by their addresses as a cluster's host file often lists them: the ranks' host names (``failure.json``'s) are not
+the launcher's entries, and do not resolve on the launching host.  Rank 1 (on the first host, there in every
+attempt) sleeps in every step so that the faults land mid-training.  The second host is cut off (``cluster.sh
+partition``): both sides name each other in ``failure.json``; the supervisor maps each name to its address by what
+the ranks reported at their start, and its probe of the addresses tells which one the launcher cannot reach; the
+next attempt runs its 2 ranks on the first host; the link healed, the probe answers, the attempt saves and stops,
+and the last one runs 4 ranks on both hosts again.
 """
 
 import json
@@ -45,10 +48,13 @@ def _train_args(data: Path, runs: Path) -> list[str]:
 class Elastic(Watched):
     """The supervised job, its output read as it comes."""
 
-    def __init__(self, tmp_path: Path, data: Path) -> None:
+    def __init__(self, tmp_path: Path, data: Path, addresses: list[str]) -> None:
         self.runs = tmp_path / "runs"
-        mpirun = ["mpirun", *cli("env").stdout.split(), "-np", "4", sys.executable, "-m", "mpi4py", "-m",
-                  "hpcnet.train", *_train_args(data, self.runs)]
+        options = cli("env").stdout.split()
+        at = options.index("--host")
+        options[at:at + 2] = ["--host", ",".join(f"{address}:2" for address in addresses)]
+        mpirun = ["mpirun", *options, "-np", "4", sys.executable, "-m", "mpi4py", "-m", "hpcnet.train",
+                  *_train_args(data, self.runs)]
         super().__init__([sys.executable, "-m", "hpcnet.launch", "--max-restarts", "2", "--standby", "off",
                           "--backoff-s", "0", "--launcher-grace-s", "5", "--exclude-failed-hosts", "--min-ranks",
                           "2", "--probe-every-s", "1", "--probe-timeout-s", "4", "--", *mpirun], tmp_path)
@@ -79,7 +85,8 @@ def hosts(cluster):
 
 def test_a_lost_host_shrinks_the_job_and_its_return_grows_it_back(cluster, hosts, tmp_path):
     a, b = hosts
-    job = Elastic(tmp_path, tmp_path / "data")
+    ia, ib = (cluster.addresses[cluster.hostnames.index(h)] for h in hosts)
+    job = Elastic(tmp_path, tmp_path / "data", [ia, ib])
     healed = False
     try:
         job.wait_said(rf"step {FAULT_AT:2d}/{STEPS}", timeout_s=120)  # a start-up on a loaded machine
@@ -100,15 +107,18 @@ def test_a_lost_host_shrinks_the_job_and_its_return_grows_it_back(cluster, hosts
     assert status == 0, out[-4000:]
     record = json.loads((job.launch_dir() / "launch.json").read_text())
     first, second, third = record["attempts"]
-    # the partition: both sides named, the probe decides that the second host is the one lost
+    # the partition: both sides named by their host names, each mapped to its address in the launcher's list; the
+    # probe of the addresses decides that the second host is the one lost
     assert first["restartable"], first
-    assert f"{b} did not answer the probe" in out and f"{a} answered it (kept)" in out, out[-4000:]
-    assert f"shrinking: 4 -> 2 rank(s) on {a} (without {b})" in out, out[-4000:]
-    assert second["excluded_hosts"] == [b] and second["ranks"] == 2, second
-    assert f"--host {a}:2" in " ".join(second["command"]), second["command"]
+    assert all(f"{h} (the launcher's {i}: an address its ranks reported)" in out for h, i in ((a, ia), (b, ib))), \
+        out[-4000:]
+    assert f"{ib} did not answer the probe" in out and f"{ia} answered it (kept)" in out, out[-4000:]
+    assert f"shrinking: 4 -> 2 rank(s) on {ia} (without {ib})" in out, out[-4000:]
+    assert second["excluded_hosts"] == [ib] and second["ranks"] == 2, second
+    assert f"--host {ia}:2 " in " ".join(second["command"]), second["command"]
     # the host back: the shrunk attempt saved and stopped (76), the last one ran at the full size
-    assert second["grow"] == [b] and second["status"] == 76, second
-    assert f"excluded host {b} answers again" in out and "every host is back" in out, out[-4000:]
+    assert second["grow"] == [ib] and second["status"] == 76, second
+    assert f"excluded host {ib} answers again" in out and "every host is back" in out, out[-4000:]
     assert third["excluded_hosts"] == [] and third["ranks"] == 4 and third["status"] == 0, third
     assert "4 rank(s) on 2 node(s)" in job.log(1), job.log(1)[:2000]
     assert "2 rank(s) on 1 node(s)" in job.log(2), job.log(2)[:2000]

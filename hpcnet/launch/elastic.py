@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcnet.launch.command import LAUNCHER_KINDS, launcher_kind
-from hpcnet.launch.hosts import exclude_hosts
+from hpcnet.launch.hosts import RankPlace, entries_naming, exclude_hosts, same_host
 
 PROBE_EVERY_S = 5.0
 """Default of ``--probe-every-s``: how often an excluded host is asked whether it answers again."""
@@ -44,10 +44,6 @@ _PROGRAM = re.compile(r"^(python[\d.]*|hpcnet-train)$")
 
 class ElasticError(ValueError):
     """The job cannot run elastically as asked (a message for the user, naming the option or host)."""
-
-
-def _same_host(a: str, b: str) -> bool:
-    return a == b or a.split(".")[0] == b.split(".")[0]
 
 
 def _find(command: list[str], names: tuple[str, ...], stop: int | None = None) -> tuple[int, int, str] | None:
@@ -137,7 +133,7 @@ def host_slots(command: list[str], *, allocation: list[tuple[str, int]] | None =
     if found is None:
         return None
     gone = list(excluded)
-    return [(h, n) for h, n in found if not any(_same_host(h, x) for x in gone)]
+    return [(h, n) for h, n in found if not any(same_host(h, x) for x in gone)]
 
 
 def set_ranks(command: list[str], ranks: int, nodes: int | None = None, kind: str = "") -> list[str]:
@@ -230,13 +226,12 @@ class Placement:
     excluded: list[str]
     note: str
     """What the supervisor says, on one line."""
-    changed: bool = True
-    """False: the command could not be changed (``exclude_hosts`` says why in ``note``); keep the current one."""
     hostfile: str | None = None
     """The filtered hostfile to write at ``hostfile_path`` first, if one is needed."""
     hostfile_path: str | None = None
     error: str | None = None
-    """Why no attempt may follow: the hosts left hold fewer than ``min_ranks`` slots."""
+    """Why no attempt may follow: the command cannot leave the hosts out (``exclude_hosts`` says why), so the next
+    attempt would run there again; or the hosts left hold fewer than ``min_ranks`` slots."""
 
 
 def place(command: list[str], excluded: list[str], *, allocation: list[tuple[str, int]] | None,
@@ -255,8 +250,8 @@ def place(command: list[str], excluded: list[str], *, allocation: list[tuple[str
     exclusion = exclude_hosts(command, excluded, allocation=allocation, read_file=read_file,
                               hostfile_path=hostfile_path, kind=kind)
     if exclusion.command == command:
-        return Placement(list(command), list(excluded), f"excluding {', '.join(excluded)}: {exclusion.note}",
-                         changed=False)
+        return Placement(list(command), list(excluded), "",
+                         error=f"{exclusion.note}: not starting another attempt that would run there again")
     placed = Placement(exclusion.command, list(excluded), f"excluding {', '.join(excluded)}: {exclusion.note}",
                        hostfile=exclusion.hostfile, hostfile_path=exclusion.hostfile_path)
     if min_ranks is None:
@@ -274,8 +269,7 @@ def place(command: list[str], excluded: list[str], *, allocation: list[tuple[str
     try:
         fit = fit_ranks(exclusion.command, ranks, slots, min_ranks, kind)
     except ElasticError as exc:
-        return Placement(list(command), list(excluded), "", changed=False,
-                         error=f"cannot run without {', '.join(excluded)}: {exc}")
+        return Placement(list(command), list(excluded), "", error=f"cannot run without {', '.join(excluded)}: {exc}")
     placed.command = fit.command
     placed.note += f"; {fit.line(excluded)}"
     if ranks_now not in (None, fit.ranks_after, ranks):  # a host back, others still out
@@ -344,6 +338,42 @@ def unreachable(candidates: list[str], reachable: dict[str, bool] | None) -> tup
     if kept:
         parts.append(f"{', '.join(kept)} answered it (kept)")
     return lost, "; ".join(parts)
+
+
+def lost_entries(named: list[str], entries: list[str] | None, places: Iterable[RankPlace], *, excluded: list[str],
+                 resolve: Callable[[list[str]], dict[str, list[str]]],
+                 probe: Callable[[list[str]], dict[str, bool] | None]) -> tuple[list[str], str, str | None]:
+    """Which entries of the launcher's host list to leave out after a failure that names the hosts ``named``.
+
+    Each named host is mapped to the entries that are it (``hpcnet.launch.hosts.entries_naming``, by what its ranks
+    reported in ``places``); those not yet ``excluded`` are probed (``probe``: hosts -> answered, None when no probe
+    can be made), and the ones that do not answer are lost (``unreachable``).  A host that no entry is gets probed
+    by its own name: one that answers needs no exclusion, one that does not cannot be left out of a command that
+    does not name it, so no attempt may follow (it would run there again).
+
+    Returns (the entries lost, what to say, why no attempt may follow or None).
+    """
+    places = list(places)
+    mapped = {h: entries_naming(h, entries, places, resolve) for h in named}
+    targets = list(dict.fromkeys(e for found, _ in mapped.values() for e in found if e not in excluded))
+    unmapped = [h for h, (found, _) in mapped.items() if not found and h not in targets]
+    if not targets and not unmapped:
+        return [], "", None
+    lost, why = unreachable([*targets, *unmapped], probe([*targets, *unmapped]))
+    said = f"the failure names {', '.join(_as_entries(h, *mapped[h]) for h in named)}: {why}"
+    if stuck := [h for h in unmapped if h in lost]:
+        listed = f" ({', '.join(entries)})" if entries else ""
+        return [], said, (f"cannot leave out {', '.join(stuck)}: no entry of the launcher's host list{listed} is it "
+                          "(by its name, the scheduler's name for it or an address its ranks reported), and it does "
+                          "not answer the probe; not starting another attempt that would run there again")
+    return [h for h in lost if h in targets], said, None
+
+
+def _as_entries(host: str, found: list[str], how: str) -> str:
+    """A named host and the launcher's entries that are it, in words."""
+    if found == [host]:
+        return host
+    return f"{host} (the launcher's {', '.join(found)}: {how})" if found else f"{host} (no entry of the launcher's)"
 
 
 def run_probe(command: list[str], timeout_s: float, env: dict[str, str] | None,

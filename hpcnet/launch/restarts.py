@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcnet.errors import ExitCode
+from hpcnet.launch.hosts import RankPlace
 from hpcnet.paths import CKPT_NAME_RE, FAILURE_FILE
 
 RESTART_SIGNALS = (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT)
@@ -121,10 +122,11 @@ def merge_host_loss(notes: dict[str, Any] | None, found: dict[str, Any]) -> dict
     return merged
 
 
-def read_rank_hosts(directory: Path | None, kind: str) -> dict[int, str]:
-    """Rank -> host from the ranks' reports ``<kind>.<rank>`` in ``directory`` (``hpcnet.launch.stop.report_rank``:
-    "<size> <pid> <time> <host>"); {} when there are none."""
-    found: dict[int, str] = {}
+def read_rank_places(directory: Path | None, kind: str) -> dict[int, RankPlace]:
+    """Rank -> where it ran, from the ranks' reports ``<kind>.<rank>`` in ``directory``
+    (``hpcnet.launch.stop.report_rank``: "<size> <pid> <time> <host> <addresses> <node>", the last two absent in
+    the reports of an earlier hpcnet); {} when there are none."""
+    found: dict[int, RankPlace] = {}
     if directory is None:
         return found
     try:
@@ -138,8 +140,15 @@ def read_rank_hosts(directory: Path | None, kind: str) -> dict[int, str]:
         except OSError:
             continue
         if rank.isdigit() and len(fields) >= 4 and fields[3]:
-            found[int(rank)] = fields[3]
+            addresses, node = (fields + ["-", "-"])[4:6]
+            found[int(rank)] = RankPlace(fields[3], tuple(a for a in addresses.split(",") if a not in ("", "-")),
+                                         "" if node == "-" else node)
     return found
+
+
+def read_rank_hosts(directory: Path | None, kind: str) -> dict[int, str]:
+    """Rank -> host from the ranks' reports (``read_rank_places``); {} when there are none."""
+    return {rank: place.host for rank, place in read_rank_places(directory, kind).items()}
 
 
 def lost_host(failure: dict[str, Any] | None, launcher: dict[str, Any] | None, rank_hosts: dict[int, str], *,

@@ -29,6 +29,8 @@ RANK_ENVS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID", "PMI_RANK")
 """Where launchers put a rank's number before MPI is initialised."""
 SIZE_ENVS = ("OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS", "PMI_SIZE")
 """... and the number of ranks."""
+NODE_ENVS = ("SLURMD_NODENAME",)
+"""... and the scheduler's name for the node (what its node list and ``srun --exclude`` use)."""
 SUPERVISOR_SIGNALS = (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT, signal.SIGHUP)
 """What ``hpcnet.launch`` passes on to the job (and blocks from its first line until it handles them)."""
 READY = "ready"
@@ -82,18 +84,27 @@ def env_int(names: tuple[str, ...]) -> int | None:
 
 
 def report_rank(directory: Path, kind: str) -> None:
-    """Write ``<kind>.<rank>`` into ``directory``: "<number of ranks> <pid> <time> <host>" (the number, on rank 0 at
-    least, tells the reader how many reports to expect; the host tells the supervisor which ranks a lost host
-    ran); best effort, a report that cannot be written only makes
-    its reader wait longer. A process that no launcher numbered is a job of one."""
+    """Write ``<kind>.<rank>`` into ``directory``: "<number of ranks> <pid> <time> <host> <addresses> <node>" (the
+    number, on rank 0 at least, tells the reader how many reports to expect; the host, its IPv4 addresses and the
+    scheduler's name for it tell the supervisor which ranks a lost host ran and which entry of the launcher's host
+    list it is, ``hpcnet.launch.hosts.entries_naming``; '-' for none); best effort, a report that cannot be written
+    only makes its reader wait longer. A process that no launcher numbered is a job of one."""
     rank, size = env_int(RANK_ENVS), env_int(SIZE_ENVS)
     if rank is None and size is None:
         rank, size = 0, 1
+    node = next((os.environ[name] for name in NODE_ENVS if os.environ.get(name, "").strip()), "-")
+    # Imported here, once the stop handler is installed: the module is imported before it, as the first thing.
+    from hpcnet.comm.netif import interfaces
+
+    try:
+        addresses = ",".join(i.address for i in interfaces()) or "-"
+    except OSError:  # no /sys/class/net to read: the host is still named
+        addresses = "-"
     try:
         directory.mkdir(parents=True, exist_ok=True)
         name = f"{kind}.{rank if rank is not None else os.getpid()}"
         (directory / name).write_text(f"{size if size is not None else ''} {os.getpid()} {time.time():.3f} "
-                                     f"{socket.gethostname()}\n")
+                                     f"{socket.gethostname()} {addresses} {node.split()[0]}\n")
     except OSError:
         pass
 

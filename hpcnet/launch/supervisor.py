@@ -67,15 +67,16 @@ from hpcnet.launch.elastic import (
     HostWatch,
     check_template,
     elastic_ranks,
+    host_slots,
     known_kind,
+    lost_entries,
     place,
     probe_command,
     probe_hosts,
     ranks_of,
-    unreachable,
 )
 from hpcnet.launch.forward import Forwarder, ranks_ready, ranks_started, stop_status
-from hpcnet.launch.hosts import slurm_allocation
+from hpcnet.launch.hosts import RESOLVE_TIMEOUT_S, resolve_all, slurm_allocation
 from hpcnet.launch.park import RELEASE_SIGNAL
 from hpcnet.launch.restarts import (
     RestartBudget,
@@ -96,6 +97,7 @@ from hpcnet.launch.restarts import (
     normalise_status,
     read_failure,
     read_rank_hosts,
+    read_rank_places,
 )
 from hpcnet.launch.standby import (
     IMPORTED_FILE,
@@ -756,20 +758,31 @@ def _why_final(record: Attempt, received: int) -> str | None:
 
 
 def _exclude_failed_hosts(job: _Job, record: Attempt) -> str | None:
-    """Leave the hosts that ``record``'s failure names out of the next attempts: those of them that do not answer
-    the launcher's probe (``hpcnet.launch.elastic.unreachable``; all of them where no probe can be made).  Returns
-    why no attempt may follow (elastic: the hosts left hold fewer than ``--min-ranks``), else None."""
+    """Leave the hosts that ``record``'s failure names out of the next attempts: the entries of the launcher's host
+    list that are them (by what their ranks reported, in every attempt's ready reports) and do not answer the
+    launcher's probe (``hpcnet.launch.elastic.lost_entries``).  Returns why no attempt may follow (a host that does
+    not answer and that the command cannot leave out; elastic: the hosts left hold fewer than ``--min-ranks``),
+    else None."""
     lost = [record.lost_host["host"]] if record.lost_host and record.lost_host.get("host") else []
-    candidates = [h for h in dict.fromkeys([*lost, *failed_where(record.failure)[1]]) if h not in job.excluded]
-    if not candidates:
+    named = list(dict.fromkeys([*lost, *failed_where(record.failure)[1]]))
+    if not named:
         return None
-    reachable = probe_hosts(candidates, functools.partial(_probe_for, job), job.probe_timeout_s, job.probe_env,
-                            _reap_probe)
-    hosts, why = unreachable(candidates, reachable)
-    if reachable is not None:
-        _say(f"the failure names {', '.join(candidates)}: {why}")
-    if not hosts:
-        return None
+    places = [place for a in job.attempts if a.run_dir
+              for place in read_rank_places(ready_dir(job.launch_dir, a.attempt), READY).values()]
+    try:
+        slots = host_slots(job.command, allocation=job.allocation, read_file=lambda p: Path(p).read_text(),
+                           kind=job.launcher)
+    except (ElasticError, OSError):  # exclude_hosts says what is wrong with the host list
+        slots = None
+    probe = functools.partial(probe_hosts, make=functools.partial(_probe_for, job), timeout_s=job.probe_timeout_s,
+                              env=job.probe_env, reap=_reap_probe)
+    hosts, said, final = lost_entries(named, None if slots is None else [h for h, _ in slots], places,
+                                      excluded=job.excluded, probe=probe,
+                                      resolve=functools.partial(resolve_all, timeout_s=RESOLVE_TIMEOUT_S))
+    if said:
+        _say(said)
+    if final is not None or not hosts:
+        return final
     return _place(job, [*job.excluded, *hosts])
 
 
@@ -783,17 +796,17 @@ def _reap_probe(sid: int) -> None:
 
 def _place(job: _Job, excluded: list[str]) -> str | None:
     """Set the next attempts' command to the user's without ``excluded`` (``hpcnet.launch.elastic.place``) and say
-    so.  Returns why no attempt may follow (elastic: too few slots left), else None."""
+    so.  Returns why no attempt may follow (the command cannot leave them out; elastic: too few slots left), else
+    None: an exclusion is said only once the next attempts' command carries it."""
     placed = place(job.command, excluded, allocation=job.allocation, min_ranks=job.min_ranks, ranks=job.ranks,
                    ranks_now=ranks_of(job.base, job.launcher) if job.min_ranks is not None else None,
                    read_file=lambda p: Path(p).read_text(),
                    hostfile_path=str(job.launch_dir / f"hostfile.attempt-{len(job.attempts) + 1}"), kind=job.launcher)
     if placed.error:
         return placed.error
-    if placed.changed:
-        if placed.hostfile is not None and placed.hostfile_path is not None:
-            Path(placed.hostfile_path).write_text(placed.hostfile)
-        job.base, job.excluded = placed.command, placed.excluded
+    if placed.hostfile is not None and placed.hostfile_path is not None:
+        Path(placed.hostfile_path).write_text(placed.hostfile)
+    job.base, job.excluded = placed.command, placed.excluded
     _say(placed.note)
     return None
 

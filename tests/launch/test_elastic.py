@@ -14,6 +14,7 @@ from hpcnet.launch.elastic import (
     check_template,
     fit_ranks,
     host_slots,
+    lost_entries,
     parse_host_list,
     parse_hostfile,
     place,
@@ -25,7 +26,18 @@ from hpcnet.launch.elastic import (
     set_ranks,
     unreachable,
 )
-from hpcnet.launch.supervisor import _elastic_setup, _Job, _place, main, reap_session, supervise
+from hpcnet.launch.restarts import read_rank_places
+from hpcnet.launch.supervisor import (
+    Attempt,
+    _elastic_setup,
+    _exclude_failed_hosts,
+    _Job,
+    _place,
+    main,
+    reap_session,
+    supervise,
+)
+from hpcnet.paths import ready_dir
 
 TRAIN = [sys.executable, "-m", "mpi4py", "-m", "hpcnet.train", "train.steps=3"]
 AGENT = ["--mca", "plm_rsh_agent", "/c/agent.sh", "-x", "PATH", "--allow-run-as-root"]
@@ -146,7 +158,9 @@ def test_the_supervisor_shrinks_to_the_survivors_and_grows_back(tmp_path):
     assert _place(job, ["b"]) is None
     assert ranks_of(job.base) == 2 and "a:2" in job.base and job.excluded == ["b"]
     assert _place(job, []) is None and job.base == cmd and job.excluded == []
-    assert _place(job, ["a", "b"]) is None and job.base == cmd  # nobody left: unchanged, as exclude_hosts says
+    # nobody left: the command cannot carry the exclusion, so no attempt follows (it would run there again)
+    assert _place(job, ["a", "b"]) == ("not excluding a, b: no host would be left: not starting another attempt that "
+                                       "would run there again") and job.base == cmd
     assert _elastic_setup(job, 3) is None
     assert _place(job, ["b"]) == "cannot run without b: the hosts left (a) hold 2 slot(s), fewer than --min-ranks 3"
     # a hostfile: the filtered one is written for the next attempt
@@ -164,12 +178,54 @@ def test_the_supervisor_shrinks_to_the_survivors_and_grows_back(tmp_path):
     assert job.base[:4] == ["srun", "--exclude=n2", "-n", "4"]
 
 
+def test_a_partition_leaves_out_the_launchers_entry_of_the_host_its_ranks_named(tmp_path):
+    """The ranks call their hosts hh1 and hh2, names the launching host cannot resolve; the launcher lists their
+    addresses.  After hh2's link is cut both sides name each other: the supervisor maps each to its entry by the
+    addresses their ranks reported, probes the entries (not the names), and leaves out the one that does not
+    answer, in the command the next attempt runs."""
+    cmd = ["mpirun", *AGENT, "--host", "10.78.0.1:2,10.78.0.2:2", "-np", "4", *TRAIN]
+    job = _job(tmp_path, cmd)
+    job.probe_template = "test {host} = 10.78.0.1"  # only 10.78.0.1 answers
+    ready = ready_dir(tmp_path, 1)
+    ready.mkdir()
+    for rank, (host, address) in enumerate([("hh1", "10.78.0.1")] * 2 + [("hh2", "10.78.0.2")] * 2):
+        (ready / f"ready.{rank}").write_text(f"4 {100 + rank} 1.0 {host} {address},172.17.0.1 -\n")
+    failure = {"kind": "heartbeat", "failed": [{"rank": 0, "host": "hh1"}, {"rank": 2, "host": "hh2"}]}
+    record = Attempt(attempt=1, command=cmd, run_dir=str(tmp_path / "attempt-1"), start_unix=0.0, failure=failure)
+    job.attempts.append(record)
+    assert _exclude_failed_hosts(job, record) is None
+    assert job.excluded == ["10.78.0.2"] and "10.78.0.1:2" in job.base and "10.78.0.1:2,10.78.0.2:2" not in job.base
+    # the same through the pure step, and what is said
+    probe = {"10.78.0.1": True, "10.78.0.2": False, "hh1": False, "hh2": False}
+    places = read_rank_places(ready, "ready").values()
+    lost, said, final = lost_entries(["hh1", "hh2"], ["10.78.0.1", "10.78.0.2"], places, excluded=[],
+                                     resolve=lambda names: {}, probe=lambda hosts: {h: probe[h] for h in hosts})
+    assert (lost, final) == (["10.78.0.2"], None)
+    assert said == ("the failure names hh1 (the launcher's 10.78.0.1: an address its ranks reported), hh2 (the "
+                    "launcher's 10.78.0.2: an address its ranks reported): 10.78.0.2 did not answer the probe; "
+                    "10.78.0.1 answered it (kept)")
+    # nothing joins a host to an entry (no report names its address): said, and no attempt follows
+    lost, said, final = lost_entries(["hh2"], ["10.78.0.1", "10.78.0.2"], [], excluded=[],
+                                     resolve=lambda names: {}, probe=lambda hosts: {h: probe[h] for h in hosts})
+    assert lost == [] and said == "the failure names hh2 (no entry of the launcher's): hh2 did not answer the probe"
+    assert final == ("cannot leave out hh2: no entry of the launcher's host list (10.78.0.1, 10.78.0.2) is it (by its "
+                     "name, the scheduler's name for it or an address its ranks reported), and it does not answer "
+                     "the probe; not starting another attempt that would run there again")
+    job = _job(tmp_path, cmd)
+    job.probe_template = "test {host} = 10.78.0.1"
+    record = Attempt(attempt=1, command=cmd, run_dir=None, start_unix=0.0, failure={"rank": 2, "host": "hh2"})
+    assert _exclude_failed_hosts(job, record) == final and job.base == cmd and job.excluded == []
+    # a host that answers needs no entry: a rank the OOM killer took leaves its host usable
+    assert lost_entries(["hh1"], ["10.78.0.1"], [], excluded=[], resolve=lambda names: {},
+                        probe=lambda hosts: dict.fromkeys(hosts, True))[::2] == ([], None)
+
+
 def test_place_says_what_it_did_in_one_line():
     cmd = ["mpirun", "--host", "a:2,b:2,c:2", "-np", "6", *TRAIN]
     common = {"allocation": None, "read_file": lambda p: "", "hostfile_path": "hf"}
     shrunk = place(cmd, ["c"], min_ranks=2, ranks=6, ranks_now=6, **common)
     assert shrunk.note == ("excluding c: mpirun --host a:2,b:2; shrinking: 6 -> 4 rank(s) on a, b (without c); the run "
-                           "resumes at the smaller world size") and shrunk.changed and shrunk.error is None
+                           "resumes at the smaller world size") and shrunk.error is None
     partly = place(cmd, ["c"], min_ranks=2, ranks=6, ranks_now=2, **common)  # b came back, c is still out
     assert partly.note.endswith("shrinking: 6 -> 4 rank(s) on a, b (without c); the run resumes at the smaller "
                                 "world size (from 2 rank(s) now: 2 -> 4)")
@@ -179,7 +235,7 @@ def test_place_says_what_it_did_in_one_line():
     kept = place(cmd, ["c"], min_ranks=None, ranks=0, ranks_now=None, **common)
     assert ranks_of(kept.command) == 6 and kept.note == "excluding c: mpirun --host a:2,b:2"
     short = place(cmd, ["b", "c"], min_ranks=3, ranks=6, ranks_now=6, **common)
-    assert not short.changed and short.error == ("cannot run without b, c: the hosts left (a) hold 2 slot(s), fewer "
+    assert short.command == cmd and short.error == ("cannot run without b, c: the hosts left (a) hold 2 slot(s), fewer "
                                                  "than --min-ranks 3")
 
 

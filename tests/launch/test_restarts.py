@@ -5,6 +5,7 @@ import signal
 
 import pytest
 
+from hpcnet.launch.hosts import RankPlace
 from hpcnet.launch.restarts import (
     RestartBudget,
     backoff_s,
@@ -24,6 +25,7 @@ from hpcnet.launch.restarts import (
     normalise_status,
     read_failure,
     read_rank_hosts,
+    read_rank_places,
 )
 
 
@@ -250,3 +252,20 @@ def test_the_ranks_hosts_come_from_their_ready_reports(tmp_path, monkeypatch):
 
     assert read_rank_hosts(tmp_path, READY) == {0: socket.gethostname(), 1: socket.gethostname(), 2: "hostB"}
     assert read_rank_hosts(None, READY) == {} and read_rank_hosts(tmp_path / "none", READY) == {}
+
+
+def test_the_ready_reports_say_which_addresses_and_scheduler_node_each_rank_had(tmp_path, monkeypatch):
+    """What the supervisor maps a failed host to the launcher's entry by (``hpcnet.launch.hosts.entries_naming``)."""
+    import socket
+
+    from hpcnet.comm.netif import interfaces
+    from hpcnet.launch.stop import READY, report_rank
+
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    monkeypatch.setenv("SLURMD_NODENAME", "node07")
+    report_rank(tmp_path, READY)
+    (tmp_path / "ready.1").write_text("2 123 1.0 hostB 10.0.0.2,192.168.1.2 -\n")
+    (tmp_path / "ready.2").write_text("2 123 1.0 hostC\n")  # an earlier hpcnet's report
+    places = read_rank_places(tmp_path, READY)
+    assert places[0] == RankPlace(socket.gethostname(), tuple(i.address for i in interfaces()), "node07")
+    assert places[1] == RankPlace("hostB", ("10.0.0.2", "192.168.1.2")) and places[2] == RankPlace("hostC")
