@@ -136,6 +136,17 @@ def host_slots(command: list[str], *, allocation: list[tuple[str, int]] | None =
     return [(h, n) for h, n in found if not any(same_host(h, x) for x in gone)]
 
 
+def host_names(command: list[str], *, allocation: list[tuple[str, int]] | None,
+               read_file: Callable[[str], str], kind: str = "") -> list[str] | None:
+    """The hosts of the launcher's list (``host_slots``); None when it has none, or cannot be read
+    (``exclude_hosts`` then says what is wrong with it)."""
+    try:
+        slots = host_slots(command, allocation=allocation, read_file=read_file, kind=kind)
+    except (ElasticError, OSError):
+        return None
+    return None if slots is None else [h for h, _ in slots]
+
+
 def set_ranks(command: list[str], ranks: int, nodes: int | None = None, kind: str = "") -> list[str]:
     """``command`` with ``ranks`` ranks: mpirun's ``-np`` or srun's ``-n`` rewritten (added when absent); srun's
     ``-N`` lowered to ``nodes`` when it asks for more."""

@@ -67,7 +67,7 @@ from hpcnet.launch.elastic import (
     HostWatch,
     check_template,
     elastic_ranks,
-    host_slots,
+    host_names,
     known_kind,
     lost_entries,
     place,
@@ -769,15 +769,11 @@ def _exclude_failed_hosts(job: _Job, record: Attempt) -> str | None:
         return None
     places = [place for a in job.attempts if a.run_dir
               for place in read_rank_places(ready_dir(job.launch_dir, a.attempt), READY).values()]
-    try:
-        slots = host_slots(job.command, allocation=job.allocation, read_file=lambda p: Path(p).read_text(),
-                           kind=job.launcher)
-    except (ElasticError, OSError):  # exclude_hosts says what is wrong with the host list
-        slots = None
+    entries = host_names(job.command, allocation=job.allocation, read_file=lambda p: Path(p).read_text(),
+                         kind=job.launcher)
     probe = functools.partial(probe_hosts, make=functools.partial(_probe_for, job), timeout_s=job.probe_timeout_s,
                               env=job.probe_env, reap=_reap_probe)
-    hosts, said, final = lost_entries(named, None if slots is None else [h for h, _ in slots], places,
-                                      excluded=job.excluded, probe=probe,
+    hosts, said, final = lost_entries(named, entries, places, excluded=job.excluded, probe=probe,
                                       resolve=functools.partial(resolve_all, timeout_s=RESOLVE_TIMEOUT_S))
     if said:
         _say(said)
