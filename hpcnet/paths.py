@@ -1,4 +1,5 @@
-"""Where a run's files go and what they are called, and the environment variables hpcnet reads.
+"""Where a run's files go and what they are called, the environment variables hpcnet reads, and what kind of file
+a path a user gives is (``file_kind``).
 
 The one home of the names that the trainer, the checkpoint store, the monitor
 and the restart supervisor must agree on (docs/outputs.md and docs/checkpoints.md
@@ -6,7 +7,9 @@ describe what the files hold).  Torch-free and dependency-free: ``hpcnet.launch`
 imports it.
 """
 
+import os
 import re
+import stat
 import time
 from pathlib import Path
 
@@ -117,3 +120,27 @@ def checkpoint_tmp_name(step: int, token: str) -> str:
     to, a link planted at a name known in advance would redirect the write.
     """
     return f"{checkpoint_name(step)}.{token}{TMP_SUFFIX}"
+
+
+_SPECIAL_KINDS = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+                  (stat.S_ISBLK, "block device"))
+
+
+def file_kind(path: str | os.PathLike[str]) -> str:
+    """What ``path`` names, following links: 'file' (a regular one), 'directory', 'missing', or a special file's
+    kind ('FIFO', 'socket', 'character device', 'block device').
+
+    Every reader of a path a user gives asks this before opening it: opening a
+    FIFO waits for a writer and a device may never end, while ``stat`` waits
+    for neither.  A writer asks it too, so that it never replaces a device or a
+    FIFO with a file.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return "missing"
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISDIR(mode):
+        return "directory"
+    return next((kind for test, kind in _SPECIAL_KINDS if test(mode)), "special file")

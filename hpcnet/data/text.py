@@ -29,6 +29,7 @@ import numpy as np
 
 from hpcnet.data.arrays import Arrays
 from hpcnet.errors import DatasetError
+from hpcnet.paths import file_kind
 
 BYTES = "bytes"
 """``--tokenizer bytes``: every byte is a token."""
@@ -124,12 +125,13 @@ def load_tokenizer(name: str | os.PathLike[str]) -> TextTokenizer:
     path = Path(name)
     if path.is_dir() and (path / "tokenizer.json").is_file():
         path = path / "tokenizer.json"
-    if not path.exists():
+    kind = file_kind(path)
+    if kind == "missing":
         raise DatasetError(f"{path} (--tokenizer): no such file; give a tokenizer.json or 'bytes'")
-    if path.is_dir():
+    if kind == "directory":
         raise DatasetError(f"{path} (--tokenizer) is a directory without a tokenizer.json")
-    if not path.is_file():
-        raise DatasetError(f"{path} (--tokenizer) is not a regular file")
+    if kind != "file":
+        raise DatasetError(f"{path} (--tokenizer) is a {kind}, not a regular file")
     try:
         from tokenizers import Tokenizer
     except ImportError:
@@ -164,12 +166,13 @@ def check_text_files(files: Sequence[str | os.PathLike[str]]) -> list[Path]:
         raise DatasetError("--text needs at least one file")
     paths = [Path(f) for f in files]
     for path in paths:
-        if path.is_dir():
+        kind = file_kind(path)  # a pipe would be read once, and opening one here could wait for its writer
+        if kind == "directory":
             raise DatasetError(f"{path} (--text) is a directory; give the text files in it (e.g. {path}/*.txt)")
-        if not path.exists():
+        if kind == "missing":
             raise DatasetError(f"{path} (--text): no such file")
-        if not path.is_file():  # a pipe would be read once, and opening one here could wait for its writer
-            raise DatasetError(f"{path} (--text) is not a regular file")
+        if kind != "file":
+            raise DatasetError(f"{path} (--text) is a {kind}, not a regular file")
         try:
             with open(path, "rb"):
                 pass

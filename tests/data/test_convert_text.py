@@ -3,6 +3,7 @@ open_split with bytes and with tokenizers built here, pieces that tokenize as th
 message, nothing left by a failure, and a short training on the converted file."""
 
 import math
+import os
 import random
 import sys
 
@@ -264,6 +265,7 @@ def test_not_utf8_names_the_byte_of_the_file_in_a_later_piece(tokenizers, tmp_pa
 BAD = [
     (["--text", "missing.txt", "--seq-len", "4"], "missing.txt (--text): no such file"),
     (["--text", "a.txt", "adir", "--seq-len", "4"], "adir (--text) is a directory; give the text files in it"),
+    (["--text", "a.txt", "pipe", "--seq-len", "4"], "pipe (--text) is a FIFO, not a regular file"),
     (["--text", "a.txt", "--seq-len", "0"], "--seq-len must be a positive integer, got 0"),
     (["--text", "a.txt"], "--text needs --seq-len T"),
     (["--text", "short.txt", "--seq-len", "8"],
@@ -277,6 +279,7 @@ BAD = [
      "nope.json (--tokenizer): no such file; give a tokenizer.json or 'bytes'"),
     (["--text", "a.txt", "--seq-len", "4", "--tokenizer", "adir"],
      "adir (--tokenizer) is a directory without a tokenizer.json"),
+    (["--text", "a.txt", "--seq-len", "4", "--tokenizer", "pipe"], "pipe (--tokenizer) is a FIFO, not a regular file"),
     (["--text", "a.txt", "--seq-len", "4", "--npz", "a.npz", "--inputs", "x", "--targets", "y"],
      "give --text or --npz, not both: --text makes the rows from text files"),
     (["--text", "a.txt", "--seq-len", "4", "--inputs-npy", "x.npy"], "give --text or --inputs-npy, not both"),
@@ -297,6 +300,7 @@ def test_each_bad_input_is_one_line_naming_it(args, expected, tokenizers, tmp_pa
     (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1") + b"\n")
     (tmp_path / "junk.json").write_text("not a tokenizer")
     (tmp_path / "adir").mkdir()
+    os.mkfifo(tmp_path / "pipe")  # never opened: opening it would wait for a writer
     np.savez(tmp_path / "a.npz", x=np.zeros((4, 2), np.int64), y=np.zeros((4, 2), np.int64))
     before = sorted(p.name for p in tmp_path.iterdir())
     args = [str(tokenizers["word-level"]) if a == "WORDS" else a for a in args]
