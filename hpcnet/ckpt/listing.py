@@ -45,7 +45,10 @@ def scan(directory: Path) -> tuple[list[CheckpointInfo], list[Path]]:
         return [], []
     for entry in entries:
         if CKPT_NAME_RE.match(entry):
-            committed.append(read_info(directory / entry))
+            info = read_info(directory / entry)
+            if info.kind == "unreadable" and not os.path.lexists(info.path):
+                continue  # deleted since the listing: pruned by the run that saves here, not damaged
+            committed.append(info)
         elif CKPT_TMP_RE.match(entry):
             stale.append(directory / entry)
     return sorted(committed, key=lambda i: i.commit_order), stale

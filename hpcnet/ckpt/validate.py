@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from hpcnet.ckpt.schema import FORMAT, FORMAT_VERSION, HASHES, MAX_JSON_BYTES, UID_RE, parse_index, sha256_hex
-from hpcnet.paths import CKPT_NAME_RE
+from hpcnet.paths import CKPT_NAME_RE, file_kind
 
 _ATTR_TYPES: dict[str, type] = {
     "format": str, "format_version": int, "kind": str, "step": int, "uid": str, "parent": str,
@@ -70,9 +70,16 @@ def read_attrs(f: Any, path: Path) -> dict[str, Any]:
 
 
 def open_read(path: Path) -> Any:
-    """Open a checkpoint with serial h5py, read-only, no file locks (committed files never change)."""
+    """Open a checkpoint with serial h5py, read-only, no file locks (committed files never change).
+
+    Raises:
+        ValueError: ``path`` is a FIFO or a device (opening it could wait forever), before it is opened.
+    """
     import h5py
 
+    kind = file_kind(path)
+    if kind not in ("file", "missing", "directory"):  # the last two: h5py's own OSError, with its errno
+        raise ValueError(f"{str(path)!r} is a {kind}, not a checkpoint file")
     return h5py.File(path, "r", locking=False)
 
 

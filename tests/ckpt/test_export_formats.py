@@ -1,8 +1,12 @@
 """``python -m hpcnet.ckpt export --format pt|safetensors|hf``: what torch, safetensors readers and
 ``from_pretrained`` load, from short in-process training runs."""
 
+import errno
 import io
 import json
+import os
+import stat
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +14,7 @@ from mpi4py import MPI
 
 from hpcnet.ckpt.export import unaliased, write_safetensors
 from hpcnet.ckpt.tool import main as ckpt_main
+from hpcnet.errors import UsageError
 from hpcnet.models import build_model
 from hpcnet.train import run
 from tests.helpers.data import tiny_images
@@ -154,13 +159,98 @@ def test_hf_export_of_a_sequence_classifier_keeps_its_labels(tmp_path):
     info = type("Info", (), {"kind": "sequence", "input_shape": (16,), "num_classes": 5})()
     model = build_model("", info, {"pad_token_id": 0}, hf=str(config)).eval()
     assert write_hf(model.state_dict(), str(config), {"pad_token_id": 0}, tmp_path / "out") == \
-        "GPT2ForSequenceClassification"
+        ("GPT2ForSequenceClassification", [])
     loaded, loading = transformers.AutoModelForSequenceClassification.from_pretrained(
         tmp_path / "out", output_loading_info=True)
     assert not any(loading.values()) and loaded.config.num_labels == 5 and loaded.config.pad_token_id == 0
     tokens = torch.randint(1, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(loaded.eval()(tokens).logits, model(tokens).logits)
+
+
+def _lm_state(config):
+    """A fresh causal LM's state dict, built from the tiny GPT-2's ``config``."""
+    from hpcnet.data.info import DatasetInfo
+
+    return build_model("", DatasetInfo("tokens", (16,), 256), {}, hf=str(config)).state_dict()
+
+
+def test_hf_export_copies_only_regular_tokenizer_files_and_never_widens_them(tmp_path):
+    """A model directory's tokenizer.json linked to a private file is left out, said so, not copied 0644 into a
+    directory meant to be shared; a copy is no more readable than its source; a FIFO is neither copied nor waited
+    on, and one at -o is refused."""
+    from hpcnet.ckpt.export import write_hf
+
+    config = write_config(tmp_path / "gpt2")
+    secret = tmp_path / "secret.json"
+    secret.write_text("private")
+    secret.chmod(0o600)
+    (tmp_path / "gpt2" / "tokenizer.json").symlink_to(secret)
+    (tmp_path / "gpt2" / "vocab.json").write_text("{}")
+    (tmp_path / "gpt2" / "vocab.json").chmod(0o640)
+    os.mkfifo(tmp_path / "gpt2" / "merges.txt")
+    umask = os.umask(0o022)
+    try:
+        name, left_out = write_hf(_lm_state(config), str(config.parent), {}, tmp_path / "out")  # the directory
+    finally:
+        os.umask(umask)
+    out = tmp_path / "out"
+    assert name == "GPT2LMHeadModel" and not (out / "tokenizer.json").exists() and not (out / "merges.txt").exists()
+    assert [n for n in left_out if "tokenizer.json" in n and "symbolic link" in n]
+    assert [n for n in left_out if "merges.txt" in n and "not a regular file" in n]
+    assert stat.S_IMODE((out / "vocab.json").stat().st_mode) == 0o640
+    assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o644  # written here: the umask's
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(UsageError, match="is a FIFO, not a directory"):
+        write_hf(_lm_state(config), str(config), {}, tmp_path / "fifo")
+    assert stat.S_ISFIFO((tmp_path / "fifo").stat().st_mode)
+
+
+def test_hf_export_into_the_working_directory_replaces_its_files_in_place(tmp_path, monkeypatch):
+    """``-o .`` from inside an earlier export: the caller's working directory stays (never renamed away and made
+    anew), with the new export's files and nothing else, and from_pretrained('.') loads it."""
+    from hpcnet.ckpt.export import write_hf
+
+    config = write_config(tmp_path / "gpt2")
+    state = _lm_state(config)
+    out = tmp_path / "out"
+    write_hf(state, str(config), {}, out, {"step": 1})
+    names, inode = sorted(p.name for p in out.iterdir()), out.stat().st_ino
+    monkeypatch.chdir(out)
+    write_hf(state, str(config), {}, Path("."), {"step": 2})
+    assert os.getcwd() == str(out) and Path(".").stat().st_ino == inode
+    assert sorted(p.name for p in out.iterdir()) == names  # no staging folder left
+    assert json.loads(Path("hpcnet-export.json").read_text())["step"] == 2
+    transformers.AutoModelForCausalLM.from_pretrained(".")
+
+
+@pytest.mark.parametrize("fail_at", [1, 6])
+def test_a_failed_hf_export_over_an_earlier_one_leaves_that_one_whole(tmp_path, monkeypatch, fail_at):
+    """A rename into the output directory fails (the first, or one part way through): every file of the earlier
+    export is back, byte for byte, and nothing else is there."""
+    from hpcnet.ckpt.export import write_hf
+
+    config = write_config(tmp_path / "gpt2")
+    state = _lm_state(config)
+    out = tmp_path / "out"
+    write_hf(state, str(config), {}, out, {"step": 1})
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    moves = []
+
+    def failing(real):
+        def rename(src, dst, *args, **kwargs):
+            if out in (Path(dst), Path(dst).parent, Path(src).parent):  # into, or out of, the output directory
+                moves.append(dst)
+                if len(moves) == fail_at:
+                    raise OSError(errno.EIO, "injected")
+            return real(src, dst, *args, **kwargs)
+        return rename
+    monkeypatch.setattr(os, "rename", failing(os.rename))
+    monkeypatch.setattr(os, "replace", failing(os.replace))
+    with pytest.raises(OSError, match="injected"):
+        write_hf(state, str(config), {}, out, {"step": 2})
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def _tokens_info():

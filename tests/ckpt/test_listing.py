@@ -31,6 +31,23 @@ def test_scan_goes_by_commit_order_and_finds_what_did_not_finish(single_process,
     assert read_info(tmp_path / "ckpt-0000000030.h5") == infos[0]
 
 
+def test_a_checkpoint_deleted_while_the_directory_is_scanned_is_not_listed(single_process, tmp_path, monkeypatch):
+    """A run that saves into the directory prunes files between the scan's listing and its opening them: gone, not
+    'unreadable' (which a resume would set aside and the tool would show as damaged)."""
+    from hpcnet.ckpt import listing as listing_module
+
+    _saved(tmp_path, [1, 2])
+    real = listing_module.open_read
+
+    def open_read(path):
+        if path.name == "ckpt-0000000001.h5":
+            path.unlink()
+        return real(path)
+    monkeypatch.setattr(listing_module, "open_read", open_read)
+    infos, _ = scan(tmp_path)
+    assert [(i.step, i.kind) for i in infos] == [(2, "full")]
+
+
 def test_listing_is_names_and_sizes_without_opening_files(single_process, tmp_path):
     _saved(tmp_path, [1])
     (tmp_path / "ckpt-0000000002.h5").write_text("x" * 7)
