@@ -204,7 +204,15 @@ def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.dev
     dist_cfg = dist_cfg or DistConfig()  # hpcnet's defaults unless --dist says otherwise
     dp = DataParallel(model_h, comm, world, dist_cfg, device=device,
                       plan=decide_plan(comm, world, dist_cfg, device_type=device.type))
-    contenders = [Contender("hpcnet", model_h, lambda x, y: dp.step([(x, y)], compute_loss), updater(model_h)[1], dp)]
+    update_h = updater(model_h)[1]  # at stage 0 torch's clip and step, as DDP's: the same weights, bit for bit
+    if dist_cfg.zero:  # the gradients are the owners': the optimizer sharded by the plan, the clip collective
+        optimizer_h = dp.shard_optimizer(build_optimizer(model_h, optim_cfg, fused=settings.fused_optimizer))
+
+        def update_h() -> None:
+            if optim_cfg.grad_clip > 0:
+                dp.clip_grad_norm_(optim_cfg.grad_clip)
+            optimizer_h.step()
+    contenders = [Contender("hpcnet", model_h, lambda x, y: dp.step([(x, y)], compute_loss), update_h, dp)]
 
     model_d = copy.deepcopy(base)
     ddp = DistributedDataParallel(model_d, device_ids=[device] if device.type == "cuda" else None)  # its defaults
@@ -308,16 +316,16 @@ def bench_model(name: str, spec: ModelSpec, comm: Any, world: Any, args: argpars
             for c in contenders:
                 profiles[c.name] = profile_block(c, batches, position[c.name], args.profile_steps, comm, device)
                 position[c.name] += args.profile_steps
-        # Same start, same data, same number of steps: hpcnet and DDP should hold
-        # (nearly) the same weights; a large difference means they did not train alike.
-        diff = max((a - b).abs().max().item() for a, b in zip(contenders[0].model.parameters(),
-                                                                 contenders[1].model.parameters()))
-        diff = comm.allreduce(diff, op=MPI.MAX)
         link = gather_link(comm, link_per_step if reads_link else None)
     finally:
         for c in contenders:
             if c.dp is not None:
-                c.dp.close()
+                c.dp.close()  # dist.zero=3: the parameters whole again
+    # Same start, same data, same number of steps: hpcnet and DDP should hold
+    # (nearly) the same weights; a large difference means they did not train alike.
+    diff = max((a - b).abs().max().item() for a, b in zip(contenders[0].model.parameters(),
+                                                             contenders[1].model.parameters()))
+    diff = comm.allreduce(diff, op=MPI.MAX)
     result = _model_result(name, spec, contenders, seconds, profiles, diff, batch_size, world.size, args, link,
                            measured_gbit)
     result["device_settings"] = settings.describe()

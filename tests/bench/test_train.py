@@ -44,3 +44,16 @@ def test_an_unknown_ddp_hook_is_a_usage_error():
     with pytest.raises(SystemExit) as exc:
         _parse_args(["--ddp-hooks", "bf16,int3"])
     assert exc.value.code == 2
+
+
+@pytest.mark.launch
+def test_a_sharded_contender_trains_as_ddp(launch, tmp_path):
+    """--dist zero=3: hpcnet's contender steps its sharded optimizer and compares its weights once they are whole
+    again (it read released parameters, a segfault, and stepped an optimizer the owners' gradients never reach)."""
+    out = tmp_path / "zero3.json"
+    proc = launch(2, "train", "--models", "mlp-small", "--batch-size", "4", "--steps", "2", "--rounds", "2",
+                  "--warmup", "1", "--profile-steps", "0", "--no-local", "--dist", "zero=3", "--json", str(out),
+                  module="hpcnet.bench", timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (res,) = json.loads(out.read_text())["results"]
+    assert res["max_param_diff_hpcnet_vs_ddp"] < 1e-4
