@@ -224,8 +224,8 @@ class Reducer:
         self._release_early = self.placement.releases_early
         # Whether the hooks send buckets before backward ends (else finish sends them all).
         self._early = not self._synchronous or self.world_size == 1 or self._release_early
-        # dist.zero=3 with a synchronous transport: the early buckets go out where every rank meets (``pace``).
-        self.pacing = self._paced and self._synchronous and self._early and self.world_size > 1
+        # dist.zero=3 where starting a bucket waits for the peers: it goes out where every rank meets (``pace``).
+        self.pacing = self._paced and transport.blocking_start and self._early and self.world_size > 1
         # A transport that compresses between nodes only (hierarchical, gloo there) gets full-precision buckets.
         self._wire = None if getattr(transport, "compresses", False) else self.compression
 
@@ -428,7 +428,8 @@ class Reducer:
             self._release_finished()
 
     def pace(self) -> None:
-        """Launch early buckets on a synchronous transport only through ``launch_agreed``, never from the hooks.
+        """Launch early buckets on a transport whose ``start`` waits for the peers (``blocking_start``: inline MPI,
+        shm, a hierarchical transport's intra-node phases) only through ``launch_agreed``, never from the hooks.
 
         At ``dist.zero=3`` the ranks' backwards may take different paths (``hpcnet.comm.gathers``): a rank
         blocked in a bucket's collective inside a hook would wait for a rank that waits in a gather round for it.

@@ -260,7 +260,7 @@ class ShardedParams:
             raise RuntimeError("dist.zero=3: in_use is not reentrant")
         self._using, self._grad_forward = True, False
         for g in self.groups:
-            g.arrived = 0
+            g.arrived = g.active = 0  # (a forward that raised left its count)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield

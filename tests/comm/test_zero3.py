@@ -14,6 +14,7 @@ from hpcnet.comm.zero import ShardLayout
 from hpcnet.comm.zero3 import ShardedParams
 from hpcnet.models.blocks import find_blocks
 from hpcnet.train import run
+from tests.helpers.comm import even_nodes
 from tests.helpers.data import tiny_images
 from tests.helpers.train import assert_same, flat_params, train_config
 
@@ -296,16 +297,21 @@ USER = ["model.factory=tests.comm.test_zero3:user_net", "model.blocks=blocks.0,b
 @pytest.mark.parametrize("case,extra", [
     ("skip", ["model.options.skip_from=0", "dist.find_unused=true"]),
     ("skip-late", ["model.options.skip_from=4", "dist.find_unused=true", "train.activation_checkpointing=blocks"]),
+    # Virtual nodes: the hierarchical transport, whose start runs the intra-node phases (Reducer.pace).
+    ("skip-nodes", ["model.options.skip_from=0", "dist.find_unused=true", "dist.hierarchical=on", "nodes"]),
     ("l2", ["model.loss=tests.comm.test_zero3:l2_and_weight_norm"]),
     ("no-grad-again", ["model.loss=tests.comm.test_zero3:second_forward_without_grad"]),
     ("namespace", ["model.options.namespace=true", "model.loss=tests.comm.test_zero3:_ce"]),
 ])
 @pytest.mark.timeout(120)
-def test_stage_3_runs_user_code_that_stage_0_runs(comm, data_plane, mpi_tmp_path, case, extra):
-    """Ranks that skip a block (from the first step, or from a later one under activation checkpointing), a loss
-    that reads every parameter, a second forward without gradients, outputs in a SimpleNamespace: stage 3 trains
-    and evaluates as stage 0 (bit for bit at up to 2 ranks), never hangs.  The evaluation set gives the ranks
-    unequal numbers of batches (9 samples, batches of 4)."""
+def test_stage_3_runs_user_code_that_stage_0_runs(comm, data_plane, mpi_tmp_path, monkeypatch, case, extra):
+    """Ranks that skip a block (from the first step, or from a later one under activation checkpointing; on one
+    node and between virtual nodes), a loss that reads every parameter, a second forward without gradients,
+    outputs in a SimpleNamespace: stage 3 trains and evaluates as stage 0 (bit for bit at up to 2 ranks), never
+    hangs.  The evaluation set gives the ranks unequal numbers of batches (9 samples, batches of 4)."""
+    if "nodes" in extra:
+        monkeypatch.setenv("HPCNET_RANKS_PER_NODE", even_nodes(comm)["HPCNET_RANKS_PER_NODE"])
+        extra = [x for x in extra if x != "nodes"]
     dataset = tiny_images(comm, mpi_tmp_path, "z3-user.h5", num_train=128, num_eval=9, seed=7)
     results = [run(_cfg(mpi_tmp_path, dataset, f"user-{case}-z{zero}", *USER, *extra, f"dist.zero={zero}"), comm,
                    plane=data_plane) for zero in (0, 3)]

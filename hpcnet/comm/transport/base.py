@@ -37,6 +37,10 @@ class Transport(Protocol):
     name: str
     synchronous: bool
     """``start`` returns after the collective finished (its handle only reports the outcome)."""
+    blocking_start: bool
+    """``start`` runs a collective in the caller that returns only once every peer has reached it (a synchronous
+    transport, or the intra-node phases of a hierarchical one): a caller must not start it where a peer may be
+    waiting for this rank in another collective (``Reducer.pace``)."""
 
     def start(self, flat: torch.Tensor, key: Any = None) -> Handle:
         """Start the sum of ``flat``; ``key`` names the bucket (the same every step) for a transport that keeps

@@ -18,6 +18,7 @@ class FaultyTransport:
         self.inner = inner
         self.name = inner.name
         self.synchronous = inner.synchronous
+        self.blocking_start = inner.blocking_start
         self.allocate = getattr(inner, "allocate", None)  # buckets in the inner transport's memory (shm)
         self.compresses = getattr(inner, "compresses", False)  # dist.compression between nodes only (hierarchical)
         self.fail = fail

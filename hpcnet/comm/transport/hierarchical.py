@@ -91,6 +91,7 @@ class HierarchicalTransport:
         # wait (the reducer's finish) gathers (``_SplitHandle``).
         self.split = kind == "mpi" and self.cross_kind == "gloo" and self._progress.synchronous
         self.synchronous = self.size == 1 or (kind == "mpi" and self._progress.synchronous and not self.split)
+        self.blocking_start = self.size > 1 and kind == "mpi" and self._progress.synchronous
         self._local_group = self._cross_group = None
         if kind != "mpi" or self.cross_kind != "mpi":
             import torch.distributed as dist

@@ -22,6 +22,10 @@ class MpiTransport:
         """True when ``start`` returns after the collective finished (inline progress, or one rank)."""
         return self.size == 1 or self._progress.synchronous
 
+    @property
+    def blocking_start(self) -> bool:
+        return self.size > 1 and self._progress.synchronous
+
     def _allreduce(self, flat: torch.Tensor) -> None:
         from mpi4py import MPI
 

@@ -74,6 +74,7 @@ class ShmTransport:
 
     name = "shm"
     synchronous = True
+    blocking_start = True
 
     def __init__(self, comm: Any, world: World) -> None:
         from hpcnet.agree import mark_agreed

@@ -48,6 +48,7 @@ class TorchTransport:
         self.name = backend
         self.size = size
         self.synchronous = size == 1
+        self.blocking_start = False  # gloo's threads, NCCL's stream
 
     def start(self, flat: torch.Tensor, key: Any = None) -> Handle:
         import torch.distributed as dist
