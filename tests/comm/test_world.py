@@ -1,7 +1,5 @@
 """World discovery, scheduler variables, device choice and shared errors."""
 
-import socket
-
 import pytest
 import torch
 
@@ -105,8 +103,12 @@ def test_shared_errors_raise_on_every_rank(comm):
     comm.Barrier()
 
 
-def test_hostname_is_real():
-    assert socket.gethostname()
+@pytest.mark.mpi
+def test_discover_lists_every_rank_s_own_host_in_rank_order(comm):
+    """On the local cluster's 4-rank pass the ranks are on two hosts; MPI may shorten a fully qualified name."""
+    world = discover(comm, environ={})
+    assert [name.split(".")[0] for name in world.hostnames] == [name.split(".")[0] for name in hostnames(comm)]
+    assert world.hostname == world.hostnames[comm.Get_rank()]
 
 
 def test_sharing_counts_the_ranks_and_cores_of_one_machine_across_its_hosts():
