@@ -197,14 +197,22 @@ def test_every_duration_option_is_bounded_in_one_place():
             load_config(overrides=[f"{option}={MAX_DURATION_S + 0.5}", *misses])
 
 
-def test_the_largest_seed_seeds_everything():
-    """run.seed's bound is what torch and numpy take, with the per-rank offsets train.py adds."""
-    import numpy as np
-    import torch
+@pytest.mark.mpi
+def test_the_largest_seed_seeds_everything(comm, data_plane, mpi_tmp_path):
+    """run.seed's bound is what a run's seeded parts take: the synthetic data's generator, the model's
+    initialisation, every rank's RNGs (train.py adds its per-rank offsets), the sampler's permutation, and
+    config.toml's 64-bit integers."""
+    import math
 
     from hpcnet.config import MAX_SEED
+    from hpcnet.paths import CONFIG_FILE
+    from hpcnet.train import run
+    from tests.helpers.data import tiny_images
+    from tests.helpers.train import train_config
 
-    seed = load_config(overrides=[f"run.seed={MAX_SEED}"]).run.seed
-    torch.manual_seed(seed + 1 + 4095)  # train.py: seed + 1 + rank
-    np.random.default_rng([seed, 0])  # synthetic data, the sampler's permutation
-    torch.manual_seed(0)
+    dataset = tiny_images(comm, mpi_tmp_path, "largest-seed.h5", num_train=32, num_eval=8, seed=MAX_SEED)
+    cfg = train_config(mpi_tmp_path, dataset, "largest-seed", f"run.seed={MAX_SEED}", "train.steps=2",
+                       "model.name=mlp", "model.options.hidden=[8]", "checkpoint.at_end=false")
+    result = run(cfg, comm, plane=data_plane)
+    assert result.summary["steps"] == 2 and math.isfinite(result.summary["final_loss"])
+    assert load_config(mpi_tmp_path / "runs" / "largest-seed" / CONFIG_FILE).run.seed == MAX_SEED
