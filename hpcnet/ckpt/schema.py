@@ -78,6 +78,9 @@ ROW_PIECE = re.compile(r"^(?P<key>.+):(?P<lo>[0-9]+)-(?P<hi>[0-9]+)$")
 """The name of rows lo to hi of a tensor stored in row pieces: ``optim/<index>/<key>:<lo>-<hi>`` holds those rows
 of the optimizer state ``optim/<index>/<key>`` of a parameter cut into row ranges (``dist.zero``), and
 ``model/<key>:<lo>-<hi>`` those of the parameter itself (``dist.zero=3``)."""
+FEEDBACK_PREFIX = "feedback/"
+"""The names of int8's error-feedback residuals (``dist.compression=int8``):
+``feedback/<rank>/<bucket>/<chunk>/<worker|server>``, each held by its rank."""
 UID_RE = re.compile(r"^[0-9a-f]{32}$")
 
 # torch dtype name -> (numpy storage dtype, raw).  ``raw`` dtypes have no HDF5
@@ -415,6 +418,45 @@ def check_row_pieces(specs: list[TensorSpec]) -> None:
                 raise ValueError(f"/index entry {spec.name!r}: dtype {spec.dtype} and rows of {list(spec.row_shape)}, "
                                  f"other pieces of {key!r} {first.dtype} and {list(first.row_shape)}")
             at = hi
+
+
+def piece_name(name: str, lo: int, hi: int) -> str:
+    """The name of rows ``lo`` to ``hi`` of tensor ``name`` stored in row pieces (``ROW_PIECE``)."""
+    return f"{name}:{lo}-{hi}"
+
+
+def split_pieces(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[tuple[int, int, Any]]]]:
+    """``values`` by name (or state key) into those that are not row pieces, and the pieces of each base name:
+    ``"<name>:<lo>-<hi>"`` -> ``{"<name>": [(lo, hi, value), ...]}``."""
+    plain: dict[str, Any] = {}
+    pieces: dict[str, list[tuple[int, int, Any]]] = {}
+    for key, value in values.items():
+        piece = ROW_PIECE.match(key)
+        if piece is None:
+            plain[key] = value
+        else:
+            pieces.setdefault(piece["key"], []).append((int(piece["lo"]), int(piece["hi"]), value))
+    return plain, pieces
+
+
+def rows_of(parts: list[tuple[int, int, "torch.Tensor"]], lo: int, hi: int, what: str) -> "torch.Tensor":
+    """Rows ``lo`` to ``hi`` made of row pieces ``(lo, hi, tensor)``; ValueError naming ``what`` when they do not
+    cover them."""
+    import torch
+
+    chunks, at = [], lo
+    for p_lo, p_hi, tensor in sorted(parts, key=lambda part: part[0]):
+        if p_hi <= at or p_lo >= hi:
+            continue
+        if p_lo > at:
+            break
+        chunks.append(tensor[at - p_lo:min(hi, p_hi) - p_lo])
+        at = min(hi, p_hi)
+        if at == hi:
+            break
+    if at != hi:
+        raise ValueError(f"{what}: rows {at} to {hi} are in none of the checkpoint's pieces")
+    return chunks[0].clone() if len(chunks) == 1 else torch.cat(chunks)
 
 
 def packed_rows(spec: TensorSpec, blocks: np.ndarray) -> int:

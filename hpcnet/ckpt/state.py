@@ -21,8 +21,8 @@ from torch import nn
 from hpcnet.agree import shared_errors
 from hpcnet.ckpt.load import Loaded
 from hpcnet.ckpt.manager import CheckpointManager
-from hpcnet.comm.dataparallel import FEEDBACK_PREFIX
-from hpcnet.comm.zero import PIECE, rows_of, split_pieces
+from hpcnet.ckpt.schema import FEEDBACK_PREFIX, rows_of, split_pieces
+from hpcnet.ckpt.schema import ROW_PIECE as PIECE
 from hpcnet.config import Config
 from hpcnet.config.load import to_dict
 from hpcnet.errors import UsageError
@@ -44,8 +44,8 @@ def flatten_state(model: nn.Module, optimizer: torch.optim.Optimizer, sharded: A
     the state of a parameter cut into row ranges comes in pieces,
     ``optim/<index>/<key>:<lo>-<hi>``: its own entries, and the others' as
     ``meta``-device tensors (``flatten_with_holders`` says who holds them).  With sharded parameters
-    (``sharded``: ``dist.zero=3``'s ``hpcnet.comm.zero3.ShardedParams``) the parameters come from their owners
-    too, a cut one in row pieces, ``model/<key>:<lo>-<hi>``.
+    (``sharded``: ``dist.zero=3``'s ``hpcnet.comm.sharding.params.ShardedParams``) the parameters come from their
+    owners too, a cut one in row pieces, ``model/<key>:<lo>-<hi>``.
     """
     tensors, meta, _ = flatten_with_holders(model, optimizer, sharded)
     return tensors, meta
@@ -263,7 +263,7 @@ class TrainState:
 
     @property
     def sharded(self) -> Any:
-        """``dist.zero=3``'s sharded parameters (``hpcnet.comm.zero3.ShardedParams``), or None."""
+        """``dist.zero=3``'s sharded parameters (``hpcnet.comm.sharding.params.ShardedParams``), or None."""
         return getattr(self.shards, "sharded_params", None)
 
     def save(self, step: int, loader_state: dict[str, Any]) -> Path:

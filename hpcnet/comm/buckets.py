@@ -1,14 +1,49 @@
-"""The reducer's buckets: how parameters are grouped (``plan_buckets``), one bucket (``Bucket``), and where a
-bucket's sums go (``Placement``): ``Replicated`` here for ``dist.zero`` 0 and 1, ``hpcnet.comm.zero.Sharded``
-for stage 2.  ``hpcnet.comm.reducer`` fills and sends them."""
+"""The reducer's buckets: their size (``bucket_bytes``), how parameters are grouped into them
+(``plan_buckets``) and one bucket (``Bucket``).  ``hpcnet.comm.reducer`` fills and sends them; where a bucket's
+sums go is its placement's (``hpcnet.comm.sharding.placement``)."""
 
+import logging
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
-from hpcnet.comm.transport import Transport
+from hpcnet.comm.costmodel import LinkCost, auto_bucket_bytes, bucket_share, stage2_bucket_cap
+from hpcnet.comm.world import World
+from hpcnet.config import DistConfig
+
+log = logging.getLogger(__name__)
+
+AUTO_FALLBACK_MB = 25
+"""dist.bucket_mb=auto without a probed link: DDP's default."""
+
+
+def bucket_bytes(cfg: DistConfig, world: World, total: int, link: LinkCost | None) -> int:
+    """``dist.bucket_mb`` in bytes for ``total`` bytes of gradients; 'auto' from the probed ``link``
+    (``costmodel.auto_bucket_bytes``); at ``dist.zero`` 2 and 3 at most ``costmodel.stage2_bucket_cap`` (the buckets
+    in flight stay small beside the gradient shard a rank keeps).  Rank 0 logs what it chose and why."""
+    if cfg.bucket_mb != "auto":
+        chosen = int(float(cfg.bucket_mb) * 2**20)
+    elif link is None:
+        if world.is_main and world.size > 1:
+            log.info("dist.bucket_mb=auto: no probed link (dist.probe=false), buckets of %d MiB", AUTO_FALLBACK_MB)
+        chosen = AUTO_FALLBACK_MB * 2**20
+    else:
+        chosen = auto_bucket_bytes(link, total, world.size)
+        if world.is_main:
+            log.info("dist.bucket_mb=auto: %.2f MiB buckets (link %.1f us, %.2f GB/s; %.1f MiB of gradients)",
+                     chosen / 2**20, link.latency_s * 1e6, link.bandwidth_Bps / 1e9, total / 2**20)
+    if cfg.zero >= 2 and world.size > 1:
+        share = bucket_share(cfg.zero)
+        cap = stage2_bucket_cap(total, world.size, share=share)
+        if chosen > cap:
+            if world.is_main:
+                log.info("dist.zero=%d: buckets of %.2f MiB, not %.2f (at most 1/%d of a rank's %.1f MiB "
+                         "gradient shard)", cfg.zero, cap / 2**20, chosen / 2**20, round(1 / share),
+                         total / world.size / 2**20)
+            chosen = cap
+    return chosen
 
 
 def plan_buckets(sizes_bytes: list[int], bucket_bytes: int, first_bucket_bytes: int = 0) -> list[list[int]]:
@@ -53,14 +88,14 @@ class Bucket:
     wire: torch.Tensor | None = None
     token: int = 0  # its entry in the flight recorder while it runs
     # The bucket's entries in layout order: a whole parameter, or (dist.zero=2) rows of one (a unit of
-    # hpcnet.comm.zero.ShardLayout).  ``offsets`` are the entries', in elements.
+    # hpcnet.comm.sharding.layout.ShardLayout).  ``offsets`` are the entries', in elements.
     entry_param: list[int] = field(default_factory=list)  # the entry's parameter, by its place in ``params``
     entry_tensor: list[torch.Tensor] = field(default_factory=list)  # what the entry's gradient belongs to
     entry_rows: list[tuple[int, int] | None] = field(default_factory=list)  # rows of a cut parameter, or None
     entry_unit: list[int] = field(default_factory=list)  # the entry's unit of ownership (its parameter's index)
     of_param: list[list[int]] = field(default_factory=list)  # each parameter's entries
     views: list[torch.Tensor] = field(default_factory=list)  # each entry's gradient in ``buffer``
-    shard: Any = None  # the placement's state of the bucket (dist.zero=2: hpcnet.comm.zero.BucketShard)
+    shard: Any = None  # the placement's state of the bucket (dist.zero=2: hpcnet.comm.sharding.placement.BucketShard)
     single: bool = False  # one entry, a whole contiguous CPU parameter: its gradient can be the buffer (Reducer._adopt)
     empty: torch.Tensor | None = None  # the buffer of a ``single`` bucket between steps (Reducer._let_go)
 
@@ -78,91 +113,6 @@ class Bucket:
             return
         self.views = [grad_view(self.buffer[self.offsets[e]:self.offsets[e + 1]], t)
                       for e, t in enumerate(self.entry_tensor)]
-
-
-class Placement(Protocol):
-    """Where a bucket's sums go: what differs between ``dist.zero`` 0/1 (``Replicated``: every rank keeps every
-    sum) and 2 (``hpcnet.comm.zero.Sharded``: each rank keeps the sums it owns).  The ``Reducer`` calls it at
-    those points only, and never asks which one it has."""
-
-    drops_buckets: bool
-    """The buckets are dropped once their sums are handed over, and made again by the next backward's folds."""
-    releases_early: bool
-    """The hooks launch complete buckets on every transport, and the reducer releases each as its sum is in (so
-    a rank holds the buckets being filled and those in flight, not the whole gradient)."""
-    adopts: bool
-    """A bucket's buffer may be replaced by a tensor of the reducer's choosing in a fold (not a buffer in the
-    transport's memory, shm's window)."""
-
-    def set_transport(self, transport: Transport) -> None:
-        """The transport the buckets go over from now on."""
-
-    def set_owners(self, owners: list[int]) -> None:
-        """New owners of the units (``Reducer.reassign``); ValueError where they do not fit."""
-
-    def entries(self, i: int, p: nn.Parameter) -> list[tuple[int, torch.Tensor, tuple[int, int] | None]]:
-        """Trainable parameter ``i``'s entries in a bucket: (unit index, tensor, rows or None when whole)."""
-
-    def order(self, entries: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        """A bucket's entries, ``(j, unit, tensor, rows)``, in the order its buffer lays them out."""
-
-    def attach(self, bucket: Bucket) -> None:
-        """Give a newly laid-out bucket the placement's state (``bucket.shard``)."""
-
-    def assign(self, bucket: Bucket) -> None:
-        """The owners set last (``set_owners``) for a bucket kept as it is laid out."""
-
-    def start(self, bucket: Bucket, wire: torch.Tensor | None) -> Any:
-        """Start the bucket's collective, on ``wire`` (its compressed copy) or, when None, its buffer; the handle."""
-
-    def release(self, bucket: Bucket) -> None:
-        """Hand a bucket's complete sums over as gradients (``.grad``)."""
-
-    def zero_grad(self, bucket: Bucket) -> None:
-        """Drop what the placement keeps of the bucket's gradients besides ``.grad``."""
-
-    def tensors(self, bucket: Bucket) -> list[torch.Tensor]:
-        """The tensors that hold the bucket's gradients here (a memory account)."""
-
-
-class Replicated:
-    """``dist.zero`` 0 and 1: each bucket is all-reduced and every rank keeps the whole sum, its views becoming
-    the gradients; the buckets live from step to step (``Placement``)."""
-
-    drops_buckets = False
-    releases_early = False
-
-    def set_transport(self, transport: Transport) -> None:
-        self.transport = transport
-        self.adopts = getattr(transport, "allocate", None) is None
-
-    def set_owners(self, owners: list[int]) -> None:
-        raise ValueError("reassign needs a reducer made with owners (dist.zero=2)")
-
-    def entries(self, i: int, p: nn.Parameter) -> list[tuple[int, torch.Tensor, tuple[int, int] | None]]:
-        return [(i, p, None)]
-
-    def order(self, entries: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        return entries
-
-    def attach(self, bucket: Bucket) -> None:
-        pass
-
-    def assign(self, bucket: Bucket) -> None:
-        pass
-
-    def start(self, bucket: Bucket, wire: torch.Tensor | None) -> Any:
-        return self.transport.start(bucket.buffer if wire is None else wire, bucket.index)
-
-    def release(self, bucket: Bucket) -> None:
-        for t, view in zip(bucket.entry_tensor, bucket.views):  # every entry a whole parameter
-            t.grad = view
-
-    def zero_grad(self, bucket: Bucket) -> None:
-        pass
-
-    def tensors(self, bucket: Bucket) -> list[torch.Tensor]:
-        return [bucket.buffer]
 
 
 def grad_view(flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -117,8 +117,8 @@ class ShardPlan:
 
 def assign_shards(sizes_bytes: list[int], rank_speeds: list[float], *, compute_s_per_byte: list[float] | float,
                   link: LinkCost) -> ShardPlan:
-    """Give every unit (a parameter, or rows of a cut one: ``hpcnet.comm.zero.split_units``) an owner rank so that
-    the slowest rank finishes early.
+    """Give every unit (a parameter, or rows of a cut one: ``hpcnet.comm.sharding.layout.split_units``) an owner
+    rank so that the slowest rank finishes early.
 
     A rank's time is the update of what it owns, ``bytes * compute_s_per_byte / speed``, plus its
     communication: gradients reduce-scattered and parameters all-gathered over a ring of shards padded to

@@ -6,12 +6,19 @@ rank keeps it (``ErrorFeedback``) and adds it to what it sends next step, so ove
 through in full (error feedback, as in 1-bit SGD, EF-SGD and ZeRO++'s quantized gradients) and training converges
 as in full precision.  ``HierarchicalTransport`` quantizes twice: each rank's shard before the exchange between the
 nodes ("worker" residual) and each node's sum of its part before the gather back ("server" residual); both residuals
-are per rank, saved in checkpoints (``DataParallel.feedback_state``) so a resume continues bit for bit.
+are per rank, saved in checkpoints (``ErrorFeedback.checkpoint_state``) so a resume continues bit for bit.
 
-Functions here are pure (no communication).
+The quantization is pure (no communication); only the residuals' checkpoint entries are gathered (collective).
 """
 
+import logging
+from typing import Any
+
 import torch
+
+from hpcnet.ckpt.schema import FEEDBACK_PREFIX
+
+log = logging.getLogger(__name__)
 
 BLOCK = 256
 """Elements per quantization block: one float32 scale each (1.6% of the int8 bytes)."""
@@ -124,3 +131,37 @@ class ErrorFeedback:
 
     def clear(self) -> None:
         self.residuals.clear()
+
+    def checkpoint_state(self, comm: Any) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """The residuals for a checkpoint (collective): every rank's names (``FEEDBACK_PREFIX``), this rank's own
+        residuals as tensors and the others' as ``meta`` tensors of their shapes, and who holds each."""
+        rank = comm.Get_rank()
+        residuals = self.state()
+        mine = [(name, r.numel()) for name, r in residuals.items()]
+        tensors: dict[str, torch.Tensor] = {}
+        holders: dict[str, int] = {}
+        for owner, names in enumerate(comm.allgather(mine)):
+            for name, numel in names:
+                key = f"{FEEDBACK_PREFIX}{owner}/{name}"
+                holders[key] = owner
+                tensors[key] = residuals[name] if owner == rank else torch.empty(numel, device="meta")
+        return tensors, holders
+
+    @staticmethod
+    def wants(name: str, rank: int) -> bool:
+        """Whether a checkpoint's tensor of ``FEEDBACK_PREFIX`` is ``rank``'s to read (its own residuals)."""
+        return name.startswith(f"{FEEDBACK_PREFIX}{rank}/")
+
+    def load_checkpoint(self, tensors: dict[str, torch.Tensor], *, rank: int, world_size: int,
+                        saved_world_size: int) -> None:
+        """The residuals from a checkpoint's tensors: this rank's, when saved at the same world size (the same
+        buckets and shards); otherwise they start from zero (a step's quantization error, dropped once)."""
+        prefix = f"{FEEDBACK_PREFIX}{rank}/"
+        mine = {name[len(prefix):]: value for name, value in tensors.items() if name.startswith(prefix)}
+        if saved_world_size != world_size:
+            self.clear()
+            if rank == 0 and mine:
+                log.info("resume: int8's error-feedback residuals were saved by %d ranks, this run has %d: they "
+                         "start from zero", saved_world_size, world_size)
+            return
+        self.load(mine)

@@ -54,9 +54,9 @@ import torch
 from torch import nn
 
 from hpcnet.agree import mark_agreed
-from hpcnet.comm.buckets import Bucket, Placement, Replicated, plan_buckets
-from hpcnet.comm.transport import CommFailure, FaultyTransport, Transport, abandon, succeeded, wait_all
-from hpcnet.comm.zero import Sharded
+from hpcnet.comm.buckets import Bucket, plan_buckets
+from hpcnet.comm.sharding.placement import Placement, ReplicatedGradients
+from hpcnet.comm.transport import CommFailure, FaultyTransport, Transport, succeeded, wait_all
 from hpcnet.fault.flightrec import NULL_RECORDER
 
 log = logging.getLogger(__name__)
@@ -98,21 +98,17 @@ class Reducer:
             gradients instead of raising.
         timeout_s: how long ``finish`` waits for the collectives.
         recorder: the flight recorder (``hpcnet.fault.flightrec``) the collectives are logged to.
-        owners: ``dist.zero=2``: the owner rank of each unit (``units``; without them, of each trainable
-            parameter in ``named_params`` order); each rank then keeps only the sums it owns, placed by
-            ``hpcnet.comm.zero.Sharded`` (see there).
-        units: ``dist.zero=2``: the units of ownership and their tensors (``hpcnet.comm.zero.ShardLayout``),
-            over the trainable parameters; a cut parameter's rows go to their owners apart, and the gradient of
-            its rows lands on the unit's tensor, never on the parameter.
-
-    What differs between the stages is the ``placement`` (``Replicated``, or with ``owners``
-    ``hpcnet.comm.zero.Sharded``), chosen here once.
+        placement: where a bucket's sums go, the one thing that differs between the ``dist.zero`` stages
+            (``hpcnet.comm.sharding.placement``): ``ReplicatedGradients`` (the default, stages 0 and 1) or
+            ``ShardedGradients`` (stages 2 and 3: each rank keeps only the sums of the units it owns; a cut
+            parameter's rows go to their owners apart, and the gradient of its rows lands on the unit's tensor,
+            never on the parameter).
     """
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], transport: Transport, control: Any, *,
                  bucket_bytes: int = 25 * 2**20, first_bucket_bytes: int = 2**20,
                  compression: torch.dtype | None = None, find_unused: bool = False, timeout_s: float = 600.0,
-                 recorder: Any = NULL_RECORDER, owners: list[int] | None = None, units: Any = None):
+                 recorder: Any = NULL_RECORDER, placement: Placement | None = None):
         self.recorder = recorder
         self.control = control
         self.world_size = control.Get_size()
@@ -138,10 +134,7 @@ class Reducer:
         if not named:
             raise ValueError("the model has no trainable parameters")
         self.rank = control.Get_rank()
-        self.placement: Placement = Replicated()
-        if owners is not None:
-            self.placement = Sharded(owners, units, n_params=len(named), rank=self.rank,
-                                     world_size=self.world_size)
+        self.placement: Placement = placement if placement is not None else ReplicatedGradients()
         self._set_transport(transport)
         self._named = named
         self._bucket_bytes_cap, self._first_bucket_bytes = bucket_bytes, first_bucket_bytes
@@ -192,14 +185,14 @@ class Reducer:
             p: (bucket, j) for bucket in self.buckets for j, p in enumerate(bucket.params)}
 
     def reassign(self, owners: list[int]) -> None:
-        """dist.zero=2: new owners (a new plan), between steps; every gradient is dropped.
+        """dist.zero=2: new owners, between steps; every gradient is dropped.
 
         Buckets in the transport's memory (shm's window) keep dist.zero=0's layout, so only the owned sums are
         made again; plain buckets are laid out again (owner by owner where the transport reduce-scatters).
         """
         self.placement.set_owners(owners)
         self.zero_grad()
-        if getattr(self.transport, "allocate", None) is None:
+        if not self.transport.keeps_buckets:
             self._build_buckets()
         else:
             for bucket in self.buckets:
@@ -227,7 +220,7 @@ class Reducer:
         # dist.zero=3 where starting a bucket waits for the peers: it goes out where every rank meets (``pace``).
         self.pacing = self._paced and transport.blocking_start and self._early and self.world_size > 1
         # A transport that compresses between nodes only (hierarchical, gloo there) gets full-precision buckets.
-        self._wire = None if getattr(transport, "compresses", False) else self.compression
+        self._wire = None if transport.compresses else self.compression
 
     @property
     def may_redo(self) -> bool:
@@ -238,14 +231,13 @@ class Reducer:
 
     def _new_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         """A zeroed bucket: in the transport's memory when it keeps buckets (shm's shared window), else plain."""
-        allocate = getattr(self.transport, "allocate", None)
-        if allocate is not None and like.device.type == "cpu":
-            return allocate(numel, like.dtype)
+        if self.transport.keeps_buckets and like.device.type == "cpu":
+            return self.transport.allocate(numel, like.dtype)
         return torch.zeros(numel, dtype=like.dtype, device=like.device)
 
     def _rehome(self) -> None:
         """Move the buckets (and the gradients viewing them) out of the transport's memory, before it is freed."""
-        if getattr(self.transport, "allocate", None) is None:
+        if not self.transport.keeps_buckets:
             return
         for bucket in self.buckets:
             old = bucket.buffer
@@ -431,7 +423,7 @@ class Reducer:
         """Launch early buckets on a transport whose ``start`` waits for the peers (``blocking_start``: inline MPI,
         shm, a hierarchical transport's intra-node phases) only through ``launch_agreed``, never from the hooks.
 
-        At ``dist.zero=3`` the ranks' backwards may take different paths (``hpcnet.comm.gathers``): a rank
+        At ``dist.zero=3`` the ranks' backwards may take different paths (``hpcnet.comm.sharding.rounds``): a rank
         blocked in a bucket's collective inside a hook would wait for a rank that waits in a gather round for it.
         The rounds instead carry each rank's ``ready`` count, and every rank launches the buckets all ranks have
         complete (``launch_agreed``) at the same round, so the early release still bounds the gradient memory.
@@ -595,60 +587,4 @@ class Reducer:
         if collective:
             self.transport.close()
         else:
-            abandon(self.transport)
-
-
-def broadcast_module(module: nn.Module, comm: Any) -> None:
-    """Make every rank's parameters and buffers bit-equal to rank 0's (collective, MPI)."""
-    if comm.Get_size() == 1:
-        return
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            host = tensor.detach().contiguous().cpu()
-            comm.Bcast(host.view(-1).view(torch.uint8).numpy(), root=0)  # raw bytes: any dtype
-            if host.data_ptr() != tensor.data_ptr():
-                tensor.copy_(host)
-
-
-def broadcast_buffers(module: nn.Module, comm: Any, *, group: Any = None) -> None:
-    """Make every rank's buffers (BatchNorm statistics) equal to rank 0's (collective).
-
-    As DDP does before each forward: replicas then stay bit-identical, so a
-    checkpoint of rank 0's buffers restores every rank exactly.  All buffers
-    travel as one flat byte tensor on their device: one broadcast in all,
-    whatever their number and dtypes.
-
-    Args:
-        module: the replica.
-        comm: the MPI communicator of the ranks.
-        group: a NCCL process group over the same ranks, for buffers on a
-            GPU: the broadcast is then enqueued on the device in stream order
-            (``work.wait()`` is a stream wait) and nothing waits on the host.
-            None: MPI, on the host (CPU buffers are broadcast in place; GPU
-            buffers make one host round trip, for the flat tensor).
-    """
-    if comm.Get_size() == 1:
-        return
-    # Widest elements first: every buffer's offset in the byte tensor is then
-    # a multiple of its element size (sizes are powers of two), as viewing
-    # the bytes back as its dtype requires.
-    bufs = sorted(module.buffers(), key=lambda b: -b.element_size())
-    if not bufs:
-        return
-    with torch.no_grad():
-        # Raw bytes: dtypes mix (float statistics, int64 counters, bool masks).
-        flat = torch.cat([b.detach().reshape(-1).view(torch.uint8) for b in bufs])
-        if group is not None:
-            import torch.distributed as dist
-
-            dist.broadcast(flat, src=0, group=group, async_op=True).wait()
-        else:
-            host = flat.cpu()  # no copy for CPU buffers
-            comm.Bcast(host.numpy(), root=0)
-            if host is not flat:
-                flat.copy_(host)
-        offset = 0
-        for b in bufs:
-            nbytes = b.numel() * b.element_size()
-            b.copy_(flat[offset:offset + nbytes].view(b.dtype).view_as(b))
-            offset += nbytes
+            self.transport.abandon()

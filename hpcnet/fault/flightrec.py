@@ -18,8 +18,8 @@ launched later there, inside ``finish``): so only
 control collectives are compared across ranks, and beats carry the latest.
 
 Only collectives that every rank issues identically are recorded (the
-gradient buckets, the reducer's agreement, buffer broadcasts, the step
-boundary, the logged loss and the evaluation sum).  Checkpoint I/O is not:
+gradient buckets, stage 3's gather rounds, the reducer's agreement, buffer
+broadcasts, the step boundary, the logged loss and the evaluation sum).  Checkpoint I/O is not:
 its duration grows with the model and the file system, so a timeout derived
 from the step time would abort good runs there; it has deadlines of its own
 (``hpcnet.fault.watchdog``).
@@ -48,11 +48,13 @@ OPS: tuple[str, ...] = (
     "balance.allgather",    # data.balance=auto: each rank's time per sample, every data.balance_every steps
     "replan.allgather",     # dist.replan_every: each rank's speed probe
     "stats.gather",         # at the end of the loop: every rank's step-time figures to rank 0 (summary.json)
+    "gather.round",         # dist.zero=3: one round of parameter gathers (hpcnet.comm.sharding.rounds)
 )
 """Operation names; a beat carries the index, so the table is the same on every rank."""
 OP_CODES: dict[str, int] = {name: code for code, name in enumerate(OPS)}
-DATA_PLANE_OPS = frozenset({"allreduce.bucket"})
-"""Collectives on the transport's communicator, left out of cross-rank comparisons (see above)."""
+DATA_PLANE_OPS = frozenset({"allreduce.bucket", "gather.round"})
+"""Collectives on the data plane's own communicators, left out of cross-rank comparisons (see above): gather
+rounds fall between the gradient buckets in an order that may differ by rank, as the buckets do."""
 EVERY_RANK_OPS = frozenset(OPS) - DATA_PLANE_OPS - {"none", "broadcast.buffers", "stats.gather"}
 """Control-plane collectives that end on a rank only once every rank has entered them (sums and agreements
 over the whole job), issued one at a time by the training thread: each one that ends is proof of life

@@ -6,13 +6,13 @@ sums; the optimizer state, or its share of it from stage 1 on) plus what the ste
 (activations, the backward's temporaries, gradients on their way to a bucket; the optimizer's temporaries).
 The planner measures the second part once, on the plain model at one rank's batch, with and without the
 blocks checkpointed (``measure_step``), and adds the first part for each stage from the parameter sizes and
-the shares the uniform owner plan gives (``hpcnet.comm.zero``).  The peak is the larger of the backward's and
+the shares the uniform owner plan gives (``hpcnet.comm.sharding``).  The peak is the larger of the backward's and
 the optimizer step's.  At stage 2 the share of each gradient a rank keeps appears as the backward hands the
 gradients over, so its backward peak is the most, over the measured backward, of what is alive plus the share
 of what was handed over so far (``StepMemory.backward_with_kept``), and two buckets besides (one being filled,
 one in the transport).  Stage 3 keeps only its share of the parameters too, and holds whole, during the backward,
 the root's parameters (those outside the blocks) and some blocks' (``STAGE3_BLOCKS_GATHERED``), each block taken as
-the blocks' mean; without blocks, all of them (``hpcnet.comm.zero3``).
+the blocks' mean; without blocks, all of them (``hpcnet.comm.sharding.params``).
 
 The step time of each choice comes from the same measurement and the link model (``hpcnet.comm.costmodel``):
 the measured forward and backward (with the blocks' recomputation where they are checkpointed), and the
@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from hpcnet.comm.costmodel import LinkCost, assign_shards, bucket_share, stage2_bucket_cap
-from hpcnet.comm.zero import DEFAULT_LINK, UPDATE_S_PER_BYTE, split_units
+from hpcnet.comm.sharding.assign import DEFAULT_LINK, UPDATE_S_PER_BYTE
+from hpcnet.comm.sharding.layout import split_units
 from hpcnet.errors import UsageError
 from hpcnet.plan.measure import StepMemory
 
@@ -107,9 +108,9 @@ class ModelMemory:
 
 
 def configured_bucket_bytes(dist: Any) -> int:
-    """The bucket size ``dist.bucket_mb`` asks for; 'auto' as without a probed link (``DataParallel.bucket_bytes``:
+    """The bucket size ``dist.bucket_mb`` asks for; 'auto' as without a probed link (``comm.buckets.bucket_bytes``:
     the planner runs before the probe's figures reach the reducer)."""
-    from hpcnet.comm.dataparallel import AUTO_FALLBACK_MB
+    from hpcnet.comm.buckets import AUTO_FALLBACK_MB
 
     mb = AUTO_FALLBACK_MB if dist.bucket_mb == "auto" else float(dist.bucket_mb)
     return int(mb * 2**20)

@@ -116,7 +116,8 @@ def test_a_sampler_state_that_fails_on_resume_fails_every_rank(comm, mpi_tmp_pat
 def test_a_sharded_optimizer_s_rank_wants_the_model_and_its_own_state_only():
     from hpcnet.ckpt.state import state_wanted
     from hpcnet.comm.costmodel import ShardPlan
-    from hpcnet.comm.zero import ShardedOptimizer, ShardLayout
+    from hpcnet.comm.sharding.layout import ShardLayout
+    from hpcnet.comm.sharding.optimizer import ShardedOptimizer
 
     assert state_wanted(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)) is None  # replicated: all
     # 8 KiB cut in two row ranges at 2 ranks (units of at most 4 KiB), and a bias; rank 1 owns rows 32-64 and the bias.

@@ -14,7 +14,9 @@ from torch import nn
 from hpcnet.comm import exchange as exchange_mod
 from hpcnet.comm.costmodel import ShardPlan
 from hpcnet.comm.exchange import exchange, pieces
-from hpcnet.comm.zero import ParamGather, ShardedOptimizer, ShardLayout, plan_shards
+from hpcnet.comm.sharding.assign import plan_shards
+from hpcnet.comm.sharding.layout import ShardLayout
+from hpcnet.comm.sharding.optimizer import ParamGather, ShardedOptimizer
 from tests.helpers.comm import owned_params
 
 

@@ -96,7 +96,8 @@ def test_a_resume_takes_this_ranks_residuals_at_the_same_world_size_only():
     another world size (other shards) or in a run without int8 they start from zero."""
     from types import SimpleNamespace
 
-    from hpcnet.comm.dataparallel import FEEDBACK_PREFIX, DataParallel
+    from hpcnet.ckpt.schema import FEEDBACK_PREFIX
+    from hpcnet.comm.dataparallel import DataParallel
 
     def rank1(compression):
         return SimpleNamespace(world=SimpleNamespace(rank=1, size=2, is_main=False), feedback=ErrorFeedback(),

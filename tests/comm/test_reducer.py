@@ -1,4 +1,4 @@
-"""The bucketed reducer: bucket layout, overlap with backward, unused parameters, buffers."""
+"""The bucketed reducer: bucket layout, overlap with backward, unused parameters."""
 
 import pytest
 import torch
@@ -6,9 +6,18 @@ from torch import nn
 
 from hpcnet.comm.buckets import plan_buckets
 from hpcnet.comm.reducer import Reducer
+from hpcnet.comm.sharding.placement import ShardedGradients
 from hpcnet.comm.transport import build_transport
 from hpcnet.comm.world import discover
-from tests.helpers.comm import FakeComm, FakeWork, Net, even_nodes, reference_grads
+from tests.helpers.comm import Net, even_nodes, reference_grads
+
+
+def _sharded(owners, comm):
+    """dist.zero=2's placement with every parameter whole and its owner from ``owners``; None (the default,
+    replicated) without owners."""
+    if owners is None:
+        return None
+    return ShardedGradients(owners, None, n_params=len(owners), rank=comm.Get_rank(), world_size=comm.Get_size())
 
 
 def test_plan_buckets_reverse_order_and_caps():
@@ -108,7 +117,7 @@ def test_a_bucket_of_one_parameter_is_its_gradient_summed_in_place(comm, data_pl
         named = list(model.named_parameters())
         owners = [i % n for i in range(len(named))] if sharded else None
         reducer = Reducer(named, build_transport(kind, False, comm, world), comm, bucket_bytes=1,
-                          first_bucket_bytes=1, owners=owners, find_unused=True)
+                          first_bucket_bytes=1, placement=_sharded(owners, comm), find_unused=True)
         assert all(b.single for b in reducer.buckets) and len(reducer.buckets) == len(named)
         if not adopt:
             reducer.placement.adopts = False
@@ -211,7 +220,8 @@ def test_a_parameter_unused_on_one_rank_only_is_an_error_or_a_zero_never_a_hang(
         owners = [i % comm.Get_size() for i in range(len(expected))] if sharded else None
         reducer = Reducer(list(model.named_parameters()),
                           build_transport(kind, False, comm, world, progress=progress), comm,
-                          bucket_bytes=1024, first_bucket_bytes=16, find_unused=find_unused, owners=owners)
+                          bucket_bytes=1024, first_bucket_bytes=16, find_unused=find_unused,
+                          placement=_sharded(owners, comm))
         reducer.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         if find_unused:
@@ -256,7 +266,8 @@ def test_stage_2_drops_each_bucket_once_its_sum_is_in(comm, data_plane, kind, pr
     for sharded in (True, False):
         owners = [i % size for i in range(len(params))] if sharded else None
         reducer = Reducer(list(model.named_parameters()), build_transport(kind, False, comm, world, progress=progress),
-                          comm, bucket_bytes=layer_bytes, first_bucket_bytes=layer_bytes, owners=owners)
+                          comm, bucket_bytes=layer_bytes, first_bucket_bytes=layer_bytes,
+                          placement=_sharded(owners, comm))
         assert len(reducer.buckets) == 8
         live = []  # bucket bytes alive after each parameter's hook (ours run after the reducer's)
         owned = []  # and this rank's owned sums (dist.zero=2) alive then
@@ -326,67 +337,3 @@ def test_unused_parameters(comm):
     reducer.finish()
     assert torch.all(model.b.weight.grad == 0)
     reducer.close()
-
-
-# --- buffers: one flat tensor -----------------------------------------------------------------
-
-class _BufferNet(nn.Module):
-    def __init__(self, fill: float):
-        super().__init__()
-        self.bn = nn.BatchNorm1d(3)  # float32 statistics and an int64 counter
-        self.register_buffer("mask", torch.tensor([True, False, fill > 0]))
-        self.register_buffer("halves", torch.full((2, 3), fill, dtype=torch.float16))
-        with torch.no_grad():
-            self.bn.running_mean.fill_(fill)
-            self.bn.num_batches_tracked.fill_(int(fill) + 7)
-
-
-class _CountingComm:
-    def __init__(self, comm):
-        self.comm, self.bcasts = comm, 0
-
-    def Get_size(self):
-        return self.comm.Get_size()
-
-    def Bcast(self, buf, root=0):
-        self.bcasts += 1
-        return self.comm.Bcast(buf, root=root)
-
-
-@pytest.mark.mpi
-def test_buffers_of_every_dtype_travel_in_one_broadcast(comm):
-    from hpcnet.comm.reducer import broadcast_buffers
-
-    model, counting = _BufferNet(float(comm.Get_rank())), _CountingComm(comm)
-    broadcast_buffers(model, counting)
-    assert counting.bcasts == (1 if comm.Get_size() > 1 else 0)
-    for got, want in zip(model.buffers(), _BufferNet(0.0).buffers()):
-        assert got.dtype == want.dtype and torch.equal(got, want)
-
-
-def test_buffers_on_a_nccl_group_are_broadcast_on_the_device(monkeypatch):
-    """The NCCL path: one broadcast of the flat tensor, waited for on the stream; no MPI, no host copy."""
-    import torch.distributed as dist
-
-    from hpcnet.comm.reducer import broadcast_buffers
-
-    rank0 = torch.cat([b.reshape(-1).view(torch.uint8)
-                       for b in sorted(_BufferNet(5.0).buffers(), key=lambda b: -b.element_size())])
-    log = []
-
-    def broadcast(tensor, src, group=None, async_op=False):
-        log.append((tensor.dtype, tensor.numel(), src, group, async_op))
-        tensor.copy_(rank0)  # what rank 0 sends
-        return FakeWork(log, "broadcast")
-
-    monkeypatch.setattr(dist, "broadcast", broadcast)
-
-    class NoMpi(FakeComm):
-        def Bcast(self, *args, **kwargs):
-            raise AssertionError("buffers on a NCCL group must not go through MPI")
-
-    model = _BufferNet(1.0)
-    broadcast_buffers(model, NoMpi(size=2), group="world")
-    assert log == [(torch.uint8, rank0.numel(), 0, "world", True), ("wait", "broadcast", (), {})]
-    for got, want in zip(model.buffers(), _BufferNet(5.0).buffers()):
-        assert torch.equal(got, want)

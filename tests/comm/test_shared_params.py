@@ -14,9 +14,10 @@ from torch.utils.checkpoint import checkpoint
 from hpcnet.comm.dataparallel import DataParallel
 from hpcnet.comm.plan import Plan
 from hpcnet.comm.reducer import LateGradient, Reducer
+from hpcnet.comm.sharding.layout import ShardLayout
+from hpcnet.comm.sharding.placement import ShardedGradients
 from hpcnet.comm.transport import build_transport
 from hpcnet.comm.world import discover
-from hpcnet.comm.zero import ShardLayout
 from hpcnet.config import DistConfig
 from hpcnet.errors import UsageError
 
@@ -78,10 +79,11 @@ class _Replica:
         self.layout = ShardLayout(params, comm.Get_size()) if stage == 2 else None
         owners = [k % comm.Get_size() for k in range(len(self.layout.units))] if stage == 2 else None
         self.owners = owners
+        placement = (ShardedGradients(owners, self.layout, n_params=len(params), rank=self.rank,
+                                      world_size=comm.Get_size()) if stage == 2 else None)
         self.reducer = Reducer(list(model.named_parameters()), build_transport(kind, False, comm, world,
                                                                                progress=progress),
-                               comm, bucket_bytes=1024, first_bucket_bytes=64, owners=owners, units=self.layout,
-                               **options)
+                               comm, bucket_bytes=1024, first_bucket_bytes=64, placement=placement, **options)
 
     def grads(self):
         """This rank's averaged gradients: every parameter's, or (dist.zero=2) its own units'."""

@@ -8,19 +8,13 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
+from hpcnet.ckpt.schema import rows_of
 from hpcnet.comm import exchange
 from hpcnet.comm.costmodel import LinkCost, assign_shards, plan_time_s
-from hpcnet.comm.zero import (
-    MIN_UNIT_BYTES,
-    UNITS_PER_RANK,
-    ParamGather,
-    ShardLayout,
-    norm_order,
-    plan_shards,
-    rows_of,
-    split_units,
-    unit_grad_norm,
-)
+from hpcnet.comm.sharding.assign import plan_shards
+from hpcnet.comm.sharding.layout import MIN_UNIT_BYTES, UNITS_PER_RANK, ShardLayout, split_units
+from hpcnet.comm.sharding.norm import norm_order, unit_grad_norm
+from hpcnet.comm.sharding.optimizer import ParamGather
 from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.paths import PLAN_FILE
 from hpcnet.train import run
@@ -180,6 +174,14 @@ def test_rows_of_joins_pieces_and_names_a_gap():
         rows_of([parts[1], parts[2]], 0, 12, "optimizer state 3 exp_avg")
 
 
+def test_the_checkpoint_state_takes_its_row_pieces_from_the_schema_not_from_comm():
+    """Row pieces and int8's residuals are checkpoint names (``hpcnet.ckpt.schema``): what a run saves and restores
+    (``hpcnet.ckpt.state``) imports no module of ``hpcnet.comm`` for them."""
+    from tests.test_package import import_graph
+
+    assert sorted(m for m in import_graph()["hpcnet.ckpt.state"] if m.startswith("hpcnet.comm")) == []
+
+
 @pytest.mark.mpi
 def test_param_gather_gives_every_rank_every_owner_s_values(comm):
     params, owner = owned_params(comm)
@@ -219,18 +221,18 @@ def test_a_resume_goes_on_with_the_owners_it_was_saved_under(comm, data_plane, m
     """dist.plan=auto plans from the speeds measured at each start.  A resume at the same world size takes the
     owners the checkpoint was saved under, whatever it measures, so at stage 2 (where the owners decide how
     each bucket is reduce-scattered) it ends bit for bit as the run that was not stopped."""
-    import hpcnet.comm.zero as zero
+    import hpcnet.comm.sharding.assign as assign
 
     rank, size = comm.Get_rank(), comm.Get_size()
     dataset = _dataset(comm, mpi_tmp_path)
     common = ["optim.name=adamw", "optim.lr=0.003", "train.steps=8", "dist.zero=2", "dist.plan=auto",
               "dist.replan_every=0"]
-    monkeypatch.setattr(zero, "measure_speed", lambda **_: 4.0 if rank == 0 else 1.0)  # rank 0 four times slower
+    monkeypatch.setattr(assign, "measure_speed", lambda **_: 4.0 if rank == 0 else 1.0)  # rank 0 four times slower
     straight = run(_cfg(mpi_tmp_path, dataset, "owners-straight", *common), comm, plane=data_plane)
     first = run(_cfg(mpi_tmp_path, dataset, "owners", *common), comm, plane=data_plane, stop=StopAfter(3))
     saved_owners = list(first.optimizer.plan.owner)
     assert saved_owners == list(straight.optimizer.plan.owner)
-    monkeypatch.setattr(zero, "measure_speed", lambda **_: 1.0)  # now equally fast: a fresh plan would differ
+    monkeypatch.setattr(assign, "measure_speed", lambda **_: 1.0)  # now equally fast: fresh owners would differ
     fresh = run(_cfg(mpi_tmp_path, dataset, "owners-fresh", *common, "train.steps=1"), comm, plane=data_plane)
     if size > 1:
         assert list(fresh.optimizer.plan.owner) != saved_owners
@@ -374,8 +376,8 @@ def test_replan_moves_state_and_keeps_the_updates(comm, data_plane, mpi_tmp_path
     size = comm.Get_size()
 
     def after_step(self, step):
-        if step == 3:
-            self.replan(step, [0.125 if r == 0 else 1.0 for r in range(size)])
+        if step == 3 and self.owners is not None:  # dist.zero > 0
+            self.owners.replan(step, [0.125 if r == 0 else 1.0 for r in range(size)], self.move_owners)
 
     monkeypatch.setattr(DataParallel, "after_step", after_step)
     monkeypatch.setattr(exchange, "MAX_MESSAGE_BYTES", 100)  # the moved state in pieces, as over 2 GiB it goes
@@ -409,7 +411,7 @@ def test_replan_moves_state_and_keeps_the_updates(comm, data_plane, mpi_tmp_path
 def test_replan_every_probes_again_and_agrees(comm, data_plane, mpi_tmp_path, monkeypatch):
     """dist.replan_every=2: from step 4 on, rank 0's speed probe takes 10x as long; the probes are gathered every 2
     steps and the same new plan is taken on every rank, once; dist.plan=uniform never re-plans."""
-    from hpcnet.comm import dataparallel, zero
+    from hpcnet.comm.sharding import assign, owners
 
     rank = comm.Get_rank()
     calls = []
@@ -420,8 +422,8 @@ def test_replan_every_probes_again_and_agrees(comm, data_plane, mpi_tmp_path, mo
 
     # Fixed figures: measured ones vary by more than 25% on a loaded machine, and a start-up probe that found
     # rank 0 slow by chance would leave nothing to re-plan at step 4.
-    monkeypatch.setattr(zero, "measure_speed", lambda device=None: 1e-3)  # the start-up plan: equal speeds
-    monkeypatch.setattr(dataparallel, "measure_speed", probe)
+    monkeypatch.setattr(assign, "measure_speed", lambda device=None: 1e-3)  # the start-up owners: equal speeds
+    monkeypatch.setattr(owners, "measure_speed", probe)
     dataset = _dataset(comm, mpi_tmp_path)
     auto = run(_cfg(mpi_tmp_path, dataset, "replan-every", "dist.zero=1", "dist.replan_every=2"), comm,
                plane=data_plane)

@@ -1,4 +1,4 @@
-"""dist.zero=3: the parameters sharded too, gathered block by block (hpcnet.comm.zero3)."""
+"""dist.zero=3: the parameters sharded too, gathered block by block (hpcnet.comm.sharding.params)."""
 
 import io
 import math
@@ -10,8 +10,10 @@ import torch.nn.functional as F
 from mpi4py import MPI
 from torch import nn
 
-from hpcnet.comm.zero import ShardLayout
-from hpcnet.comm.zero3 import ShardedParams
+from hpcnet.comm.sharding.layout import ShardLayout
+from hpcnet.comm.sharding.params import ShardedParams
+from hpcnet.comm.transport import GroupGather
+from hpcnet.fault.flightrec import DATA_PLANE_OPS, FlightRecorder
 from hpcnet.models.blocks import find_blocks
 from hpcnet.train import run
 from tests.helpers.comm import even_nodes
@@ -161,6 +163,26 @@ def test_a_block_is_gathered_for_its_forward_and_backward_only(comm, data_plane,
         assert _held(sharded) == []
     sharded.close()
     assert all(torch.equal(p, q) for p, q in zip(net.parameters(), reference.parameters()))  # unsharded
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("collective", ["mpi", "torch"])
+def test_every_gather_round_goes_through_the_transport_layer_into_the_flight_recorder(comm, data_plane, collective):
+    """A round's traffic is the transport layer's (``GroupGather``), and each round is in the flight recorder, from
+    the exchange of wants to the end of its traffic, as the data plane's buckets are (left out of the cross-rank
+    comparison: the rounds fall between the buckets in an order that may differ by rank); one rank has none."""
+    recorder = FlightRecorder()
+    net, _, sharded = _sharded_net(comm, collective=collective, recorder=recorder)
+    assert isinstance(sharded.rounds.gather, GroupGather)
+    with sharded.in_use():
+        net(torch.arange(8).reshape(2, 4)).square().sum().backward()
+        sharded.after_backward()
+    rounds = [e for e in recorder.entries() if e.op == "gather.round"]
+    assert len(rounds) == sharded.rounds.rounds and (len(rounds) > 0) == (comm.Get_size() > 1)
+    assert all(e.end is not None and e.bucket == -1 for e in rounds)
+    assert "gather.round" in DATA_PLANE_OPS
+    sharded.close()
     comm.Barrier()
 
 

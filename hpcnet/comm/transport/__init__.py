@@ -22,35 +22,41 @@ handle whose ``wait`` finishes it.  Four kinds:
   all-gather inside the node, so each byte crosses the inter-node network
   once per node rather than once per rank.
 
+Stage 3's gathers move parameters in rounds (``GroupGather``): ``MpiGroupGather`` (one ``MPI_Ialltoallw`` a
+round, CPU) or ``TorchGroupGather`` (broadcasts, or sends and receives; CUDA); ``build_group_gather`` picks one.
 
-Modules: ``base`` (the protocol, handles, ``CollectiveExecutor``, ``wait_all``), ``torchdist``, ``mpi``,
-``hierarchical``, ``shm``, ``faulty``; ``build_transport`` picks one.
+Modules: ``base`` (the base classes and what each transport may offer, handles, ``CollectiveExecutor``,
+``wait_all``), ``torchdist``, ``mpi``, ``hierarchical``, ``shm``, ``faulty``; ``build_transport`` picks one.
 """
 
 import datetime
 from typing import Any
 
 from hpcnet.comm.transport.base import (
+    WANTS_NOTHING,
     CollectiveExecutor,
     CommFailure,
     Done,
     Failed,
+    GatherGroup,
+    GatherHandle,
+    GroupGather,
     Handle,
     Transport,
-    abandon,
     succeeded,
     wait_all,
 )
 from hpcnet.comm.transport.faulty import FaultyTransport
 from hpcnet.comm.transport.hierarchical import PIPELINE_CHUNK_BYTES, HierarchicalTransport, enqueue_in_order
-from hpcnet.comm.transport.mpi import MpiTransport
+from hpcnet.comm.transport.mpi import MpiGroupGather, MpiTransport
 from hpcnet.comm.transport.shm import ShmTransport
-from hpcnet.comm.transport.torchdist import TorchTransport
+from hpcnet.comm.transport.torchdist import TorchGroupGather, TorchTransport
 from hpcnet.comm.world import World
 
-__all__ = ["CollectiveExecutor", "CommFailure", "Done", "Failed", "FaultyTransport", "Handle", "HierarchicalTransport",
-           "MpiTransport", "ShmTransport", "TorchTransport", "Transport", "abandon", "build_transport",
-           "enqueue_in_order", "succeeded", "wait_all"]
+__all__ = ["WANTS_NOTHING", "CollectiveExecutor", "CommFailure", "Done", "Failed", "FaultyTransport", "GatherGroup",
+           "GatherHandle", "GroupGather", "Handle", "HierarchicalTransport", "MpiGroupGather", "MpiTransport",
+           "ShmTransport", "TorchGroupGather", "TorchTransport", "Transport", "build_group_gather",
+           "build_transport", "enqueue_in_order", "succeeded", "wait_all"]
 
 
 def build_transport(kind: str, hierarchical: bool, comm: Any, world: World, *,
@@ -88,3 +94,14 @@ def build_transport(kind: str, hierarchical: bool, comm: Any, world: World, *,
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     group = dist.group.WORLD if dist.get_backend() == kind else dist.new_group(backend=kind, timeout=timeout)
     return TorchTransport(group, kind, world.size)
+
+
+def build_group_gather(kind: str, comm: Any, groups: list[GatherGroup], tensors: list[Any],
+                       owner: list[int]) -> GroupGather:
+    """Stage 3's gathers over the ranks of ``comm`` (collective): 'mpi' (CPU tensors) or 'torch'
+    (``torch.distributed``'s default group: CUDA, or gloo)."""
+    if kind == "mpi":
+        return MpiGroupGather(comm, groups, tensors, owner)
+    if kind == "torch":
+        return TorchGroupGather(comm, groups, tensors, owner)
+    raise ValueError(f"a group gather is 'mpi' or 'torch', not {kind!r}")

@@ -1,11 +1,17 @@
-"""What every transport shares: the protocol, its handles, where MPI collectives run, and waiting for them.
+"""What every transport shares: the base classes, their handles, where MPI collectives run, and waiting for them.
 
-A transport starts a sum-all-reduce of a 1-d tensor in place and returns a
-handle whose ``wait`` finishes it; ``wait_all`` waits for a step's handles and
-returns the first error instead of raising, so the caller can agree on it
-with the other ranks first.
+A transport (``Transport``) starts a sum-all-reduce of a 1-d tensor in place and returns a handle whose ``wait``
+finishes it; ``wait_all`` waits for a step's handles and returns the first error instead of raising, so the
+caller can agree on it with the other ranks first.  What only some transports offer (buckets in their own
+memory, a reduce-scatter, compression of their own) is declared on the base class, off by default, so a caller
+asks a flag and never probes for a method.
+
+A group gather (``GroupGather``) moves stage 3's parameters: in one round each rank receives the units of the
+group it wants from their owners and sends its own units of the group each other rank wants
+(``hpcnet.comm.sharding.rounds`` decides, round by round, who wants what).
 """
 
+import abc
 import atexit
 import concurrent.futures
 import os
@@ -14,7 +20,8 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -31,22 +38,51 @@ class Handle(Protocol):
         """Finish the operation; raise CommFailure after ``timeout_s`` seconds."""
 
 
-class Transport(Protocol):
-    """What the data plane needs of a transport: start an in-place all-reduce of a flat tensor, and close."""
+class Transport(abc.ABC):
+    """How one bucket is summed across ranks.  Every transport starts an in-place sum-all-reduce of a flat tensor
+    (``start``) and closes; what only some offer is declared below, off unless a subclass turns it on and
+    implements what goes with it."""
 
     name: str
-    synchronous: bool
+    synchronous: bool = False
     """``start`` returns after the collective finished (its handle only reports the outcome)."""
-    blocking_start: bool
+    blocking_start: bool = False
     """``start`` runs a collective in the caller that returns only once every peer has reached it (a synchronous
     transport, or the intra-node phases of a hierarchical one): a caller must not start it where a peer may be
     waiting for this rank in another collective (``Reducer.pace``)."""
+    compresses: bool = False
+    """The transport applies ``dist.compression`` itself (a hierarchical transport with gloo between the nodes,
+    there only): the reducer hands it full-precision buckets."""
+    chunk_bytes: int | None = None
+    """The chunks a bucket is pipelined in (a hierarchical transport); None: each bucket goes whole."""
+    keeps_buckets: bool = False
+    """The buckets live in the transport's memory (shm's node-shared window): the reducer makes them with
+    ``allocate`` and keeps them from step to step, and ``start`` refuses a tensor of other memory."""
+    reduce_scatters: bool = False
+    """``start_reduce_scatter`` is offered: ``dist.zero=2`` then receives each rank's own sums only."""
 
+    @abc.abstractmethod
     def start(self, flat: torch.Tensor, key: Any = None) -> Handle:
         """Start the sum of ``flat``; ``key`` names the bucket (the same every step) for a transport that keeps
         state per bucket (int8's residuals, ``HierarchicalTransport``); the others ignore it."""
 
-    def close(self) -> None: ...
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Free what the transport holds (collective where that is: shm's windows)."""
+
+    def abandon(self) -> None:
+        """Let go without waiting for the other ranks (an error raised on this rank alone is propagating): a
+        transport whose close is local closes; one whose close is collective (shm) overrides this."""
+        self.close()
+
+    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed bucket of ``numel`` elements in the transport's memory; offered only where ``keeps_buckets``."""
+        raise NotImplementedError(f"the {self.name} transport keeps no buckets of its own (keeps_buckets is False)")
+
+    def start_reduce_scatter(self, flat: torch.Tensor, counts: list[int], out: torch.Tensor) -> Handle:
+        """Sum ``flat`` across ranks; rank r receives elements ``[sum(counts[:r]), +counts[r])`` of the sum in
+        ``out``; ``flat`` is left as scratch.  Offered only where ``reduce_scatters``."""
+        raise NotImplementedError(f"the {self.name} transport offers no reduce-scatter (reduce_scatters is False)")
 
 
 class Done:
@@ -215,12 +251,6 @@ def mpi_buffer(flat: torch.Tensor) -> Any:
     return flat.numpy() if flat.device.type == "cpu" else flat
 
 
-def abandon(transport: Any) -> None:
-    """Let go of ``transport`` without waiting for the other ranks: its ``abandon`` (shm: windows are freed
-    collectively) or, where closing is local, its ``close``."""
-    getattr(transport, "abandon", transport.close)()
-
-
 def succeeded(handle: Handle | None) -> bool:
     """True when ``handle``'s operation is known to have finished without an error here (never waits): a
     synchronous one that did not raise, or a worker thread's that returned. Others (torch works, failed or
@@ -251,3 +281,67 @@ def wait_all(handles: list[Handle], timeout_s: float,
         if on_done is not None:
             on_done(i)
     return error
+
+
+WANTS_NOTHING = -1
+"""The want of a rank that needs no group in a gather round."""
+
+
+@dataclass(eq=False)
+class GatherGroup:
+    """A group of units that gather rounds move together (stage 3: one block's parameters, or the root's)."""
+
+    index: int
+    buffer: torch.Tensor
+    """uint8, the group's memory: it exists while the group is gathered, and may move between two gathers."""
+    units: list[int]
+    """The units, as indices into the gather's ``tensors`` and ``owner``."""
+    offsets: list[int]
+    """Each unit's byte offset in ``buffer``."""
+    places: list[torch.Tensor]
+    """Each unit's place in ``buffer``, shaped as its tensor (views of the buffer's storage: valid while it moves)."""
+
+
+class GroupGather(abc.ABC):
+    """Moves units between ranks in rounds: in each, every rank receives the units of the group it wants from their
+    owners and sends its own units of the group each other rank wants (one implementation a backend).
+
+    Args:
+        comm: the ranks.
+        groups: the groups, by index.
+        tensors: each unit's values (memory on its owner only); the same tensor objects for the gather's life.
+        owner: each unit's owner rank (``set_owner`` changes it).
+    """
+
+    name: str
+
+    def __init__(self, comm: Any, groups: list[GatherGroup], tensors: list[torch.Tensor], owner: list[int]) -> None:
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.groups, self.tensors, self.owner = groups, tensors, list(owner)
+
+    def set_owner(self, owner: list[int]) -> None:
+        self.owner = list(owner)
+
+    def place_own(self, g: GatherGroup) -> None:
+        """Copy this rank's own units of ``g`` into their places (``g``'s buffer must have its memory)."""
+        with torch.no_grad():
+            for k, place in zip(g.units, g.places):
+                if self.owner[k] == self.rank:
+                    place.copy_(self.tensors[k])
+
+    @abc.abstractmethod
+    def start(self, wants: Sequence[int]) -> "GatherHandle":
+        """Start a round's traffic (collective: every rank, once any rank wants a group): ``wants[r]`` is the
+        group rank r wants or ``WANTS_NOTHING``; this rank's own units of the group it wants are placed already
+        (``place_own``)."""
+
+    @abc.abstractmethod
+    def close(self, collective: bool) -> None:
+        """Free what the gather holds; ``collective`` (every rank closes): what freeing waits for the others for too."""
+
+
+class GatherHandle(Protocol):
+    """A round's traffic in flight, as ``GroupGather.start`` returns it."""
+
+    def wait(self) -> None:
+        """Finish it (no timeout: a round that never ends is a stall the monitor reports)."""

@@ -4,14 +4,15 @@ from typing import Any
 
 import torch
 
-from hpcnet.comm.transport.base import CommFailure, Handle, Transport, abandon
+from hpcnet.comm.transport.base import CommFailure, Handle, Transport
 
 
-class FaultyTransport:
+class FaultyTransport(Transport):
     """Fault injection: the wrapped transport's result fails on chosen ranks at one step.
 
     The collective itself still runs (so no rank is left inside it); the
     chosen ranks then report an error, as a NCCL error seen by one rank would.
+    It offers what the wrapped transport offers.
     """
 
     def __init__(self, inner: Transport, *, fail: bool) -> None:
@@ -19,18 +20,21 @@ class FaultyTransport:
         self.name = inner.name
         self.synchronous = inner.synchronous
         self.blocking_start = inner.blocking_start
-        self.allocate = getattr(inner, "allocate", None)  # buckets in the inner transport's memory (shm)
-        self.compresses = getattr(inner, "compresses", False)  # dist.compression between nodes only (hierarchical)
+        self.compresses = inner.compresses
+        self.chunk_bytes = inner.chunk_bytes
+        self.keeps_buckets = inner.keeps_buckets
+        self.reduce_scatters = inner.reduce_scatters
         self.fail = fail
         self.armed = False
-        if getattr(inner, "start_reduce_scatter", None) is not None:
-            self.start_reduce_scatter = self._start_reduce_scatter
 
     def start(self, flat: torch.Tensor, key: Any = None) -> Handle:
         return self._maybe_failing(self.inner.start(flat, key))
 
-    def _start_reduce_scatter(self, flat: torch.Tensor, counts: list[int], out: torch.Tensor) -> Handle:
+    def start_reduce_scatter(self, flat: torch.Tensor, counts: list[int], out: torch.Tensor) -> Handle:
         return self._maybe_failing(self.inner.start_reduce_scatter(flat, counts, out))
+
+    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.inner.allocate(numel, dtype)
 
     def _maybe_failing(self, handle: Handle) -> Handle:
         if self.armed and self.fail:
@@ -41,7 +45,7 @@ class FaultyTransport:
         self.inner.close()
 
     def abandon(self) -> None:
-        abandon(self.inner)
+        self.inner.abandon()
 
 
 class _FailingHandle:

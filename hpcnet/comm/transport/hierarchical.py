@@ -20,7 +20,15 @@ from hpcnet.comm.quantize import (
     padded_length,
     unpack,
 )
-from hpcnet.comm.transport.base import CollectiveExecutor, Done, Failed, Handle, as_comm_failure, mpi_buffer
+from hpcnet.comm.transport.base import (
+    CollectiveExecutor,
+    Done,
+    Failed,
+    Handle,
+    Transport,
+    as_comm_failure,
+    mpi_buffer,
+)
 from hpcnet.comm.transport.torchdist import TorchHandle
 
 PIPELINE_CHUNK_BYTES = 4 << 20
@@ -36,7 +44,7 @@ def chunk_bounds(numel: int, chunk: int, multiple: int) -> list[tuple[int, int]]
     return [(lo, min(lo + step, numel)) for lo in range(0, numel, step)]
 
 
-class HierarchicalTransport:
+class HierarchicalTransport(Transport):
     """Reduce-scatter in the node, all-reduce across nodes, all-gather in the node.
 
     Args:

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from hpcnet.comm.transport.base import CollectiveExecutor
+from hpcnet.comm.transport.base import CollectiveExecutor, Transport
 from hpcnet.comm.transport.mpi import MpiTransport
 from hpcnet.comm.world import World
 
@@ -62,7 +62,7 @@ class _Region:
     """The bucket as each local rank holds it (index = local rank), all in the shared window."""
 
 
-class ShmTransport:
+class ShmTransport(Transport):
     """Sum buckets across ranks through node-shared memory; across nodes, MPI on each rank's slice.
 
     Args:
@@ -75,6 +75,7 @@ class ShmTransport:
     name = "shm"
     synchronous = True
     blocking_start = True
+    keeps_buckets = True
 
     def __init__(self, comm: Any, world: World) -> None:
         from hpcnet.agree import mark_agreed

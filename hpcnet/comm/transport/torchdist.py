@@ -1,11 +1,14 @@
-"""All-reduce over a torch.distributed process group: NCCL on GPUs, gloo on CPUs."""
+"""torch.distributed process groups (NCCL on GPUs, gloo on CPUs): the gradients' all-reduce, and stage 3's gathers
+as broadcasts or sends and receives."""
 
 import datetime
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-from hpcnet.comm.transport.base import CommFailure, Done, Handle
+from hpcnet.comm.transport.base import WANTS_NOTHING, CommFailure, Done, GroupGather, Handle, Transport
 
 
 class TorchHandle:
@@ -40,7 +43,7 @@ class TorchHandle:
             raise CommFailure(f"all-reduce did not finish within {timeout_s:.0f} s")
 
 
-class TorchTransport:
+class TorchTransport(Transport):
     """All-reduce over a torch.distributed process group (NCCL on GPU, gloo on CPU)."""
 
     def __init__(self, group: Any, backend: str, size: int) -> None:
@@ -60,3 +63,43 @@ class TorchTransport:
 
     def close(self) -> None:
         self.group = None
+
+
+class TorchGroupGather(GroupGather):
+    """Gather rounds over the default torch.distributed group, in stream order: where every rank wants the same
+    group (the common round), one broadcast a unit from its owner; else point-to-point sends and receives."""
+
+    name = "torch.distributed"
+
+    def start(self, wants: Sequence[int]) -> "_Works":
+        import torch.distributed as dist
+
+        want = wants[self.rank]
+        g = self.groups[want] if want != WANTS_NOTHING else None
+        if g is not None and (np.asarray(wants) == want).all():
+            return _Works([dist.broadcast(place, src=self.owner[k], async_op=True)
+                           for k, place in zip(g.units, g.places)])
+        ops = []
+        for r, w in enumerate(wants):
+            if w == WANTS_NOTHING or r == self.rank:
+                continue
+            ops += [dist.P2POp(dist.isend, self.tensors[k].detach(), r) for k in self.groups[w].units
+                    if self.owner[k] == self.rank]
+        if g is not None:
+            ops += [dist.P2POp(dist.irecv, place, self.owner[k]) for k, place in zip(g.units, g.places)
+                    if self.owner[k] != self.rank]
+        return _Works(dist.batch_isend_irecv(ops) if ops else [])
+
+    def close(self, collective: bool) -> None:
+        """Nothing to free: the default group is the job's."""
+
+
+class _Works:
+    """A round's torch.distributed works in flight."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()

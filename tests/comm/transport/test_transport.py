@@ -12,7 +12,9 @@ from hpcnet.comm.transport import (
     FaultyTransport,
     HierarchicalTransport,
     MpiTransport,
+    ShmTransport,
     TorchTransport,
+    Transport,
     build_transport,
     enqueue_in_order,
     wait_all,
@@ -208,6 +210,47 @@ def test_an_injected_failure_runs_the_collective_then_fails_on_the_chosen_ranks(
         handle.wait(30.0)
     assert torch.all(flat == comm.Get_size())  # no rank was left inside the collective
     faulty.close()
+
+
+def test_every_transport_declares_what_it_offers_and_offers_what_it_declares():
+    """The reducer and the placements ask the base class's flags, never probe for a method: a transport that keeps
+    its buckets implements ``allocate``, one that reduce-scatters ``start_reduce_scatter``; the others refuse both,
+    naming the transport and the flag."""
+    kinds = [MpiTransport, TorchTransport, ShmTransport, HierarchicalTransport, FaultyTransport]
+    for cls in kinds:
+        assert issubclass(cls, Transport), cls
+        if cls is not FaultyTransport:  # it offers what it wraps (below)
+            assert cls.keeps_buckets == (cls.allocate is not Transport.allocate), cls
+            assert cls.reduce_scatters == (cls.start_reduce_scatter is not Transport.start_reduce_scatter), cls
+    assert [cls for cls in kinds[:-1] if cls.keeps_buckets] == [ShmTransport]
+    assert [cls for cls in kinds[:-1] if cls.reduce_scatters] == [MpiTransport]
+    plain = TorchTransport(None, "gloo", 1)
+    assert not plain.compresses and plain.chunk_bytes is None
+    with pytest.raises(NotImplementedError, match="the gloo transport keeps no buckets of its own"):
+        plain.allocate(4, torch.float32)
+    with pytest.raises(NotImplementedError, match="the gloo transport offers no reduce-scatter"):
+        plain.start_reduce_scatter(torch.zeros(4), [4], torch.zeros(4))
+
+
+@pytest.mark.mpi
+def test_an_injecting_transport_offers_what_the_one_it_wraps_offers(comm):
+    """``dist.fail_at_step`` wraps the transport: its buckets stay in shm's window, MPI's reduce-scatter stays."""
+    world = discover(comm, environ={})
+    for inner in (MpiTransport(comm, progress="inline"), ShmTransport(comm, world)):
+        faulty = FaultyTransport(inner, fail=False)
+        for flag in ("synchronous", "blocking_start", "compresses", "chunk_bytes", "keeps_buckets",
+                     "reduce_scatters"):
+            assert getattr(faulty, flag) == getattr(inner, flag), (inner.name, flag)
+        if inner.keeps_buckets:
+            flat = faulty.allocate(8, torch.float32)
+            flat.fill_(1.0)
+            faulty.start(flat).wait(30.0)
+        else:
+            out = torch.zeros(4)
+            faulty.start_reduce_scatter(torch.ones(4 * comm.Get_size()), [4] * comm.Get_size(), out).wait(30.0)
+            flat = out
+        assert torch.all(flat == comm.Get_size()), inner.name
+        faulty.close()
 
 
 def test_wait_all_returns_the_first_error_and_waits_for_every_handle():

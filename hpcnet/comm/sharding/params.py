@@ -1,6 +1,6 @@
 """``dist.zero=3``: the parameters are sharded too (docs/memory.md).
 
-Each rank keeps, between uses, only the units of the parameters it owns (``hpcnet.comm.zero.ShardLayout``: the
+Each rank keeps, between uses, only the units of the parameters it owns (``hpcnet.comm.sharding.layout``: the
 same units and owners as stages 1 and 2, cut rows included), in tensors of their own: the optimizer updates them
 and the reducer hands their gradients to them, as at stage 2.  The model's parameters keep their shapes, but
 their memory exists only while a *group* that holds them is gathered:
@@ -10,7 +10,8 @@ their memory exists only while a *group* that holds them is gathered:
   output layer, a parameter shared between blocks).  A group's parameters are views of one flat byte buffer; its
   storage is resized to nothing when the group is released and back when it is gathered, so the views (and the
   tensors autograd saved for backward, which are such views) stay valid across a release.
-- **Gathers** are rounds of all ranks (``hpcnet.comm.gathers``): a rank may want any group at any point, and
+- **Gathers** are rounds of all ranks (``hpcnet.comm.sharding.rounds``; the transport layer moves the units): a
+  rank may want any group at any point, and
   ranks that take different paths (a block skipped or run twice, a parameter read by the loss, fewer
   evaluation batches) never wait for a gather another rank would not start.  A step's forwards and backwards,
   and an evaluation's forwards, run inside ``in_use``, which ends with every rank settling: serving the others'
@@ -31,8 +32,8 @@ their memory exists only while a *group* that holds them is gathered:
   forward returned its outputs in.  Between steps a read that would need a gather is an error that names the
   parameter (a rank alone cannot gather); its shape and aliases (``state_dict``) stay available.
 - **Gradients**: reduce-scattered bucket by bucket from the backward hooks, exactly as at stage 2
-  (``hpcnet.comm.zero.Sharded``): the sums land on the owners' unit tensors.  The optimizer step updates the
-  owned units; nothing is broadcast after it: the next forward gathers the new values.
+  (``hpcnet.comm.sharding.placement.ShardedGradients``): the sums land on the owners' unit tensors.  The
+  optimizer step updates the owned units; nothing is broadcast after it: the next forward gathers the new values.
 
 In a checkpoint the parameters keep their names, ``model/<key>``, each saved by the rank that owns it; a parameter
 cut into row ranges is saved in row pieces, ``model/<key>:<lo>-<hi>``, each by its owner, as its optimizer state
@@ -51,8 +52,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from hpcnet.comm.gathers import Rounds
-from hpcnet.comm.zero import PIECE, ShardLayout, rows_of, split_pieces
+from hpcnet.ckpt.schema import ROW_PIECE, piece_name, rows_of, split_pieces
+from hpcnet.comm.sharding.layout import ShardLayout
+from hpcnet.comm.sharding.rounds import Rounds
+from hpcnet.comm.transport import GatherGroup, build_group_gather
+from hpcnet.fault.flightrec import NULL_RECORDER
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +124,7 @@ class Group:
     flat: torch.Tensor  # uint8; its storage is empty while the group is released
     units: list[int]  # the units of its parameters
     gathered: bool = False
-    pending: Any = None  # an in-flight round (``Rounds.start``)
+    pending: Any = None  # a round in flight (``Rounds.start``)
     arrived: int = 0  # gradients handed over in this backward
     active: int = 0  # forwards of the group's module in progress
     pinned: bool = False  # read outside its forward: held until the backward is done
@@ -146,10 +150,12 @@ class ShardedParams:
         blocks: the model's blocks (``find_blocks``); empty: one group, the whole model.
         device: where the parameters live.
         collective: 'mpi' (CPU parameters) or 'torch' (``torch.distributed``: CUDA, or gloo).
+        recorder: the flight recorder (``hpcnet.fault.flightrec``) each gather round is logged to.
     """
 
     def __init__(self, model: nn.Module, layout: ShardLayout, owner: list[int], comm: Any,
-                 blocks: list[tuple[str, nn.Module]], *, device: torch.device, collective: str = "mpi") -> None:
+                 blocks: list[tuple[str, nn.Module]], *, device: torch.device, collective: str = "mpi",
+                 recorder: Any = NULL_RECORDER) -> None:
         self.model, self.layout, self.owner = model, layout, list(owner)
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.device, self.collective = device, collective
@@ -165,13 +171,13 @@ class ShardedParams:
         for g in self.groups:
             for i in g.params:
                 self.group_of[i] = g.index
-        self.rounds = Rounds(comm, layout, self.owner, self.groups, self._region, collective=collective)
         self._own_units()
         self.views: list[torch.Tensor] = []  # each parameter's place in its group's buffer, a plain tensor
         self._by_storage: dict[int, Group] = {}  # the gathered groups by their memory's address (``_pack``)
         self._using = False  # inside ``in_use``
         self._grad_forward = False  # a forward with gradients ran since the last backward
-        self._bind()
+        gather = build_group_gather(collective, comm, self._bind(), self.layout.tensors, self.owner)
+        self.rounds = Rounds(comm, gather, recorder=recorder)
         self._classes = [type(p) for p in self.params]
         for i, p in enumerate(self.params):
             p.__class__ = ShardedParameter
@@ -222,9 +228,12 @@ class ShardedParams:
             tensors.append(t)
         self.layout.tensors = tensors
 
-    def _bind(self) -> None:
-        """Make each parameter a view of its group's flat buffer, then release every group."""
+    def _bind(self) -> list[GatherGroup]:
+        """Make each parameter a view of its group's flat buffer, then release every group; returns the groups as
+        the gathers move them (their units' places are views made while the buffers have their memory)."""
         views: list[Any] = [None] * len(self.params)
+        self.views = views  # filled group by group: ``_gather_group`` reads it
+        gathered = []
         with torch.no_grad():
             for g in self.groups:
                 for i in g.params:
@@ -232,8 +241,18 @@ class ShardedParams:
                     nbytes = p.numel() * p.element_size()
                     region = g.flat[g.offsets[i]:g.offsets[i] + nbytes].view(p.dtype)
                     p.data = views[i] = region.as_strided(p.shape, p.stride()) if p.dim() else region.view(())
+                gathered.append(self._gather_group(g))
                 self._release(g)
-        self.views = views
+        return gathered
+
+    def _gather_group(self, g: Group) -> GatherGroup:
+        """Group ``g`` as the gathers move it: each unit's byte offset in the flat buffer and its place there."""
+        offsets = []
+        for k in g.units:
+            u = self.layout.units[k]
+            p = self.params[u.param]
+            offsets.append(g.offsets[u.param] + u.lo * (p.numel() * p.element_size() // max(1, u.rows)))
+        return GatherGroup(g.index, g.flat, list(g.units), offsets, [self._region(g, k) for k in g.units])
 
     def _install(self, model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> None:
         self._hooks.append(model.register_forward_pre_hook(self._root_pre_forward))
@@ -372,7 +391,7 @@ class ShardedParams:
         self.need(g)
 
     def need(self, g: Group) -> None:
-        """Group ``g`` gathered (a round of every rank: ``hpcnet.comm.gathers``)."""
+        """Group ``g`` gathered (a round of every rank: ``hpcnet.comm.sharding.rounds``)."""
         if g.gathered:
             return
         if g.pending is None:
@@ -460,7 +479,7 @@ class ShardedParams:
         entries = []
         for k in self._key_units(key):
             u, t = self.layout.units[k], self.layout.tensors[k]
-            name = f"model/{key}" if u.whole else f"model/{key}:{u.lo}-{u.hi}"
+            name = f"model/{key}" if u.whole else piece_name(f"model/{key}", u.lo, u.hi)
             mine = self.owner[k] == self.rank
             entries.append((name, t.detach() if mine else torch.empty(t.shape, dtype=t.dtype, device="meta"),
                             self.owner[k]))
@@ -472,7 +491,7 @@ class ShardedParams:
         if not name.startswith("model/"):
             return None
         key = name[len("model/"):]
-        piece = PIECE.match(key)
+        piece = ROW_PIECE.match(key)
         base = piece["key"] if piece else key
         if base not in self.keys:
             return None

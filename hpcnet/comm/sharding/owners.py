@@ -1,0 +1,193 @@
+"""The owners in force: each unit's owner rank (a ``ShardPlan``) and the rank speeds it was chosen with.
+
+Made at start-up (``plan_shards``), written by rank 0 to ``plan.json`` and saved in every checkpoint's meta
+(``state``); a resume at the same world size goes on with the checkpoint's owners (``restore``), and with
+``dist.plan=auto`` the ranks probe their speed again every ``dist.replan_every`` steps and take new owners when
+the speeds drifted and the cost model gains enough (``replan``).  Moving what is owned (optimizer state, stage 3's
+parameters, the buckets' layout) is the caller's: ``restore`` and ``replan`` take it as ``move``, called on every
+rank with the same new owners (collective), which returns the bytes of state moved by all ranks together.
+"""
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpcnet.comm.costmodel import LinkCost, ShardPlan, measured_speeds, plan_time_s
+from hpcnet.comm.sharding.assign import DEFAULT_LINK, UPDATE_S_PER_BYTE, measure_speed, plan_shards
+from hpcnet.comm.sharding.layout import ShardLayout
+from hpcnet.comm.world import World
+from hpcnet.config import DistConfig
+from hpcnet.observe.runlog import OptionalFile
+from hpcnet.paths import PLAN_FILE
+
+log = logging.getLogger(__name__)
+
+REPLAN_DRIFT = 0.25
+"""dist.replan_every: new owners are considered only when some rank's relative speed moved by more than this
+fraction since the owners in force were chosen (the probe's noise on a shared node stays below it)."""
+REPLAN_GAIN = 0.10
+"""... and taken only when the modelled step drops by more than this fraction (moving optimizer state costs a pass
+over it)."""
+
+Move = Callable[[ShardPlan], int]
+"""Moves what is owned to new owners (collective); returns the bytes of state moved by all ranks together."""
+
+
+class Owners:
+    """The owners of ``layout``'s units in force (see the module's doc).
+
+    Args:
+        layout: the units of ownership.
+        comm: the ranks (choosing owners with ``dist.plan=auto`` gathers their speeds).
+        world: its layout.
+        cfg: the ``dist`` options (``zero``, ``plan``, ``replan_every``).
+        link: the probed link, or None (``DEFAULT_LINK``).
+        device: where the speed probe runs.
+        names: the trainable parameters' names, in layout order (``plan.json``).
+    """
+
+    def __init__(self, layout: ShardLayout, comm: Any, world: World, cfg: DistConfig, *, link: LinkCost | None,
+                 device: torch.device, names: list[str]) -> None:
+        self.layout, self.comm, self.world, self.cfg = layout, comm, world, cfg
+        self.link, self.device, self.names = link, device, names
+        self.plan, self.speeds = plan_shards(layout.tensors, comm, mode=cfg.plan, link=link, device=device)
+        self.replans = 0
+        self.replanning = False  # from ``start`` on, with dist.plan=auto and dist.replan_every
+        self._file: OptionalFile | None = None
+
+    @property
+    def owner(self) -> list[int]:
+        return self.plan.owner
+
+    def start(self, run_dir: Path | None) -> None:
+        """The optimizer is sharded by these owners: rank 0 logs them and writes ``plan.json`` in ``run_dir``, and
+        from now on ``after_step`` may move them."""
+        world, cfg = self.world, self.cfg
+        self._file = OptionalFile(run_dir / PLAN_FILE) if run_dir is not None and world.is_main else None
+        # At stage 3 new owners would gather the whole model on every rank: the start-up owners stay.
+        self.replanning = cfg.plan == "auto" and cfg.replan_every > 0 and world.size > 1 and cfg.zero < 3
+        if world.is_main:
+            log.info("%s", self.describe())
+        self.write()
+
+    def write(self) -> None:
+        """Rank 0 (re)writes plan.json; best effort (``OptionalFile``): the other ranks do not wait for it."""
+        if self._file is not None:
+            self._file.write_text(json.dumps(self.record(), indent=1) + "\n")
+
+    def record(self) -> dict[str, Any]:
+        """What plan.json holds: the stage, the mode, the inputs the cost model used and its assignment."""
+        names = self.names
+        units = []
+        for unit, size, owner in zip(self.layout.units, self.layout.sizes, self.plan.owner):
+            entry = {"name": names[unit.param], "bytes": size, "owner": owner}
+            if not unit.whole:
+                entry["rows"] = [unit.lo, unit.hi]
+            units.append(entry)
+        link = self.link
+        return {"zero": self.cfg.zero, "plan": self.cfg.plan, "world_size": self.world.size,
+                "speeds": self.speeds,
+                "link": ({"latency_us": link.latency_s * 1e6, "bandwidth_GBps": link.bandwidth_Bps / 1e9}
+                         if link else None),
+                "units": units, "cut": sorted({names[u.param] for u in self.layout.units if not u.whole}),
+                **self.plan.to_json()}
+
+    def describe(self) -> str:
+        mib = [b / 2**20 for b in self.plan.rank_bytes]
+        return (f"dist.zero={self.cfg.zero} (plan {self.cfg.plan}): parameters owned per rank "
+                f"{', '.join(f'{m:.2f}' for m in mib[:8])}{' ...' if len(mib) > 8 else ''} MiB, "
+                f"modelled imbalance {self.plan.imbalance:.3f}; speeds "
+                f"{', '.join(f'{s:.2f}' for s in self.speeds[:8])}{' ...' if len(self.speeds) > 8 else ''}")
+
+    def state(self) -> dict[str, Any]:
+        """The owners and the speeds they were chosen with, for a checkpoint's meta (``restore`` takes it back)."""
+        return {"world_size": self.world.size, "owner": list(self.plan.owner), "speeds": list(self.speeds),
+                "bytes": list(self.layout.sizes), "units": self.layout.to_json()}
+
+    def restore(self, saved: Any, move: Move) -> bool:
+        """Go on with the owners a checkpoint was saved under (collective; every rank has the same meta).
+
+        ``dist.plan=auto`` chooses owners from speeds measured at start-up, which differ from one start to the
+        next; at stage 2 the owners decide how each bucket is reduce-scattered, and with more than 2 ranks MPI then
+        adds the same numbers in another order.  Keeping the saved owners makes a resume at the same world size
+        bit-identical to the run that was not interrupted.  Only a checkpoint of the same world size and unit
+        sizes is followed; otherwise the fresh owners stay.  Returns whether the owners changed.
+        """
+        found = self._saved(saved)
+        if found is None:
+            return False
+        owner, speeds = found
+        if owner == self.plan.owner:
+            self.speeds = speeds
+            return False
+        sizes = self.layout.sizes
+        times = plan_time_s(sizes, owner, speeds, compute_s_per_byte=UPDATE_S_PER_BYTE,
+                            link=self.link or DEFAULT_LINK)
+        rank_bytes = [0] * self.world.size
+        for size, rank in zip(sizes, owner):
+            rank_bytes[rank] += size
+        moved = self._take(ShardPlan(owner, rank_bytes, times), speeds, move)
+        if self.world.is_main:
+            log.info("dist.plan: resumed with the checkpoint's owners (%.1f MiB of optimizer state moved): %s",
+                     moved / 2**20, self.describe())
+        self.write()
+        return True
+
+    def _saved(self, saved: Any) -> tuple[list[int], list[float]] | None:
+        """The owners and speeds of a checkpoint's meta where they fit this run (same world size and units), else
+        None."""
+        if not isinstance(saved, dict):
+            return None
+        sizes, units, size = self.layout.sizes, self.layout.to_json(), self.world.size
+        owner, speeds = saved.get("owner"), saved.get("speeds")
+        if (saved.get("world_size") != size or saved.get("bytes") != sizes or saved.get("units", units) != units
+                or not isinstance(owner, list) or len(owner) != len(sizes)
+                or not all(isinstance(o, int) and 0 <= o < size for o in owner)
+                or not isinstance(speeds, list) or len(speeds) != size
+                or not all(isinstance(x, (int, float)) and 0 < x <= 1 for x in speeds)):
+            return None
+        return owner, [float(x) for x in speeds]
+
+    def after_step(self, step: int, recorder: Any, move: Move) -> None:
+        """Every ``dist.replan_every`` steps while re-planning: the ranks probe their speed again and agree whether
+        it calls for new owners (collective)."""
+        if not self.replanning or step % self.cfg.replan_every:
+            return
+        # The start-up probe again, the same work on every rank: a rank's own update time would not do, as it
+        # grows with what the rank owns, and a rank given less would look slower and be given less again.
+        seconds = measure_speed(device=self.device)
+        with recorder.op("replan.allgather"):
+            gathered = self.comm.allgather(seconds)
+        self.replan(step, measured_speeds(gathered), move)
+
+    def replan(self, step: int, speeds: list[float], move: Move) -> bool:
+        """New owners when the ranks' relative ``speeds`` drifted by more than ``REPLAN_DRIFT`` from those the
+        owners in force were chosen with and the cost model gives a step more than ``REPLAN_GAIN`` shorter
+        (collective; the same decision on every rank from the same gathered figures).  Returns whether the owners
+        changed."""
+        if max(abs(new / old - 1) for new, old in zip(speeds, self.speeds)) <= REPLAN_DRIFT:
+            return False
+        link = self.link or DEFAULT_LINK
+        now = max(plan_time_s(self.layout.sizes, self.plan.owner, speeds, compute_s_per_byte=UPDATE_S_PER_BYTE,
+                              link=link))
+        candidate, _ = plan_shards(self.layout.tensors, self.comm, mode="auto", link=self.link, speeds=speeds)
+        if candidate.owner == self.plan.owner or candidate.max_time_s >= (1 - REPLAN_GAIN) * now:
+            return False
+        moved = self._take(candidate, speeds, move)
+        self.replans += 1
+        if self.world.is_main:
+            log.info("dist.plan: new owners after step %d (measured update speeds %s; modelled step %.3f -> %.3f "
+                     "ms; %.1f MiB of optimizer state moved): %s", step,
+                     ", ".join(f"{x:.2f}" for x in speeds[:8]), 1e3 * now, 1e3 * candidate.max_time_s,
+                     moved / 2**20, self.describe())
+        self.write()
+        return True
+
+    def _take(self, plan: ShardPlan, speeds: list[float], move: Move) -> int:
+        moved = move(plan)
+        self.plan, self.speeds = plan, speeds
+        return moved
