@@ -1,10 +1,11 @@
 """Starting and restarting a job, torch-free.
 
-``python -m hpcnet.launch [options] -- mpirun ... python -m hpcnet.train ...`` (``supervisor``) restarts an
-attempt after a restartable failure: ``restarts`` decides (statuses, budget, backoff), ``hosts`` which hosts to
-leave out, ``command`` rewrites the launcher's command, ``standby`` and ``park`` keep a warm standby attempt,
-``forward`` passes stop signals on; ``stop`` is the rank's side of those signals.  Reference:
-docs/fault-tolerance.md.
+``python -m hpcnet.launch [options] -- mpirun ... python -m hpcnet.train ...`` (``cli``, then ``supervisor``)
+restarts an attempt after a restartable failure: ``attempt`` runs one, ``processes`` starts and reaps its
+launcher, ``restarts`` decides (statuses, budget, backoff), ``exclusion`` which hosts to leave out and let back in
+(``hosts``, ``elastic``), ``command`` reads and rewrites the launcher's command, ``standby`` and ``park`` keep a
+warm standby attempt, ``forward`` passes stop signals on; ``stop`` is the rank's side of those signals.
+Reference: docs/fault-tolerance.md.
 """
 
 from hpcnet import _lazy_exports

@@ -1,4 +1,5 @@
-"""The command of each attempt: which launcher runs it, where hpcnet.train's arguments start, what is added.
+"""A launcher's command line, read and rewritten in one place: which launcher it is, where its own options end and
+the program starts, its options (the rank count, the host list), and what each attempt adds.
 
 Every attempt runs the user's command with its run and checkpoint directories
 pinned, ``--resume auto`` from the second attempt on (``restart_args``), the attempt number
@@ -6,10 +7,14 @@ in ``HPCNET_ATTEMPT`` (docs/fault-tolerance.md says why) and, for
 hpcnet.train, where its ranks report that they handle stop signals in
 ``HPCNET_READY`` (``hpcnet.launch.stop``) and the supervisor's token in ``HPCNET_LAUNCH_ID`` (with the attempt,
 what the checkpoint directory's fence names: ``hpcnet.ckpt.fence``).
+
+A launcher's option is looked up among its own options only (``launcher_options``: after its name and before the
+program), so an ``-np`` or ``--host`` of the program's is never taken for the launcher's.  Pure but ``is_openmpi``.
 """
 
+import re
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from hpcnet.config.load import override
@@ -20,6 +25,20 @@ LAUNCHER_KINDS = ("mpirun", "srun")
 """What ``--launcher-kind`` may declare: the options the launcher takes (``-np``, ``--host``, ``--hostfile`` as Open
 MPI's mpirun; ``-n``, ``-N``, ``--exclude``, ``-w`` as SLURM's srun), which the supervisor rewrites."""
 SIGKILL_TIMEOUT_ENV = "OMPI_MCA_odls_base_sigkill_timeout"
+MPIRUN_NP = ("-np", "--np", "-n", "--n", "-c")
+MPIRUN_HOSTS = ("--host", "-host", "-H", "--H")
+MPIRUN_HOSTFILES = ("--hostfile", "-hostfile", "--machinefile", "-machinefile", "--default-hostfile")
+MPIRUN_PLACEMENT = (*MPIRUN_NP, *MPIRUN_HOSTS, *MPIRUN_HOSTFILES, "--map-by", "-map-by", "--rank-by", "-rank-by",
+                    "-npernode", "--npernode", "-N", "-npersocket", "--npersocket", "--ppr")
+"""mpirun options (each with a value) that place the job's ranks: a probe of one host leaves them out."""
+SRUN_NTASKS = ("--ntasks", "-n")
+SRUN_NODES = ("--nodes", "-N")
+SRUN_EXCLUDE = ("--exclude", "-x")
+_PROGRAM = re.compile(r"^(python[\d.]*|hpcnet-train)$")
+
+
+class CommandError(ValueError):
+    """A launcher command that cannot be read or run as asked (a message for the user, naming the option or host)."""
 
 
 def launcher_kind(command: list[str], declared: str = "") -> str:
@@ -50,6 +69,106 @@ def train_args_start(command: list[str]) -> int | None:
         if Path(arg).name == "hpcnet-train" or arg.endswith("hpcnet/train.py"):
             return i + 1
     return None
+
+
+def program_index(command: list[str]) -> int | None:
+    """Where the program starts in a launcher command (the first python, or hpcnet-train); None if not found."""
+    for i, arg in enumerate(command[1:], start=1):
+        if _PROGRAM.match(Path(arg).name) or arg.endswith("hpcnet/train.py"):
+            return i
+    return None
+
+
+def launcher_end(command: list[str]) -> int:
+    """Where the launcher's own options end: the program's start, else the end of the command."""
+    found = program_index(command)
+    return len(command) if found is None else found
+
+
+def launcher_options(command: list[str], names: tuple[str, ...]) -> Iterator[tuple[int, int, str]]:
+    """(index of the option, index of its value, value) of each of the launcher's options ``names``, as ``-o v``
+    or (long options) ``--opt=v``."""
+    end = launcher_end(command)
+    for i in range(1, end):
+        arg = command[i]
+        for name in names:
+            if arg == name and i + 1 < end:
+                yield i, i + 1, command[i + 1]
+                break
+            if arg.startswith(name + "=") and name.startswith("--"):
+                yield i, i, arg.split("=", 1)[1]
+                break
+
+
+def find_option(command: list[str], names: tuple[str, ...]) -> tuple[int, int, str] | None:
+    """The first of the launcher's options ``names`` (``launcher_options``); None when it has none."""
+    return next(launcher_options(command, names), None)
+
+
+def set_option(command: list[str], where: tuple[int, int, str], value: str) -> list[str]:
+    """``command`` with the option ``where`` (``find_option``) set to ``value``, in the form it was written."""
+    i, j, _ = where
+    out = list(command)
+    out[j] = value if i != j else f"{command[i].split('=', 1)[0]}={value}"
+    return out
+
+
+def ranks_of(command: list[str], kind: str = "") -> int | None:
+    """The number of ranks a launcher command asks for (mpirun ``-np``, srun ``-n``); None when it names none.
+    ``kind``, here and below: the launcher's kind as declared (``launcher_kind``)."""
+    kind = launcher_kind(command, kind)
+    names = MPIRUN_NP if kind == "mpirun" else SRUN_NTASKS if kind == "srun" else ()
+    found = find_option(command, names) if names else None
+    if found is None:
+        return None
+    if not found[2].isdigit():
+        raise CommandError(f"cannot read the number of ranks {command[found[0]]} {found[2]!r}")
+    return int(found[2])
+
+
+def set_ranks(command: list[str], ranks: int, nodes: int | None = None, kind: str = "") -> list[str]:
+    """``command`` with ``ranks`` ranks: mpirun's ``-np`` or srun's ``-n`` rewritten (added when absent); srun's
+    ``-N`` lowered to ``nodes`` when it asks for more."""
+    kind = launcher_kind(command, kind)
+    found = find_option(command, MPIRUN_NP if kind == "mpirun" else SRUN_NTASKS)
+    if found is None:
+        out = [command[0], "-np" if kind == "mpirun" else "-n", str(ranks), *command[1:]]
+    else:
+        out = set_option(command, found, str(ranks))
+    if kind == "srun" and nodes is not None:
+        node_opt = find_option(out, SRUN_NODES)
+        if node_opt is not None and node_opt[2].isdigit() and int(node_opt[2]) > nodes:
+            out = set_option(out, node_opt, str(nodes))
+    return out
+
+
+def parse_host_list(text: str) -> list[tuple[str, int]]:
+    """The value of mpirun's ``--host`` as (host, slots): ``a:2,b`` is a with 2 slots, b 1; a repeated host adds up."""
+    slots: dict[str, int] = {}
+    for entry in (e for e in text.split(",") if e):
+        host, _, count = entry.partition(":")
+        if count and not count.isdigit():
+            raise CommandError(f"cannot read the slots of {entry!r} in --host {text}")
+        slots[host] = slots.get(host, 0) + (int(count) if count else 1)
+    return list(slots.items())
+
+
+def parse_hostfile(text: str) -> list[tuple[str, int]]:
+    """An Open MPI hostfile as (host, slots): ``host slots=N`` (``host`` alone: 1 slot); comments skipped."""
+    slots: dict[str, int] = {}
+    for line in text.splitlines():
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        count = 1
+        for word in words[1:]:
+            key, _, value = word.partition("=")
+            if key in ("slots", "count", "cpu"):
+                if not value.isdigit():
+                    raise CommandError(f"cannot read the slots in the hostfile line {line.strip()!r}")
+                count = int(value)
+        slots[words[0]] = slots.get(words[0], 0) + count
+    return list(slots.items())
 
 
 def restart_args(resume: str, *, own: bool) -> list[str]:

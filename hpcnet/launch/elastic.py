@@ -11,7 +11,6 @@ failure lost when the failure names hosts on both sides of a partition (``unreac
 Everything here is pure but ``run_probe``, ``probe_hosts`` and ``HostWatch``, which run probe commands.
 """
 
-import re
 import shlex
 import subprocess
 import threading
@@ -21,7 +20,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcnet.launch.command import LAUNCHER_KINDS, launcher_kind
+from hpcnet.launch.command import (
+    LAUNCHER_KINDS,
+    MPIRUN_HOSTFILES,
+    MPIRUN_HOSTS,
+    MPIRUN_PLACEMENT,
+    CommandError,
+    find_option,
+    launcher_end,
+    launcher_kind,
+    parse_host_list,
+    parse_hostfile,
+    ranks_of,
+    set_ranks,
+)
 from hpcnet.launch.hosts import RankPlace, entries_naming, exclude_hosts, same_host
 
 PROBE_EVERY_S = 5.0
@@ -31,87 +43,9 @@ PROBE_TIMEOUT_S = 10.0
 wait for its daemon for ever: the probe is killed then, and the host counts as unreachable)."""
 HOST_PLACEHOLDER = "{host}"
 
-_MPIRUN_NP = ("-np", "--np", "-n", "--n", "-c")
-_MPIRUN_HOSTS = ("--host", "-host", "-H", "--H")
-_MPIRUN_HOSTFILES = ("--hostfile", "-hostfile", "--machinefile", "-machinefile", "--default-hostfile")
-_MPIRUN_PLACEMENT = (*_MPIRUN_NP, *_MPIRUN_HOSTS, *_MPIRUN_HOSTFILES, "--map-by", "-map-by", "--rank-by",
-                     "-rank-by", "-npernode", "--npernode", "-N", "-npersocket", "--npersocket", "--ppr")
-"""mpirun options (each with a value) that place the job's ranks: a probe of one host leaves them out."""
-_SRUN_NTASKS = ("--ntasks", "-n")
-_SRUN_NODES = ("--nodes", "-N")
-_PROGRAM = re.compile(r"^(python[\d.]*|hpcnet-train)$")
 
-
-class ElasticError(ValueError):
+class ElasticError(CommandError):
     """The job cannot run elastically as asked (a message for the user, naming the option or host)."""
-
-
-def _find(command: list[str], names: tuple[str, ...], stop: int | None = None) -> tuple[int, int, str] | None:
-    """(index of the option, index of its value, value) of the first of ``names`` before ``stop``."""
-    end = len(command) if stop is None else stop
-    for i in range(1, end):
-        arg = command[i]
-        for name in names:
-            if arg == name and i + 1 < end:
-                return i, i + 1, command[i + 1]
-            if arg.startswith(name + "=") and name.startswith("--"):
-                return i, i, arg.split("=", 1)[1]
-    return None
-
-
-def program_index(command: list[str]) -> int | None:
-    """Where the program starts in a launcher command (the first python, or hpcnet-train); None if not found."""
-    for i, arg in enumerate(command[1:], start=1):
-        if _PROGRAM.match(Path(arg).name) or arg.endswith("hpcnet/train.py"):
-            return i
-    return None
-
-
-def _launcher_part(command: list[str]) -> int:
-    found = program_index(command)
-    return len(command) if found is None else found
-
-
-def ranks_of(command: list[str], kind: str = "") -> int | None:
-    """The number of ranks a launcher command asks for (mpirun ``-np``, srun ``-n``); None when it names none.
-    ``kind``, here and below: the launcher's kind as declared (``hpcnet.launch.command.launcher_kind``)."""
-    kind = launcher_kind(command, kind)
-    names = _MPIRUN_NP if kind == "mpirun" else _SRUN_NTASKS if kind == "srun" else ()
-    found = _find(command, names, _launcher_part(command)) if names else None
-    if found is None:
-        return None
-    if not found[2].isdigit():
-        raise ElasticError(f"cannot read the number of ranks {command[found[0]]} {found[2]!r}")
-    return int(found[2])
-
-
-def parse_host_list(text: str) -> list[tuple[str, int]]:
-    """The value of mpirun's ``--host`` as (host, slots): ``a:2,b`` is a with 2 slots, b 1; a repeated host adds up."""
-    slots: dict[str, int] = {}
-    for entry in (e for e in text.split(",") if e):
-        host, _, count = entry.partition(":")
-        if count and not count.isdigit():
-            raise ElasticError(f"cannot read the slots of {entry!r} in --host {text}")
-        slots[host] = slots.get(host, 0) + (int(count) if count else 1)
-    return list(slots.items())
-
-
-def parse_hostfile(text: str) -> list[tuple[str, int]]:
-    """An Open MPI hostfile as (host, slots): ``host slots=N`` (``host`` alone: 1 slot); comments skipped."""
-    slots: dict[str, int] = {}
-    for line in text.splitlines():
-        words = line.split("#", 1)[0].split()
-        if not words:
-            continue
-        count = 1
-        for word in words[1:]:
-            key, _, value = word.partition("=")
-            if key in ("slots", "count", "cpu"):
-                if not value.isdigit():
-                    raise ElasticError(f"cannot read the slots in the hostfile line {line.strip()!r}")
-                count = int(value)
-        slots[words[0]] = slots.get(words[0], 0) + count
-    return list(slots.items())
 
 
 def host_slots(command: list[str], *, allocation: list[tuple[str, int]] | None = None, excluded: Iterable[str] = (),
@@ -122,11 +56,10 @@ def host_slots(command: list[str], *, allocation: list[tuple[str, int]] | None =
     """
     kind = launcher_kind(command, kind)
     found: list[tuple[str, int]] | None = None
-    stop = _launcher_part(command)
     if kind == "mpirun":
-        if (hosts := _find(command, _MPIRUN_HOSTS, stop)) is not None:
+        if (hosts := find_option(command, MPIRUN_HOSTS)) is not None:
             found = parse_host_list(hosts[2])
-        elif (hostfile := _find(command, _MPIRUN_HOSTFILES, stop)) is not None and read_file is not None:
+        elif (hostfile := find_option(command, MPIRUN_HOSTFILES)) is not None and read_file is not None:
             found = parse_hostfile(read_file(hostfile[2]))
     if found is None and kind in ("mpirun", "srun") and allocation:
         found = list(allocation)
@@ -142,30 +75,9 @@ def host_names(command: list[str], *, allocation: list[tuple[str, int]] | None,
     (``exclude_hosts`` then says what is wrong with it)."""
     try:
         slots = host_slots(command, allocation=allocation, read_file=read_file, kind=kind)
-    except (ElasticError, OSError):
+    except (CommandError, OSError):
         return None
     return None if slots is None else [h for h, _ in slots]
-
-
-def set_ranks(command: list[str], ranks: int, nodes: int | None = None, kind: str = "") -> list[str]:
-    """``command`` with ``ranks`` ranks: mpirun's ``-np`` or srun's ``-n`` rewritten (added when absent); srun's
-    ``-N`` lowered to ``nodes`` when it asks for more."""
-    kind = launcher_kind(command, kind)
-    out = list(command)
-    stop = _launcher_part(out)
-    names = _MPIRUN_NP if kind == "mpirun" else _SRUN_NTASKS
-    found = _find(out, names, stop)
-    if found is None:
-        out[1:1] = ["-np" if kind == "mpirun" else "-n", str(ranks)]
-    else:
-        i, j, _ = found
-        out[j] = str(ranks) if i != j else f"{out[i].split('=', 1)[0]}={ranks}"
-    if kind == "srun" and nodes is not None:
-        node_opt = _find(out, _SRUN_NODES, _launcher_part(out))
-        if node_opt is not None and node_opt[2].isdigit() and int(node_opt[2]) > nodes:
-            i, j, _ = node_opt
-            out[j] = str(nodes) if i != j else f"{out[i].split('=', 1)[0]}={nodes}"
-    return out
 
 
 @dataclass(slots=True)
@@ -217,7 +129,7 @@ def elastic_ranks(command: list[str], min_ranks: int, *, allocation: list[tuple[
     try:
         ranks = ranks_of(command, kind)
         slots = host_slots(command, allocation=allocation, read_file=read_file, kind=kind)
-    except (ElasticError, OSError) as exc:
+    except (CommandError, OSError) as exc:
         raise ElasticError(f"--min-ranks: {exc}") from None
     if ranks is None:
         if slots is None:
@@ -304,14 +216,14 @@ def probe_command(command: list[str], host: str, template: str | None = None, ki
     if kind != "mpirun":
         return None
     options: list[str] = []
-    args = command[1:_launcher_part(command)]
+    args = command[1:launcher_end(command)]
     i = 0
     while i < len(args):
         arg = args[i]
-        if arg in _MPIRUN_PLACEMENT:
+        if arg in MPIRUN_PLACEMENT:
             i += 2
             continue
-        if any(arg.startswith(name + "=") for name in _MPIRUN_PLACEMENT if name.startswith("--")):
+        if any(arg.startswith(name + "=") for name in MPIRUN_PLACEMENT if name.startswith("--")):
             i += 1
             continue
         options.append(arg)

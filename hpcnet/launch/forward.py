@@ -12,15 +12,14 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from hpcnet.errors import ExitCode
-from hpcnet.launch.standby import parked_ranks
-from hpcnet.launch.stop import READY, SUPERVISOR_SIGNALS
+from hpcnet.launch.processes import say
+from hpcnet.launch.stop import READY, SUPERVISOR_SIGNALS, reported_ranks
 
 
 class Forwarder:
@@ -66,6 +65,10 @@ class Forwarder:
         self.wake.set()
         self.pass_on()
 
+    def stopping(self) -> bool:
+        """Whether a stop signal came: no attempt starts after it."""
+        return bool(self.received)
+
     @property
     def pending(self) -> bool:
         """A signal was received and not yet passed on to the running launcher."""
@@ -89,8 +92,8 @@ class Forwarder:
         if self.count == 1 and self.ready is not None and not self.ready():
             if not self.held:
                 self.held = True
-                print(f"hpcnet.launch: got {name}; the job's ranks are still starting: it reaches them once every "
-                      "rank handles it; no restart after it", file=sys.stderr, flush=True)
+                say(f"got {name}; the job's ranks are still starting: it reaches them once every rank handles it; "
+                    "no restart after it")
             return
         # A hang-up is a request to stop, as SIGTERM is (which the ranks save on).
         forward = signal.SIGTERM if self.received == signal.SIGHUP else self.received
@@ -101,21 +104,20 @@ class Forwarder:
         self.sent = self.count
         with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
             os.kill(proc.pid, forward)
-        print(f"hpcnet.launch: got {name}, sent {signal.Signals(forward).name} to the job; no restart after it",
-              file=sys.stderr, flush=True)
+        say(f"got {name}, sent {signal.Signals(forward).name} to the job; no restart after it")
 
 
 def ranks_ready(directory: Path, started_up: threading.Event) -> bool:
     """Whether every rank of an attempt has reported that it handles stop signals (``hpcnet.launch.stop``), or, for
     ranks that cannot say how many they are, the attempt has logged its first step (they are all past start-up)."""
-    count, size = parked_ranks(directory, READY)
+    count, size = reported_ranks(directory, READY)
     return (size is not None and count >= size) or started_up.is_set()
 
 
 def ranks_started(directory: Path, started_up: threading.Event) -> bool:
     """Whether an attempt's ranks are past their launch, for ``--start-timeout-s``: every rank reported ready, or,
     where the ranks cannot say how many they are, one of them did, or the attempt logged its first step."""
-    count, size = parked_ranks(directory, READY)
+    count, size = reported_ranks(directory, READY)
     return (count >= size if size is not None else count > 0) or started_up.is_set()
 
 

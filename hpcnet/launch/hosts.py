@@ -21,12 +21,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from hpcnet.launch.command import launcher_kind
+from hpcnet.launch.command import (
+    MPIRUN_HOSTFILES,
+    MPIRUN_HOSTS,
+    SRUN_EXCLUDE,
+    find_option,
+    launcher_kind,
+    set_option,
+)
 
-_MPIRUN_HOST_OPTS = ("--host", "-host", "-H", "--H")
 RESOLVE_TIMEOUT_S = 5.0
 """How long the supervisor waits for the resolver to name the addresses of the launcher's host list, in all."""
-MPIRUN_HOSTFILE_OPTIONS = ("--hostfile", "-hostfile", "--machinefile", "-machinefile", "--default-hostfile")
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -149,24 +154,6 @@ def resolve_all(names: list[str], timeout_s: float) -> dict[str, list[str]]:
     return {n: list(found.get(n, [])) for n in names}
 
 
-def _option_value(command: list[str], names: tuple[str, ...]) -> tuple[int, int, str] | None:
-    """(index of the option, index of its value, value) of the first of ``names`` (``--opt v`` or ``--opt=v``)."""
-    for i, arg in enumerate(command):
-        for name in names:
-            if arg == name and i + 1 < len(command):
-                return i, i + 1, command[i + 1]
-            if arg.startswith(name + "="):
-                return i, i, arg.split("=", 1)[1]
-    return None
-
-
-def _set_value(command: list[str], where: tuple[int, int, str], value: str) -> list[str]:
-    i, j, _ = where
-    out = list(command)
-    out[j] = value if i != j else f"{command[i].split('=', 1)[0]}={value}"
-    return out
-
-
 @dataclass(slots=True)
 class Exclusion:
     """A command with failed hosts left out, and how."""
@@ -199,15 +186,15 @@ def exclude_hosts(command: list[str], hosts: list[str], *, allocation: list[tupl
     if kind == "srun":
         if allocation and (missing := _not_in(hosts, [h for h, _ in allocation])):
             return Exclusion(list(command), note=f"cannot exclude {missing}: not a node of the SLURM allocation")
-        found = _option_value(command, ("--exclude", "-x"))
+        found = find_option(command, SRUN_EXCLUDE)
         if found:
             merged = sorted(set(found[2].split(",")) | set(hosts))
-            return Exclusion(_set_value(command, found, ",".join(merged)), note=f"srun --exclude={','.join(merged)}")
+            return Exclusion(set_option(command, found, ",".join(merged)), note=f"srun --exclude={','.join(merged)}")
         return Exclusion([command[0], f"--exclude={','.join(hosts)}", *command[1:]],
                          note=f"srun --exclude={','.join(hosts)}")
     if kind != "mpirun":
         return Exclusion(list(command), note=f"cannot exclude {', '.join(hosts)}: {command[0]!r} is not mpirun or srun")
-    found = _option_value(command, _MPIRUN_HOST_OPTS)
+    found = find_option(command, MPIRUN_HOSTS)
     if found:
         entries = [e for e in found[2].split(",") if e]
         if missing := _not_in(hosts, [e.split(":")[0] for e in entries]):
@@ -215,8 +202,8 @@ def exclude_hosts(command: list[str], hosts: list[str], *, allocation: list[tupl
         kept = [e for e in entries if not any(same_host(e.split(":")[0], h) for h in hosts)]
         if not kept:
             return Exclusion(list(command), note=f"not excluding {', '.join(hosts)}: no host would be left")
-        return Exclusion(_set_value(command, found, ",".join(kept)), note=f"mpirun --host {','.join(kept)}")
-    found = _option_value(command, MPIRUN_HOSTFILE_OPTIONS)
+        return Exclusion(set_option(command, found, ",".join(kept)), note=f"mpirun --host {','.join(kept)}")
+    found = find_option(command, MPIRUN_HOSTFILES)
     if found:
         if read_file is None:
             return Exclusion(list(command), note="cannot read the hostfile")
@@ -229,7 +216,7 @@ def exclude_hosts(command: list[str], hosts: list[str], *, allocation: list[tupl
                       or not any(same_host(ln.split()[0], h) for h in hosts)]
         if not any(ln.split() and not ln.lstrip().startswith("#") for ln in kept_lines):
             return Exclusion(list(command), note=f"not excluding {', '.join(hosts)}: no host would be left")
-        return Exclusion(_set_value(command, found, hostfile_path), hostfile="\n".join(kept_lines) + "\n",
+        return Exclusion(set_option(command, found, hostfile_path), hostfile="\n".join(kept_lines) + "\n",
                          hostfile_path=hostfile_path,
                          note=f"mpirun hostfile {hostfile_path} without {', '.join(hosts)}")
     if allocation:

@@ -17,21 +17,80 @@ what a cold start would run (``hpcnet.launch.standby.imported_changes``).
 
 import contextlib
 import importlib
+import importlib.metadata
 import json
 import os
 import signal
+import site
 import socket
+import sys
+import sysconfig
 import time
 from pathlib import Path
+from typing import Any
 
 import hpcnet
-from hpcnet.launch.standby import IMPORTED_FILE, PARKED, imported_manifest
 from hpcnet.launch.stop import RANK_ENVS, env_int, report_rank
 from hpcnet.paths import STANDBY_ENV, STANDBY_OWNER_ENV
 
 RELEASE_SIGNAL = signal.SIGUSR1
 WATCH_S = 2.0
 ORPHAN_EXIT = 3
+PARKED = "parked"
+"""A standby rank's report that it has parked: ``parked.<rank>`` (``hpcnet.launch.stop.report_rank``)."""
+IMPORTED_FILE = "imported.json"
+"""What a standby's rank 0 imported before it parked (``imported_manifest``), in the standby's directory."""
+
+
+def file_stat(path: Path) -> list[int] | None:
+    """A file's modification time and size, what tells an edit (None: it cannot be read)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return [st.st_mtime_ns, st.st_size]
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """The standard library's and site-packages' directories, each ending in a separator."""
+    paths = sysconfig.get_paths()
+    dirs = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
+    dirs.update(site.getsitepackages())
+    dirs.add(site.getusersitepackages())
+    return tuple(sorted({os.path.join(os.path.realpath(d), "") for d in dirs if d}))
+
+
+def user_module_files(modules: dict[str, Any] | None = None) -> list[str]:
+    """The files of the imported ``modules`` (default ``sys.modules``) that lie outside the standard library and
+    site-packages: the code that a package upgrade does not change and an edit does."""
+    libraries = _library_dirs()
+    files = set()
+    for module in list((sys.modules if modules is None else modules).values()):
+        name = getattr(module, "__file__", None)
+        if isinstance(name, str) and name:
+            path = os.path.realpath(name)
+            if not path.startswith(libraries):
+                files.add(path)
+    return sorted(files)
+
+
+def installed_packages(path: list[str]) -> dict[str, str]:
+    """Name -> version of every package installed on ``path`` (a ``sys.path``); the first of a name wins, as it
+    does for imports."""
+    found: dict[str, str] = {}
+    for dist in importlib.metadata.distributions(path=list(path)):
+        name = (dist.metadata["Name"] or "").lower()
+        if name and name not in found:
+            found[name] = dist.version
+    return found
+
+
+def imported_manifest() -> dict[str, Any]:
+    """What this process imported, for ``hpcnet.launch.standby.imported_changes``: the modules' files outside the
+    standard library and site-packages with their modification times and sizes, ``sys.path``, the installed
+    packages' versions."""
+    return {"modules": {path: file_stat(Path(path)) for path in user_module_files()}, "path": list(sys.path),
+            "packages": installed_packages(sys.path)}
 
 
 def standby_dir() -> Path | None:

@@ -1,7 +1,7 @@
 """Restart decisions (pure): which statuses restart, the restart budget, the backoff, what a failure was.
 
 Why these statuses and not others, and how the budget counts, is in
-docs/fault-tolerance.md.  Nothing here runs a process; ``hpcnet.launch.supervisor`` does.
+docs/fault-tolerance.md.  Nothing here runs a process; ``hpcnet.launch.attempt`` does.
 """
 
 import contextlib

@@ -1,6 +1,6 @@
-"""Warm standby, the supervisor's side (docs/fault-tolerance.md): when to start one, what makes one stale, how to
-tell that its ranks are parked. The ranks' side is ``hpcnet.launch.park``; the process handling is in
-``hpcnet.launch.supervisor``.
+"""Warm standby, the supervisor's side (docs/fault-tolerance.md): when to start one, what makes one stale, its
+processes (``Standby``), and the one the supervisor holds for its next attempt (``Standbys``). The ranks' side is
+``hpcnet.launch.park``.
 
 A cold restart spends most of its seconds starting: the launcher, the interpreters, importing torch and h5py,
 and, on a real cluster, all of that from a parallel file system on every node at once. A standby does it while the
@@ -11,23 +11,33 @@ run is what a cold restart would run now. The supervisor compares (``fingerprint
 command, the environment, the host files (named in the command, ``--hostfile=PATH`` too, or by environment
 variables such as ``OMPI_MCA_orte_default_hostfile``, ``SLURM_HOSTFILE``, ``PBS_NODEFILE``), hpcnet's code and the
 ``--config`` file as they were when the standby started with how they are now; and what the standby's ranks
-imported before they parked, as rank 0 recorded it (``imported_manifest``, ``imported_changes``): the file of every
-module from outside the standard library and site-packages (the model and dataset factories' modules, hpcnet
-itself in a checkout) and the version of every package installed on their ``sys.path`` (torch among them).
+imported before they parked, as rank 0 recorded it (``hpcnet.launch.park.imported_manifest``,
+``imported_changes``): the file of every module from outside the standard library and site-packages (the model
+and dataset factories' modules, hpcnet itself in a checkout) and the version of every package installed on their
+``sys.path`` (torch among them).
 """
 
+import concurrent.futures
 import contextlib
-import importlib.metadata
+import json
 import os
 import re
-import site
-import sys
-import sysconfig
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import hpcnet
-from hpcnet.launch.hosts import MPIRUN_HOSTFILE_OPTIONS
+from hpcnet.launch.attempt import Attempt
+from hpcnet.launch.command import MPIRUN_HOSTFILES, launcher_options
+from hpcnet.launch.park import IMPORTED_FILE, PARKED, RELEASE_SIGNAL, file_stat, installed_packages
+from hpcnet.launch.processes import LauncherProcess, say
+from hpcnet.launch.restarts import normalise_status
+from hpcnet.launch.stop import READY, clear_reports, reported_ranks
+from hpcnet.paths import READY_ENV, STANDBY_ENV, STANDBY_OWNER_ENV
 
 TRIGGER = re.compile(r"^step\s+\d+/\d+ \|")
 """The attempt's first step line (rank 0's log): its start-up, imports, checkpoint load and first steps, is over,
@@ -38,17 +48,11 @@ TRIGGER_TIMEOUT_S = 60.0
 PARK_WAIT_S = 60.0
 """At a failure, how long the supervisor waits for a standby's ranks still importing to park before it releases
 them (a release before a rank has blocked the signal would end it); past it the standby is discarded."""
-HOSTFILE_OPTIONS = (*MPIRUN_HOSTFILE_OPTIONS, "--nodefile")
+HOSTFILE_OPTIONS = (*MPIRUN_HOSTFILES, "--nodefile")
 """Launcher options that name a host file (mpirun's, srun's ``--nodefile``)."""
 HOSTFILE_ENV = re.compile(r"(host|node|machine)_?file$", re.IGNORECASE)
 """Environment variables that name a host file a launcher reads: ``OMPI_MCA_orte_default_hostfile``,
 ``PRTE_MCA_prte_default_hostfile``, ``HYDRA_HOST_FILE``, ``SLURM_HOSTFILE``, ``PBS_NODEFILE``."""
-PARKED = "parked"
-"""A standby rank's report that it has parked: ``parked.<rank>`` (``hpcnet.launch.stop.report_rank``)."""
-IMPORTED_FILE = "imported.json"
-"""What a standby's rank 0 imported before it parked (``imported_manifest``), in the standby's directory."""
-
-
 def standby_command(command: list[str], launcher: str) -> list[str]:
     """The next attempt's command as a standby runs it: under srun a step that may share the allocation's CPUs
     with the running one (``--overlap``)."""
@@ -57,30 +61,16 @@ def standby_command(command: list[str], launcher: str) -> list[str]:
     return list(command)
 
 
-def _file_stat(path: Path) -> list[int] | None:
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return [st.st_mtime_ns, st.st_size]
-
-
 def code_stat() -> list[tuple[str, list[int] | None]]:
     """Hpcnet's source files with their modification times and sizes."""
     root = Path(hpcnet.__file__).parent
-    return [(str(p.relative_to(root)), _file_stat(p)) for p in sorted(root.rglob("*.py"))]
+    return [(str(p.relative_to(root)), file_stat(p)) for p in sorted(root.rglob("*.py"))]
 
 
 def hostfile_paths(command: list[str], env: dict[str, str]) -> list[str]:
     """The host files that ``command`` names (``--hostfile PATH`` or ``--hostfile=PATH``), then those that
     environment variables name (``HOSTFILE_ENV``)."""
-    paths = []
-    for i, arg in enumerate(command):
-        for option in HOSTFILE_OPTIONS:
-            if arg == option and i + 1 < len(command):
-                paths.append(command[i + 1])
-            elif arg.startswith(option + "="):
-                paths.append(arg.split("=", 1)[1])
+    paths = [value for _, _, value in launcher_options(command, HOSTFILE_OPTIONS)]
     paths += [value for name, value in sorted(env.items()) if value and HOSTFILE_ENV.search(name)]
     return paths
 
@@ -98,7 +88,7 @@ def fingerprint(command: list[str], env: dict[str, str], config_file: str | None
     return {"command": list(command), "env": dict(env),
             "hostfiles": {path: _read(path) for path in hostfile_paths(command, env)},
             "code": dict(code_stat()),
-            "config": {config_file: _file_stat(Path(config_file))} if config_file else {}}
+            "config": {config_file: file_stat(Path(config_file))} if config_file else {}}
 
 
 def _names(items: list[str], limit: int = 3) -> str:
@@ -131,54 +121,14 @@ def fingerprint_changes(old: dict[str, Any], new: dict[str, Any]) -> str:
     return "; ".join(changes)
 
 
-def _library_dirs() -> tuple[str, ...]:
-    """The standard library's and site-packages' directories, each ending in a separator."""
-    paths = sysconfig.get_paths()
-    dirs = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
-    dirs.update(site.getsitepackages())
-    dirs.add(site.getusersitepackages())
-    return tuple(sorted({os.path.join(os.path.realpath(d), "") for d in dirs if d}))
-
-
-def user_module_files(modules: dict[str, Any] | None = None) -> list[str]:
-    """The files of the imported ``modules`` (default ``sys.modules``) that lie outside the standard library and
-    site-packages: the code that a package upgrade does not change and an edit does."""
-    libraries = _library_dirs()
-    files = set()
-    for module in list((sys.modules if modules is None else modules).values()):
-        name = getattr(module, "__file__", None)
-        if isinstance(name, str) and name:
-            path = os.path.realpath(name)
-            if not path.startswith(libraries):
-                files.add(path)
-    return sorted(files)
-
-
-def installed_packages(path: list[str]) -> dict[str, str]:
-    """Name -> version of every package installed on ``path`` (a ``sys.path``); the first of a name wins, as it
-    does for imports."""
-    found: dict[str, str] = {}
-    for dist in importlib.metadata.distributions(path=list(path)):
-        name = (dist.metadata["Name"] or "").lower()
-        if name and name not in found:
-            found[name] = dist.version
-    return found
-
-
-def imported_manifest() -> dict[str, Any]:
-    """What this process imported, for ``imported_changes``: the modules' files outside the standard library and
-    site-packages with their modification times and sizes, ``sys.path``, the installed packages' versions."""
-    return {"modules": {path: _file_stat(Path(path)) for path in user_module_files()}, "path": list(sys.path),
-            "packages": installed_packages(sys.path)}
-
-
 def imported_changes(recorded: dict[str, Any], packages: Any = None) -> str:
-    """What changed since a standby recorded ``recorded`` (``imported_manifest``), in words; '' if nothing.
+    """What changed since a standby recorded ``recorded`` (``hpcnet.launch.park.imported_manifest``), in words; ''
+    if nothing.
 
     ``packages``: reads the versions installed on a ``sys.path`` now (default ``installed_packages``).
     """
     changes = []
-    edited = [path for path, stat in recorded["modules"].items() if _file_stat(Path(path)) != stat]
+    edited = [path for path, stat in recorded["modules"].items() if file_stat(Path(path)) != stat]
     if edited:
         changes.append(f"code it imported changed ({_names(edited)})")
     before, now = recorded["packages"], (packages or installed_packages)(recorded["path"])
@@ -189,25 +139,174 @@ def imported_changes(recorded: dict[str, Any], packages: Any = None) -> str:
     return "; ".join(changes)
 
 
-def parked_ranks(directory: Path, kind: str = PARKED) -> tuple[int, int | None]:
-    """How many ranks have reported ``kind`` (parked, ready: ``hpcnet.launch.stop.report_rank``) in ``directory``, and
-    how many there are (from rank 0's report; None: unknown)."""
-    try:
-        names = [p.name for p in directory.glob(f"{kind}.*")]
-    except OSError:
-        return 0, None
-    size = None
-    try:
-        first = (directory / f"{kind}.0").read_text().split()
-        size = int(first[0]) if first and first[0].isdigit() else None
-    except (OSError, IndexError):
-        pass
-    return len(names), size
+class Standby:
+    """The next attempt's processes, started ahead and parked before MPI initialisation (``hpcnet.launch.park``).
+
+    Args:
+        attempt: the attempt it would run.
+        command: that attempt's command; ``launcher`` and ``openmpi`` say how to make it a standby's.
+        env: that attempt's environment.
+        directory: where its ranks report that they are parked, and rank 0 what it imported.
+        fingerprint: what must be unchanged for it to be used (``fingerprint``).
+    """
+
+    def __init__(self, attempt: int, command: list[str], env: dict[str, str], directory: Path,
+                 fingerprint: dict[str, Any], *, launcher: str, openmpi: bool) -> None:
+        self.attempt, self.directory, self.fingerprint = attempt, directory, fingerprint
+        directory.mkdir(parents=True, exist_ok=True)
+        clear_reports(directory, f"{PARKED}.*", IMPORTED_FILE)
+        if env.get(READY_ENV):  # its ranks report there as those of a cold start of the attempt would
+            clear_reports(Path(env[READY_ENV]), f"{READY}.*")
+        command = standby_command(command, launcher)
+        if openmpi and launcher == "mpirun":
+            command = [command[0], "-x", STANDBY_ENV, "-x", STANDBY_OWNER_ENV, *command[1:]]  # other nodes too
+        self.command = command
+        self.started_unix = time.time()
+        owner = f"{socket.gethostname()} {os.getpid()}"
+        self.process = LauncherProcess(command, {**env, STANDBY_ENV: str(directory), STANDBY_OWNER_ENV: owner})
+
+    def alive(self) -> bool:
+        return self.process.proc.poll() is None
+
+    def parked(self) -> str:
+        """'N/M ranks parked' (M unknown before rank 0 has parked)."""
+        count, size = reported_ranks(self.directory, PARKED)
+        return f"{count}/{size if size is not None else '?'} ranks parked"
+
+    def wait_parked(self, timeout_s: float, stopping: Callable[[], bool] | None = None) -> bool:
+        """Wait until every rank has parked (rank 0 reports how many there are); False if the standby ended,
+        ``stopping()`` became true or ``timeout_s`` passed first. A release must not come sooner: a rank that
+        has not yet imported hpcnet (which blocks the release signal) would be ended by it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            count, size = reported_ranks(self.directory, PARKED)
+            if size is not None and count >= size:
+                return True
+            if not self.alive() or time.monotonic() >= deadline or (stopping is not None and stopping()):
+                return False
+            time.sleep(0.01)
+
+    def imported_changes(self) -> str:
+        """What changed, in words, in the code and packages that its rank 0 imported before it parked ('' if
+        nothing; ``imported_changes``)."""
+        try:
+            return imported_changes(json.loads((self.directory / IMPORTED_FILE).read_text()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return f"its rank 0 did not record what it imported ({self.directory / IMPORTED_FILE})"
+
+    def release(self) -> None:
+        """Let its ranks go on (the launcher forwards the signal to every rank)."""
+        os.kill(self.process.proc.pid, RELEASE_SIGNAL)
+
+    def discard(self) -> None:
+        """End every process of the standby and wait for them."""
+        self.process.reap(timeout_s=10.0)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.proc.wait(timeout=10)
+        self.process.join_output(timeout_s=2)
 
 
-def clear_reports(directory: Path, *patterns: str) -> None:
-    """Remove the files of ``directory`` that match ``patterns`` (reports of processes that are gone)."""
-    for pattern in patterns:
-        with contextlib.suppress(OSError):
-            for old in directory.glob(pattern):
-                old.unlink(missing_ok=True)
+class Standbys:
+    """The standby the supervisor holds for its next attempt: started once the running attempt's start-up is over
+    (``start_when_up``) or for a grow (``start``), taken at the next attempt's start if it is still what a cold
+    start would run (``take``), else discarded.
+
+    Standbys are started by one thread that lives as long as the supervisor: Linux sends the parent-death signal
+    (``hpcnet.launch.processes``) when the *thread* that started a child ends, so a short-lived thread would kill
+    its standby as soon as it returned.
+
+    Args:
+        launch_dir: where each standby's directory goes (``standby-<attempt>``).
+        config_file: the run's ``--config`` file, part of what must be unchanged (``fingerprint``).
+        launcher: the launcher's kind; ``openmpi``: whether it is Open MPI's mpirun.
+    """
+
+    def __init__(self, launch_dir: Path, config_file: str | None, *, launcher: str, openmpi: bool) -> None:
+        self.launch_dir, self.config_file, self.launcher, self.openmpi = launch_dir, config_file, launcher, openmpi
+        self.current: Standby | None = None
+        """The standby for the next attempt, once started."""
+        self._spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hpcnet-standby")
+
+    def start(self, attempt: int, command: list[str], env: dict[str, str]) -> Standby:
+        """Start a standby for ``attempt`` (the one held before is discarded); ``OSError`` when it cannot start."""
+        self.discard()
+        self.current = self._spawner.submit(
+            Standby, attempt, command, env, self.launch_dir / f"standby-{attempt}",
+            fingerprint(command, env, self.config_file), launcher=self.launcher, openmpi=self.openmpi).result()
+        return self.current
+
+    def start_when_up(self, attempt: int, setup: Callable[[int], tuple[list[str], dict[str, str], Any]],
+                      started_up: threading.Event, ended: threading.Event,
+                      stopping: Callable[[], bool]) -> threading.Thread:
+        """A thread that starts the standby for ``attempt`` + 1 (its command and environment: ``setup``) once this
+        attempt's start-up is over (``TRIGGER``, or ``TRIGGER_TIMEOUT_S``), unless the attempt ended or a stop
+        signal came (no attempt follows it)."""
+        thread = threading.Thread(target=self._start_when_up, args=(attempt, setup, started_up, ended, stopping),
+                                  daemon=True)
+        thread.start()
+        return thread
+
+    def _start_when_up(self, attempt: int, setup: Callable[[int], tuple[list[str], dict[str, str], Any]],
+                       started_up: threading.Event, ended: threading.Event, stopping: Callable[[], bool]) -> None:
+        started_up.wait(TRIGGER_TIMEOUT_S)
+        if ended.is_set() or stopping():
+            return
+        cmd, env, _ = setup(attempt + 1)
+        try:
+            standby = self.start(attempt + 1, cmd, env)
+        except OSError as exc:
+            say(f"cannot start a standby for attempt {attempt + 1}: {exc.strerror or exc}")
+            return
+        say(f"standby for attempt {attempt + 1} started (pid {standby.process.proc.pid}); it parks before MPI "
+            "starts")
+
+    def take(self, attempt: int, cmd: list[str], env: dict[str, str], record: Attempt,
+             stopping: Callable[[], bool]) -> Standby | None:
+        """The standby for ``attempt`` if it is alive, what it runs is what a cold start would run now (``cmd``,
+        ``env``) and its ranks have all parked (waiting for them up to ``PARK_WAIT_S``: they are further on than a
+        cold start would be); else it is discarded and ``record`` says why. None too when ``stopping()`` (a stop
+        signal) becomes true."""
+        standby, self.current = self.current, None
+        if standby is None:
+            if attempt > 1:
+                record.standby_note = "no standby was ready (the previous attempt ended before its start-up was over)"
+            return None
+        note = self._stale(standby, attempt, cmd, env, stopping)
+        if note:
+            standby.discard()
+            record.standby_note = f"standby discarded: {note}{'' if stopping() else '; cold start'}"
+            say(record.standby_note)
+            return None
+        record.standby, record.standby_started_unix = True, standby.started_unix
+        record.standby_note = f"released with {standby.parked()} after {time.time() - standby.started_unix:.1f} s"
+        return standby
+
+    def _stale(self, standby: Standby, attempt: int, cmd: list[str], env: dict[str, str],
+               stopping: Callable[[], bool]) -> str:
+        """Why ``standby`` may not run ``attempt``, in words ('' when it may), once its ranks have parked."""
+        if standby.attempt != attempt:
+            return f"it was made for attempt {standby.attempt}"
+        if changes := fingerprint_changes(standby.fingerprint, fingerprint(cmd, env, self.config_file)):
+            return f"{changes} since it started"
+        if not stopping() and not standby.wait_parked(0.0):
+            say(f"waiting for the standby's ranks to park ({standby.parked()})")
+        if not standby.wait_parked(PARK_WAIT_S, stopping):
+            if not standby.alive():
+                return f"it ended with status {normalise_status(standby.process.proc.returncode)}"
+            if stopping():
+                return "a stop signal came while its ranks were parking"
+            return f"its ranks had not all parked within {PARK_WAIT_S:.0f} s ({standby.parked()})"
+        if changes := standby.imported_changes():
+            return f"{changes} since its ranks imported it"
+        return ""
+
+    def discard(self) -> None:
+        """End the standby held, if any."""
+        if self.current is not None:
+            self.current.discard()
+            self.current = None
+
+    def close(self) -> None:
+        """Discard the standby held and end the thread that starts them."""
+        self.discard()
+        self._spawner.shutdown(wait=True)

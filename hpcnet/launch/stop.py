@@ -14,8 +14,12 @@ launcher, the launcher's start and the time before it has started every rank.  `
 passes a stop signal on to the job only once every rank has said that its handler is installed: each rank
 writes ``ready.<rank>`` into the directory named by ``HPCNET_READY`` right after installing it
 (``hpcnet.launch.forward``).  Stdlib only: it runs before anything heavy is imported.
+
+The reports (``report_rank``: ready, a standby's parked) are counted by the supervisor (``reported_ranks``) and
+cleared when the processes that wrote them are gone (``clear_reports``).
 """
 
+import contextlib
 import os
 import signal
 import socket
@@ -107,6 +111,30 @@ def report_rank(directory: Path, kind: str) -> None:
                                      f"{socket.gethostname()} {addresses} {node.split()[0]}\n")
     except OSError:
         pass
+
+
+def reported_ranks(directory: Path, kind: str) -> tuple[int, int | None]:
+    """How many ranks have reported ``kind`` (``report_rank``) in ``directory``, and how many there are (from rank
+    0's report; None: unknown)."""
+    try:
+        names = [p.name for p in directory.glob(f"{kind}.*")]
+    except OSError:
+        return 0, None
+    size = None
+    try:
+        first = (directory / f"{kind}.0").read_text().split()
+        size = int(first[0]) if first and first[0].isdigit() else None
+    except (OSError, IndexError):
+        pass
+    return len(names), size
+
+
+def clear_reports(directory: Path, *patterns: str) -> None:
+    """Remove the files of ``directory`` that match ``patterns`` (reports of processes that are gone)."""
+    for pattern in patterns:
+        with contextlib.suppress(OSError):
+            for old in directory.glob(pattern):
+                old.unlink(missing_ok=True)
 
 
 def hold_stop_signals() -> StopRequest:

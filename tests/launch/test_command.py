@@ -1,5 +1,5 @@
-"""What each attempt runs: the pinned directories, where a restart resumes, the attempt variable, the launcher's
-environment."""
+"""The launcher's command line: what each attempt runs (the pinned directories, where a restart resumes, the
+attempt variable, the launcher's environment) and its options rewritten."""
 
 from hpcnet.config.load import load_config
 from hpcnet.launch.command import (
@@ -9,11 +9,13 @@ from hpcnet.launch.command import (
     launcher_kind,
     restart_args,
     restart_from,
+    set_ranks,
     train_args_start,
 )
-from hpcnet.launch.supervisor import _prepare
+from hpcnet.launch.job import prepare
 
 TRAIN = ["mpirun", "-np", "2", "python", "-m", "mpi4py", "-m", "hpcnet.train"]
+PROGRAM = TRAIN[3:]
 
 
 def test_restarts_resume_from_the_newest_checkpoint_from_the_second_attempt():
@@ -51,11 +53,11 @@ def test_the_supervisor_reads_where_the_run_starts_as_hpcnet_train_does(tmp_path
              (["--checkpoint.resume", "/c/c.h5"], "/c/c.h5"), (["--config", str(config)], "/c/from-file.h5"),
              (["--config", str(config), "--resume=auto"], "auto"), ([], ""))
     for args, resume in cases:
-        job = _prepare([*TRAIN, "run.name=x", f"run.dir={tmp_path}", *args], {})
+        job = prepare([*TRAIN, "run.name=x", f"run.dir={tmp_path}", *args], {})
         assert job.resume == resume and job.own, args
     (tmp_path / "x.ckpt").mkdir()
     (tmp_path / "x.ckpt" / "ckpt-0000000004.h5").write_bytes(b"")
-    assert not _prepare([*TRAIN, "run.name=x", f"run.dir={tmp_path}"], {}).own
+    assert not prepare([*TRAIN, "run.name=x", f"run.dir={tmp_path}"], {}).own
 
 
 def test_attempt_number_is_exported_to_remote_ranks_by_open_mpi_only():
@@ -84,3 +86,12 @@ def test_where_train_arguments_start():
 def test_launcher_kinds():
     assert launcher_kind(["/usr/bin/mpiexec", "-n", "2"]) == "mpirun" and launcher_kind(["srun", "x"]) == "srun"
     assert launcher_kind(["aprun", "x"]) == "" and launcher_kind([]) == ""
+
+
+def test_set_ranks_rewrites_np_and_n_or_adds_them():
+    assert set_ranks(["mpirun", "-np", "4", "--host", "a:2", *PROGRAM], 2)[:3] == ["mpirun", "-np", "2"]
+    assert set_ranks(["mpirun", "--np=4", *PROGRAM], 2)[1] == "--np=2"
+    assert set_ranks(["mpirun", "--host", "a:2", *PROGRAM], 2)[:3] == ["mpirun", "-np", "2"]
+    assert set_ranks(["srun", "--ntasks=8", "-N", "2", *PROGRAM], 4, nodes=1)[:4] == ["srun", "--ntasks=4", "-N", "1"]
+    assert set_ranks(["srun", "--nodes=4", *PROGRAM], 3, nodes=2)[:4] == ["srun", "-n", "3", "--nodes=2"]
+    assert set_ranks(["srun", "-N", "1", "-n", "8", *PROGRAM], 4, nodes=1)[:5] == ["srun", "-N", "1", "-n", "4"]

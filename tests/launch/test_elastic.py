@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from hpcnet.launch.attempt import Attempt
+from hpcnet.launch.cli import main
+from hpcnet.launch.command import CommandError, parse_host_list, parse_hostfile, program_index, ranks_of
 from hpcnet.launch.elastic import (
     ElasticError,
     HostWatch,
@@ -15,28 +18,16 @@ from hpcnet.launch.elastic import (
     fit_ranks,
     host_slots,
     lost_entries,
-    parse_host_list,
-    parse_hostfile,
     place,
     probe_command,
     probe_hosts,
-    program_index,
-    ranks_of,
     run_probe,
-    set_ranks,
     unreachable,
 )
+from hpcnet.launch.exclusion import ExcludedHosts
+from hpcnet.launch.processes import reap_session
 from hpcnet.launch.restarts import read_rank_places
-from hpcnet.launch.supervisor import (
-    Attempt,
-    _elastic_setup,
-    _exclude_failed_hosts,
-    _Job,
-    _place,
-    main,
-    reap_session,
-    supervise,
-)
+from hpcnet.launch.supervisor import supervise
 from hpcnet.paths import ready_dir
 
 TRAIN = [sys.executable, "-m", "mpi4py", "-m", "hpcnet.train", "train.steps=3"]
@@ -66,17 +57,8 @@ def test_ranks_and_slots_of_mpirun_commands():
     assert host_slots(["srun", "-n", "8", *TRAIN], allocation=alloc, excluded=["c1"]) == [("c2", 4)]
     assert host_slots(["mpirun", "-np", "8", *TRAIN]) is None and host_slots(["aprun", "x"], allocation=alloc) is None
     for bad in (["mpirun", "-np", "four", *TRAIN], ["mpirun", "--host", "a:x", *TRAIN]):
-        with pytest.raises(ElasticError, match="cannot read"):
+        with pytest.raises(CommandError, match="cannot read"):
             ranks_of(bad) if "-np" in bad else host_slots(bad)
-
-
-def test_set_ranks_rewrites_np_and_n_or_adds_them():
-    assert set_ranks(["mpirun", "-np", "4", "--host", "a:2", *TRAIN], 2)[:3] == ["mpirun", "-np", "2"]
-    assert set_ranks(["mpirun", "--np=4", *TRAIN], 2)[1] == "--np=2"
-    assert set_ranks(["mpirun", "--host", "a:2", *TRAIN], 2)[:3] == ["mpirun", "-np", "2"]
-    assert set_ranks(["srun", "--ntasks=8", "-N", "2", *TRAIN], 4, nodes=1)[:4] == ["srun", "--ntasks=4", "-N", "1"]
-    assert set_ranks(["srun", "--nodes=4", *TRAIN], 3, nodes=2)[:4] == ["srun", "-n", "3", "--nodes=2"]
-    assert set_ranks(["srun", "-N", "1", "-n", "8", *TRAIN], 4, nodes=1)[:5] == ["srun", "-N", "1", "-n", "4"]
 
 
 def test_fit_ranks_keeps_the_users_count_when_the_survivors_hold_it_and_never_goes_below_the_minimum():
@@ -147,35 +129,35 @@ def test_the_host_watch_reports_a_host_that_answers_again_without_blocking(tmp_p
         assert time.monotonic() - t0 < 10 and not watch.thread.is_alive()
 
 
-def _job(tmp_path: Path, command: list[str], allocation=None) -> _Job:
-    return _Job(command, list(command), False, None, tmp_path, None, allocation, launcher=command[0])
+def _hosts(tmp_path: Path, command: list[str], allocation=None, launcher: str = "") -> ExcludedHosts:
+    return ExcludedHosts(command, launcher=launcher or command[0], allocation=allocation, launch_dir=tmp_path)
 
 
 def test_the_supervisor_shrinks_to_the_survivors_and_grows_back(tmp_path):
     cmd = ["mpirun", *AGENT, "--host", "a:2,b:2", "-np", "4", *TRAIN]
-    job = _job(tmp_path, cmd)
-    assert _elastic_setup(job, 2) is None and job.ranks == 4
-    assert _place(job, ["b"]) is None
-    assert ranks_of(job.base) == 2 and "a:2" in job.base and job.excluded == ["b"]
-    assert _place(job, []) is None and job.base == cmd and job.excluded == []
+    hosts = _hosts(tmp_path, cmd)
+    assert hosts.configure(2) is None and hosts.ranks == 4
+    assert hosts.place(["b"], 1) is None
+    assert ranks_of(hosts.command) == 2 and "a:2" in hosts.command and hosts.excluded == ["b"]
+    assert hosts.place([], 1) is None and hosts.command == cmd and hosts.excluded == []
     # nobody left: the command cannot carry the exclusion, so no attempt follows (it would run there again)
-    assert _place(job, ["a", "b"]) == ("not excluding a, b: no host would be left: not starting another attempt that "
-                                       "would run there again") and job.base == cmd
-    assert _elastic_setup(job, 3) is None
-    assert _place(job, ["b"]) == "cannot run without b: the hosts left (a) hold 2 slot(s), fewer than --min-ranks 3"
+    assert hosts.place(["a", "b"], 1) == ("not excluding a, b: no host would be left: not starting another attempt "
+                                          "that would run there again") and hosts.command == cmd
+    assert hosts.configure(3) is None
+    assert hosts.place(["b"], 1) == "cannot run without b: the hosts left (a) hold 2 slot(s), fewer than --min-ranks 3"
     # a hostfile: the filtered one is written for the next attempt
     hostfile = tmp_path / "hosts"
     hostfile.write_text("a slots=2\nb slots=2\nc slots=1\n")
-    job = _job(tmp_path, ["mpirun", "--hostfile", str(hostfile), *TRAIN])
-    assert _elastic_setup(job, 1) is None and job.ranks == 5
-    assert _place(job, ["a"]) is None
-    assert ranks_of(job.base) == 3
-    written = job.base[job.base.index("--hostfile") + 1]
+    hosts = _hosts(tmp_path, ["mpirun", "--hostfile", str(hostfile), *TRAIN])
+    assert hosts.configure(1) is None and hosts.ranks == 5
+    assert hosts.place(["a"], 1) is None
+    assert ranks_of(hosts.command) == 3
+    written = hosts.command[hosts.command.index("--hostfile") + 1]
     assert Path(written).read_text() == "b slots=2\nc slots=1\n"
     # srun in an allocation
-    job = _job(tmp_path, ["srun", "-n", "8", *TRAIN], allocation=[("n1", 4), ("n2", 4)])
-    assert _elastic_setup(job, 4) is None and _place(job, ["n2"]) is None
-    assert job.base[:4] == ["srun", "--exclude=n2", "-n", "4"]
+    hosts = _hosts(tmp_path, ["srun", "-n", "8", *TRAIN], allocation=[("n1", 4), ("n2", 4)])
+    assert hosts.configure(4) is None and hosts.place(["n2"], 1) is None
+    assert hosts.command[:4] == ["srun", "--exclude=n2", "-n", "4"]
 
 
 def test_a_partition_leaves_out_the_launchers_entry_of_the_host_its_ranks_named(tmp_path):
@@ -184,17 +166,17 @@ def test_a_partition_leaves_out_the_launchers_entry_of_the_host_its_ranks_named(
     addresses their ranks reported, probes the entries (not the names), and leaves out the one that does not
     answer, in the command the next attempt runs."""
     cmd = ["mpirun", *AGENT, "--host", "10.78.0.1:2,10.78.0.2:2", "-np", "4", *TRAIN]
-    job = _job(tmp_path, cmd)
-    job.probe_template = "test {host} = 10.78.0.1"  # only 10.78.0.1 answers
+    hosts = _hosts(tmp_path, cmd)
+    hosts.probe_template = "test {host} = 10.78.0.1"  # only 10.78.0.1 answers
     ready = ready_dir(tmp_path, 1)
     ready.mkdir()
     for rank, (host, address) in enumerate([("hh1", "10.78.0.1")] * 2 + [("hh2", "10.78.0.2")] * 2):
         (ready / f"ready.{rank}").write_text(f"4 {100 + rank} 1.0 {host} {address},172.17.0.1 -\n")
     failure = {"kind": "heartbeat", "failed": [{"rank": 0, "host": "hh1"}, {"rank": 2, "host": "hh2"}]}
     record = Attempt(attempt=1, command=cmd, run_dir=str(tmp_path / "attempt-1"), start_unix=0.0, failure=failure)
-    job.attempts.append(record)
-    assert _exclude_failed_hosts(job, record) is None
-    assert job.excluded == ["10.78.0.2"] and "10.78.0.1:2" in job.base and "10.78.0.1:2,10.78.0.2:2" not in job.base
+    assert hosts.exclude_failed(record, [record]) is None
+    assert hosts.excluded == ["10.78.0.2"] and "10.78.0.1:2" in hosts.command
+    assert "10.78.0.1:2,10.78.0.2:2" not in hosts.command
     # the same through the pure step, and what is said
     probe = {"10.78.0.1": True, "10.78.0.2": False, "hh1": False, "hh2": False}
     places = read_rank_places(ready, "ready").values()
@@ -211,10 +193,10 @@ def test_a_partition_leaves_out_the_launchers_entry_of_the_host_its_ranks_named(
     assert final == ("cannot leave out hh2: no entry of the launcher's host list (10.78.0.1, 10.78.0.2) is it (by its "
                      "name, the scheduler's name for it or an address its ranks reported), and it does not answer "
                      "the probe; not starting another attempt that would run there again")
-    job = _job(tmp_path, cmd)
-    job.probe_template = "test {host} = 10.78.0.1"
+    hosts = _hosts(tmp_path, cmd)
+    hosts.probe_template = "test {host} = 10.78.0.1"
     record = Attempt(attempt=1, command=cmd, run_dir=None, start_unix=0.0, failure={"rank": 2, "host": "hh2"})
-    assert _exclude_failed_hosts(job, record) == final and job.base == cmd and job.excluded == []
+    assert hosts.exclude_failed(record, []) == final and hosts.command == cmd and hosts.excluded == []
     # a host that answers needs no entry: a rank the OOM killer took leaves its host usable
     assert lost_entries(["hh1"], ["10.78.0.1"], [], excluded=[], resolve=lambda names: {},
                         probe=lambda hosts: dict.fromkeys(hosts, True))[::2] == ([], None)
@@ -248,10 +230,9 @@ def test_a_site_wrapper_of_a_launcher_runs_elastically_once_its_kind_is_declared
     assert probe_command(wrapper, "b") is None
     assert probe_command(wrapper, "b", kind="mpirun") == ["site-mpirun", *AGENT, "--host", "b:1", "-np", "1", "true"]
     assert probe_command(["ibrun", "-n", "8", *TRAIN], "b", kind="srun") == ["ibrun", "-w", "b", "-N1", "-n1", "true"]
-    job = _job(tmp_path, wrapper)
-    job.launcher = "mpirun"
-    assert _elastic_setup(job, 2) is None and job.ranks == 4
-    assert _place(job, ["b"]) is None and job.base[:len(AGENT) + 5] == ["site-mpirun", *AGENT, "--host", "a:2",
+    hosts = _hosts(tmp_path, wrapper, launcher="mpirun")
+    assert hosts.configure(2) is None and hosts.ranks == 4
+    assert hosts.place(["b"], 1) is None and hosts.command[:len(AGENT) + 5] == ["site-mpirun", *AGENT, "--host", "a:2",
                                                                        "-np", "2"]
     # undeclared: both options are refused at the start, saying how to declare it
     for min_ranks in (None, 2):

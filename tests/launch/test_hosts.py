@@ -102,3 +102,13 @@ def test_the_resolver_answers_within_its_time_for_every_name():
     found = resolve_all(["localhost", "no-such-host.invalid", "127.0.0.9"], timeout_s=10)
     assert "127.0.0.1" in found["localhost"] and found["no-such-host.invalid"] == [] and found["127.0.0.9"] == \
         ["127.0.0.9"]
+
+
+def test_an_option_after_the_program_is_the_programs_not_the_launchers():
+    """The launcher's options are read by one scanner (``hpcnet.launch.command.find_option``), which stops where the
+    program starts: a ``--host`` or ``-x`` of the program's is left alone, as the slot count leaves it."""
+    cmd = ["mpirun", "-np", "2", "python", "prog.py", "--host", "n1,n2"]
+    out = exclude_hosts(cmd, ["n2"], allocation=[("n1", 2), ("n2", 2)])
+    assert out.command == ["mpirun", "--host", "n1:2", "-np", "2", "python", "prog.py", "--host", "n1,n2"]
+    srun = ["srun", "-n", "2", "python", "prog.py", "-x", "a"]
+    assert exclude_hosts(srun, ["n3"]).command == ["srun", "--exclude=n3", *srun[1:]]

@@ -15,19 +15,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpcnet.launch.park import ORPHAN_EXIT, WATCH_S, orphaned
+from hpcnet.launch.attempt import Attempt
+from hpcnet.launch.park import (
+    ORPHAN_EXIT,
+    PARKED,
+    WATCH_S,
+    imported_manifest,
+    installed_packages,
+    orphaned,
+    user_module_files,
+)
 from hpcnet.launch.standby import (
     TRIGGER,
+    Standby,
+    Standbys,
     fingerprint,
     fingerprint_changes,
     imported_changes,
-    imported_manifest,
-    installed_packages,
-    parked_ranks,
     standby_command,
-    user_module_files,
 )
-from hpcnet.launch.supervisor import Standby
+from hpcnet.launch.stop import reported_ranks
 from hpcnet.paths import STANDBY_ENV, STANDBY_OWNER_ENV
 from tests.helpers.launch import clean_env
 from tests.launch.test_supervisor import (  # noqa: F401
@@ -133,10 +140,10 @@ def test_a_standby_has_imported_what_training_imports_and_a_bare_import_has_not(
 def test_standby_commands_parked_counts_and_the_trigger(tmp_path):
     assert standby_command(["srun", "-n", "2", "python"], "srun") == ["srun", "--overlap", "-n", "2", "python"]
     assert standby_command(["mpirun", "-np", "2"], "mpirun") == ["mpirun", "-np", "2"]
-    assert parked_ranks(tmp_path) == (0, None)
+    assert reported_ranks(tmp_path, PARKED) == (0, None)
     (tmp_path / "parked.1").write_text(" 12 1.0\n")
     (tmp_path / "parked.0").write_text("2 11 1.0\n")
-    assert parked_ranks(tmp_path) == (2, 2)
+    assert reported_ranks(tmp_path, PARKED) == (2, 2)
     assert TRIGGER.match("step  5/10 | loss 1.0 | lr") and not TRIGGER.match("gradients: mpi all-reduce (inline)")
     assert not TRIGGER.match("model mlp: 1,000 parameters")
 
@@ -146,7 +153,6 @@ def test_launch_json_says_which_host_file_or_package_changed_since_the_standby_s
     standby started, or a package version changed since its rank 0 recorded them, discards it, and the attempt's
     record (launch.json's ``standby_note``) says which."""
     import hpcnet.launch.standby as standby_module
-    from hpcnet.launch.supervisor import Attempt, _Job, _take_standby
 
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost slots=2\n")
@@ -158,14 +164,15 @@ def test_launch_json_says_which_host_file_or_package_changed_since_the_standby_s
     cmd, env = ["sh", "-c", park, f"--hostfile={hosts}"], clean_env()
 
     def decide(name, change):
-        job = _Job(cmd, cmd, False, None, tmp_path, None, None, standby_on=True)
-        job.standby = Standby(2, cmd, env, tmp_path / f"standby-{name}", fingerprint(cmd, env, None), launcher="other",
-                              openmpi=False)
+        standbys = Standbys(tmp_path, None, launcher="other", openmpi=False)
+        standbys.current = Standby(2, cmd, env, tmp_path / f"standby-{name}", fingerprint(cmd, env, None),
+                                   launcher="other", openmpi=False)
         change()
         record = Attempt(attempt=2, command=cmd, run_dir=None, start_unix=time.time())
-        used = _take_standby(job, 2, cmd, env, record, lambda: False)
+        used = standbys.take(2, cmd, env, record, lambda: False)
         if used is not None:
             used.discard()
+        standbys.close()
         return record.standby_note
 
     assert decide("unchanged", lambda: None).startswith("released with 1/1 ranks parked")

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from hpcnet.errors import ExitCode
-from hpcnet.launch.standby import parked_ranks
+from hpcnet.launch.park import PARKED
+from hpcnet.launch.stop import reported_ranks
 from tests.helpers.launch import ROOT, clean_env
 from tests.launch.test_standby import _none_left, _record
 from tests.launch.test_supervisor import _serial_only, _train_command
@@ -251,8 +252,8 @@ def test_an_edited_model_module_discards_the_standby_and_the_restart_runs_the_ne
     command = _train_command(tmp_path, "edited", "model.factory=usermodel:build", "fault.kill_at_step=6",
                              "fault.only_attempt=1", "monitor.stall_timeout_s=600")
     proc = _start(tmp_path, command, _env(tmp_path), "--standby", "on")
-    _wait_for(proc, tmp_path, lambda: parked_ranks(next((tmp_path / "runs").glob("edited-*"), tmp_path)
-                                                   / "standby-2") == (2, 2), timeout_s=300)
+    _wait_for(proc, tmp_path, lambda: reported_ranks(next((tmp_path / "runs").glob("edited-*"), tmp_path)
+                                                     / "standby-2", PARKED) == (2, 2), timeout_s=300)
     module.write_text(USER_MODEL.format(
         mark='pathlib.Path(f"built-new-code.{os.environ[\'HPCNET_ATTEMPT\']}.{os.environ[\'OMPI_COMM_WORLD_RANK\']}")'
              '.write_text("")'))

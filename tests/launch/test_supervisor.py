@@ -158,7 +158,7 @@ def test_the_ranks_of_a_killed_mpirun_are_gone_before_the_next_attempt(tmp_path)
 
 
 def test_the_processes_of_an_attempt_are_found_by_their_tag_alone():
-    from hpcnet.launch.supervisor import TAG_ENV, tagged_processes
+    from hpcnet.launch.processes import TAG_ENV, tagged_processes
 
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
     ours = subprocess.Popen(sleep, env={**os.environ, TAG_ENV: "t.1"}, start_new_session=True)
