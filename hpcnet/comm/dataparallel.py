@@ -27,8 +27,7 @@ from hpcnet.comm.quantize import ErrorFeedback
 from hpcnet.comm.reducer import LateGradient, Reducer
 from hpcnet.comm.replicas import broadcast_buffers, broadcast_module, check_same_model
 from hpcnet.comm.sharding.layout import ShardLayout, split_units
-from hpcnet.comm.sharding.norm import norm_order, unit_grad_norm
-from hpcnet.comm.sharding.optimizer import ShardedOptimizer
+from hpcnet.comm.sharding.optimizer import ShardedOptimizer, norm_order, unit_grad_norm
 from hpcnet.comm.sharding.owners import Owners
 from hpcnet.comm.sharding.params import ShardedParams
 from hpcnet.comm.sharding.placement import Placement, ReplicatedGradients, ShardedGradients
@@ -173,7 +172,7 @@ class DataParallel:
     def grad_norm(self) -> torch.Tensor:
         """The total gradient 2-norm (collective with ``dist.zero`` 2 and 3).  Where ``dist.zero=2`` would cut a
         parameter at this world size, every stage takes the norm unit by unit as it does
-        (``sharding.norm.unit_grad_norm``), so the stages clip alike, bit for bit; otherwise it is
+        (``sharding.optimizer.unit_grad_norm``), so the stages clip alike, bit for bit; otherwise it is
         ``torch.nn.utils.get_total_norm``'s."""
         if self.optimizer is not None and self.cfg.zero >= 2:
             return self.optimizer.grad_norm()

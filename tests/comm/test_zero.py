@@ -13,8 +13,7 @@ from hpcnet.comm import exchange
 from hpcnet.comm.costmodel import LinkCost, assign_shards, plan_time_s
 from hpcnet.comm.sharding.assign import plan_shards
 from hpcnet.comm.sharding.layout import MIN_UNIT_BYTES, UNITS_PER_RANK, ShardLayout, split_units
-from hpcnet.comm.sharding.norm import norm_order, unit_grad_norm
-from hpcnet.comm.sharding.optimizer import ParamGather
+from hpcnet.comm.sharding.optimizer import ParamGather, norm_order, unit_grad_norm
 from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.paths import PLAN_FILE
 from hpcnet.train import run

@@ -3,7 +3,7 @@
 ``layout`` (the units of ownership: a parameter, or rows of a large one), ``assign`` (who owns what: the speed
 probe and the cost model), ``owners`` (the owners in force: plan.json, checkpoints, re-planning), ``placement``
 (where a bucket's sums go: ``ReplicatedGradients`` at stages 0 and 1, ``ShardedGradients`` at 2 and 3),
-``optimizer`` (the sharded optimizer state, stages 1 to 3), ``norm`` (the gradient norm unit by unit), ``params``
+``optimizer`` (the sharded optimizer state, stages 1 to 3, and the gradient norm unit by unit), ``params``
 (stage 3's sharded parameters) and ``rounds`` (their gathers as rounds of every rank).  Reference:
 docs/memory.md.
 """
@@ -16,7 +16,7 @@ __all__, __getattr__, __dir__ = _lazy_exports(__name__, {
     "Owners": "owners",
     "Placement": "placement", "ReplicatedGradients": "placement", "ShardedGradients": "placement",
     "ShardedOptimizer": "optimizer", "ParamGather": "optimizer",
-    "unit_grad_norm": "norm", "norm_order": "norm",
+    "unit_grad_norm": "optimizer", "norm_order": "optimizer",
     "ShardedParams": "params", "ShardedParameter": "params",
     "Rounds": "rounds",
 })

@@ -71,15 +71,13 @@ class Rounds:
         nothing to wait for).  ``g``'s buffer must have its memory."""
         if self.size == 1:
             if g is not None:
-                self.gather.place_own(self.gather.groups[g.index])
+                self.gather.start([g.index])  # its own units, copied
             return None
         token = self.recorder.start("gather.round", -1, 0 if g is None else g.nbytes)
         wants = self._exchange(WANTS_NOTHING if g is None else g.index)
         if (wants == WANTS_NOTHING).all():
             self.recorder.end(token)
             return None
-        if g is not None:
-            self.gather.place_own(self.gather.groups[g.index])
         return Round(self.gather.start(wants), token)
 
     def wait(self, pending: Round | None) -> None:

@@ -322,18 +322,24 @@ class GroupGather(abc.ABC):
     def set_owner(self, owner: list[int]) -> None:
         self.owner = list(owner)
 
-    def place_own(self, g: GatherGroup) -> None:
-        """Copy this rank's own units of ``g`` into their places (``g``'s buffer must have its memory)."""
-        with torch.no_grad():
-            for k, place in zip(g.units, g.places):
-                if self.owner[k] == self.rank:
-                    place.copy_(self.tensors[k])
+    def start(self, wants: Sequence[int]) -> "GatherHandle | None":
+        """Start a round's traffic (collective: every rank, once any rank wants a group; or one rank alone):
+        ``wants[r]`` is the group rank r wants, or ``WANTS_NOTHING``.  This rank's own units of the group it wants
+        are copied into their places first; the rest moves between the ranks (``send_and_receive``); None where
+        nothing else moves (one rank)."""
+        want = wants[self.rank]
+        if want != WANTS_NOTHING:
+            g = self.groups[want]
+            with torch.no_grad():
+                for k, place in zip(g.units, g.places):
+                    if self.owner[k] == self.rank:
+                        place.copy_(self.tensors[k])
+        return self.send_and_receive(wants) if self.size > 1 else None
 
     @abc.abstractmethod
-    def start(self, wants: Sequence[int]) -> "GatherHandle":
-        """Start a round's traffic (collective: every rank, once any rank wants a group): ``wants[r]`` is the
-        group rank r wants or ``WANTS_NOTHING``; this rank's own units of the group it wants are placed already
-        (``place_own``)."""
+    def send_and_receive(self, wants: Sequence[int]) -> "GatherHandle":
+        """Start moving each rank's units of the group each other rank wants to that rank (the group wanted here
+        must have its memory)."""
 
     @abc.abstractmethod
     def close(self, collective: bool) -> None:

@@ -83,7 +83,7 @@ class MpiGroupGather(GroupGather):
         self._send: dict[int, tuple[Any, Any]] = {}  # group -> (addresses, datatype of this rank's units)
         self._recv: dict[int, tuple[Any, list[Any]]] = {}  # group -> (owners, datatype per sending rank)
 
-    def start(self, wants: Sequence[int]) -> "_Request":
+    def send_and_receive(self, wants: Sequence[int]) -> "_Request":
         from mpi4py import MPI
 
         send = [self._send_type(self.groups[w]) if w != WANTS_NOTHING and r != self.rank else None

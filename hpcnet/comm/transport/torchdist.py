@@ -71,7 +71,7 @@ class TorchGroupGather(GroupGather):
 
     name = "torch.distributed"
 
-    def start(self, wants: Sequence[int]) -> "_Works":
+    def send_and_receive(self, wants: Sequence[int]) -> "_Works":
         import torch.distributed as dist
 
         want = wants[self.rank]
