@@ -1,11 +1,12 @@
 """The data plane and what decides it.
 
 ``world`` (ranks, nodes, devices), ``netif`` (network interfaces), ``topology`` and ``pingpong`` (the measured
-topology; ``python -m hpcnet.comm.topology``), ``costmodel`` and ``plan`` (which transport, which ZeRO stage and
-placement), ``bootstrap`` (torch.distributed from MPI), ``transport`` (how a bucket is summed: NCCL, gloo, MPI,
-shared memory, hierarchical), ``buckets`` and ``reducer`` (buckets filled during backward), ``zero`` (sharded
-optimizer state and gradients), ``exchange`` and ``dataparallel`` (the wrapper the loop drives).  Reference:
-docs/communication.md, docs/memory.md, docs/topology.md.
+topology; ``python -m hpcnet.comm.topology``), ``costmodel``, ``plan`` and ``forecast`` (which transport, which
+path, what a step's communication should take), ``bootstrap`` (torch.distributed from MPI), ``transport`` (how a
+bucket is summed: NCCL, gloo, MPI, shared memory, hierarchical; and how stage 3's gathers move), ``buckets`` and
+``reducer`` (buckets filled during backward), ``replicas`` (replicas kept equal), ``sharding`` (what each rank
+owns, and all that differs by ``dist.zero`` stage), ``exchange`` and ``dataparallel`` (the wrapper the loop
+drives).  Reference: docs/communication.md, docs/memory.md, docs/topology.md.
 """
 
 from hpcnet import _lazy_exports

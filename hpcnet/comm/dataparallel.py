@@ -115,20 +115,21 @@ class DataParallel:
         rank 0 logs and writes to ``plan.json`` in ``run_dir`` (``Owners.start``); else ``optimizer`` itself."""
         if self.owners is None:
             return optimizer
-        self.optimizer = ShardedOptimizer(optimizer, self.owners.plan, self.owners.layout, self.comm, self.cfg.zero)
+        owners = self.owners
+        self.optimizer = ShardedOptimizer(optimizer, owners.assignment, owners.layout, self.comm, self.cfg.zero)
         self.optimizer.clock = self.clock
-        self.owners.start(run_dir)
+        owners.start(run_dir)
         return self.optimizer
 
-    def move_owners(self, plan: ShardPlan) -> int:
-        """Move what is owned to ``plan``'s owners (collective): stage 3's parameters, the optimizer state and, from
-        stage 2 on, the buckets' layout; returns the bytes of state moved by all ranks together."""
+    def move_owners(self, assignment: ShardPlan) -> int:
+        """Move what is owned to ``assignment``'s owners (collective): stage 3's parameters, the optimizer state and,
+        from stage 2 on, the buckets' layout; returns the bytes of state moved by all ranks together."""
         assert self.optimizer is not None
         if self.sharded_params is not None:
-            self.sharded_params.reown(plan.owner)
-        sent = self.optimizer.reshard(plan)
+            self.sharded_params.reown(assignment.owner)
+        sent = self.optimizer.reshard(assignment)
         if self.cfg.zero >= 2:
-            self.reducer.reassign(plan.owner)
+            self.reducer.reassign(assignment.owner)
         return self.comm.allreduce(sent)
 
     def restore_plan(self, saved: Any) -> bool:
@@ -348,7 +349,7 @@ class DataParallel:
             out["path"] = {"hierarchical": self.path.hierarchical, "chunk_bytes": self.path.chunk_bytes,
                            "flat_ms": self.path.flat.seconds * 1e3, "hierarchical_ms": self.path.nested.seconds * 1e3}
         if self.owners is not None:
-            out["owned_bytes"] = self.owners.plan.rank_bytes
+            out["owned_bytes"] = self.owners.assignment.rank_bytes
             out["replans"] = self.owners.replans
         return out
 

@@ -1,4 +1,5 @@
-"""The owners in force: each unit's owner rank (a ``ShardPlan``) and the rank speeds it was chosen with.
+"""The owners in force: the cost model's assignment (``ShardPlan``: each unit's owner rank and the modelled
+times) and the rank speeds it was chosen with.
 
 Made at start-up (``plan_shards``), written by rank 0 to ``plan.json`` and saved in every checkpoint's meta
 (``state``); a resume at the same world size goes on with the checkpoint's owners (``restore``), and with
@@ -54,14 +55,14 @@ class Owners:
                  device: torch.device, names: list[str]) -> None:
         self.layout, self.comm, self.world, self.cfg = layout, comm, world, cfg
         self.link, self.device, self.names = link, device, names
-        self.plan, self.speeds = plan_shards(layout.tensors, comm, mode=cfg.plan, link=link, device=device)
+        self.assignment, self.speeds = plan_shards(layout.tensors, comm, mode=cfg.plan, link=link, device=device)
         self.replans = 0
         self.replanning = False  # from ``start`` on, with dist.plan=auto and dist.replan_every
         self._file: OptionalFile | None = None
 
     @property
     def owner(self) -> list[int]:
-        return self.plan.owner
+        return self.assignment.owner
 
     def start(self, run_dir: Path | None) -> None:
         """The optimizer is sharded by these owners: rank 0 logs them and writes ``plan.json`` in ``run_dir``, and
@@ -83,7 +84,7 @@ class Owners:
         """What plan.json holds: the stage, the mode, the inputs the cost model used and its assignment."""
         names = self.names
         units = []
-        for unit, size, owner in zip(self.layout.units, self.layout.sizes, self.plan.owner):
+        for unit, size, owner in zip(self.layout.units, self.layout.sizes, self.assignment.owner):
             entry = {"name": names[unit.param], "bytes": size, "owner": owner}
             if not unit.whole:
                 entry["rows"] = [unit.lo, unit.hi]
@@ -94,18 +95,18 @@ class Owners:
                 "link": ({"latency_us": link.latency_s * 1e6, "bandwidth_GBps": link.bandwidth_Bps / 1e9}
                          if link else None),
                 "units": units, "cut": sorted({names[u.param] for u in self.layout.units if not u.whole}),
-                **self.plan.to_json()}
+                **self.assignment.to_json()}
 
     def describe(self) -> str:
-        mib = [b / 2**20 for b in self.plan.rank_bytes]
+        mib = [b / 2**20 for b in self.assignment.rank_bytes]
         return (f"dist.zero={self.cfg.zero} (plan {self.cfg.plan}): parameters owned per rank "
                 f"{', '.join(f'{m:.2f}' for m in mib[:8])}{' ...' if len(mib) > 8 else ''} MiB, "
-                f"modelled imbalance {self.plan.imbalance:.3f}; speeds "
+                f"modelled imbalance {self.assignment.imbalance:.3f}; speeds "
                 f"{', '.join(f'{s:.2f}' for s in self.speeds[:8])}{' ...' if len(self.speeds) > 8 else ''}")
 
     def state(self) -> dict[str, Any]:
         """The owners and the speeds they were chosen with, for a checkpoint's meta (``restore`` takes it back)."""
-        return {"world_size": self.world.size, "owner": list(self.plan.owner), "speeds": list(self.speeds),
+        return {"world_size": self.world.size, "owner": list(self.assignment.owner), "speeds": list(self.speeds),
                 "bytes": list(self.layout.sizes), "units": self.layout.to_json()}
 
     def restore(self, saved: Any, move: Move) -> bool:
@@ -121,7 +122,7 @@ class Owners:
         if found is None:
             return False
         owner, speeds = found
-        if owner == self.plan.owner:
+        if owner == self.assignment.owner:
             self.speeds = speeds
             return False
         sizes = self.layout.sizes
@@ -172,10 +173,10 @@ class Owners:
         if max(abs(new / old - 1) for new, old in zip(speeds, self.speeds)) <= REPLAN_DRIFT:
             return False
         link = self.link or DEFAULT_LINK
-        now = max(plan_time_s(self.layout.sizes, self.plan.owner, speeds, compute_s_per_byte=UPDATE_S_PER_BYTE,
+        now = max(plan_time_s(self.layout.sizes, self.assignment.owner, speeds, compute_s_per_byte=UPDATE_S_PER_BYTE,
                               link=link))
         candidate, _ = plan_shards(self.layout.tensors, self.comm, mode="auto", link=self.link, speeds=speeds)
-        if candidate.owner == self.plan.owner or candidate.max_time_s >= (1 - REPLAN_GAIN) * now:
+        if candidate.owner == self.assignment.owner or candidate.max_time_s >= (1 - REPLAN_GAIN) * now:
             return False
         moved = self._take(candidate, speeds, move)
         self.replans += 1
@@ -187,7 +188,7 @@ class Owners:
         self.write()
         return True
 
-    def _take(self, plan: ShardPlan, speeds: list[float], move: Move) -> int:
-        moved = move(plan)
-        self.plan, self.speeds = plan, speeds
+    def _take(self, assignment: ShardPlan, speeds: list[float], move: Move) -> int:
+        moved = move(assignment)
+        self.assignment, self.speeds = assignment, speeds
         return moved
