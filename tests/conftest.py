@@ -19,6 +19,12 @@ def pytest_configure(config):
         config.option.basetemp = str(base)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true",
+                     help="also run the tests marked slow (more time or memory than the default suite has: "
+                          "scripts/test.sh --slow, docs/testing.md)")
+
+
 SHARED = {"cluster": "tests/test_cluster", "slurm": "tests/test_slurm.py"}
 """The tests that share one resource, by marker: the local cluster (whose fault verbs kill, cut and slow whole
 hosts) and the local SLURM's one node; and where they are (test ids start so)."""
@@ -65,6 +71,11 @@ def pytest_collection_modifyitems(config, items):
             return 1 if item.nodeid.startswith(LONG_FIRST) else 2
 
         items.sort(key=order)
+    if not config.getoption("slow"):
+        slow = pytest.mark.skip(reason="marked slow: runs with --slow (scripts/test.sh --slow, docs/testing.md)")
+        for item in items:
+            if item.get_closest_marker("slow"):
+                item.add_marker(slow)
     # At more than one rank every rank would start the same mpirun, SLURM or cluster job at once.
     if MPI.COMM_WORLD.Get_size() == 1:
         return

@@ -1,9 +1,8 @@
 """Tensors between ranks as raw bytes in messages below MPI's count limit: ``exchange`` and the re-plan's move of
 optimizer state (``ShardedOptimizer.reshard``), with the limit lowered so small tensors go in many pieces; a real
-message of more than 2**31 bytes where asked for (HPCNET_TEST_2GIB=1) and memory allows."""
+message of more than 2**31 bytes in the slow tests (``--slow``: scripts/test.sh --slow) where memory allows."""
 
 import io
-import os
 import pickle
 
 import numpy as np
@@ -191,7 +190,7 @@ def _available_bytes():
 
 
 @pytest.mark.mpi
-@pytest.mark.skipif(os.environ.get("HPCNET_TEST_2GIB") != "1", reason="moves 2 x 2 GiB: set HPCNET_TEST_2GIB=1")
+@pytest.mark.slow  # moves 2 x 2 GiB: what it needs is in docs/testing.md
 def test_more_than_2_gib_in_one_tensor(comm):
     """At 2 ranks: rank 0 sends rank 1 one tensor of 2**31 + 4096 bytes (exchange), then broadcasts a parameter of
     that size (ParamGather); each was one message before, which MPI refuses (its count is a C int)."""
