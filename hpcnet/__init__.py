@@ -1,5 +1,7 @@
 """hpcnet: MPI-native data-parallel training for PyTorch on HPC clusters."""
 
+from collections.abc import Callable
+
 __version__ = "0.1.0"
 
 
@@ -27,7 +29,8 @@ def _hold_standby_release() -> None:
         _STANDBY_PARENT = os.getppid()
 
 
-def _lazy_exports(package: str, exports: dict[str, str]) -> tuple[list[str], object, object]:
+def _lazy_exports(package: str, exports: dict[str, str]
+                  ) -> tuple[list[str], Callable[[str], object], Callable[[], list[str]]]:
     """A subpackage's public surface, imported on first use: ``__all__`` and the module ``__getattr__`` and
     ``__dir__`` (PEP 562) for ``exports`` (public name -> the submodule that defines it).
 

@@ -72,10 +72,11 @@ check_env() {
     "$vpy" - <<'PY' 2>/dev/null
 import importlib.util
 import h5py, mpi4py, torch, numpy, xxhash, pytest, pytest_mpi, hpcnet  # noqa: F401
-# python -m hpcnet.report's plots, scripts/test.sh's lint and its parallel serial pass: found, not imported (a
-# second import would slow every set-up check).
+# python -m hpcnet.report's plots, scripts/test.sh's lint, type check and parallel serial pass: found, not imported
+# (a second import would slow every set-up check).
 if any(importlib.util.find_spec(name) is None
-       for name in ("matplotlib", "ruff", "xdist", "transformers", "safetensors", "tokenizers", "tensorboard")):
+       for name in ("matplotlib", "ruff", "mypy", "xdist", "transformers", "safetensors", "tokenizers",
+                    "tensorboard")):
     raise SystemExit(4)
 raise SystemExit(0 if h5py.get_config().mpi else 3)
 PY
@@ -109,6 +110,6 @@ fi
 say "installing hpcnet (editable), test, report, hf and tensorboard requirements"
 pip install --no-build-isolation -e "$root[test,report,hf,tensorboard]"
 
-check_env || die "the environment in $venv does not import (h5py, mpi4py, torch, xxhash, pytest-mpi, pytest-xdist, matplotlib, ruff, transformers, safetensors, tokenizers, tensorboard, hpcnet)"
+check_env || die "the environment in $venv does not import (h5py, mpi4py, torch, xxhash, pytest-mpi, pytest-xdist, matplotlib, ruff, mypy, transformers, safetensors, tokenizers, tensorboard, hpcnet)"
 printf '%s' "$want" >"$stamp"
 say "environment ready ($venv)"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (if needed), then run the whole test suite after ruff: a serial pass
+# Set up (if needed), then run the whole test suite after ruff and mypy: a serial pass
 # (every test, MPI tests on one rank, plus the tests that launch mpirun, submit
 # SLURM jobs or run jobs on the local cluster themselves), then the MPI tests
 # on 2 and 3 ranks on this host (an odd size finds what even ones hide: virtual
@@ -10,7 +10,9 @@
 # host otherwise or with HPCNET_CLUSTER_MPI=off (docs/testing.md).
 # pyproject.toml passes pytest-mpi's --with-mpi (without it every MPI test is
 # skipped); python -m mpi4py aborts the job when one rank fails instead of
-# leaving the others hanging.
+# leaving the others hanging. --slow (a pytest option of tests/conftest.py,
+# passed on like every argument) also runs the tests marked slow: more time or
+# memory than the default suite has (docs/testing.md).
 #
 # The serial pass runs beside a one-node SLURM on this machine
 # (scripts/slurm.sh, which installs slurm-wlm and munge when missing) and the
@@ -23,6 +25,8 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 echo "=== ruff (lint, import order, docstrings: pyproject.toml) ==="
 ruff check hpcnet tests scripts
+echo "=== mypy (types of the packages setup.cfg lists) ==="
+mypy
 slurm_started=0
 cluster_started=0
 stop_started() {
