@@ -14,7 +14,7 @@ from hpcnet.comm.sharding.layout import ShardLayout
 from hpcnet.comm.sharding.params import ShardedParams
 from hpcnet.comm.transport import GroupGather
 from hpcnet.fault.flightrec import DATA_PLANE_OPS, FlightRecorder
-from hpcnet.models.blocks import find_blocks
+from hpcnet.models.blocks import checkpoint_blocks, find_blocks
 from hpcnet.train import run
 from tests.helpers.comm import even_nodes
 from tests.helpers.data import tiny_images
@@ -133,12 +133,15 @@ def _held(sharded):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("collective", ["mpi", "torch"])
-def test_a_block_is_gathered_for_its_forward_and_backward_only(comm, data_plane, collective):
+@pytest.mark.parametrize("collective,checkpointed", [("mpi", False), ("torch", False), ("mpi", True)])
+def test_a_block_is_gathered_for_its_forward_and_backward_only(comm, data_plane, collective, checkpointed):
     """Between steps no parameter has memory; during a block's forward the root, the block and the next one
-    (prefetched) do; during its backward the root, the block and the previous one; each rank's forward and
-    gradients are the unsharded model's; the tied output layer is the root's."""
+    (prefetched) do; during its backward the root, the block and the previous one, also where activation
+    checkpointing recomputes the block's forward in backward without its hooks (the whole model stayed gathered);
+    each rank's forward and gradients are the unsharded model's; the tied output layer is the root's."""
     net, reference, sharded = _sharded_net(comm, collective=collective)
+    if checkpointed:
+        checkpoint_blocks(find_blocks(net, "blocks.0,blocks.1,blocks.2"))
     assert sharded.groups[0].params == [0]  # the embedding (and head, the same tensor) stays in the root
     assert all(p.untyped_storage().nbytes() == 0 for p in net.parameters())
     seen: dict[str, list[list[int]]] = {"forward": [], "backward": []}

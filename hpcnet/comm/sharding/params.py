@@ -301,12 +301,14 @@ class ShardedParams:
 
     def on_read(self, p: nn.Parameter, func: Any) -> None:
         """An operation ``func`` reads parameter ``p`` (``ShardedParameter``): outside the forward of its group,
-        inside ``in_use``, its group is gathered and kept until the backward is done."""
+        inside ``in_use``, its group is gathered and kept until the backward is done.  In backward (a block's
+        recomputation under activation checkpointing, which runs its forward without the module's hooks) the group
+        is gathered only: it goes once its gradients are in, as the schedule has it."""
         g = self.groups[self.group_of[p._hpcnet_index]]
         if g.active:
             return
         if self._using:
-            g.pinned = True
+            g.pinned = g.pinned or not _in_backward()
             self._need(g)
         elif not (g.gathered or func in ALIASES):
             raise RuntimeError(f"dist.zero=3: parameter {self._name(p._hpcnet_index)} was read between steps, "
