@@ -142,7 +142,7 @@ def resolve_all(names: list[str], timeout_s: float) -> dict[str, list[str]]:
             infos = socket.getaddrinfo(name, None, family=socket.AF_INET, type=socket.SOCK_STREAM)
         except (OSError, UnicodeError):
             infos = []
-        found[name] = sorted({info[4][0] for info in infos})
+        found[name] = sorted({str(info[4][0]) for info in infos})
 
     threads = [threading.Thread(target=ask, args=(name,), daemon=True, name="hpcnet-resolve")
                for name in dict.fromkeys(names)]

@@ -86,7 +86,7 @@ def _is_signal(number: int) -> bool:
 
 def declared(failure: dict[str, Any] | None) -> bool:
     """Whether ``failure`` is a report of the job's monitor (``failure.json``), not a launcher's line."""
-    return bool(failure) and failure.get("source") != "launcher"
+    return failure is not None and bool(failure) and failure.get("source") != "launcher"
 
 
 def is_abort_line(line: str) -> bool:
@@ -191,7 +191,7 @@ def lost_host(failure: dict[str, Any] | None, launcher: dict[str, Any] | None, r
              "node failure": "the launcher reported a node failure", "node lost": "the launcher lost the node",
              "start": "a launcher daemon failed after the ranks had started"}
     return {"host": host, "ranks": sorted(r for r, h in hosts_of.items() if host is not None and h == host),
-            "evidence": f"{words[what]}: {launcher.get('line', '')}".rstrip(": ")}
+            "evidence": f"{words[what]}: {(launcher or {}).get('line', '')}".rstrip(": ")}
 
 
 def describe_loss(loss: dict[str, Any]) -> str:
@@ -202,11 +202,12 @@ def describe_loss(loss: dict[str, Any]) -> str:
 
 def describe_status(status: int) -> str:
     """A status in words."""
-    names = {ExitCode.OK: "finished", ExitCode.CODE_ERROR: "error (a bug, or a launcher failure)",
-             ExitCode.USAGE_ERROR: "bad input (option, data, path, full disk)",
-             ExitCode.DIVERGED: "diverged (non-finite loss, gradients or state; nothing of it saved)",
-             ExitCode.RESTARTABLE: "restartable failure (peer died or hung, communication failed)",
-             ExitCode.PREEMPTED: "preempted after saving", ExitCode.INTERRUPTED: "interrupted"}
+    names: dict[int, str] = {
+        ExitCode.OK: "finished", ExitCode.CODE_ERROR: "error (a bug, or a launcher failure)",
+        ExitCode.USAGE_ERROR: "bad input (option, data, path, full disk)",
+        ExitCode.DIVERGED: "diverged (non-finite loss, gradients or state; nothing of it saved)",
+        ExitCode.RESTARTABLE: "restartable failure (peer died or hung, communication failed)",
+        ExitCode.PREEMPTED: "preempted after saving", ExitCode.INTERRUPTED: "interrupted"}
     if status in names:
         return names[status]
     if status > 128 and _is_signal(status - 128):
