@@ -239,7 +239,9 @@ def test_bad_option_in_a_single_process_is_one_line(tmp_path, args, needle):
 @pytest.mark.launch
 def test_durations_at_their_bound_train(launch, tmp_path):
     """Every timeout at 30 days, the bound: each deadline built from them (faulthandler and POSIX timers, the
-    watchdog's grace on top, gloo's timedelta) is still in range, so training runs and saves."""
+    watchdog's grace on top, gloo's timedelta) is still in range, so training runs and saves; and run.seed at
+    its bound, 2**63 - 1 (tests/config/test_load.py refuses one more), which the synthetic data's generator, the
+    model, every rank's RNGs (train.py adds per-rank offsets), the sampler and config.toml take."""
     out = launch(2, *_tiny_args(tmp_path, "train.steps=6", "train.eval_every=0", "dist.backend=gloo",
                                 "monitor.startup_timeout_s=2592000", "checkpoint.timeout_s=2592000",
                                 "dist.timeout_s=2592000", "monitor.heartbeat_interval_s=864000",

@@ -195,24 +195,3 @@ def test_every_duration_option_is_bounded_in_one_place():
         assert getattr(getattr(cfg, section), name) == MAX_DURATION_S
         with pytest.raises(ConfigError, match=rf"^{option} must be at most 2592000 s \(30 days\), got 2592000\.5$"):
             load_config(overrides=[f"{option}={MAX_DURATION_S + 0.5}", *misses])
-
-
-@pytest.mark.mpi
-def test_the_largest_seed_seeds_everything(comm, data_plane, mpi_tmp_path):
-    """run.seed's bound is what a run's seeded parts take: the synthetic data's generator, the model's
-    initialisation, every rank's RNGs (train.py adds its per-rank offsets), the sampler's permutation, and
-    config.toml's 64-bit integers."""
-    import math
-
-    from hpcnet.config import MAX_SEED
-    from hpcnet.paths import CONFIG_FILE
-    from hpcnet.train import run
-    from tests.helpers.data import tiny_images
-    from tests.helpers.train import train_config
-
-    dataset = tiny_images(comm, mpi_tmp_path, "largest-seed.h5", num_train=32, num_eval=8, seed=MAX_SEED)
-    cfg = train_config(mpi_tmp_path, dataset, "largest-seed", f"run.seed={MAX_SEED}", "train.steps=2",
-                       "model.name=mlp", "model.options.hidden=[8]", "checkpoint.at_end=false")
-    result = run(cfg, comm, plane=data_plane)
-    assert result.summary["steps"] == 2 and math.isfinite(result.summary["final_loss"])
-    assert load_config(mpi_tmp_path / "runs" / "largest-seed" / CONFIG_FILE).run.seed == MAX_SEED
