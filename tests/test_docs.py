@@ -221,12 +221,27 @@ def _prepare(directory: Path) -> None:
             (directory / m.group(1)).write_text("\n".join(lines[1:]) + "\n")
 
 
+README_STEPS = 100
+"""The README's training commands run with train.steps at most this (an override added last): the test shows that
+they run as written, which takes no more steps than one evaluation (the default train.eval_every); the falling loss
+of a longer run is tests/test_train.py's. The default job and the README's Hugging Face job train 300 steps."""
+
+
+def _trains(words: list[str]) -> bool:
+    """The command trains: ``hpcnet.train`` or ``scripts/train.sh``, other than for its help or its config."""
+    return bool(words) and ("hpcnet.train" in words or words[0].endswith("scripts/train.sh")) and not any(
+        w in ("--help", "--help-config", "--print-config") for w in words)
+
+
 def _runnable(command: str, run_dir: Path) -> str:
     words = shlex.split(command)
     if words and words[0].startswith("scripts/"):
         words[0] = str(ROOT / words[0])
         if words[0].endswith("scripts/train.sh"):  # its own run (and checkpoint) directory, not the repository's
             words.append(f"run.dir={run_dir}")
+    steps = [int(w.split("=", 1)[1]) for w in words if w.startswith("train.steps=")]
+    if _trains(words) and (not steps or steps[-1] > README_STEPS):
+        words.append(f"train.steps={README_STEPS}")
     return shlex.join(words) if "|" not in command and ">" not in command else command
 
 
