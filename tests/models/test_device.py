@@ -64,8 +64,8 @@ def test_channels_last_reorders_the_model_and_its_4d_inputs_only():
 def _config(dataset, run_dir, ckpt_dir, *extra):
     return load_config(overrides=[
         f"data.dataset={dataset}", f"run.dir={run_dir}", "run.dir_exact=true", f"checkpoint.dir={ckpt_dir}",
-        "train.batch_size=8", "train.steps=8", "train.eval_every=0", "model.name=resnet_tiny",
-        "model.options.width=4", "optim.warmup_steps=2", "optim.lr=0.1", "checkpoint.every_steps=4",
+        "train.batch_size=8", "train.steps=4", "train.eval_every=0", "model.name=resnet_tiny",
+        "model.options.width=4", "optim.warmup_steps=1", "optim.lr=0.1", "checkpoint.every_steps=2",
         "checkpoint.async_save=false", *extra])
 
 
@@ -124,7 +124,7 @@ def test_channels_last_and_fused_sgd_train_like_the_default_and_resume_without_t
     why = comm.bcast(_channels_last_is_deterministic() if comm.Get_rank() == 0 else None, root=0)
     if why:
         pytest.skip(why)
-    dataset = tiny_images(comm, mpi_tmp_path, "accel-images.h5", num_train=256, num_eval=32, seed=5)
+    dataset = tiny_images(comm, mpi_tmp_path, "accel-images.h5", num_train=96, num_eval=8, seed=5)
     plain = run(_config(dataset, mpi_tmp_path / "plain", mpi_tmp_path / "plain-ckpt"), comm, plane=data_plane)
     fast = run(_config(dataset, mpi_tmp_path / "fast", mpi_tmp_path / "fast-ckpt", "cuda.channels_last=on",
                        "cuda.fused_optimizer=on"), comm, plane=data_plane)
@@ -139,6 +139,6 @@ def test_channels_last_and_fused_sgd_train_like_the_default_and_resume_without_t
     assert torch.allclose(mine, _params(plain.model), rtol=1e-4, atol=1e-5)
     assert np.isclose(fast.summary["final_loss"], plain.summary["final_loss"], rtol=1e-4)
     # Its checkpoint resumes in a default run (logical layout is what is saved) and trains on.
-    resumed = run(_config(dataset, mpi_tmp_path / "resumed", mpi_tmp_path / "fast-ckpt", "train.steps=10",
+    resumed = run(_config(dataset, mpi_tmp_path / "resumed", mpi_tmp_path / "fast-ckpt", "train.steps=5",
                           "checkpoint.resume=auto"), comm, plane=data_plane)
-    assert resumed.summary["start_step"] == 8 and np.isfinite(resumed.summary["final_loss"])
+    assert resumed.summary["start_step"] == 4 and np.isfinite(resumed.summary["final_loss"])
