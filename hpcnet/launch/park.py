@@ -99,7 +99,7 @@ def standby_dir() -> Path | None:
     return Path(value) if value else None
 
 
-def _preimport(argv: list[str]) -> None:
+def preimport(argv: list[str]) -> None:
     """Import what training imports at its start (``hpcnet.config.importing.import_for_training``) and the configured
     model and dataset factories' modules (best effort: a bad config is reported by the run itself, after the
     release)."""
@@ -122,7 +122,7 @@ def park(argv: list[str]) -> float:
     directory = standby_dir()
     if directory is None:
         return 0.0
-    _preimport(argv)
+    preimport(argv)
     if env_int(RANK_ENVS) in (0, None):  # before its parked report: the supervisor reads it once all have parked
         with contextlib.suppress(OSError):
             directory.mkdir(parents=True, exist_ok=True)

@@ -130,7 +130,7 @@ def test_a_standby_has_imported_what_training_imports_and_a_bare_import_has_not(
     """torch._dynamo (2 s of CPU, imported by every optimizer step) is paid by the parked standby, not after the
     release; importing hpcnet.train alone (--help, a bad option) does without it."""
     code = ("import sys; import hpcnet.train; before = 'torch._dynamo' in sys.modules; "
-            "from hpcnet.launch.park import _preimport; _preimport(['train.steps=3']); "
+            "from hpcnet.launch.park import preimport; preimport(['train.steps=3']); "
             "print(before, 'torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
