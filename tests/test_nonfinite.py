@@ -12,7 +12,7 @@ from hpcnet.ckpt.load import load_checkpoint
 from hpcnet.config.load import load_config
 from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.train import run
-from tests.helpers.data import tiny_images
+from tests.helpers.data import shared_data_dir, tiny_images
 from tests.helpers.train import StopAfter, train_config
 
 
@@ -173,7 +173,7 @@ def test_huge_learning_rate_stops_with_status_65_and_keeps_the_last_good_checkpo
     from hpcnet.launch.restarts import describe_status, is_restartable
 
     ckpt = tmp_path / "ckpt"
-    out = launch(2, f"data.dir={tmp_path / 'data'}", f"run.dir={tmp_path / 'runs'}", f"checkpoint.dir={ckpt}",
+    out = launch(2, f"data.dir={shared_data_dir(tmp_path)}", f"run.dir={tmp_path / 'runs'}", f"checkpoint.dir={ckpt}",
                  "model.name=mlp", "train.batch_size=16", "train.steps=30", "train.eval_every=0",
                  "optim.lr=1e30", "checkpoint.every_steps=1", "checkpoint.keep=50", timeout=240)
     assert out.returncode == ExitCode.DIVERGED == 65, out.stderr

@@ -15,7 +15,7 @@ from mpi4py import MPI
 
 from hpcnet.errors import ExitCode
 from hpcnet.train import run
-from tests.helpers.data import tiny_images
+from tests.helpers.data import shared_data_dir, tiny_images
 from tests.helpers.launch import ROOT, clean_env
 from tests.helpers.train import StopAfter, train_config
 
@@ -64,7 +64,7 @@ def test_stop_and_resume_is_bit_identical(comm, data_plane, mpi_tmp_path, model)
 def test_int8_error_feedback_resumes_bit_identical(comm, data_plane, mpi_tmp_path, monkeypatch):
     """dist.compression=int8 between (virtual) nodes: each rank's residuals go into the checkpoint and come back,
     so the resumed run is bit-identical to the straight one; a resume that lost them would not be."""
-    from hpcnet.comm.dataparallel import DataParallel
+    from hpcnet.comm.quantize import ErrorFeedback
     from tests.helpers.comm import even_nodes
 
     monkeypatch.setenv("HPCNET_RANKS_PER_NODE", even_nodes(comm)["HPCNET_RANKS_PER_NODE"])
@@ -79,7 +79,7 @@ def test_int8_error_feedback_resumes_bit_identical(comm, data_plane, mpi_tmp_pat
     for name, drop in [("lost-int8", True), ("split-int8", False)]:
         with monkeypatch.context() as patch:
             if drop:  # the same checkpoint (the newest in split-int8's directory), its residuals left out
-                patch.setattr(DataParallel, "load_feedback", lambda self, tensors, size: self.feedback.clear())
+                patch.setattr(ErrorFeedback, "load_entries", lambda self, saved: self.clear())
             resume = f"checkpoint.resume={mpi_tmp_path / 'ckpt' / 'split-int8'}" if drop else "checkpoint.resume=auto"
             second = run(_cfg(mpi_tmp_path, dataset, name, *extra, resume), comm, plane=data_plane)
         assert second.summary["start_step"] == 10 and second.summary["steps"] == 20
@@ -174,7 +174,7 @@ def test_rng_state_that_fails_to_restore_on_one_rank_stops_every_rank(comm, data
 
 @pytest.mark.launch
 def test_sigterm_saves_then_resume_continues(tmp_path):
-    common = [f"data.dir={tmp_path / 'data'}", f"run.dir={tmp_path / 'runs'}", "model.name=mlp",
+    common = [f"data.dir={shared_data_dir(tmp_path)}", f"run.dir={tmp_path / 'runs'}", "model.name=mlp",
               "train.batch_size=16", "train.eval_every=0", "run.log_every=1", "run.metrics=all",
               "checkpoint.every_s=0", "checkpoint.every_steps=0"]
     cmd = ["mpirun", "-np", "2", sys.executable, "-m", "mpi4py", "-m", "hpcnet.train", *common]
@@ -205,7 +205,7 @@ def test_sigterm_saves_then_resume_continues(tmp_path):
 # --- sequences of runs into one checkpoint directory, as a user types them (issue 9) ---------
 
 def _run_args(tmp_path, *extra):
-    return [f"data.dir={tmp_path / 'data'}", f"run.dir={tmp_path / 'runs'}", "run.name=x", "model.name=mlp",
+    return [f"data.dir={shared_data_dir(tmp_path)}", f"run.dir={tmp_path / 'runs'}", "run.name=x", "model.name=mlp",
             "model.options.hidden=[32]", "train.batch_size=8", "train.eval_every=0", "checkpoint.every_s=0",
             "checkpoint.every_steps=10", "checkpoint.full_every=1", "checkpoint.keep=3", "dist.probe=false", *extra]
 
@@ -251,7 +251,7 @@ def test_a_rollback_sticks_and_resume_auto_goes_by_commit_order(launch, tmp_path
 
 @pytest.mark.launch
 def test_resume_auto_with_every_checkpoint_damaged_stops_and_lists_them(launch, tmp_path):
-    from hpcnet.fault.inject import corrupt_newest
+    from hpcnet.ckpt.damage import corrupt_newest
 
     directory = tmp_path / "runs" / "x.ckpt"
     assert launch(2, *_run_args(tmp_path, "train.steps=20")).returncode == 0
@@ -291,8 +291,8 @@ def test_an_io_error_in_a_save_is_restarted_by_the_supervisor(tmp_path):
 @pytest.mark.launch
 def test_the_default_command_twice_continues_and_loses_nothing(tmp_path):
     """scripts/train.sh (the README's default) run twice: the second run continues the first."""
-    args = [f"run.dir={tmp_path / 'runs'}", f"data.dir={tmp_path / 'data'}", "train.steps=8", "train.eval_every=0",
-            "model.name=mlp", "checkpoint.every_s=0", "dist.probe=false"]
+    args = [f"run.dir={tmp_path / 'runs'}", f"data.dir={shared_data_dir(tmp_path)}", "train.steps=8",
+            "train.eval_every=0", "model.name=mlp", "checkpoint.every_s=0", "dist.probe=false"]
     env = clean_env(HPCNET_VENV=str(Path(sys.executable).parents[1]))
     first = subprocess.run([ROOT / "scripts" / "train.sh", *args], env=env, capture_output=True, text=True,
                            timeout=300)

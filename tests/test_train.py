@@ -21,7 +21,7 @@ from hpcnet.models import build_model
 from hpcnet.objective import loss_and_correct
 from hpcnet.optim import build_optimizer, lr_factor
 from hpcnet.train import run
-from tests.helpers.data import tiny_images
+from tests.helpers.data import shared_data_dir, tiny_images
 from tests.helpers.launch import ROOT, clean_env
 
 
@@ -161,13 +161,15 @@ def test_an_optimizer_torch_refuses_on_one_rank_stops_every_rank(comm, data_plan
 # --- launches: the real entry point under mpirun -----------------------------
 
 def _tiny_args(tmp_path: Path, *extra: str) -> list[str]:
-    return [f"data.dir={tmp_path / 'data'}", f"run.dir={tmp_path / 'runs'}", "train.steps=20",
+    return [f"data.dir={shared_data_dir(tmp_path)}", f"run.dir={tmp_path / 'runs'}", "train.steps=20",
             "train.eval_every=10", "run.log_every=5", "model.name=mlp", "train.batch_size=16", *extra]
 
 
 @pytest.mark.launch
 def test_launch_trains_and_loss_falls(launch, tmp_path):
-    out = launch(2, *_tiny_args(tmp_path, "train.steps=60", "optim.lr=0.05"), timeout=240)
+    # Its own data.dir (an override after _tiny_args'): the default dataset is generated where data.dir says.
+    out = launch(2, *_tiny_args(tmp_path, "train.steps=60", "optim.lr=0.05", f"data.dir={tmp_path / 'data'}"),
+                 timeout=240)
     assert out.returncode == 0, out.stderr
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+) \|", out.stderr)]
     assert len(losses) == 12 and losses[-1] < 0.8 * losses[0], out.stderr

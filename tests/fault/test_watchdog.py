@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcnet.comm.world import discover
 from hpcnet.config import CheckpointConfig, DistConfig, FaultConfig, MonitorConfig
 from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.fault.failure import DUMP_SIGNAL, stall_report
@@ -33,6 +32,8 @@ from hpcnet.fault.watchdog import (
     io_timeout_s,
     startup_phase,
 )
+from hpcnet.world import discover
+from tests.helpers.data import shared_data_dir
 from tests.helpers.dirs import made_dir
 from tests.helpers.launch import PROGRAMS, ROOT, clean_env, wait_for
 
@@ -252,7 +253,7 @@ def test_checkpoint_operations_are_guarded(comm, mpi_tmp_path):
 # --- launches -------------------------------------------------------------------------
 
 def _train(tmp_path: Path, *extra: str) -> list[str]:
-    return ["data.dataset=synthetic-images", f"data.dir={tmp_path / 'data'}", "data.options.num_train=512",
+    return ["data.dataset=synthetic-images", f"data.dir={shared_data_dir(tmp_path)}", "data.options.num_train=512",
             "data.options.num_eval=64", f"run.dir={tmp_path / 'run'}", "run.dir_exact=true",
             f"checkpoint.dir={tmp_path / 'ckpt'}", "model.name=mlp", "train.batch_size=8", "train.steps=12",
             "train.eval_every=0", "dist.probe=false", "checkpoint.every_steps=6", *extra]

@@ -45,3 +45,13 @@ def load_split(path: Path, split: str):
 
     with h5py.File(path, "r") as f:
         return f[split]["inputs"][()], f[split]["targets"][()]
+
+
+def shared_data_dir(tmp_path: Path) -> Path:
+    """A ``data.dir`` shared by the tests of one pytest process (beside their ``tmp_path``s, in pytest's session
+    folder: one a worker of the serial pass), so that a built-in synthetic dataset (8192 images, 2-3 s on rank 0)
+    is generated once a process instead of once a test. For jobs that a test starts on one host; files appear by
+    an atomic rename, so a job never reads another's half-written file."""
+    path = tmp_path.parent / "shared-data"
+    path.mkdir(exist_ok=True)
+    return path

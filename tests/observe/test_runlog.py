@@ -18,6 +18,7 @@ from hpcnet.observe.runlog import (
     make_run_dir,
     setup_logging,
 )
+from tests.helpers.data import shared_data_dir
 
 
 @pytest.mark.mpi
@@ -173,7 +174,7 @@ def test_a_descriptive_file_that_cannot_be_written_is_a_warning_not_a_failure(la
         (run_dir / blocked).mkdir()
     else:
         (run_dir / blocked).symlink_to("/dev/full")  # every write: ENOSPC
-    out = launch(2, f"data.dir={tmp_path / 'data'}", f"run.dir={run_dir}", "run.dir_exact=true",
+    out = launch(2, f"data.dir={shared_data_dir(tmp_path)}", f"run.dir={run_dir}", "run.dir_exact=true",
                  f"checkpoint.dir={ckpt_dir}", "train.steps=12", "checkpoint.every_steps=5", "run.log_every=1",
                  "train.eval_every=0", "model.name=mlp", "train.batch_size=16", *extra, timeout=240)
     assert out.returncode == 0, out.stderr[-4000:]

@@ -15,7 +15,7 @@ from hpcnet.objective import compute_loss
 from hpcnet.plan import ModelMemory, choose, largest_share, predict, predictions
 from hpcnet.plan.measure import StepMemory, measure_model
 from hpcnet.train import run
-from tests.helpers.data import tiny_images
+from tests.helpers.data import shared_data_dir, tiny_images
 from tests.helpers.launch import clean_env
 from tests.helpers.train import train_config
 
@@ -141,7 +141,7 @@ def test_a_capped_run_takes_the_planner_s_choice_and_reports_the_measured_peak(c
 
 @pytest.mark.launch
 def test_a_cap_nothing_fits_under_stops_every_rank_naming_it(launch, tmp_path):
-    out = launch(2, f"data.dir={tmp_path / 'data'}", f"run.dir={tmp_path / 'runs'}", "train.steps=5",
+    out = launch(2, f"data.dir={shared_data_dir(tmp_path)}", f"run.dir={tmp_path / 'runs'}", "train.steps=5",
                  "model.name=mlp", "model.options.hidden=[512,512]", "dist.memory_cap_gb=0.001", timeout=120)
     assert out.returncode == ExitCode.USAGE_ERROR, out.stderr
     assert "dist.memory_cap_gb=0.001: no choice fits at 2 ranks" in out.stderr
@@ -149,7 +149,7 @@ def test_a_cap_nothing_fits_under_stops_every_rank_naming_it(launch, tmp_path):
 
 
 def test_python_m_hpcnet_plan_prints_every_choice_and_the_one_under_the_cap(tmp_path):
-    args = [sys.executable, "-m", "hpcnet.plan", "--ranks", "4", f"data.dir={tmp_path / 'data'}",
+    args = [sys.executable, "-m", "hpcnet.plan", "--ranks", "4", f"data.dir={shared_data_dir(tmp_path)}",
             "model.name=mlp", "model.options.hidden=[256,256]", "optim.name=adamw", "train.batch_size=8"]
     out = subprocess.run([*args, "--cap-gb", "1", "--json", str(tmp_path / "plan.json")], env=clean_env(),
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
