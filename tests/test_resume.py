@@ -64,7 +64,7 @@ def test_stop_and_resume_is_bit_identical(comm, data_plane, mpi_tmp_path, model)
 def test_int8_error_feedback_resumes_bit_identical(comm, data_plane, mpi_tmp_path, monkeypatch):
     """dist.compression=int8 between (virtual) nodes: each rank's residuals go into the checkpoint and come back,
     so the resumed run is bit-identical to the straight one; a resume that lost them would not be."""
-    from hpcnet.comm.quantize import ErrorFeedback
+    from hpcnet.comm.dataparallel import DataParallel
     from tests.helpers.comm import even_nodes
 
     monkeypatch.setenv("HPCNET_RANKS_PER_NODE", even_nodes(comm)["HPCNET_RANKS_PER_NODE"])
@@ -79,7 +79,7 @@ def test_int8_error_feedback_resumes_bit_identical(comm, data_plane, mpi_tmp_pat
     for name, drop in [("lost-int8", True), ("split-int8", False)]:
         with monkeypatch.context() as patch:
             if drop:  # the same checkpoint (the newest in split-int8's directory), its residuals left out
-                patch.setattr(ErrorFeedback, "load_entries", lambda self, saved: self.clear())
+                patch.setattr(DataParallel, "load_feedback", lambda self, tensors, size: self.feedback.clear())
             resume = f"checkpoint.resume={mpi_tmp_path / 'ckpt' / 'split-int8'}" if drop else "checkpoint.resume=auto"
             second = run(_cfg(mpi_tmp_path, dataset, name, *extra, resume), comm, plane=data_plane)
         assert second.summary["start_step"] == 10 and second.summary["steps"] == 20
@@ -251,7 +251,7 @@ def test_a_rollback_sticks_and_resume_auto_goes_by_commit_order(launch, tmp_path
 
 @pytest.mark.launch
 def test_resume_auto_with_every_checkpoint_damaged_stops_and_lists_them(launch, tmp_path):
-    from hpcnet.ckpt.damage import corrupt_newest
+    from hpcnet.fault.inject import corrupt_newest
 
     directory = tmp_path / "runs" / "x.ckpt"
     assert launch(2, *_run_args(tmp_path, "train.steps=20")).returncode == 0
