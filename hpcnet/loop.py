@@ -14,7 +14,6 @@ import torch
 from hpcnet.ckpt.schedule import NONFINITE_GRAD, NONFINITE_LOSS, SavePolicy
 from hpcnet.ckpt.state import TrainState
 from hpcnet.comm.dataparallel import DataParallel
-from hpcnet.comm.world import World
 from hpcnet.config import Config
 from hpcnet.data.balance import Balancer
 from hpcnet.data.loader import BatchLoader
@@ -29,6 +28,7 @@ from hpcnet.observe.runlog import MetricsWriter, format_duration
 from hpcnet.observe.stats import job_step_stats, rank_step_stats
 from hpcnet.observe.trace import StepTracer
 from hpcnet.optim import lr_factor
+from hpcnet.world import World
 
 log = logging.getLogger("hpcnet.train")
 

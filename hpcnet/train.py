@@ -42,7 +42,6 @@ from hpcnet.comm.costmodel import LinkCost
 from hpcnet.comm.dataparallel import DataParallel
 from hpcnet.comm.plan import decide_plan
 from hpcnet.comm.topology import probe, recommend
-from hpcnet.comm.world import World, choose_device, cpu_threads, discover, machine_sharing, mpi_yield_when_idle
 from hpcnet.config import Config
 from hpcnet.config.importing import import_for_training
 from hpcnet.config.load import (
@@ -83,6 +82,7 @@ from hpcnet.optim import build_optimizer
 from hpcnet.paths import CONFIG_FILE, SUMMARY_FILE, TENSORBOARD_DIR, checkpoint_dir, metrics_file
 from hpcnet.plan import cap_in_bytes, choose, configured_bucket_bytes
 from hpcnet.plan.measure import ResidentPeak, measure_config
+from hpcnet.world import World, choose_device, cpu_threads, discover, machine_sharing, mpi_yield_when_idle
 
 log = logging.getLogger("hpcnet.train")
 

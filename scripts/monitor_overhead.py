@@ -24,10 +24,10 @@ from torch import nn
 
 from hpcnet.comm.dataparallel import DataParallel
 from hpcnet.comm.plan import decide_plan
-from hpcnet.comm.world import cpu_threads, discover
 from hpcnet.config import DistConfig, MonitorConfig
 from hpcnet.fault.flightrec import NULL_RECORDER
 from hpcnet.fault.monitor import Monitor
+from hpcnet.world import cpu_threads, discover
 
 
 def main() -> None:

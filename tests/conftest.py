@@ -99,7 +99,7 @@ def data_plane():
     import torch
 
     from hpcnet.comm.bootstrap import init_data_plane
-    from hpcnet.comm.world import discover
+    from hpcnet.world import discover
 
     comm = MPI.COMM_WORLD.Dup()
     world = discover(comm)

@@ -10,9 +10,9 @@ import pytest
 
 from tests.helpers.launch import ROOT
 
-TOP_LEVEL = {"__init__", "__main__", "train", "loop", "optim", "objective", "errors", "agree", "paths"}
+TOP_LEVEL = {"__init__", "__main__", "train", "loop", "optim", "objective", "errors", "agree", "paths", "world"}
 """The entry point, the training step's own pieces (the loop, the optimizer, the objective) and what every package
-shares."""
+shares (errors, the agreement on them, file names, who is where)."""
 TORCH_FREE = ["hpcnet.launch.cli", "hpcnet.launch.stop", "hpcnet.ckpt.fence", "hpcnet.paths", "hpcnet.agree",
               "hpcnet.errors", "hpcnet.report.build", "hpcnet.config"]
 """Imported by the supervisor, before torch in a rank, or by the report where torch may be absent."""

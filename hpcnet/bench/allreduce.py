@@ -88,7 +88,7 @@ def build_methods(comm: Any, world: Any, *, device: torch.device, reducer: bool,
 
     Args:
         comm: the job's communicator.
-        world: its layout (``hpcnet.comm.world.discover``).
+        world: its layout (``hpcnet.world.discover``).
         device: this rank's device; NCCL methods are added on GPUs.
         reducer: add the Reducer over one flat parameter (hpcnet's full bucket path).
         args_progress: ``dist.progress`` for hpcnet's MPI transports ('auto', 'thread', 'inline').
@@ -99,7 +99,7 @@ def build_methods(comm: Any, world: Any, *, device: torch.device, reducer: bool,
 
     from hpcnet.comm.plan import mpi_progress
     from hpcnet.comm.transport import TorchTransport, build_transport
-    from hpcnet.comm.world import cores_per_rank
+    from hpcnet.world import cores_per_rank
 
     methods: list[Method] = []
     peer_comm = comm.Dup()  # the raw peer gets a private communicator too, as MpiTransport does
@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hpcnet.agree import shared_errors
     from hpcnet.comm.bootstrap import init_data_plane
-    from hpcnet.comm.world import choose_device, cpu_threads, discover
+    from hpcnet.world import choose_device, cpu_threads, discover
 
     args = _parse_args(sys.argv[1:] if argv is None else argv)
     comm = MPI.COMM_WORLD.Dup()

@@ -148,7 +148,7 @@ class _Methods:
         self.plane = None
         if self.size > 1:
             from hpcnet.comm.bootstrap import init_data_plane
-            from hpcnet.comm.world import discover
+            from hpcnet.world import discover
 
             self.plane = init_data_plane(comm, discover(comm), backend="gloo", device=torch.device("cpu"),
                                          timeout_s=600)
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m hpcnet.bench checkpoint``; the only place that uses COMM_WORLD."""
     from mpi4py import MPI
 
-    from hpcnet.comm.world import cpu_threads, discover
+    from hpcnet.world import cpu_threads, discover
 
     parser = argparse.ArgumentParser(prog="python -m hpcnet.bench checkpoint", description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=float, default=512.0, help="state size in MB (default 512)")

@@ -350,9 +350,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from hpcnet.agree import is_agreed, shared_errors
     from hpcnet.comm.bootstrap import init_data_plane
-    from hpcnet.comm.world import choose_device, discover
     from hpcnet.errors import UsageError
     from hpcnet.observe.runlog import strict_json
+    from hpcnet.world import choose_device, discover
 
     args = _parse_args(sys.argv[1:] if argv is None else argv)
     comm = MPI.COMM_WORLD.Dup()

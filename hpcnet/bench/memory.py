@@ -692,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
     from mpi4py import MPI
 
     from hpcnet.comm.bootstrap import init_data_plane
-    from hpcnet.comm.world import discover
+    from hpcnet.world import discover
 
     parser = argparse.ArgumentParser(prog="python -m hpcnet.bench memory", description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="transformer,mlp-4096",

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hpcnet.bench import memory as bm
     from hpcnet.comm.bootstrap import init_data_plane
-    from hpcnet.comm.world import cpu_threads, discover
+    from hpcnet.world import cpu_threads, discover
 
     parser = argparse.ArgumentParser(prog="python -m hpcnet.bench planner", description=__doc__.splitlines()[0])
     parser.add_argument("--rungs", default="2,4,6,8", help="ladder rungs, comma-separated (default 2,4,6,8)")

@@ -348,7 +348,7 @@ def link_host_key() -> str:
     """What tells hosts' links apart: the machine (its kernel's boot id) and the network namespace.  Ranks with one
     key read the same counters (virtual nodes of ``HPCNET_RANKS_PER_NODE`` on one host); the local cluster's hosts
     share a kernel but each has a namespace of its own."""
-    from hpcnet.comm.world import machine_id
+    from hpcnet.world import machine_id
 
     try:
         netns = os.readlink("/proc/self/ns/net")
@@ -626,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hpcnet.agree import shared_errors
     from hpcnet.comm.bootstrap import init_data_plane
-    from hpcnet.comm.world import choose_device, cpu_threads, discover
+    from hpcnet.world import choose_device, cpu_threads, discover
 
     args = _parse_args(sys.argv[1:] if argv is None else argv)
     comm = MPI.COMM_WORLD.Dup()

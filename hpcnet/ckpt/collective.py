@@ -34,9 +34,9 @@ from hpcnet.ckpt import direct, h5nogil
 from hpcnet.ckpt.durable import fsync_path
 from hpcnet.ckpt.job import SaveJob
 from hpcnet.ckpt.schema import DTYPES, WRITE_PIECE_BYTES, TensorSpec, block_hashes, write_pieces
-from hpcnet.comm.world import wait_sleeping
 from hpcnet.errors import errno_of, error_text, os_error
 from hpcnet.fault.watchdog import NULL_DEADLINES
+from hpcnet.world import wait_sleeping
 
 log = logging.getLogger("hpcnet.checkpoint")
 

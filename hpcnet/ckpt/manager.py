@@ -142,7 +142,7 @@ class CheckpointManager:
         """This job's attempt under ``hpcnet.launch``: its commits need it to hold the directory's fence."""
         self.collective_writes = collective_writes
         self.direct_writes = direct_writes
-        from hpcnet.comm.world import usable_cores
+        from hpcnet.world import usable_cores
 
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
         node_ranks = node.Get_size()

@@ -35,9 +35,9 @@ from typing import Any
 
 from hpcnet.agree import agree_on_error, mark_agreed
 from hpcnet.comm.netif import Interface, has_rdma_devices, interface_towards, interfaces, rendezvous_order
-from hpcnet.comm.world import World
 from hpcnet.errors import RestartableError, UsageError
 from hpcnet.fault.watchdog import NULL_DEADLINES, STARTUP_OPTION, startup_phase
+from hpcnet.world import World
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ def init_data_plane(comm: Any, world: World, *, backend: str, device: Any, timeo
 
     Args:
         comm: the MPI communicator whose ranks form the group (rank order kept).
-        world: its layout (``hpcnet.comm.world.discover``).
+        world: its layout (``hpcnet.world.discover``).
         backend: 'nccl' or 'gloo': the group the transport plan needs
             (``hpcnet.comm.plan.Plan.torch_backend``), decided before.
         device: this rank's torch device.

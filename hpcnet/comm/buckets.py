@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from hpcnet.comm.costmodel import LinkCost, auto_bucket_bytes, bucket_share, stage2_bucket_cap
-from hpcnet.comm.world import World
 from hpcnet.config import DistConfig
+from hpcnet.world import World
 
 log = logging.getLogger(__name__)
 

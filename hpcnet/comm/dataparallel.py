@@ -33,11 +33,11 @@ from hpcnet.comm.sharding.params import ShardedParams
 from hpcnet.comm.sharding.placement import Placement, ReplicatedGradients, ShardedGradients
 from hpcnet.comm.transport import CommFailure, FaultyTransport, Transport, build_transport
 from hpcnet.comm.transport.hierarchical import PIPELINE_CHUNK_BYTES
-from hpcnet.comm.world import World, cores_per_rank
 from hpcnet.config import DistConfig
 from hpcnet.errors import RestartableError, UsageError
 from hpcnet.fault.flightrec import NULL_RECORDER
 from hpcnet.observe.phases import PhaseClock
+from hpcnet.world import World, cores_per_rank
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from typing import Any
 from hpcnet.comm.costmodel import CommForecast, LinkCost, PathChoice, choose_path, forecast_allreduce
 from hpcnet.comm.plan import Plan
 from hpcnet.comm.transport.hierarchical import PIPELINE_CHUNK_BYTES
-from hpcnet.comm.world import World
 from hpcnet.config import DistConfig
+from hpcnet.world import World
 
 log = logging.getLogger(__name__)
 

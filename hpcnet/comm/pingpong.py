@@ -10,7 +10,7 @@ import statistics
 import time
 from typing import Any
 
-from hpcnet.comm.world import wait_sleeping
+from hpcnet.world import wait_sleeping
 
 # Ping-pong tags.  The responder answers every message until STOP (PING: the
 # same message back; PUSH: one byte back; PULL: a large message back), so the

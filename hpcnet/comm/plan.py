@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpcnet.agree import mark_agreed, shared_errors
-from hpcnet.comm.world import World, cores_per_rank
 from hpcnet.config import DistConfig
 from hpcnet.errors import UsageError
+from hpcnet.world import World, cores_per_rank
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from hpcnet.agree import shared_errors
 from hpcnet.comm.netif import IbPort, Interface, ib_ports, interface_towards, interfaces, preference, rendezvous_order
 from hpcnet.comm.pingpong import INTRA_SAMPLES, direction_key, plan_rounds, play_rounds
 from hpcnet.comm.plan import hierarchical_layout
-from hpcnet.comm.world import World, discover
+from hpcnet.world import World, discover
 
 FORMAT = "hpcnet-topology/2"
 """Written as ``format`` in topology.json; bumped when the layout changes."""
@@ -542,7 +542,7 @@ def probe(comm: Any, world: World, *, budget_s: float = 3.0, sizes: tuple[int, i
 
     Args:
         comm: the communicator to probe (rank order kept).
-        world: its layout from ``hpcnet.comm.world.discover(comm)``; its nodes
+        world: its layout from ``hpcnet.world.discover(comm)``; its nodes
             (virtual ones included) decide which pairs are inter-node.
         budget_s: about how long the timing takes, whatever the size (each
             round of concurrent pairs gets ``budget_s / rounds``; a link too

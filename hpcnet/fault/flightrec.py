@@ -221,7 +221,7 @@ def oversubscription(ranks_on_machine: int, cores: int) -> float:
     that the scheduler has not run yet: an all-reduce can then take many times
     its usual time while every rank is alive and in it.  The stall floor is
     scaled by this factor there (``stall_floor``).  The ranks counted are
-    those on one kernel (``hpcnet.comm.world.machine_sharing``): hosts that are
+    those on one kernel (``hpcnet.world.machine_sharing``): hosts that are
     namespaces or containers of one machine share its cores.
     """
     return max(1.0, ranks_on_machine / max(1, cores))

@@ -70,10 +70,10 @@ from hpcnet.agree import mark_agreed, shared_errors
 from hpcnet.ckpt.job import IoFault
 from hpcnet.ckpt.listing import scan
 from hpcnet.ckpt.validate import open_read
-from hpcnet.comm.world import World
 from hpcnet.config import MAX_DURATION_S, FaultConfig
 from hpcnet.errors import ConfigError
 from hpcnet.paths import ATTEMPT_ENV
+from hpcnet.world import World
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,6 @@ from typing import Any
 
 import numpy as np
 
-from hpcnet.comm.world import World, machine_id, sharing, usable_cores
 from hpcnet.config import MonitorConfig
 from hpcnet.errors import ExitCode
 from hpcnet.fault.failure import (
@@ -82,6 +81,7 @@ from hpcnet.fault.memwatch import MemoryWatch, merge_summaries
 from hpcnet.fault.native import NativeWatchdog
 from hpcnet.fault.watchdog import NULL_DEADLINES, Deadlines, Guard
 from hpcnet.paths import FAILURE_FILE, stall_dump
+from hpcnet.world import World, machine_id, sharing, usable_cores
 
 MERGE_WAIT_S = 0.5
 """The longest a rank that declared silent peers waits for their other watchers' view in ``failure.json``."""

@@ -125,7 +125,7 @@ def test_damage_anywhere_is_found_on_every_rank_with_the_file_named(comm, mpi_tm
 @pytest.mark.mpi
 def test_one_node_reads_through_the_page_cache_unless_the_pages_would_not_fit(comm, monkeypatch):
     from hpcnet.ckpt import read
-    from hpcnet.comm.world import discover
+    from hpcnet.world import discover
 
     one_node = discover(comm).num_nodes == 1  # the suite's 4-rank pass runs on 2 hosts of the local cluster
     assert read._reads_through_page_cache(comm, 1 << 20) == (comm.Get_size() > 1 and one_node)

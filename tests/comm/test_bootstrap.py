@@ -17,8 +17,8 @@ from hpcnet.agree import is_agreed
 from hpcnet.comm import bootstrap
 from hpcnet.comm.bootstrap import choose_address, host_interfaces, init_data_plane
 from hpcnet.comm.netif import Choice, Interface, interfaces, matching
-from hpcnet.comm.world import discover
 from hpcnet.errors import UsageError, exit_code_of
+from hpcnet.world import discover
 from tests.helpers.comm import fake_net, hostnames, listening_sockets
 from tests.helpers.launch import PROGRAMS
 

@@ -8,10 +8,10 @@ from torch import nn
 
 from hpcnet.comm.dataparallel import DataParallel
 from hpcnet.comm.plan import Plan
-from hpcnet.comm.world import discover
 from hpcnet.config import DistConfig
 from hpcnet.config.load import load_config
 from hpcnet.errors import RestartableError, UsageError
+from hpcnet.world import discover
 from tests.helpers.comm import Net, even_nodes, reference_grads
 
 MPI_ONLY = Plan("mpi", False, None)

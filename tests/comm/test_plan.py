@@ -3,10 +3,10 @@
 import pytest
 
 from hpcnet.comm.plan import Plan, decide_plan, hierarchical_layout, plan_transport
-from hpcnet.comm.world import discover
 from hpcnet.config import DistConfig
 from hpcnet.config.load import load_config
 from hpcnet.errors import ConfigError, UsageError
+from hpcnet.world import discover
 
 
 @pytest.mark.parametrize("cfg, kw, expected", [
@@ -63,7 +63,7 @@ def test_hierarchical_on_nodes_of_unequal_sizes_is_an_error_naming_the_option():
 def test_a_hierarchical_transport_on_nodes_of_unequal_sizes_fails_on_every_rank(comm):
     """Virtual nodes of 3 ranks at 4 ranks (3 and 1): a clear error on every rank, not a hang in the sums."""
     from hpcnet.comm.transport import build_transport
-    from hpcnet.comm.world import discover
+    from hpcnet.world import discover
 
     world = discover(comm, environ={"HPCNET_RANKS_PER_NODE": str(comm.Get_size() - 1)})
     with pytest.raises(ValueError, match=f"as many ranks on every node; these nodes have 1 to {comm.Get_size() - 1}"):

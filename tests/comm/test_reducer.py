@@ -8,7 +8,7 @@ from hpcnet.comm.buckets import plan_buckets
 from hpcnet.comm.reducer import Reducer
 from hpcnet.comm.sharding.placement import ShardedGradients
 from hpcnet.comm.transport import build_transport
-from hpcnet.comm.world import discover
+from hpcnet.world import discover
 from tests.helpers.comm import Net, even_nodes, reference_grads
 
 

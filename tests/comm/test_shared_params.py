@@ -17,9 +17,9 @@ from hpcnet.comm.reducer import LateGradient, Reducer
 from hpcnet.comm.sharding.layout import ShardLayout
 from hpcnet.comm.sharding.placement import ShardedGradients
 from hpcnet.comm.transport import build_transport
-from hpcnet.comm.world import discover
 from hpcnet.config import DistConfig
 from hpcnet.errors import UsageError
+from hpcnet.world import discover
 
 MODES = ["plain", "reentrant", "nonreentrant"]
 DEPTH = 3

@@ -22,7 +22,7 @@ from hpcnet.comm.topology import (
     probe,
     recommend,
 )
-from hpcnet.comm.world import discover, node_layout, wait_sleeping
+from hpcnet.world import discover, node_layout, wait_sleeping
 from tests.helpers.comm import nodes_of
 
 BUDGET_S = 0.5  # the tests check figures for sanity, not precision

@@ -21,8 +21,8 @@ from hpcnet.comm.topology import (
     slow_hosts,
     slow_links,
 )
-from hpcnet.comm.world import discover
 from hpcnet.report.markdown import topology_section
+from hpcnet.world import discover
 from tests.helpers.comm import nodes_of
 
 

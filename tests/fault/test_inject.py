@@ -13,12 +13,12 @@ import torch
 
 from hpcnet.ckpt.load import load_checkpoint
 from hpcnet.ckpt.manager import CheckpointManager
-from hpcnet.comm.world import World
 from hpcnet.config import FaultConfig
 from hpcnet.errors import ConfigError, ExitCode, UsageError, exit_code_of
 from hpcnet.fault.inject import FaultInjector, corrupt_newest, current_attempt
 from hpcnet.paths import ATTEMPT_ENV
 from hpcnet.train import run
+from hpcnet.world import World
 from tests.helpers.data import tiny_images
 from tests.helpers.train import StopAfter, train_config
 

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcnet.comm.world import discover, machine_sharing
 from hpcnet.config import MonitorConfig
 from hpcnet.config.load import load_config
 from hpcnet.errors import ExitCode
@@ -24,6 +23,7 @@ from hpcnet.fault.flightrec import FLOOR_SCALED_MAX_S, warmup_timeout
 from hpcnet.fault.heartbeat import ring_peers
 from hpcnet.fault.liveness import halted, process_threads
 from hpcnet.fault.monitor import Monitor
+from hpcnet.world import discover, machine_sharing
 from tests.helpers.dirs import made_dir
 from tests.helpers.launch import PROGRAMS, ROOT, clean_env, wait_for
 

@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcnet.comm.world import discover
 from hpcnet.config import CheckpointConfig, DistConfig, FaultConfig, MonitorConfig
 from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.fault.failure import DUMP_SIGNAL, stall_report
@@ -33,6 +32,7 @@ from hpcnet.fault.watchdog import (
     io_timeout_s,
     startup_phase,
 )
+from hpcnet.world import discover
 from tests.helpers.data import shared_data_dir
 from tests.helpers.dirs import made_dir
 from tests.helpers.launch import PROGRAMS, ROOT, clean_env, wait_for

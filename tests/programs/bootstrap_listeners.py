@@ -8,7 +8,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from hpcnet.comm.bootstrap import init_data_plane
-from hpcnet.comm.world import discover
+from hpcnet.world import discover
 from tests.helpers.comm import listening_sockets
 
 comm = MPI.COMM_WORLD

@@ -5,10 +5,10 @@ import time
 
 from mpi4py import MPI
 
-from hpcnet.comm.world import discover
 from hpcnet.config import MonitorConfig
 from hpcnet.fault.inject import block_holding_the_gil
 from hpcnet.fault.monitor import Monitor
+from hpcnet.world import discover
 
 comm = MPI.COMM_WORLD.Dup()
 monitor = Monitor(MonitorConfig(), comm, discover(comm), sys.argv[1]).start()

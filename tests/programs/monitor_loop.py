@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
-from hpcnet.comm.world import discover
 from hpcnet.config import MonitorConfig
 from hpcnet.fault.monitor import Monitor
+from hpcnet.world import discover
 
 mode, interval, run_dir = sys.argv[1], float(sys.argv[2]), Path(sys.argv[3])
 comm = MPI.COMM_WORLD.Dup()

@@ -20,10 +20,10 @@ import torch
 from hpcnet.comm.costmodel import LinkCost, ShardPlan, measured_speeds, plan_time_s
 from hpcnet.comm.sharding.assign import DEFAULT_LINK, UPDATE_S_PER_BYTE, measure_speed, plan_shards
 from hpcnet.comm.sharding.layout import ShardLayout
-from hpcnet.comm.world import World
 from hpcnet.config import DistConfig
 from hpcnet.observe.runlog import OptionalFile
 from hpcnet.paths import PLAN_FILE
+from hpcnet.world import World
 
 log = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ from hpcnet.comm.transport.hierarchical import PIPELINE_CHUNK_BYTES, Hierarchica
 from hpcnet.comm.transport.mpi import MpiGroupGather, MpiTransport
 from hpcnet.comm.transport.shm import ShmTransport
 from hpcnet.comm.transport.torchdist import TorchGroupGather, TorchTransport
-from hpcnet.comm.world import World
+from hpcnet.world import World
 
 __all__ = ["WANTS_NOTHING", "CollectiveExecutor", "CommFailure", "Done", "Failed", "FaultyTransport", "GatherGroup",
            "GatherHandle", "GroupGather", "Handle", "HierarchicalTransport", "MpiGroupGather", "MpiTransport",

@@ -35,7 +35,7 @@ import torch
 
 from hpcnet.comm.transport.base import CollectiveExecutor, Transport
 from hpcnet.comm.transport.mpi import MpiTransport
-from hpcnet.comm.world import World
+from hpcnet.world import World
 
 ALIGN_ELEMENTS = 16
 """Slice boundaries are multiples of this many elements (64 bytes of float32: one cache line)."""

@@ -7,9 +7,9 @@ import torch
 from hpcnet.comm.dataparallel import DataParallel
 from hpcnet.comm.plan import Plan, decide_plan, plan_transport
 from hpcnet.comm.transport.shm import ALIGN_ELEMENTS, ShmTransport, slice_bounds
-from hpcnet.comm.world import discover
 from hpcnet.config import DistConfig
 from hpcnet.errors import UsageError
+from hpcnet.world import discover
 from tests.comm.test_dataparallel import _data, _loss
 from tests.helpers.comm import Net
 

@@ -19,7 +19,7 @@ from hpcnet.comm.transport import (
     enqueue_in_order,
     wait_all,
 )
-from hpcnet.comm.world import discover
+from hpcnet.world import discover
 from tests.helpers.comm import FakeComm, FakeWork, even_nodes
 from tests.helpers.launch import PROGRAMS
 

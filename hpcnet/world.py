@@ -1,4 +1,6 @@
-"""Who is where: ranks, nodes and devices, discovered through MPI.
+"""Who is where: ranks, nodes and devices, discovered through MPI, and what the machine under a rank offers (its
+cores, its kernel); below every package that takes the job's ``World`` (the data plane, the checkpoints, the
+monitor and the injector).
 
 The MPI communicator is the source of truth for rank and size.  The launcher's
 environment (SLURM, Open MPI, MPICH/PMI, PMIx) is read through one mapping
@@ -97,10 +99,8 @@ def node_layout(hostnames: list[str], ranks_per_node: int = 0) -> list[tuple[int
     Nodes are numbered in order of their lowest rank.  ``ranks_per_node > 0``
     splits ranks into virtual nodes of consecutive ranks instead.
     """
-    if ranks_per_node > 0:
-        keys = [r // ranks_per_node for r in range(len(hostnames))]
-    else:
-        keys = list(hostnames)
+    keys: list[Any] = ([r // ranks_per_node for r in range(len(hostnames))] if ranks_per_node > 0
+                       else list(hostnames))
     order: dict[Any, int] = {}
     members: dict[Any, list[int]] = {}
     for rank, key in enumerate(keys):

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
+from hpcnet import world as world_module
 from hpcnet.agree import agree_on_error, is_agreed, shared_errors
-from hpcnet.comm import world as world_module
-from hpcnet.comm.world import (
+from hpcnet.errors import ConfigError, UsageError
+from hpcnet.world import (
     MACHINE_ID_FILE,
     SCHEDULER_ENV,
     choose_device,
@@ -18,7 +19,6 @@ from hpcnet.comm.world import (
     node_layout,
     sharing,
 )
-from hpcnet.errors import ConfigError, UsageError
 from tests.helpers.comm import hostnames
 
 
