@@ -21,7 +21,7 @@ for the forward and again for the backward).  ``choose`` takes the
 fastest choice whose peak fits the cap, and when none does, says what would: more ranks, a smaller batch.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from hpcnet.comm.costmodel import LinkCost, assign_shards, bucket_share, stage2_
 from hpcnet.comm.sharding.assign import DEFAULT_LINK, UPDATE_S_PER_BYTE
 from hpcnet.comm.sharding.layout import split_units
 from hpcnet.errors import UsageError
-from hpcnet.plan.measure import StepMemory
+from hpcnet.plan.measure import ModelMemory
 
 STAGES = (0, 1, 2, 3)
 STAGE3_BLOCKS_GATHERED = 1
@@ -78,33 +78,6 @@ class Prediction:
                 "batch": self.batch, "peak_bytes": self.peak, "phase": self.phase, "params_bytes": self.params,
                 "grads_bytes": self.grads, "optimizer_bytes": self.optimizer, "step_bytes": self.transient,
                 "step_s": self.step_s}
-
-
-@dataclass(frozen=True)
-class ModelMemory:
-    """What the planner knows of the model: its trainable parameters' sizes, its blocks' share of them, and the
-    measured steps by checkpointing choice ('off', 'blocks')."""
-
-    sizes: list[int]
-    shapes: list[tuple[int, ...]]
-    block_share: float
-    steps: dict[str, StepMemory] = field(default_factory=dict)
-    n_blocks: int = 0
-
-    def blocks_of(self, checkpointing: "str | int") -> int:
-        """How many blocks a choice checkpoints: 'off' none, 'blocks' all, or the number itself."""
-        if isinstance(checkpointing, int):
-            if not 0 <= checkpointing <= self.n_blocks:
-                raise ValueError(f"{checkpointing} blocks checkpointed, the model has {self.n_blocks}")
-            return checkpointing
-        return {"off": 0, "blocks": self.n_blocks}[checkpointing]
-
-    def label(self, k: int) -> str:
-        return "off" if k == 0 else "blocks" if k == self.n_blocks else f"{k} of {self.n_blocks} blocks"
-
-    @property
-    def param_bytes(self) -> int:
-        return sum(self.sizes)
 
 
 def configured_bucket_bytes(dist: Any) -> int:

@@ -5,13 +5,14 @@ tracks every tensor torch allocates meanwhile (a ``TorchDispatchMode`` that coun
 it is freed).  As hpcnet's reducer does, each parameter's gradient is dropped as soon as autograd hands it
 over (it lives in a bucket, which the planner counts apart), so what is measured is the step's own transient
 memory: activations, the backward's temporaries and the gradients in flight; and the optimizer's temporaries.
-The optimizer's state exists before (a first, unmeasured step makes it).
+The optimizer's state exists before (a first, unmeasured step makes it).  ``measure_model`` gives what the
+planner knows of a model (``ModelMemory``): its parameter sizes and its measured steps.
 """
 
 import contextlib
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -85,6 +86,33 @@ class StepMemory:
         return int(max(live + fraction * handed for live, handed in self.timeline))
 
 
+@dataclass(frozen=True)
+class ModelMemory:
+    """What the planner knows of the model: its trainable parameters' sizes, its blocks' share of them, and the
+    measured steps by checkpointing choice ('off', 'blocks')."""
+
+    sizes: list[int]
+    shapes: list[tuple[int, ...]]
+    block_share: float
+    steps: dict[str, StepMemory] = field(default_factory=dict)
+    n_blocks: int = 0
+
+    def blocks_of(self, checkpointing: "str | int") -> int:
+        """How many blocks a choice checkpoints: 'off' none, 'blocks' all, or the number itself."""
+        if isinstance(checkpointing, int):
+            if not 0 <= checkpointing <= self.n_blocks:
+                raise ValueError(f"{checkpointing} blocks checkpointed, the model has {self.n_blocks}")
+            return checkpointing
+        return {"off": 0, "blocks": self.n_blocks}[checkpointing]
+
+    def label(self, k: int) -> str:
+        return "off" if k == 0 else "blocks" if k == self.n_blocks else f"{k} of {self.n_blocks} blocks"
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(self.sizes)
+
+
 def measure_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, batch: Any
                  ) -> StepMemory:
     """Measure one step (see the module's doc); the model's parameters end as they were (the steps' updates are
@@ -138,12 +166,11 @@ def _rises(timeline: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     return tuple(kept + timeline[-1:])
 
 
-def measure_model(model: nn.Module, optimizer_factory: Any, loss_fn: Any, batch: Any) -> Any:
-    """``hpcnet.plan.ModelMemory`` of ``model``: its parameter sizes, its blocks' share, and one measured step
+def measure_model(model: nn.Module, optimizer_factory: Any, loss_fn: Any, batch: Any) -> ModelMemory:
+    """``ModelMemory`` of ``model``: its parameter sizes, its blocks' share, and one measured step
     without checkpointing and, where it has blocks (``model.blocks=auto``), one with them checkpointed.
     ``optimizer_factory(model)`` makes a fresh optimizer (dropped after)."""
     from hpcnet.models.blocks import checkpoint_blocks, find_blocks, uncheckpoint_blocks
-    from hpcnet.plan import ModelMemory
 
     params = [p for p in model.parameters() if p.requires_grad]
     blocks = find_blocks(model)
@@ -163,7 +190,7 @@ def measure_model(model: nn.Module, optimizer_factory: Any, loss_fn: Any, batch:
     return memory
 
 
-def measure_config(cfg: Any, model: nn.Module, split: Any) -> Any:
+def measure_config(cfg: Any, model: nn.Module, split: Any) -> ModelMemory:
     """``measure_model`` for a run's configuration: ``train.batch_size`` samples of ``split`` (the first ones),
     the run's optimizer (``optim.*``) and precision (``train.precision``), on the model's device."""
     import numpy as np
