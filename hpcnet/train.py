@@ -35,6 +35,7 @@ from torch import nn
 
 from hpcnet import __version__
 from hpcnet.agree import is_agreed, shared_errors
+from hpcnet.ckpt.damage import corrupt_newest
 from hpcnet.ckpt.manager import CheckpointManager
 from hpcnet.ckpt.state import TrainState
 from hpcnet.comm.bootstrap import DataPlane, init_data_plane
@@ -362,7 +363,7 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any
     loader = None
     try:
         if cfg.checkpoint.resume:
-            faults.before_resume(manager.directory, comm)
+            faults.before_resume(functools.partial(corrupt_newest, manager.directory), comm)
         start_step = state.start(cfg.checkpoint.resume, rank=world.rank, otherwise=cfg.checkpoint.resume_else)
         if start_step >= cfg.train.steps and world.is_main:
             log.warning("nothing to train: the run resumed at step %d and train.steps is %d. Raise train.steps "

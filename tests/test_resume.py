@@ -251,7 +251,7 @@ def test_a_rollback_sticks_and_resume_auto_goes_by_commit_order(launch, tmp_path
 
 @pytest.mark.launch
 def test_resume_auto_with_every_checkpoint_damaged_stops_and_lists_them(launch, tmp_path):
-    from hpcnet.fault.inject import corrupt_newest
+    from hpcnet.ckpt.damage import corrupt_newest
 
     directory = tmp_path / "runs" / "x.ckpt"
     assert launch(2, *_run_args(tmp_path, "train.steps=20")).returncode == 0

@@ -19,13 +19,16 @@ The training loop calls three hooks, each one line:
   with its share of the batch).  The step is the one
   just completed, before its checkpoint: a rank killed at step K loses the
   steps since the last checkpoint, which the next attempt recomputes.
-- ``before_resume(checkpoint_dir, comm)`` when resuming: rank 0 flips bytes
+- ``before_resume(corrupt, comm)`` when resuming: rank 0 flips bytes
   inside a tensor dataset of the newest committed checkpoint
   (``corrupt_checkpoint``), as bit rot would, below HDF5 (the file still
   opens; only the block checksums can tell), so ``--resume auto`` must skip
-  it and take the previous one.
+  it and take the previous one.  How to damage a checkpoint is the
+  checkpoints' own knowledge (``hpcnet.ckpt.damage``), handed in as
+  ``corrupt``: this package imports no checkpoint module, as the
+  checkpoints use its deadlines (``hpcnet.fault.watchdog``).
 - ``io_fault(phase, step)``, handed to the checkpoint manager
-  (``hpcnet.ckpt.write.IoFault``): with ``fill_disk_at_step`` every save of that
+  (``hpcnet.ckpt.job.IoFault``): with ``fill_disk_at_step`` every save of that
   step or later fails with ``OSError(ENOSPC)`` where hpcnet checks the free
   space before writing (the file system is shared, so this hits every rank
   alike and ``fault.rank`` does not apply); with ``write_error`` the chosen
@@ -62,23 +65,17 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from hpcnet.agree import mark_agreed, shared_errors
-from hpcnet.ckpt.job import IoFault
-from hpcnet.ckpt.listing import scan
-from hpcnet.ckpt.validate import open_read
 from hpcnet.config import MAX_DURATION_S, FaultConfig
 from hpcnet.errors import ConfigError
 from hpcnet.paths import ATTEMPT_ENV
 from hpcnet.world import World
 
 log = logging.getLogger(__name__)
-
-CORRUPT_BYTES = 64
-"""Bytes flipped in the middle of a dataset: inside one checksum block, so the read fails there."""
 
 
 def current_attempt(environ: Mapping[str, str] | None = None) -> int:
@@ -195,21 +192,23 @@ class FaultInjector:
             log.error("fault injection: rank %d kills itself (SIGKILL) at step %d", self.rank, step)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def before_resume(self, checkpoint_dir: str | Path, comm: Any) -> None:
-        """Collective: with ``fault.corrupt_checkpoint``, rank 0 corrupts the newest committed checkpoint."""
+    def before_resume(self, corrupt: Callable[[], str], comm: Any) -> None:
+        """Collective: with ``fault.corrupt_checkpoint``, rank 0 corrupts the newest committed checkpoint by
+        ``corrupt`` (the checkpoints' hook, ``hpcnet.ckpt.damage.corrupt_newest`` of their directory), which says
+        what it corrupted ('' when there is nothing to corrupt)."""
         if not (self.active and self.cfg.corrupt_checkpoint):
             return
         with shared_errors(comm):
             if comm.Get_rank() == 0:
-                what = corrupt_newest(Path(checkpoint_dir))
+                what = corrupt()
                 if what:
                     log.warning("fault injection: corrupted %s", what)
                 else:
-                    log.warning("fault injection: no committed checkpoint in %s to corrupt", checkpoint_dir)
+                    log.warning("fault injection: no committed checkpoint to corrupt")
 
     @property
-    def io_fault(self) -> IoFault | None:
-        """The hook for the checkpoint manager, or None when no I/O fault is armed."""
+    def io_fault(self) -> Callable[[str, int], None] | None:
+        """The checkpoint manager's I/O hook (``hpcnet.ckpt.job.IoFault``), or None when no I/O fault is armed."""
         c = self.cfg
         armed = (c.fill_disk_at_step or c.write_error or c.slow_save_s or c.stuck_save_at_step or c.stuck_fs_at_step)
         return self._io_fault if self.active and armed else None
@@ -280,40 +279,3 @@ def block_holding_the_gil() -> None:
     buffer = ctypes.create_string_buffer(1)
     while write_end >= 0:
         libc.read(read_end, buffer, 1)
-
-
-def corrupt_newest(directory: Path) -> str:
-    """Flip ``CORRUPT_BYTES`` bytes in the largest dataset of the last committed checkpoint.
-
-    The bytes are overwritten in place below HDF5 (at the dataset's file
-    offset), so the file still opens and only checksum verification can
-    notice.  Returns what was corrupted, or '' when there is no checkpoint.
-    """
-    import h5py
-
-    infos = [i for i in scan(directory)[0] if i.kind != "unreadable"]
-    if not infos:
-        return ""
-    path = Path(infos[-1].path)  # the last committed
-    found: list[tuple[int, str, int]] = []  # (bytes, name, file offset)
-
-    def visit(name: str, obj: Any) -> None:
-        if isinstance(obj, h5py.Dataset) and obj.id.get_offset() is not None and obj.id.get_storage_size():
-            found.append((obj.id.get_storage_size(), name, obj.id.get_offset()))
-
-    with open_read(path) as f:
-        f.visititems(visit)
-    tensors = [d for d in found if d[1].startswith("tensors/")]
-    if not (tensors or found):
-        raise RuntimeError(f"fault injection: {path} has no dataset with contiguous storage to corrupt")
-    size, name, offset = max(tensors or found)
-    count = min(CORRUPT_BYTES, size)
-    where = offset + (size - count) // 2
-    fd = os.open(path, os.O_RDWR)
-    try:
-        data = bytearray(os.pread(fd, count, where))
-        os.pwrite(fd, bytes(b ^ 0xFF for b in data), where)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return f"{path} (dataset /{name}: {count} bytes flipped at file offset {where})"

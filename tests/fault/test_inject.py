@@ -11,11 +11,12 @@ import signal
 import pytest
 import torch
 
+from hpcnet.ckpt.damage import corrupt_newest
 from hpcnet.ckpt.load import load_checkpoint
 from hpcnet.ckpt.manager import CheckpointManager
 from hpcnet.config import FaultConfig
 from hpcnet.errors import ConfigError, ExitCode, UsageError, exit_code_of
-from hpcnet.fault.inject import FaultInjector, corrupt_newest, current_attempt
+from hpcnet.fault.inject import FaultInjector, current_attempt
 from hpcnet.paths import ATTEMPT_ENV
 from hpcnet.train import run
 from hpcnet.world import World
