@@ -302,7 +302,7 @@ class Loop:
             with self.monitor.collective("state.is_finite"):
                 finite = self.state.is_finite()
         if finite:
-            self.state.save(p.step, self.loader.state_dict())
+            self.state.save(p.step)  # the loader's position among the parts (hpcnet.train)
             self.policy.saved()
             timings = self.state.manager.last_timings
             if self.tracer is not None:

@@ -37,7 +37,8 @@ from hpcnet import __version__
 from hpcnet.agree import is_agreed, shared_errors
 from hpcnet.ckpt.damage import corrupt_newest
 from hpcnet.ckpt.manager import CheckpointManager
-from hpcnet.ckpt.state import TrainState
+from hpcnet.ckpt.parts import ModelState, OptimizerState
+from hpcnet.ckpt.state import RngState, TrainState
 from hpcnet.comm.bootstrap import DataPlane, init_data_plane
 from hpcnet.comm.costmodel import LinkCost
 from hpcnet.comm.dataparallel import DataParallel
@@ -83,6 +84,7 @@ from hpcnet.optim import build_optimizer
 from hpcnet.paths import CONFIG_FILE, SUMMARY_FILE, TENSORBOARD_DIR, checkpoint_dir, metrics_file
 from hpcnet.plan import cap_in_bytes, choose, configured_bucket_bytes
 from hpcnet.plan.measure import ResidentPeak, measure_config
+from hpcnet.stateful import Stateful
 from hpcnet.world import World, choose_device, cpu_threads, discover, machine_sharing, mpi_yield_when_idle
 
 log = logging.getLogger("hpcnet.train")
@@ -358,20 +360,20 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any
                                 async_save=cfg.checkpoint.async_save, move_aside=cfg.checkpoint.move_aside,
                                 fault=faults.io_fault, deadlines=monitor.deadlines, timeout_s=cfg.checkpoint.timeout_s)
     manager.on_finished = functools.partial(record_checkpoint, metrics)  # a committed save's times
-    state = TrainState(cfg, dp.model, optimizer, sampler, manager, shards=dp)
     result = TrainResult(dp.model, optimizer)
     loader = None
     try:
+        loader = BatchLoader(train_split, sampler)  # a resume drops the batch it read ahead and reads from its position
+        balancer = (Balancer(comm, loader, dp, every=cfg.data.balance_every, device=device, monitor=monitor)
+                    if cfg.data.balance == "auto" else None)
+        state = TrainState(cfg, state_parts(cfg, world, dp, optimizer, loader, balancer), manager)
         if cfg.checkpoint.resume:
             faults.before_resume(functools.partial(corrupt_newest, manager.directory), comm)
-        start_step = state.start(cfg.checkpoint.resume, rank=world.rank, otherwise=cfg.checkpoint.resume_else)
+        start_step = state.start(cfg.checkpoint.resume, otherwise=cfg.checkpoint.resume_else)
         if start_step >= cfg.train.steps and world.is_main:
             log.warning("nothing to train: the run resumed at step %d and train.steps is %d. Raise train.steps "
                         "to train on; another run.name or checkpoint.dir starts a new run", start_step,
                         cfg.train.steps)
-        loader = BatchLoader(train_split, sampler)  # after resume: it reads ahead from the sampler's position
-        balancer = (Balancer(comm, loader, dp, every=cfg.data.balance_every, device=device, monitor=monitor)
-                    if cfg.data.balance == "auto" else None)  # resumed sizes are taken up here
         steps = parse_steps(cfg.train.trace_steps)
         tracer = (StepTracer(comm, steps, dp.clock, monitor.recorder, run_dir, ops=cfg.train.trace_ops, device=device)
                   if steps else None)  # clocks compared over MPI here, once
@@ -389,6 +391,21 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any
     if memory_plan is not None:
         result.summary["memory_plan"] = memory_plan.summary(comm, world)
     return result
+
+
+def state_parts(cfg: Config, world: World, dp: DataParallel, optimizer: torch.optim.Optimizer, loader: BatchLoader,
+                balancer: Balancer | None) -> list[Stateful]:
+    """The trainer's parts that hold state (``hpcnet.stateful``), in the order a checkpoint lists their tensors
+    and a resume gives them back: the model (at ``dist.zero=3`` its parameters from their owners), the optimizer
+    (sharded from stage 1), the owners in force (before any tensor is read), int8's residuals, the data position,
+    the balance shares (after the position: they are its slice sizes), the RNG (last).  The seam of a rebuild on
+    a new communicator (docs/architecture.md, "Parts and rebuilds")."""
+    parts: list[Stateful] = [ModelState(dp.model, owned=dp.sharded_params),
+                             dp.optimizer if dp.optimizer is not None else OptimizerState(optimizer)]
+    if dp.owners is not None:
+        parts.append(dp.owners)
+    parts += [dp.feedback, loader, *([balancer] if balancer is not None else []), RngState(cfg.run.seed, world.rank)]
+    return parts
 
 
 def _finish(result: TrainResult, world: World, run_dir: Path, total_steps: int) -> None:

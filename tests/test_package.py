@@ -10,9 +10,10 @@ import pytest
 
 from tests.helpers.launch import ROOT
 
-TOP_LEVEL = {"__init__", "__main__", "train", "loop", "optim", "objective", "errors", "agree", "paths", "world"}
+TOP_LEVEL = {"__init__", "__main__", "train", "loop", "optim", "objective", "errors", "agree", "paths", "world",
+             "stateful"}
 """The entry point, the training step's own pieces (the loop, the optimizer, the objective) and what every package
-shares (errors, the agreement on them, file names, who is where)."""
+shares (errors, the agreement on them, file names, who is where, the state protocol)."""
 TORCH_FREE = ["hpcnet.launch.cli", "hpcnet.launch.stop", "hpcnet.ckpt.fence", "hpcnet.paths", "hpcnet.agree",
               "hpcnet.errors", "hpcnet.report.build", "hpcnet.config"]
 """Imported by the supervisor, before torch in a rank, or by the report where torch may be absent."""
@@ -27,11 +28,13 @@ def _modules() -> dict[str, tuple[ast.Module, bool]]:
     return modules
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(modules: dict[str, tuple[ast.Module, bool]] | None = None) -> dict[str, set[str]]:
     """Module -> the hpcnet modules it imports anywhere in its text (functions and TYPE_CHECKING blocks too: a
-    deferred import is still a cycle of meaning). A module's own parent packages are not counted: Python
-    initialises them first, by construction."""
-    modules = _modules()
+    deferred import is still a cycle of meaning). ``from package import module`` is an import of the module;
+    ``from package import name`` of the package's ``__init__``, its own package's too: a module that takes a name
+    from the package that imports it is a cycle, deferred or not. ``modules``: name -> (parsed text, whether it is
+    a package's ``__init__``); hpcnet's by default."""
+    modules = _modules() if modules is None else modules
 
     def resolve(name: str) -> str | None:
         while name and name not in modules:
@@ -51,15 +54,33 @@ def import_graph() -> dict[str, set[str]]:
                     for _ in range(node.level - 1):
                         anchor = anchor.rpartition(".")[0]
                     base = f"{anchor}.{base}" if base else anchor
-                targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                           for alias in node.names]
             else:
                 continue
             for target in targets:
                 found = resolve(target) if target.startswith("hpcnet") else None
-                if found and found != name and not name.startswith(found + "."):
+                if found and found != name:
                     deps.add(found)
         graph[name] = deps
     return graph
+
+
+def package_of(module: str) -> str:
+    """The package a module belongs to: ``hpcnet.<name>``, a subpackage or a top-level module; ``hpcnet`` itself."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` (module -> modules) as package -> the other packages its modules import."""
+    packages: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        mine = package_of(module)
+        packages.setdefault(mine, set()).update(package_of(d) for d in deps if package_of(d) != mine)
+    for deps in list(packages.values()):
+        for dep in deps:
+            packages.setdefault(dep, set())
+    return packages
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -111,6 +132,36 @@ def test_no_import_cycles():
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_package_imports_its_importer():
+    """Between packages (``hpcnet.comm``, ``hpcnet.ckpt``, ``hpcnet.fault``, a top-level module ...) the imports go
+    one way: the layers of docs/architecture.md."""
+    assert cycles(package_graph(import_graph())) == []
+
+
+def test_a_cycle_between_packages_is_found_where_the_modules_have_none():
+    modules = {"hpcnet.a.x": {"hpcnet.b.y"}, "hpcnet.b.y": set(), "hpcnet.b.z": {"hpcnet.a.w"}, "hpcnet.a.w": set(),
+               "hpcnet.c": {"hpcnet.a.x"}}
+    assert cycles(modules) == []
+    assert cycles(package_graph(modules)) == [["hpcnet.a", "hpcnet.b"]]
+    longer = {"hpcnet.a.x": {"hpcnet.b.y"}, "hpcnet.b.y": {"hpcnet.c"}, "hpcnet.c": {"hpcnet.a.w"}, "hpcnet.a.w": set()}
+    assert cycles(package_graph(longer)) == [["hpcnet.a", "hpcnet.b", "hpcnet.c"]]
+
+
+def test_a_name_taken_from_the_package_that_imports_the_module_is_a_cycle():
+    """A deferred ``from hpcnet.p import Name`` in ``hpcnet.p.m``, whose package imports it, is a module cycle;
+    ``from hpcnet.p import m`` alone is not."""
+    def parse(text, package=False):
+        return ast.parse(text), package
+
+    dodged = {"hpcnet.p": parse("from hpcnet.p.m import Memory", True),
+              "hpcnet.p.m": parse("def measure():\n    from hpcnet.p import Plan\n"),
+              "hpcnet.p.n": parse(""), "hpcnet.q": parse("from hpcnet.p import m")}
+    assert cycles(import_graph(dodged)) == [["hpcnet.p", "hpcnet.p.m"]]
+    assert import_graph(dodged)["hpcnet.q"] == {"hpcnet.p.m"}
+    dodged["hpcnet.p.m"] = parse("def measure():\n    from hpcnet.p import n\n")
+    assert cycles(import_graph(dodged)) == []
 
 
 def test_the_top_level_holds_the_entry_points_and_what_every_package_shares():

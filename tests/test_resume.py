@@ -64,7 +64,7 @@ def test_stop_and_resume_is_bit_identical(comm, data_plane, mpi_tmp_path, model)
 def test_int8_error_feedback_resumes_bit_identical(comm, data_plane, mpi_tmp_path, monkeypatch):
     """dist.compression=int8 between (virtual) nodes: each rank's residuals go into the checkpoint and come back,
     so the resumed run is bit-identical to the straight one; a resume that lost them would not be."""
-    from hpcnet.comm.dataparallel import DataParallel
+    from hpcnet.comm.quantize import ErrorFeedback
     from tests.helpers.comm import even_nodes
 
     monkeypatch.setenv("HPCNET_RANKS_PER_NODE", even_nodes(comm)["HPCNET_RANKS_PER_NODE"])
@@ -79,7 +79,7 @@ def test_int8_error_feedback_resumes_bit_identical(comm, data_plane, mpi_tmp_pat
     for name, drop in [("lost-int8", True), ("split-int8", False)]:
         with monkeypatch.context() as patch:
             if drop:  # the same checkpoint (the newest in split-int8's directory), its residuals left out
-                patch.setattr(DataParallel, "load_feedback", lambda self, tensors, size: self.feedback.clear())
+                patch.setattr(ErrorFeedback, "load_entries", lambda self, saved: self.clear())
             resume = f"checkpoint.resume={mpi_tmp_path / 'ckpt' / 'split-int8'}" if drop else "checkpoint.resume=auto"
             second = run(_cfg(mpi_tmp_path, dataset, name, *extra, resume), comm, plane=data_plane)
         assert second.summary["start_step"] == 10 and second.summary["steps"] == 20

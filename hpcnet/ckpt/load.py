@@ -168,7 +168,7 @@ def load_checkpoint(comm: Any, which: str = "auto", directory: str | Path | None
         into: tensors to load into in place where they fit (``hpcnet.ckpt.read.read_chain``).
         io_threads: threads that read and hash (0: ``hpcnet.ckpt.direct.IO_THREADS``).
         wanted: this rank's choice of tensors by name (None: all of them); ``Loaded.tensors`` holds those only,
-            and a tensor one rank alone wants reaches that rank only (``hpcnet.ckpt.state.state_wanted``).
+            and a tensor one rank alone wants reaches that rank only (``hpcnet.stateful.wanted_by``).
 
     I/O errors are not damage: they are raised (on every rank) as what they
     are, ``OSError`` with its errno.

@@ -459,6 +459,22 @@ def rows_of(parts: list[tuple[int, int, "torch.Tensor"]], lo: int, hi: int, what
     return chunks[0].clone() if len(chunks) == 1 else torch.cat(chunks)
 
 
+def join_pieces(tensors: dict[str, "torch.Tensor"]) -> dict[str, "torch.Tensor"]:
+    """``tensors`` (a loaded checkpoint's) with the row pieces of each cut tensor (``ROW_PIECE``) joined into one
+    tensor under the unsharded name: the names and values an unsharded run saves, each joined tensor where its
+    first piece was (a state dict keeps its order).  ValueError when a tensor's pieces leave rows out."""
+    _, pieces = split_pieces(tensors)
+    out: dict[str, torch.Tensor] = {}
+    for name, value in tensors.items():
+        piece = ROW_PIECE.match(name)
+        if piece is None:
+            out[name] = value
+        elif piece["key"] not in out:
+            parts = pieces[piece["key"]]
+            out[piece["key"]] = rows_of(parts, 0, max(hi for _, hi, _ in parts), piece["key"])
+    return out
+
+
 def packed_rows(spec: TensorSpec, blocks: np.ndarray) -> int:
     """Rows of the packed dataset holding ``blocks`` (sorted) of ``spec`` in an increment."""
     if len(blocks) == 0:

@@ -229,7 +229,7 @@ def cmd_export(path: Path, output: str | None, out: Any, fmt: str = "pt", hf_con
     assert loaded is not None
     # Before the tensors are joined: a run without model.hf fails at once.
     hf, options = export.run_model_config(loaded.meta, repr(str(loaded.path))) if fmt == "hf" else ("", {})
-    from hpcnet.ckpt.state import join_pieces  # a dist.zero=3 checkpoint's cut parameters are in row pieces
+    from hpcnet.ckpt.schema import join_pieces  # a dist.zero=3 checkpoint's cut parameters are in row pieces
 
     state = {k.removeprefix("model/"): v.clone() for k, v in join_pieces(loaded.tensors).items()
              if k.startswith("model/")}

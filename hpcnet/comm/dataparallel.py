@@ -73,7 +73,8 @@ class DataParallel:
         total = sum(p.numel() * p.element_size() for p in self.params)
         self.plan, self.path = choose_hierarchical(plan, cfg, comm, world, total, inter=link, intra=intra_link)
         self.progress = mpi_progress(cfg.progress, cores_per_rank(world))
-        self.feedback = ErrorFeedback()  # int8's residuals: kept here, so a checkpoint holds them
+        # int8's residuals: kept here, a part of the run that checkpoints hold (hpcnet.stateful)
+        self.feedback = ErrorFeedback(comm, in_checkpoints=cfg.compression == "int8")
         transport = _transport(self.plan, self.path, cfg, comm, world, progress=self.progress, feedback=self.feedback)
         broadcast_module(model, comm)  # replicas start equal even if initialisation differed
         self.owners = Owners(ShardLayout(self.params, world.size), comm, world, cfg, link=link, device=device,
@@ -118,7 +119,7 @@ class DataParallel:
         owners = self.owners
         self.optimizer = ShardedOptimizer(optimizer, owners.assignment, owners.layout, self.comm, self.cfg.zero)
         self.optimizer.clock = self.clock
-        owners.start(run_dir)
+        owners.start(run_dir, self.move_owners)
         return self.optimizer
 
     def move_owners(self, assignment: ShardPlan) -> int:
@@ -131,34 +132,6 @@ class DataParallel:
         if self.cfg.zero >= 2:
             self.reducer.reassign(assignment.owner)
         return self.comm.allreduce(sent)
-
-    def restore_plan(self, saved: Any) -> bool:
-        """Go on with the owners a checkpoint was saved under (``Owners.restore``; collective); whether they
-        changed.  Nothing without a sharded optimizer."""
-        if self.owners is None or self.optimizer is None:
-            return False
-        return self.owners.restore(saved, self.move_owners)
-
-    def plan_state(self) -> dict[str, Any] | None:
-        """The owners in force for a checkpoint's meta (``Owners.state``), None at ``dist.zero=0``."""
-        return self.owners.state() if self.owners is not None else None
-
-    def feedback_state(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-        """int8's residuals for a checkpoint (``ErrorFeedback.checkpoint_state``, collective); nothing, and no
-        collective, without ``dist.compression=int8``, the same on every rank."""
-        return self.feedback.checkpoint_state(self.comm) if self.cfg.compression == "int8" else ({}, {})
-
-    def wants_feedback(self, name: str) -> bool:
-        """Whether a checkpoint's residual is this rank's to read (its own)."""
-        return self.feedback.wants(name, self.world.rank)
-
-    def load_feedback(self, tensors: dict[str, torch.Tensor], saved_world_size: int) -> None:
-        """int8's residuals from a checkpoint's tensors (``ErrorFeedback.load_checkpoint``); zero without int8."""
-        if self.cfg.compression != "int8":
-            self.feedback.clear()
-            return
-        self.feedback.load_checkpoint(tensors, rank=self.world.rank, world_size=self.world.size,
-                                      saved_world_size=saved_world_size)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the model (collective with ``dist.zero`` 2 and 3)."""

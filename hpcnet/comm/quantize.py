@@ -6,7 +6,7 @@ rank keeps it (``ErrorFeedback``) and adds it to what it sends next step, so ove
 through in full (error feedback, as in 1-bit SGD, EF-SGD and ZeRO++'s quantized gradients) and training converges
 as in full precision.  ``HierarchicalTransport`` quantizes twice: each rank's shard before the exchange between the
 nodes ("worker" residual) and each node's sum of its part before the gather back ("server" residual); both residuals
-are per rank, saved in checkpoints (``ErrorFeedback.checkpoint_state``) so a resume continues bit for bit.
+are per rank, saved in checkpoints (``ErrorFeedback.state_entries``) so a resume continues bit for bit.
 
 The quantization is pure (no communication); only the residuals' checkpoint entries are gathered (collective).
 """
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from hpcnet.ckpt.schema import FEEDBACK_PREFIX
+from hpcnet.stateful import Entries, Saved, Stateful
 
 log = logging.getLogger(__name__)
 
@@ -105,14 +106,20 @@ def compress_with_feedback(x: torch.Tensor, residual: torch.Tensor, block: int =
     return q, scales
 
 
-class ErrorFeedback:
+class ErrorFeedback(Stateful):
     """Each rank's residuals, by name (``<bucket>/<chunk>/<worker|server>``); made at zero on first use.
 
     A residual whose length changed (the buckets were laid out again, or another world size) starts from zero.
+
+    Args:
+        comm: the ranks whose residuals a checkpoint holds (``hpcnet.stateful``: a part of the run).
+        in_checkpoints: whether checkpoints hold them (``dist.compression=int8``); otherwise a save offers none and
+            a resume starts them from zero.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, comm: Any = None, *, in_checkpoints: bool = False) -> None:
         self.residuals: dict[str, torch.Tensor] = {}
+        self.comm, self.in_checkpoints = comm, in_checkpoints
 
     def get(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
         residual = self.residuals.get(name)
@@ -132,36 +139,42 @@ class ErrorFeedback:
     def clear(self) -> None:
         self.residuals.clear()
 
-    def checkpoint_state(self, comm: Any) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    def state_entries(self) -> Entries:
         """The residuals for a checkpoint (collective): every rank's names (``FEEDBACK_PREFIX``), this rank's own
-        residuals as tensors and the others' as ``meta`` tensors of their shapes, and who holds each."""
-        rank = comm.Get_rank()
+        residuals as tensors and the others' as ``meta`` tensors of their shapes, each held by its rank.  Nothing,
+        and no collective, where checkpoints do not hold them (the same on every rank)."""
+        if not self.in_checkpoints:
+            return Entries()
+        rank = self.comm.Get_rank()
         residuals = self.state()
         mine = [(name, r.numel()) for name, r in residuals.items()]
-        tensors: dict[str, torch.Tensor] = {}
-        holders: dict[str, int] = {}
-        for owner, names in enumerate(comm.allgather(mine)):
+        entries = Entries()
+        for owner, names in enumerate(self.comm.allgather(mine)):
             for name, numel in names:
                 key = f"{FEEDBACK_PREFIX}{owner}/{name}"
-                holders[key] = owner
-                tensors[key] = residuals[name] if owner == rank else torch.empty(numel, device="meta")
-        return tensors, holders
+                entries.holders[key] = owner
+                entries.tensors[key] = residuals[name] if owner == rank else torch.empty(numel, device="meta")
+        return entries
 
-    @staticmethod
-    def wants(name: str, rank: int) -> bool:
-        """Whether a checkpoint's tensor of ``FEEDBACK_PREFIX`` is ``rank``'s to read (its own residuals)."""
-        return name.startswith(f"{FEEDBACK_PREFIX}{rank}/")
+    def wants(self, name: str) -> bool | None:
+        """Of a checkpoint's residuals (``FEEDBACK_PREFIX``), this rank reads its own only; None for other names."""
+        if not name.startswith(FEEDBACK_PREFIX):
+            return None
+        return name.startswith(f"{FEEDBACK_PREFIX}{self.comm.Get_rank()}/")
 
-    def load_checkpoint(self, tensors: dict[str, torch.Tensor], *, rank: int, world_size: int,
-                        saved_world_size: int) -> None:
-        """The residuals from a checkpoint's tensors: this rank's, when saved at the same world size (the same
-        buckets and shards); otherwise they start from zero (a step's quantization error, dropped once)."""
+    def load_entries(self, saved: Saved) -> None:
+        """This rank's residuals, when saved at the same world size (the same buckets and shards); otherwise, or
+        where checkpoints do not hold them, they start from zero (a step's quantization error, dropped once)."""
+        if not self.in_checkpoints:
+            self.clear()
+            return
+        rank, world_size = self.comm.Get_rank(), self.comm.Get_size()
         prefix = f"{FEEDBACK_PREFIX}{rank}/"
-        mine = {name[len(prefix):]: value for name, value in tensors.items() if name.startswith(prefix)}
-        if saved_world_size != world_size:
+        mine = {name[len(prefix):]: value for name, value in saved.tensors.items() if name.startswith(prefix)}
+        if saved.saved_world_size != world_size:
             self.clear()
             if rank == 0 and mine:
                 log.info("resume: int8's error-feedback residuals were saved by %d ranks, this run has %d: they "
-                         "start from zero", saved_world_size, world_size)
+                         "start from zero", saved.saved_world_size, world_size)
             return
         self.load(mine)

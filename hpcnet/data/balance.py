@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hpcnet.stateful import Entries, Saved, Stateful
 from hpcnet.observe.timer import SpanTimer
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,9 @@ def predicted_step_s(sizes: list[int], seconds_per_sample: list[float]) -> float
     return max(b * t for b, t in zip(sizes, seconds_per_sample))
 
 
-class Balancer:
-    """Re-split the global batch among the ranks of ``comm`` by their measured speed (collective).
+class Balancer(Stateful):
+    """Re-split the global batch among the ranks of ``comm`` by their measured speed (collective); a part of the run
+    (``hpcnet.stateful``) that takes the shares back after the data position.
 
     Args:
         comm: the ranks that train.
@@ -81,9 +83,6 @@ class Balancer:
         dp.compute_timer = self.timer
         self.changes = 0
         self.history: list[dict[str, Any]] = []
-        resumed = loader.sampler.resumed_sizes
-        if resumed is not None and resumed != loader.sampler.sizes:
-            self._apply(resumed)  # the same sizes as the run that saved, so its next steps are repeated exactly
 
     @property
     def sizes(self) -> list[int]:
@@ -130,6 +129,18 @@ class Balancer:
         # The first step of a window may carry one-off costs (new shapes, a re-read batch): left out when more
         # than one was timed.
         return float(np.median(times[1:] if len(times) > 1 else times)) / self.sizes[self.rank]
+
+    def state_entries(self) -> Entries:
+        """Nothing of its own: the shares are the sampler's slice sizes, saved with the data position (the loader's
+        entry, ``batch_sizes``)."""
+        return Entries()
+
+    def load_entries(self, saved: Saved) -> None:
+        """Go on with the sizes of the run that saved, where they fit this world and global batch (the sampler
+        took them back with the data position: ``resumed_sizes``), so its next steps are repeated exactly."""
+        resumed = self.loader.sampler.resumed_sizes
+        if resumed is not None and resumed != self.sizes:
+            self._apply(resumed)
 
     def _apply(self, sizes: list[int]) -> None:
         self.loader.set_sizes(sizes)

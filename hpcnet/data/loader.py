@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from hpcnet.agree import agree_on_first_error
+from hpcnet.stateful import Entries, Saved, Stateful
 from hpcnet.data.h5 import open_split
 from hpcnet.data.info import SPLITS, Split
 from hpcnet.data.sampler import GlobalBatchSampler
@@ -69,8 +70,9 @@ def open_dataset(spec: str, split: str, *, directory: str | os.PathLike[str], co
     return opened
 
 
-class BatchLoader:
-    """Read the next batch in a background thread while the current step computes."""
+class BatchLoader(Stateful):
+    """Read the next batch in a background thread while the current step computes; a part of the run
+    (``hpcnet.stateful``) whose checkpoint entry is the data position, the meta's ``sampler``."""
 
     def __init__(self, split: Split, sampler: GlobalBatchSampler, *, prefetch: bool = True) -> None:
         """Start reading the first batch.
@@ -138,6 +140,15 @@ class BatchLoader:
         self.sampler.load_state_dict(state)
         self._state, self._epoch = self.sampler.state_dict(), self.sampler.epoch
         self._submit()
+
+    def state_entries(self) -> Entries:
+        """The data position (``state_dict``), with the slice sizes where ``data.balance`` made them unequal."""
+        return Entries(meta={"sampler": self.state_dict()})
+
+    def load_entries(self, saved: Saved) -> None:
+        """Go on from the checkpoint's data position, at any world size and batch size (``load_state_dict``); a
+        malformed position or a shrunk dataset is a clear ValueError."""
+        self.load_state_dict(saved.meta["sampler"])
 
     def set_sizes(self, sizes: list[int] | None) -> None:
         """Split the global batches into these per-rank sizes from the next ``next()`` on

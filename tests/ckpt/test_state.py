@@ -1,4 +1,4 @@
-"""hpcnet.ckpt.state: model, optimizer and RNG state to tensors and back, and TrainState."""
+"""hpcnet.ckpt.state and hpcnet.ckpt.parts: model, optimizer and RNG state to tensors and back, and TrainState."""
 
 import json
 import random
@@ -9,9 +9,18 @@ import torch
 from torch import nn
 
 from hpcnet.ckpt.manager import CheckpointManager
-from hpcnet.ckpt.state import flatten_state, restore_state, rng_state, set_rng_state
+from hpcnet.ckpt.parts import ModelState, OptimizerState
+from hpcnet.ckpt.state import RngState, rng_state, set_rng_state
 from hpcnet.errors import UsageError
-from tests.helpers.ckpt import assert_same_tensors, model_and_optimizers, restore_split_state, split_state, train_steps
+from hpcnet.stateful import Entries, Saved, Stateful
+from tests.helpers.ckpt import (
+    assert_same_tensors,
+    model_and_optimizer_state,
+    model_and_optimizers,
+    restore_split_state,
+    split_state,
+    train_steps,
+)
 from tests.helpers.dirs import fresh_dir
 
 pytestmark = pytest.mark.timeout(120)
@@ -42,19 +51,28 @@ def test_flatten_restore_round_trip_in_memory():
     train_steps(model2, [sgd2, adamw2], 2)
     assert_same_tensors(split_state(model, sgd, adamw)[0], split_state(model2, sgd2, adamw2)[0])
     with pytest.raises(UsageError, match="does not match the model"):
-        restore_state(nn.Linear(2, 2), None, copy, meta["sgd"])
+        ModelState(nn.Linear(2, 2)).load_entries(Saved(copy, {"state": meta["sgd"]}))
 
 
 
 
-class _Sampler:
-    def __init__(self, fail=False):
-        self.state, self.fail = None, fail
+class _Sampler(Stateful):
+    """A data position: the meta's ``sampler``."""
 
-    def load_state_dict(self, state):
+    def __init__(self, position=None, fail=False):
+        self.state, self.position, self.fail = None, position, fail
+
+    def state_entries(self):
+        return Entries(meta={"sampler": self.position})
+
+    def load_entries(self, saved):
         if self.fail:
             raise ValueError("sampler state is malformed")
-        self.state = state
+        self.state = saved.meta["sampler"]
+
+
+def _parts(model, optimizer, sampler, seed=0, rank=0):
+    return [ModelState(model), OptimizerState(optimizer), sampler, RngState(seed, rank)]
 
 
 @pytest.mark.mpi
@@ -67,22 +85,23 @@ def test_train_state_saves_and_resumes_model_optimizer_sampler_and_rng(comm, mpi
     model, sgd, _ = model_and_optimizers()
     train_steps(model, [sgd], 2)
     with CheckpointManager(comm, directory, async_save=False) as manager:
-        state = TrainState(cfg, model, sgd, _Sampler(), manager)
-        assert state.start("", rank=comm.Get_rank()) == 0 and state.last_saved_step == -1
+        state = TrainState(cfg, _parts(model, sgd, _Sampler({"epoch": 0, "offset": 48}), 3, comm.Get_rank()), manager)
+        assert state.start("") == 0 and state.last_saved_step == -1
         assert state.is_finite()
         torch.manual_seed(50 + comm.Get_rank())
-        path = state.save(12, {"epoch": 0, "offset": 48})
+        path = state.save(12)
         expected = torch.rand(3)
         assert path.name == "ckpt-0000000012.h5" and state.last_saved_step == 12
-    saved = {k: v.clone() for k, v in flatten_state(model, sgd)[0].items()}
+    saved = {k: v.clone() for k, v in model_and_optimizer_state(model, sgd).tensors.items()}
     model2, sgd2, _ = model_and_optimizers(seed=7)
     with CheckpointManager(comm, directory, async_save=False) as manager:
-        resumed = TrainState(cfg, model2, sgd2, _Sampler(), manager)
-        assert resumed.start("auto", rank=comm.Get_rank()) == 12 and resumed.last_saved_step == 12
+        sampler = _Sampler()
+        resumed = TrainState(cfg, _parts(model2, sgd2, sampler, 3, comm.Get_rank()), manager)
+        assert resumed.start("auto") == 12 and resumed.last_saved_step == 12
         assert torch.equal(torch.rand(3), expected)  # this rank's RNG continues where it was saved
-        assert resumed.sampler.state == {"epoch": 0, "offset": 48}
+        assert sampler.state == {"epoch": 0, "offset": 48}
         loaded = manager.load("auto")
-    assert_same_tensors(saved, flatten_state(model2, sgd2)[0])
+    assert_same_tensors(saved, model_and_optimizer_state(model2, sgd2).tensors)
     assert loaded.meta["config"]["run"]["seed"] == 3 and loaded.meta["step"] == 12
 
 
@@ -96,7 +115,7 @@ def test_a_non_finite_state_on_one_rank_is_not_finite_on_every_rank(comm, mpi_tm
         with torch.no_grad():
             model[1].weight[0, 0] = float("inf")
     with CheckpointManager(comm, fresh_dir(comm, mpi_tmp_path / "nonfinite-state"), async_save=False) as manager:
-        assert not TrainState(load_config(), model, sgd, _Sampler(), manager).is_finite()
+        assert not TrainState(load_config(), _parts(model, sgd, _Sampler()), manager).is_finite()
 
 
 @pytest.mark.mpi
@@ -107,19 +126,20 @@ def test_a_sampler_state_that_fails_on_resume_fails_every_rank(comm, mpi_tmp_pat
     directory = fresh_dir(comm, mpi_tmp_path / "bad-sampler")
     model, sgd, _ = model_and_optimizers()
     with CheckpointManager(comm, directory, async_save=False) as manager:
-        TrainState(load_config(), model, sgd, _Sampler(), manager).save(1, {"offset": 0})
+        TrainState(load_config(), _parts(model, sgd, _Sampler({"offset": 0})), manager).save(1)
         sampler = _Sampler(fail=comm.Get_rank() == comm.Get_size() - 1)  # a shrunk dataset, seen by one rank
         with pytest.raises((ValueError, RuntimeError), match="sampler state is malformed"):
-            TrainState(load_config(), model, sgd, sampler, manager).start("auto", rank=comm.Get_rank())
+            TrainState(load_config(), _parts(model, sgd, sampler), manager).start("auto")
 
 
 def test_a_sharded_optimizer_s_rank_wants_the_model_and_its_own_state_only():
-    from hpcnet.ckpt.state import state_wanted
     from hpcnet.comm.costmodel import ShardPlan
     from hpcnet.comm.sharding.layout import ShardLayout
     from hpcnet.comm.sharding.optimizer import ShardedOptimizer
+    from hpcnet.stateful import wanted_by
 
-    assert state_wanted(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)) is None  # replicated: all
+    replicated = OptimizerState(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1))
+    assert wanted_by([replicated]) is None  # replicated: all
     # 8 KiB cut in two row ranges at 2 ranks (units of at most 4 KiB), and a bias; rank 1 owns rows 32-64 and the bias.
     params = [torch.nn.Parameter(torch.zeros(64, 32)), torch.nn.Parameter(torch.zeros(3))]
     layout = ShardLayout(params, 2)
@@ -130,7 +150,7 @@ def test_a_sharded_optimizer_s_rank_wants_the_model_and_its_own_state_only():
     for rank in (0, 1):
         sharded = ShardedOptimizer(torch.optim.AdamW(params, lr=0.1), ShardPlan([0, 1, 1], [4096, 4108], [1.0, 1.0]),
                                    layout, _FakeComm(rank, 2), stage=1)
-        wanted[rank] = [name for name in names if state_wanted(sharded)(name)]
+        wanted[rank] = [name for name in names if wanted_by([sharded])(name)]
         sharded.close()
     assert wanted[0] == ["model/w", "model/blocks/1/b", "optim/0/exp_avg:0-32", "optim/0/exp_avg:16-40",
                          "optim/0/exp_avg", "optim/0/step"]

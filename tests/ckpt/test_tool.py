@@ -15,8 +15,14 @@ from mpi4py import MPI
 
 from hpcnet.ckpt.load import load_checkpoint
 from hpcnet.ckpt.manager import CheckpointManager
-from hpcnet.ckpt.state import flatten_state, rng_state
-from tests.helpers.ckpt import assert_same_tensors, flip_bytes_in, model_and_optimizers, train_steps
+from hpcnet.ckpt.state import rng_state
+from tests.helpers.ckpt import (
+    assert_same_tensors,
+    flip_bytes_in,
+    model_and_optimizer_state,
+    model_and_optimizers,
+    train_steps,
+)
 from tests.helpers.launch import clean_env
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,8 +39,8 @@ def test_ckpt_tool_and_h5ls(single_process, tmp_path, capsys):
     directory = tmp_path / "ckpts"
     with CheckpointManager(MPI.COMM_SELF, directory, full_every=2, async_save=False) as manager:
         for step in (10, 20):
-            tensors, meta = flatten_state(model, sgd)
-            manager.save(step, tensors, {"state": meta}, rng_state())
+            entries = model_and_optimizer_state(model, sgd)
+            manager.save(step, entries.tensors, entries.meta, rng_state())
             train_steps(model, [sgd], 1)
     out = _ckpt("list", directory, cwd=tmp_path)
     assert out.returncode == 0 and "incremental" in out.stdout and "ckpt-0000000010.h5" in out.stdout

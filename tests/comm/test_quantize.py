@@ -92,25 +92,26 @@ def test_a_residual_of_another_length_starts_from_zero():
 
 
 def test_a_resume_takes_this_ranks_residuals_at_the_same_world_size_only():
-    """``DataParallel.load_feedback``: rank 1 of 2 keeps its own residuals from a checkpoint of 2 ranks; from one of
+    """``ErrorFeedback.load_entries``: rank 1 of 2 keeps its own residuals from a checkpoint of 2 ranks; from one of
     another world size (other shards) or in a run without int8 they start from zero."""
     from types import SimpleNamespace
 
     from hpcnet.ckpt.schema import FEEDBACK_PREFIX
-    from hpcnet.comm.dataparallel import DataParallel
+    from hpcnet.stateful import Saved
 
     def rank1(compression):
-        return SimpleNamespace(world=SimpleNamespace(rank=1, size=2, is_main=False), feedback=ErrorFeedback(),
-                               cfg=SimpleNamespace(compression=compression))
+        return ErrorFeedback(SimpleNamespace(Get_rank=lambda: 1, Get_size=lambda: 2),
+                             in_checkpoints=compression == "int8")
 
     saved = {f"{FEEDBACK_PREFIX}0/3/0/worker": torch.ones(BLOCK),
              f"{FEEDBACK_PREFIX}1/3/0/worker": torch.full((BLOCK,), 2.0), "model/w": torch.zeros(3)}
     same = rank1("int8")
-    DataParallel.load_feedback(same, saved, 2)
-    assert list(same.feedback.residuals) == ["3/0/worker"]
-    assert torch.equal(same.feedback.residuals["3/0/worker"], torch.full((BLOCK,), 2.0))
+    same.load_entries(Saved(saved, {}, saved_world_size=2))
+    assert list(same.residuals) == ["3/0/worker"]
+    assert torch.equal(same.residuals["3/0/worker"], torch.full((BLOCK,), 2.0))
     for compression, size in [("int8", 3), ("none", 2)]:
         other = rank1(compression)
-        other.feedback.get("stale", BLOCK, torch.empty(0))
-        DataParallel.load_feedback(other, saved, size)
-        assert other.feedback.residuals == {}
+        other.get("stale", BLOCK, torch.empty(0))
+        other.load_entries(Saved(saved, {}, saved_world_size=size))
+        assert other.residuals == {}
+    assert [same.wants(name) for name in saved] == [False, True, None]  # its own only; the model's are not its

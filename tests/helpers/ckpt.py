@@ -30,24 +30,32 @@ def train_steps(model, optimizers, steps, seed=1):
             opt.step()
 
 
+def model_and_optimizer_state(model, optimizer):
+    """The entries of ``model`` and ``optimizer`` (``hpcnet.ckpt.parts``), as a run with them saves them."""
+    from hpcnet.ckpt.parts import ModelState, OptimizerState
+
+    entries = ModelState(model).state_entries()
+    entries.add(OptimizerState(optimizer).state_entries())
+    return entries
+
+
 def split_state(model, sgd, adamw):
     """Model state with both optimizers' state (AdamW's under ``adamw/``), and both metas."""
-    from hpcnet.ckpt.state import flatten_state
-
-    tensors, meta = flatten_state(model, sgd)
-    more, meta2 = flatten_state(model, adamw)
-    tensors.update({k.replace("optim/", "adamw/", 1): v for k, v in more.items() if k.startswith("optim/")})
-    return tensors, {"sgd": meta, "adamw": meta2}
+    entries, more = model_and_optimizer_state(model, sgd), model_and_optimizer_state(model, adamw)
+    tensors = dict(entries.tensors)
+    tensors.update({k.replace("optim/", "adamw/", 1): v for k, v in more.tensors.items() if k.startswith("optim/")})
+    return tensors, {"sgd": entries.meta["state"], "adamw": more.meta["state"]}
 
 
 def restore_split_state(model, sgd, adamw, tensors, meta):
     """Load what ``split_state`` returned back into ``model``, ``sgd`` and ``adamw``."""
-    from hpcnet.ckpt.state import restore_state
+    from hpcnet.ckpt.parts import ModelState, OptimizerState
+    from hpcnet.stateful import Saved
 
-    restore_state(model, sgd, tensors, meta["sgd"])
+    ModelState(model).load_entries(Saved(tensors, {}))
+    OptimizerState(sgd).load_entries(Saved(tensors, {"state": meta["sgd"]}))
     adam = {k.replace("adamw/", "optim/", 1): v for k, v in tensors.items() if k.startswith("adamw/")}
-    restore_state(model, adamw, {**{k: v for k, v in tensors.items() if k.startswith("model/")}, **adam},
-                  meta["adamw"])
+    OptimizerState(adamw).load_entries(Saved(adam, {"state": meta["adamw"]}))
 
 
 def assert_same_tensors(a, b):

@@ -228,7 +228,7 @@ def reference(reference_dir):
 
 
 def _assert_same(tensors, reference):
-    from hpcnet.ckpt.state import join_pieces
+    from hpcnet.ckpt.schema import join_pieces
 
     tensors = join_pieces(tensors)  # dist.zero=2 saves a cut parameter's state in row pieces
     assert sorted(tensors) == sorted(reference)

@@ -6,10 +6,11 @@ gathers the parameters.
 The gradient norm is taken unit by unit, as stage 2 must take it from the owners' pieces, so that every stage
 clips alike, bit for bit (``unit_grad_norm``); at stages 2 and 3 it is gathered as one float a unit.
 
-In a checkpoint (``checkpoint_state``) a sharded optimizer's state has the unsharded optimizer's names
-(``optim/<index>/<key>``, the index in the full optimizer's order), except that the row-shaped state of a cut
-parameter is saved piece by piece, ``optim/<index>/<key>:<lo>-<hi>`` (rows lo to hi, ``hpcnet.ckpt.schema``'s
-row pieces), each piece by its owner: nothing is gathered.  ``load_state_dict`` takes the unsharded optimizer's
+In a checkpoint (``state_entries``: the optimizer is a part of the run, ``hpcnet.stateful``) a sharded
+optimizer's state has the unsharded optimizer's names (``optim/<index>/<key>``, the index in the full optimizer's
+order), except that the row-shaped state of a cut parameter is saved piece by piece,
+``optim/<index>/<key>:<lo>-<hi>`` (rows lo to hi, ``hpcnet.ckpt.schema``'s row pieces), each piece by its owner:
+nothing is gathered.  ``load_state_dict`` takes the unsharded optimizer's
 state, pieces of any cut or whole tensors, and keeps the rows this rank owns, so checkpoints move between
 ``dist.zero`` settings and world sizes.
 """
@@ -21,11 +22,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from hpcnet.ckpt.parts import load_optimizer_state, optimizer_entries, state_by_param
 from hpcnet.ckpt.schema import ROW_PIECE, piece_name, rows_of, split_pieces
 from hpcnet.comm.buckets import dense
 from hpcnet.comm.costmodel import ShardPlan
 from hpcnet.comm.exchange import exchange, pieces
 from hpcnet.comm.sharding.layout import ShardLayout, Unit
+from hpcnet.stateful import Entries, Saved, Stateful
 
 
 class ParamGather:
@@ -84,7 +87,7 @@ class ParamGather:
             self.comm = None
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(Stateful):
     """A torch optimizer over the units this rank owns, with the full optimizer's interface.
 
     Args:
@@ -215,10 +218,11 @@ class ShardedOptimizer:
                     scalars[key] = value
         return tensors, scalars
 
-    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], dict[str, int]]:
+    def state_entries(self) -> Entries:
         """Every rank's state under checkpoint names (collective; see the module's doc): this rank's tensors, the
-        others' as ``meta``-device tensors of their shape and dtype (no memory); the non-tensor values by full
-        index; and who holds each name.  The same names in the same order on every rank."""
+        others' as ``meta``-device tensors of their shape and dtype (no memory), each held by its owner; the
+        non-tensor values by full index in the meta, as the unsharded optimizer's.  The same names in the same
+        order on every rank."""
         mine: dict[str, torch.Tensor] = {}
         mine_scalars: dict[str, dict[str, Any]] = {}
         for k, values in self.unit_state().items():
@@ -241,14 +245,16 @@ class ShardedOptimizer:
             tensors[name] = (mine[name] if rank == self.rank
                              else torch.empty(shape, dtype=getattr(torch, dtype), device="meta"))
             holders[name] = rank
-        return tensors, dict(sorted(scalars_all.items(), key=lambda kv: int(kv[0]))), holders
+        return optimizer_entries(type(self.inner).__name__, self.full_param_groups(), tensors,
+                                 dict(sorted(scalars_all.items(), key=lambda kv: int(kv[0]))), holders)
 
-    def wants(self, name: str) -> bool:
-        """Whether a checkpoint tensor named ``name`` holds state this rank restores: the state of a parameter it
-        owns a unit of, and of a cut one only the pieces that overlap its rows (any checkpoint's cuts)."""
+    def wants(self, name: str) -> bool | None:
+        """Whether this rank reads checkpoint tensor ``name``: the state of a parameter it owns a unit of, and of a
+        cut one only the pieces that overlap its rows (any checkpoint's cuts); None when ``name`` is not optimizer
+        state."""
         parts = name.split("/", 2)
         if len(parts) != 3 or parts[0] != "optim" or not parts[1].isdigit():
-            return True
+            return None
         full = int(parts[1])
         if full >= len(self.full_order):
             return True  # not this optimizer's: the restore names the mismatch
@@ -260,6 +266,11 @@ class ShardedOptimizer:
             if piece is None or (int(piece["lo"]) < u.hi and u.lo < int(piece["hi"])):
                 return True
         return False
+
+    def load_entries(self, saved: Saved) -> None:
+        """The owned units' state from a checkpoint of any world size or ``dist.zero`` (``load_state_dict``);
+        UsageError where it does not fit."""
+        load_optimizer_state(self, state_by_param(saved, type(self.inner).__name__), saved)
 
     def load_state_dict(self, full_state: dict[str, Any]) -> None:
         """Take the owned units' state from a full optimizer state dict (any world size or ``dist.zero`` saved it):

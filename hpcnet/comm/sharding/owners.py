@@ -23,6 +23,7 @@ from hpcnet.comm.sharding.layout import ShardLayout
 from hpcnet.config import DistConfig
 from hpcnet.observe.runlog import OptionalFile
 from hpcnet.paths import PLAN_FILE
+from hpcnet.stateful import Entries, Saved, Stateful
 from hpcnet.world import World
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,9 @@ Move = Callable[[ShardPlan], int]
 """Moves what is owned to new owners (collective); returns the bytes of state moved by all ranks together."""
 
 
-class Owners:
-    """The owners of ``layout``'s units in force (see the module's doc).
+class Owners(Stateful):
+    """The owners of ``layout``'s units in force (see the module's doc); a part of the run whose checkpoint entry is
+    the meta's ``shards`` (``hpcnet.stateful``).
 
     Args:
         layout: the units of ownership.
@@ -59,15 +61,17 @@ class Owners:
         self.replans = 0
         self.replanning = False  # from ``start`` on, with dist.plan=auto and dist.replan_every
         self._file: OptionalFile | None = None
+        self._move: Move | None = None  # from ``start`` on: a resume may take a checkpoint's owners
 
     @property
     def owner(self) -> list[int]:
         return self.assignment.owner
 
-    def start(self, run_dir: Path | None) -> None:
+    def start(self, run_dir: Path | None, move: Move) -> None:
         """The optimizer is sharded by these owners: rank 0 logs them and writes ``plan.json`` in ``run_dir``, and
-        from now on ``after_step`` may move them."""
+        from now on ``after_step`` and a resume (``before_read``) may move them, by ``move``."""
         world, cfg = self.world, self.cfg
+        self._move = move
         self._file = OptionalFile(run_dir / PLAN_FILE) if run_dir is not None and world.is_main else None
         # At stage 3 new owners would gather the whole model on every rank: the start-up owners stay.
         self.replanning = cfg.plan == "auto" and cfg.replan_every > 0 and world.size > 1 and cfg.zero < 3
@@ -137,6 +141,19 @@ class Owners:
                      moved / 2**20, self.describe())
         self.write()
         return True
+
+    def state_entries(self) -> Entries:
+        """The owners in force, in the meta's ``shards`` (``state``)."""
+        return Entries(meta={"shards": self.state()})
+
+    def before_read(self, meta: dict[str, Any]) -> None:
+        """Collective: go on with the owners the checkpoint was saved under (``restore``), so that each rank then
+        reads the state it will own; nothing before the optimizer is sharded (``start``)."""
+        if self._move is not None:
+            self.restore(meta.get("shards"), self._move)
+
+    def load_entries(self, saved: Saved) -> None:
+        """Nothing left to take: the owners were taken before the read (``before_read``)."""
 
     def _saved(self, saved: Any) -> tuple[list[int], list[float]] | None:
         """The owners and speeds of a checkpoint's meta where they fit this run (same world size and units), else

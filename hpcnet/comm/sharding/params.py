@@ -38,7 +38,7 @@ their memory exists only while a *group* that holds them is gathered:
 In a checkpoint the parameters keep their names, ``model/<key>``, each saved by the rank that owns it; a parameter
 cut into row ranges is saved in row pieces, ``model/<key>:<lo>-<hi>``, each by its owner, as its optimizer state
 is (``hpcnet.ckpt.schema.ROW_PIECE``): nothing is gathered to save, and a reader joins the pieces
-(``hpcnet.ckpt.state.join_pieces``), so a stage-3 checkpoint resumes at any stage and world size and the others
+(``hpcnet.ckpt.schema.join_pieces``), so a stage-3 checkpoint resumes at any stage and world size and the others
 resume at stage 3.
 """
 
@@ -56,7 +56,9 @@ from hpcnet.ckpt.schema import ROW_PIECE, piece_name, rows_of, split_pieces
 from hpcnet.comm.sharding.layout import ShardLayout
 from hpcnet.comm.sharding.rounds import Rounds
 from hpcnet.comm.transport import GatherGroup, build_group_gather
+from hpcnet.errors import UsageError
 from hpcnet.fault.flightrec import NULL_RECORDER
+from hpcnet.stateful import Entries, Saved, Stateful
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +141,7 @@ class _Saved:
         self.group, self.tensor = group, tensor
 
 
-class ShardedParams:
+class ShardedParams(Stateful):
     """Stage 3's parameters (see the module's doc).
 
     Args:
@@ -470,21 +472,18 @@ class ShardedParams:
         self.rounds.set_owner(owner)
         self.release_all()
 
-    # -- checkpoints ------------------------------------------------------------------------
-    def _key_units(self, key: str) -> list[int]:
-        return self.layout.of_param[self.keys[key]]
-
-    def checkpoint_entries(self, key: str) -> list[tuple[str, torch.Tensor, int]]:
-        """State-dict entry ``key`` (a parameter's) under checkpoint names, by its owners (see the module's doc):
-        (name, tensor, holder) for each unit, this rank's tensor as it is, the others' as a ``meta`` tensor of its
-        shape."""
-        entries = []
-        for k in self._key_units(key):
-            u, t = self.layout.units[k], self.layout.tensors[k]
-            name = f"model/{key}" if u.whole else piece_name(f"model/{key}", u.lo, u.hi)
-            mine = self.owner[k] == self.rank
-            entries.append((name, t.detach() if mine else torch.empty(t.shape, dtype=t.dtype, device="meta"),
-                            self.owner[k]))
+    # -- checkpoints (``hpcnet.stateful``: the model's part holds this one, ``ModelState``) ------------------
+    def state_entries(self) -> Entries:
+        """The parameters' entries by their owners (see the module's doc): for each state-dict key and unit, this
+        rank's tensor as it is, the others' as a ``meta`` tensor of its shape, held by the unit's owner."""
+        entries = Entries()
+        for key, i in self.keys.items():
+            for k in self.layout.of_param[i]:
+                u, t = self.layout.units[k], self.layout.tensors[k]
+                name = f"model/{key}" if u.whole else piece_name(f"model/{key}", u.lo, u.hi)
+                mine = self.owner[k] == self.rank
+                entries.tensors[name] = t.detach() if mine else torch.empty(t.shape, dtype=t.dtype, device="meta")
+                entries.holders[name] = self.owner[k]
         return entries
 
     def wants(self, name: str) -> bool | None:
@@ -497,7 +496,7 @@ class ShardedParams:
         base = piece["key"] if piece else key
         if base not in self.keys:
             return None
-        for k in self._key_units(base):
+        for k in self.layout.of_param[self.keys[base]]:
             if self.owner[k] != self.rank:
                 continue
             u = self.layout.units[k]
@@ -505,50 +504,47 @@ class ShardedParams:
                 return True
         return False
 
-    def into(self) -> dict[str, torch.Tensor]:
-        """Where a resume may read parameters straight into: the owned whole units."""
-        out = {}
-        for key, i in self.keys.items():
-            units = self.layout.of_param[i]
-            if len(units) == 1 and self.owner[units[0]] == self.rank:
-                out[f"model/{key}"] = self.layout.tensors[units[0]].data
-        return out
-
-    def load(self, model_state: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
-        """Fill the owned units from a checkpoint's model tensors, whole or in row pieces (those ``wants`` chose:
-        the owned rows); returns the rest (buffers, frozen parameters) for the model's ``load_state_dict``.
-        ValueError naming the tensor when the checkpoint lacks an owned parameter's rows or its shape differs."""
+    def load_entries(self, saved: Saved) -> None:
+        """Fill the owned units from the checkpoint's parameters, whole or in row pieces (those ``wants`` chose:
+        the owned rows).  UsageError naming the tensor when the checkpoint lacks an owned parameter's rows or its
+        shape differs."""
+        model_state = {k.removeprefix("model/"): v for k, v in saved.tensors.items() if k.startswith("model/")}
         plain, parts = split_pieces(model_state)
         first: dict[int, str] = {}
         for key, i in self.keys.items():
             if key in plain or key in parts:
                 first.setdefault(i, key)
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                owned = [k for k in self.layout.of_param[i] if self.owner[k] == self.rank]
-                if not owned:
-                    continue
-                key = first.get(i)
-                if key is None:
-                    name = next(k for k, j in self.keys.items() if j == i)
-                    raise ValueError(f"{source} does not match the model: missing model/{name}")
-                for k in owned:
-                    u, t = self.layout.units[k], self.layout.tensors[k]
-                    if key in plain:
-                        value = plain[key]
-                        if tuple(value.shape) != tuple(p.shape):
-                            raise ValueError(f"{source} does not match the model (was it saved with other model.* "
-                                             f"options?): {key} is {list(value.shape)} there, {list(p.shape)} in "
-                                             "the model")
-                        value = value if u.whole else value[u.lo:u.hi]
-                    else:
-                        value = rows_of(parts[key], u.lo, u.hi, f"{source}: model/{key}")
-                        if tuple(value.shape) != tuple(t.shape):
-                            raise ValueError(f"{source} does not match the model: the rows of {key} are "
-                                             f"{list(value.shape[1:])} there, {list(t.shape[1:])} in the model")
-                    if value.data_ptr() != t.data_ptr():
-                        t.copy_(value)
-        return {key: value for key, value in plain.items() if key not in self.keys}
+        try:
+            with torch.no_grad():
+                for i, p in enumerate(self.params):
+                    owned = [k for k in self.layout.of_param[i] if self.owner[k] == self.rank]
+                    if owned:
+                        self._load_units(owned, p, first.get(i), plain, parts, i, saved.source)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+
+    def _load_units(self, owned: list[int], p: torch.Tensor, key: str | None, plain: dict[str, torch.Tensor],
+                    parts: dict[str, list[tuple[int, int, torch.Tensor]]], i: int, source: str) -> None:
+        """Parameter ``i``'s ``owned`` units from the checkpoint's tensor ``key`` (whole in ``plain`` or in row
+        pieces in ``parts``); ValueError where it does not fit."""
+        if key is None:
+            name = next(k for k, j in self.keys.items() if j == i)
+            raise ValueError(f"{source} does not match the model: missing model/{name}")
+        for k in owned:
+            u, t = self.layout.units[k], self.layout.tensors[k]
+            if key in plain:
+                value = plain[key]
+                if tuple(value.shape) != tuple(p.shape):
+                    raise ValueError(f"{source} does not match the model (was it saved with other model.* "
+                                     f"options?): {key} is {list(value.shape)} there, {list(p.shape)} in the model")
+                value = value if u.whole else value[u.lo:u.hi]
+            else:
+                value = rows_of(parts[key], u.lo, u.hi, f"{source}: model/{key}")
+                if tuple(value.shape) != tuple(t.shape):
+                    raise ValueError(f"{source} does not match the model: the rows of {key} are "
+                                     f"{list(value.shape[1:])} there, {list(t.shape[1:])} in the model")
+            if value.data_ptr() != t.data_ptr():
+                t.copy_(value)
 
     def unshard(self) -> None:
         """Give every parameter its whole value in memory of its own again (collective), group by group (the
