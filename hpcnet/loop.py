@@ -184,7 +184,7 @@ class Loop:
         if self.balancer is not None:
             p.shares = self.balancer.shares
             self.balancer.after_step(p.step)  # data.balance=auto: every data.balance_every steps, collective
-        self.dp.after_step(p.step)  # dist.replan_every with dist.zero > 0: every that many steps, collective
+        self.dp.after_step(p.step)  # dist.reassign_every with dist.zero > 0: every that many steps, collective
         self.monitor.step(p.step)  # heartbeats carry it; step times set the stall timeout; memory samples
         self.faults.at_step(p.step)  # fault.* injection; a no-op unless configured
         if not applied:

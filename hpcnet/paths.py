@@ -37,7 +37,7 @@ FAILURE_FILE = "failure.json"
 FAILURE_LOCK = ".failure.json.lock"
 """Held (``flock``) by a rank while it merges its report into ``failure.json``: two watchers that declare at once
 would otherwise each read the file before the other wrote it, and the last write would drop the first's ranks."""
-PLAN_FILE = "plan.json"
+OWNERS_FILE = "owners.json"
 """With dist.zero > 0: who owns which parameter, the measured speeds and link the cost model used."""
 TRACE_FILE = "trace.json"
 """The merged Chrome trace of ``train.trace_steps``, in the run directory."""

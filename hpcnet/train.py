@@ -42,7 +42,7 @@ from hpcnet.ckpt.state import RngState, TrainState
 from hpcnet.comm.bootstrap import DataPlane, init_data_plane
 from hpcnet.comm.costmodel import LinkCost
 from hpcnet.comm.dataparallel import DataParallel
-from hpcnet.comm.plan import decide_plan
+from hpcnet.comm.route import Route, agree_route
 from hpcnet.comm.topology import probe, recommend
 from hpcnet.config import Config
 from hpcnet.config.importing import import_for_training
@@ -82,8 +82,8 @@ from hpcnet.observe.tensorboard import TensorBoardWriter, require_tensorboard
 from hpcnet.observe.trace import StepTracer, parse_steps
 from hpcnet.optim import build_optimizer
 from hpcnet.paths import CONFIG_FILE, SUMMARY_FILE, TENSORBOARD_DIR, checkpoint_dir, metrics_file
-from hpcnet.plan import cap_in_bytes, choose, configured_bucket_bytes
 from hpcnet.plan.measure import ResidentPeak, measure_config
+from hpcnet.plan.peaks import cap_in_bytes, choose, configured_bucket_bytes
 from hpcnet.stateful import Stateful
 from hpcnet.world import World, choose_device, cpu_threads, discover, machine_sharing, mpi_yield_when_idle
 
@@ -120,19 +120,19 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
         # The transport, decided once (dist.backend=auto resolved here): an
         # impossible choice stops every rank before the probe, the rendezvous,
         # the data and the model; the torch.distributed group is the one it needs, if any.
-        plan = decide_plan(comm, world, cfg.dist, device_type=device.type)
+        route = agree_route(comm, world, cfg.dist, device_type=device.type)
         faults = FaultInjector(cfg.fault, world, checkpoint_dir=checkpoint_dir(cfg.run.dir, cfg.run.name,
                                                                                cfg.checkpoint.dir))
         # Each start-up phase on the network runs under dist.startup_timeout_s (hpcnet.fault.watchdog).
         faults.before_phase("probe")
         prefer, link, intra_link = _probe(cfg, comm, world, device, run_dir, monitor)
-        if plane is None and world.size > 1 and plan.torch_backend:
+        if plane is None and world.size > 1 and route.torch_backend:
             faults.before_phase("rendezvous")
-            plane = init_data_plane(comm, world, backend=plan.torch_backend, device=device,
+            plane = init_data_plane(comm, world, backend=route.torch_backend, device=device,
                                     timeout_s=cfg.dist.timeout_s, interface=cfg.dist.interface, prefer=prefer,
                                     deadlines=monitor.deadlines, startup_timeout_s=cfg.dist.startup_timeout_s)
             own_plane = True
-        result = _train(cfg, comm, world, device, plan, run_dir, monitor, stop, faults, link, intra_link)
+        result = _train(cfg, comm, world, device, route, run_dir, monitor, stop, faults, link, intra_link)
         result.summary.update(wall_s=time.perf_counter() - t_start)
         _finish(result, world, run_dir, cfg.train.steps)
         return result
@@ -229,7 +229,7 @@ def _data(cfg: Config, comm: Any, world: World) -> tuple[Any, Any, GlobalBatchSa
     return train_split, eval_split, sampler
 
 
-def _model(cfg: Config, comm: Any, world: World, device: torch.device, split: Any, plan: Any,
+def _model(cfg: Config, comm: Any, world: World, device: torch.device, split: Any, route: Route,
            monitor: Monitor, link: LinkCost | None = None, run_dir: Path | None = None,
            intra_link: LinkCost | None = None
            ) -> tuple[DataParallel, torch.optim.Optimizer, DeviceSettings, "MemoryPlan | None", Objective]:
@@ -250,7 +250,7 @@ def _model(cfg: Config, comm: Any, world: World, device: torch.device, split: An
         _checkpoint_activations(cfg, comm, world, model, None if memory_plan is None else memory_plan.predicted)
     blocks = _zero3_blocks(cfg, comm, world, model) if cfg.dist.zero == 3 else None
     with startup_phase(monitor.deadlines, "dist.groups", cfg.dist.startup_timeout_s):
-        dp = DataParallel(model, comm, world, cfg.dist, device=device, plan=plan, recorder=monitor.recorder,
+        dp = DataParallel(model, comm, world, cfg.dist, device=device, route=route, recorder=monitor.recorder,
                           link=link, intra_link=intra_link, blocks=blocks)
     try:
         with shared_errors(comm):  # what torch refuses (optim.*) stops every rank alike, before any collective
@@ -335,13 +335,13 @@ def _checkpoint_activations(cfg: Config, comm: Any, world: World, model: nn.Modu
                  "none (train.activation_checkpointing=auto: the cap fits without)")
 
 
-def _train(cfg: Config, comm: Any, world: World, device: torch.device, plan: Any, run_dir: Path,
+def _train(cfg: Config, comm: Any, world: World, device: torch.device, route: Route, run_dir: Path,
            monitor: Monitor, stop: StopRequest | None, faults: FaultInjector, link: LinkCost | None = None,
            intra_link: LinkCost | None = None) -> TrainResult:
     """Data, model, checkpoints, then the loop from where the checkpoints say; closed whatever happens."""
     train_split, eval_split, sampler = _data(cfg, comm, world)
     faults.before_phase("groups")
-    dp, optimizer, settings, memory_plan, objective = _model(cfg, comm, world, device, train_split, plan, monitor,
+    dp, optimizer, settings, memory_plan, objective = _model(cfg, comm, world, device, train_split, route, monitor,
                                                              link, run_dir, intra_link)
     metrics = MetricsWriter(run_dir / metrics_file(world.rank)
                             if cfg.run.metrics == "all" or (cfg.run.metrics == "rank0" and world.is_main) else None,

@@ -23,7 +23,7 @@ from mpi4py import MPI
 from torch import nn
 
 from hpcnet.comm.dataparallel import DataParallel
-from hpcnet.comm.plan import decide_plan
+from hpcnet.comm.route import agree_route
 from hpcnet.config import DistConfig, MonitorConfig
 from hpcnet.fault.flightrec import NULL_RECORDER
 from hpcnet.fault.monitor import Monitor
@@ -46,7 +46,7 @@ def main() -> None:
                           nn.Linear(args.hidden, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10))
     dist_cfg = DistConfig(backend="mpi", probe=False, fallback="none")
     dp = DataParallel(model, comm, world, dist_cfg, device=torch.device("cpu"),
-                      plan=decide_plan(comm, world, dist_cfg, device_type="cpu"))
+                      route=agree_route(comm, world, dist_cfg, device_type="cpu"))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     batch = [(torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,)))]
     flags = np.zeros(2, dtype=np.int64)

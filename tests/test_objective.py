@@ -218,7 +218,7 @@ def test_items_that_do_not_batch_together_are_a_dataset_error():
 
 # -- the trainer ---------------------------------------------------------------------------------------------------
 MLP = ["model.name=mlp", "model.options.hidden=[16]", "optim.name=sgd", "optim.lr=0.2", "checkpoint.at_end=false",
-       "dist.plan=uniform"]  # dist.plan=auto places shards by measured speeds: other owners, other orders of sums
+       "dist.owners=uniform"]  # dist.owners=auto places shards by measured speeds: other owners, other orders of sums
 
 
 @pytest.mark.mpi

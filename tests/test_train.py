@@ -226,6 +226,7 @@ def test_bad_input_fails_cleanly_on_every_rank(launch, tmp_path, args, needle):
     (["dist.timeout_s=1e18"], "dist.timeout_s must be at most 2592000 s (30 days), got 1e+18"),
     (["run.seed=-1"], "run.seed must be an integer in [0, 2**63 - 1], got -1"),
     (["optim.name=adamw", "optim.eps=-1"], "optim.eps must be a positive number"),
+    (["dist.plan=uniform"], "option 'dist.plan' was renamed 'dist.owners': set dist.owners instead"),
 ])
 def test_bad_option_in_a_single_process_is_one_line(tmp_path, args, needle):
     """``python -m hpcnet.train <option>`` as a user runs it: status 2 and one line naming the option."""

@@ -97,7 +97,7 @@ def build_methods(comm: Any, world: Any, *, device: torch.device, reducer: bool,
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from hpcnet.comm.plan import mpi_progress
+    from hpcnet.comm.route import mpi_progress
     from hpcnet.comm.transport import TorchTransport, build_transport
     from hpcnet.world import cores_per_rank
 

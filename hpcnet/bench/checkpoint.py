@@ -360,7 +360,7 @@ def report(results: dict[str, Any]) -> str:
     if rounds:
         lines.append("hpcnet load in place, phases round by round (rank 0): " + "; ".join(
             ", ".join(f"{k.removesuffix('_s')} {v:.3f}" for k, v in phases.items()
-                      if k in ("open_plan_s", "read_verify_s", "wait_s", "exchange_s")) for phases in rounds))
+                      if k in ("open_assign_s", "read_verify_s", "wait_s", "exchange_s")) for phases in rounds))
     return "\n".join(lines)
 
 

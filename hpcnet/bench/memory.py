@@ -314,7 +314,7 @@ def _build(name: str, model: nn.Module, comm: Any, world: Any, optim: str) -> Co
     from torch.nn.parallel import DistributedDataParallel
 
     from hpcnet.comm.dataparallel import DataParallel
-    from hpcnet.comm.plan import decide_plan
+    from hpcnet.comm.route import agree_route
     from hpcnet.config import DistConfig, OptimConfig
     from hpcnet.models.blocks import checkpoint_blocks, find_blocks
     from hpcnet.optim import build_optimizer
@@ -329,9 +329,9 @@ def _build(name: str, model: nn.Module, comm: Any, world: Any, optim: str) -> Co
             raise ValueError(f"{name}: the model has no blocks to checkpoint")
         checkpoint_blocks(blocks)
     if spec.kind == "hpcnet":
-        cfg = DistConfig(zero=spec.zero, plan="uniform")
+        cfg = DistConfig(zero=spec.zero, owners="uniform")
         dp = DataParallel(model, comm, world, cfg, device=torch.device("cpu"),
-                          plan=decide_plan(comm, world, cfg, device_type="cpu"),
+                          route=agree_route(comm, world, cfg, device_type="cpu"),
                           blocks=find_blocks(model) if spec.zero == 3 else None)  # FSDP2's units
         return Contender(name, model, model, dp.shard_optimizer(build_optimizer(model, optim_cfg)), dp)
     if spec.kind == "fsdp2":

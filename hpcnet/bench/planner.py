@@ -5,7 +5,7 @@ Launch:
 
 For every rung (``hpcnet.bench.memory.ladder_options``: width 64k, k blocks, the ladder's vocabulary, sequence
 and batch) rank 0 measures one step of the plain model (``hpcnet.plan.measure``) and predicts each rank's peak
-at every ``dist.zero`` stage with and without activation checkpointing (``hpcnet.plan.predict``); then every
+at every ``dist.zero`` stage with and without activation checkpointing (``hpcnet.plan.peaks.predict``); then every
 rank trains the rung with hpcnet at each of those choices for ``--steps`` steps and measures its peak as
 ``bench memory`` does (resident memory above the settled memory before the model was built, the high-water
 mark reset there; the largest rank's).  Printed: predicted, measured and their ratio for every trial, and the
@@ -30,7 +30,7 @@ def _train_peak(rung: int, stage: int, checkpointing: str, comm: Any, world: Any
 
     from hpcnet.bench import memory as bm
     from hpcnet.comm.dataparallel import DataParallel
-    from hpcnet.comm.plan import decide_plan
+    from hpcnet.comm.route import agree_route
     from hpcnet.config import DistConfig, OptimConfig
     from hpcnet.data.info import DatasetInfo
     from hpcnet.models import build_model
@@ -47,9 +47,9 @@ def _train_peak(rung: int, stage: int, checkpointing: str, comm: Any, world: Any
     model = build_model("transformer", DatasetInfo("tokens", (bm.CAP_SEQ,), bm.CAP_VOCAB), bm.ladder_options(rung))
     if checkpointing == "blocks":
         checkpoint_blocks(find_blocks(model))
-    cfg = DistConfig(zero=stage, plan="uniform")
+    cfg = DistConfig(zero=stage, owners="uniform")
     dp = DataParallel(model, comm, world, cfg, device=torch.device("cpu"),
-                      plan=decide_plan(comm, world, cfg, device_type="cpu"),
+                      route=agree_route(comm, world, cfg, device_type="cpu"),
                       blocks=find_blocks(model) if stage == 3 else None)
     optimizer = dp.shard_optimizer(build_optimizer(model, OptimConfig(name="adamw", lr=1e-3)))
     for step in range(steps):  # as bench memory's contenders step: clipped at norm 1
@@ -70,8 +70,8 @@ def _predict(rung: int, ranks: int) -> dict[tuple[int, str], Any]:
     from hpcnet.models import build_model
     from hpcnet.objective import compute_loss
     from hpcnet.optim import build_optimizer
-    from hpcnet.plan import predict
     from hpcnet.plan.measure import measure_model
+    from hpcnet.plan.peaks import predict
 
     torch.manual_seed(0)
     model = build_model("transformer", DatasetInfo("tokens", (bm.CAP_SEQ,), bm.CAP_VOCAB), bm.ladder_options(rung))

@@ -173,7 +173,7 @@ def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.dev
     from torch.nn.parallel import DistributedDataParallel
 
     from hpcnet.comm.dataparallel import DataParallel
-    from hpcnet.comm.plan import decide_plan
+    from hpcnet.comm.route import agree_route
     from hpcnet.config import DistConfig, OptimConfig
     from hpcnet.data.info import DatasetInfo
     from hpcnet.models import build_model
@@ -203,9 +203,9 @@ def make_contenders(spec: ModelSpec, comm: Any, world: Any, *, device: torch.dev
     model_h = copy.deepcopy(base)
     dist_cfg = dist_cfg or DistConfig()  # hpcnet's defaults unless --dist says otherwise
     dp = DataParallel(model_h, comm, world, dist_cfg, device=device,
-                      plan=decide_plan(comm, world, dist_cfg, device_type=device.type))
+                      route=agree_route(comm, world, dist_cfg, device_type=device.type))
     update_h = updater(model_h)[1]  # at stage 0 torch's clip and step, as DDP's: the same weights, bit for bit
-    if dist_cfg.zero:  # the gradients are the owners': the optimizer sharded by the plan, the clip collective
+    if dist_cfg.zero:  # the gradients are the owners': the optimizer sharded by the owners, the clip collective
         optimizer_h = dp.shard_optimizer(build_optimizer(model_h, optim_cfg, fused=settings.fused_optimizer))
 
         def update_h() -> None:

@@ -46,11 +46,11 @@ from hpcnet.ckpt.schema import (
     CheckpointInfo,
     Ownership,
     TensorSpec,
+    assign_writers,
     check_names_nest,
     committed_after,
     dtype_name,
     make_spec,
-    plan_ownership,
     sha256_hex,
     to_storage,
 )
@@ -210,7 +210,7 @@ class CheckpointManager:
         previous = self._previous
         incremental = kind == "incremental"
         fixed = {i: holders[s.name] for i, s in enumerate(specs) if s.name in holders}
-        ownership = previous.ownership if incremental else plan_ownership(specs, comm.Get_size(), fixed=fixed)
+        ownership = previous.ownership if incremental else assign_writers(specs, comm.Get_size(), fixed=fixed)
         t1 = time.perf_counter()
         with shared_errors(comm):
             # A synchronous save returns only when written: nothing can change the

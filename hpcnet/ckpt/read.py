@@ -4,7 +4,7 @@ Reading opens committed files with serial h5py (no MPI-IO, no collective, so
 nothing can hang).  The ranks first agree which of them want each tensor; a
 tensor one rank wants (a sharded optimizer's state, ``dist.zero``) is read by
 that rank alone, so no rank ever holds the others' shards, and the rest are
-cut into one contiguous stretch of the file per rank (``plan_reads``).  Each
+cut into one contiguous stretch of the file per rank (``assign_readers``).  Each
 rank reads and verifies its stretch, and the ranks then exchange the pieces
 (docs/checkpoints.md).  Where every rank runs on one node and the file fits in
 its memory, there is no exchange: each rank reads the others' stretches too,
@@ -35,11 +35,11 @@ from hpcnet.ckpt.schema import (
     Ownership,
     Piece,
     TensorSpec,
+    assign_readers,
     block_hashes,
     dtype_name,
     from_storage,
     packed_rows,
-    plan_reads,
     sha256_hex,
     to_storage,
 )
@@ -430,10 +430,10 @@ def read_chain(comm: Any, chain: list[Path], *, uids: list[str] | None = None,
         with shared_errors(comm):
             wanted = wanted_from_meta(meta)
     wanting = _wanting(comm, specs, wanted)
-    ownership = plan_reads(specs, wanting, size)
+    ownership = assign_readers(specs, wanting, size)
     if page_cache is None:
         page_cache = _reads_through_page_cache(comm, _exchanged_bytes(specs, wanting))
-    t_planned = time.perf_counter()
+    t_assigned = time.perf_counter()
     try:
         out, result = _read_local(chain, headers, ownership, wanting, rank, into, io_threads, page_cache)
     except BaseException as exc:  # noqa: BLE001 - shared below, so every rank raises alike
@@ -445,7 +445,7 @@ def read_chain(comm: Any, chain: list[Path], *, uids: list[str] | None = None,
     result.meta = meta
     result.tensors = {spec.name: from_storage(out[i], spec.dtype).reshape(spec.shape) for i, spec in enumerate(specs)
                       if rank in wanting[i]}
-    result.timings = {"open_plan_s": t_planned - t_start, "read_verify_s": t_read - t_planned,
+    result.timings = {"open_assign_s": t_assigned - t_start, "read_verify_s": t_read - t_assigned,
                       "wait_s": t_agreed - t_read, "exchange_s": time.perf_counter() - t_agreed,
                       "exchange_large_s": t_split}
     return result
@@ -461,7 +461,7 @@ def shared_reads(ownership: Ownership, wanting: list[set[int]], rank: int
                  ) -> tuple[list[tuple[int, Piece]], list[tuple[int, Piece]]]:
     """The pieces ``rank`` reads where every rank reads all it wants itself (pure): ``(own, others)``.
 
-    ``own`` is its stretch of the plan (``plan_reads``) of the tensors it wants;
+    ``own`` is its stretch of the reads (``assign_readers``) of the tensors it wants;
     ``others`` the other ranks' pieces of those tensors, in file order starting
     where its own stretch ends (the next rank's), so that it reads them just
     behind (or beside) the rank that reads them from the disk, as the pages
@@ -532,7 +532,7 @@ def _exchange(comm: Any, ownership: Ownership, specs: list[TensorSpec], out: dic
     """Collective: give each rank the pieces the others read of the tensors it wants (``wanting``); return the
     seconds spent on large tensors.
 
-    A tensor one rank wants was read by that rank alone (``plan_reads``): nothing
+    A tensor one rank wants was read by that rank alone (``assign_readers``): nothing
     to do.  Each large tensor that several want is exchanged in place: broadcast
     from the one rank that read it, or all-gathered from the several whose
     ranges it straddles.  Small whole tensors are packed into one buffer that

@@ -224,7 +224,7 @@ class Ownership:
         return [(i, p) for i, pieces in enumerate(self.pieces) for p in pieces if p.rank == rank]
 
 
-def plan_ownership(specs: list[TensorSpec], world_size: int, *, split_min_bytes: int = SPLIT_MIN_BYTES,
+def assign_writers(specs: list[TensorSpec], world_size: int, *, split_min_bytes: int = SPLIT_MIN_BYTES,
                    fixed: dict[int, int] | None = None) -> Ownership:
     """Assign every block of every tensor to exactly one rank, about 1/N of the bytes each (pure).
 
@@ -269,8 +269,8 @@ def plan_ownership(specs: list[TensorSpec], world_size: int, *, split_min_bytes:
     return Ownership(world_size, tuple(pieces), tuple(split), tuple(loads))
 
 
-def plan_reads(specs: list[TensorSpec], wanting: list[set[int]] | list[frozenset[int]], world_size: int
-               ) -> Ownership:
+def assign_readers(specs: list[TensorSpec], wanting: list[set[int]] | list[frozenset[int]], world_size: int
+                   ) -> Ownership:
     """Who reads which blocks of a checkpoint on a load (pure): each rank one contiguous run of the file.
 
     A tensor no rank wants is not read; one that a single rank wants is read
@@ -282,7 +282,7 @@ def plan_reads(specs: list[TensorSpec], wanting: list[set[int]] | list[frozenset
     stretch of the file: a tensor is split only where a cut falls inside it.
     Each rank's range is sized to even out the bytes it reads, counting the
     tensors only it wants.  Cutting every tensor across every rank (as a save
-    does, ``plan_ownership``) makes each rank's reads strided, which reads
+    does, ``assign_writers``) makes each rank's reads strided, which reads
     markedly slower than one run each (see benchmarks/README.md).
     """
     if world_size < 1:
@@ -551,7 +551,7 @@ def resolve_chain(infos: list[CheckpointInfo], target: CheckpointInfo) -> list[C
     return chain[::-1]
 
 
-def plan_retention(infos: list[CheckpointInfo], keep: int) -> list[CheckpointInfo]:
+def checkpoints_to_prune(infos: list[CheckpointInfo], keep: int) -> list[CheckpointInfo]:
     """The checkpoints to delete so that the newest ``keep`` full ones and their increments stay (pure).
 
     Newest means last committed (``CheckpointInfo.commit_order``), not

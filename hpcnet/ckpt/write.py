@@ -54,7 +54,7 @@ from hpcnet.ckpt.schema import (
     HASH_NAME,
     CheckpointInfo,
     TensorSpec,
-    plan_retention,
+    checkpoints_to_prune,
     sha256_hex,
 )
 from hpcnet.errors import errno_of, error_text, os_error
@@ -245,10 +245,10 @@ def _create_plain(comm: Any, job: SaveJob, tmp: Path, needed: int) -> None:
 
 
 def prune(directory: Path, keep: int) -> list[str]:
-    """Delete what ``plan_retention`` says and stale temporary files (rank 0 only; never raises)."""
+    """Delete what ``checkpoints_to_prune`` says and stale temporary files (rank 0 only; never raises)."""
     removed = []
     infos, stale = scan(directory)
-    for item in [*plan_retention(infos, keep), *stale]:
+    for item in [*checkpoints_to_prune(infos, keep), *stale]:
         path = Path(item.path) if isinstance(item, CheckpointInfo) else item
         try:
             path.unlink()

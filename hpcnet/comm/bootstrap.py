@@ -220,8 +220,8 @@ def init_data_plane(comm: Any, world: World, *, backend: str, device: Any, timeo
     Args:
         comm: the MPI communicator whose ranks form the group (rank order kept).
         world: its layout (``hpcnet.world.discover``).
-        backend: 'nccl' or 'gloo': the group the transport plan needs
-            (``hpcnet.comm.plan.Plan.torch_backend``), decided before.
+        backend: 'nccl' or 'gloo': the group the route needs
+            (``hpcnet.comm.route.Route.torch_backend``), decided before.
         device: this rank's torch device.
         timeout_s: store and collective timeout.
         interface: ``dist.interface``: the interfaces to use (names or glob patterns, comma-separated; every

@@ -1,5 +1,5 @@
 """The reducer's buckets: their size (``bucket_bytes``), how parameters are grouped into them
-(``plan_buckets``) and one bucket (``Bucket``).  ``hpcnet.comm.reducer`` fills and sends them; where a bucket's
+(``bucket_layout``) and one bucket (``Bucket``).  ``hpcnet.comm.reducer`` fills and sends them; where a bucket's
 sums go is its placement's (``hpcnet.comm.sharding.placement``)."""
 
 import logging
@@ -46,7 +46,7 @@ def bucket_bytes(cfg: DistConfig, world: World, total: int, link: LinkCost | Non
     return chosen
 
 
-def plan_buckets(sizes_bytes: list[int], bucket_bytes: int, first_bucket_bytes: int = 0) -> list[list[int]]:
+def bucket_layout(sizes_bytes: list[int], bucket_bytes: int, first_bucket_bytes: int = 0) -> list[list[int]]:
     """Group tensor indices into buckets (pure logic).
 
     Tensors are taken in reverse order.  A bucket is closed once it holds at

@@ -9,8 +9,8 @@ an all-gather ``n-1`` steps and ``(n-1)/n`` of it.
 ``assign_shards`` gives every parameter an owner rank (ZeRO-style sharding
 of optimizer state and gradients) with the LPT greedy: the dynamic sharding
 of the seed article and the partitioning of torch's
-ZeroRedundancyOptimizer are the same family.  Every rank computes the plan
-from the same inputs and gets the same plan: no communication decides it.
+ZeroRedundancyOptimizer are the same family.  Every rank computes the
+assignment from the same inputs and gets the same one: no communication decides it.
 """
 
 import heapq
@@ -80,7 +80,7 @@ class LinkCost:
 
 
 @dataclass(frozen=True, slots=True)
-class ShardPlan:
+class OwnerAssignment:
     """Who owns which unit.
 
     Args:
@@ -100,7 +100,7 @@ class ShardPlan:
 
     @property
     def imbalance(self) -> float:
-        """Slowest over mean rank time: 1.0 is perfect balance (and what an empty plan reports)."""
+        """Slowest over mean rank time: 1.0 is perfect balance (and what an empty assignment reports)."""
         mean_s = sum(self.rank_time_s) / len(self.rank_time_s)
         return self.max_time_s / mean_s if mean_s > 0 else 1.0
 
@@ -109,14 +109,14 @@ class ShardPlan:
         return [index for index, owner in enumerate(self.owner) if owner == rank]
 
     def to_json(self) -> dict[str, Any]:
-        """A plain dict for plan.json."""
+        """A plain dict for owners.json."""
         return {"owner": list(self.owner), "rank_bytes": list(self.rank_bytes),
                 "rank_time_s": list(self.rank_time_s), "max_time_s": self.max_time_s,
                 "imbalance": self.imbalance}
 
 
 def assign_shards(sizes_bytes: list[int], rank_speeds: list[float], *, compute_s_per_byte: list[float] | float,
-                  link: LinkCost) -> ShardPlan:
+                  link: LinkCost) -> OwnerAssignment:
     """Give every unit (a parameter, or rows of a cut one: ``hpcnet.comm.sharding.layout.split_units``) an owner
     rank so that the slowest rank finishes early.
 
@@ -137,7 +137,7 @@ def assign_shards(sizes_bytes: list[int], rank_speeds: list[float], *, compute_s
         link: the link the collectives run over (the slowest: inter-node when there are nodes).
 
     Returns:
-        The plan; identical on every rank given identical inputs.
+        The assignment; identical on every rank given identical inputs.
     """
     if not rank_speeds:
         raise ValueError("rank_speeds must name at least one rank")
@@ -183,13 +183,13 @@ def assign_shards(sizes_bytes: list[int], rank_speeds: list[float], *, compute_s
         owner[index] = rank
         rank_bytes[rank] += sizes_bytes[index]
         rank_time_s[rank] = finish_s
-    return ShardPlan(owner=owner, rank_bytes=rank_bytes, rank_time_s=rank_time_s)
+    return OwnerAssignment(owner=owner, rank_bytes=rank_bytes, rank_time_s=rank_time_s)
 
 
-def plan_time_s(sizes_bytes: list[int], owner: list[int], rank_speeds: list[float], *,
-                compute_s_per_byte: float, link: LinkCost) -> list[float]:
+def assignment_times_s(sizes_bytes: list[int], owner: list[int], rank_speeds: list[float], *,
+                       compute_s_per_byte: float, link: LinkCost) -> list[float]:
     """Each rank's modelled time for an assignment ``owner`` at ``rank_speeds``, by ``assign_shards``'s model: to
-    compare the plan in force with a new one when measured speeds have drifted."""
+    compare the assignment in force with a new one when measured speeds have drifted."""
     if len(owner) != len(sizes_bytes):
         raise ValueError(f"owner names {len(owner)} parameters, sizes_bytes {len(sizes_bytes)}")
     for rank, speed in enumerate(rank_speeds):

@@ -3,7 +3,7 @@
 ``DataParallel`` runs a step's micro-batches with communication only after the last one, and when the transport
 fails on any rank it switches every rank to the fallback and redoes the step from the same batch, parameters and
 RNG state, so the result equals a run without the failure.  It holds the step's parts, each built from what it
-needs: the transport of the plan (``hpcnet.comm.plan``) on the path the forecast chose (``hpcnet.comm.forecast``),
+needs: the transport of the route (``hpcnet.comm.route``) on the path the forecast chose (``hpcnet.comm.forecast``),
 replicas made equal (``hpcnet.comm.replicas``), what each rank owns and how the stage places the sums
 (``hpcnet.comm.sharding``), and the buckets (``hpcnet.comm.reducer``).
 """
@@ -20,12 +20,12 @@ from torch import nn
 
 from hpcnet.agree import mark_agreed
 from hpcnet.comm.buckets import bucket_bytes
-from hpcnet.comm.costmodel import LinkCost, PathChoice, ShardPlan
+from hpcnet.comm.costmodel import LinkCost, OwnerAssignment, PathChoice
 from hpcnet.comm.forecast import FORECAST_CHECK_STEP, check_forecast, choose_hierarchical, forecast_comm
-from hpcnet.comm.plan import HALF_PRECISIONS, Plan, mpi_progress
 from hpcnet.comm.quantize import ErrorFeedback
 from hpcnet.comm.reducer import LateGradient, Reducer
 from hpcnet.comm.replicas import broadcast_buffers, broadcast_module, check_same_model
+from hpcnet.comm.route import HALF_PRECISIONS, Route, mpi_progress
 from hpcnet.comm.sharding.layout import ShardLayout, split_units
 from hpcnet.comm.sharding.optimizer import ShardedOptimizer, norm_order, unit_grad_norm
 from hpcnet.comm.sharding.owners import Owners
@@ -52,7 +52,7 @@ class DataParallel:
         comm: the MPI communicator of the job (the control plane).
         world: its layout.
         cfg: the ``dist`` options.
-        plan: the transport plan (``hpcnet.comm.plan.decide_plan``), decided
+        route: the gradients' route (``hpcnet.comm.route.agree_route``), agreed on
             before the torch.distributed group was set up.
         recorder: the flight recorder (``hpcnet.fault.flightrec``) the step's collectives are logged to.
         link: the probed link (the inter-node one where there are nodes): ``dist.bucket_mb=auto``, the owners,
@@ -63,7 +63,7 @@ class DataParallel:
     """
 
     def __init__(self, model: nn.Module, comm: Any, world: World, cfg: DistConfig, *,
-                 device: torch.device, plan: Plan, recorder: Any = NULL_RECORDER,
+                 device: torch.device, route: Route, recorder: Any = NULL_RECORDER,
                  link: LinkCost | None = None, intra_link: LinkCost | None = None,
                  blocks: list[tuple[str, nn.Module]] | None = None) -> None:
         self.model, self.comm, self.world, self.cfg, self.device, self.link = model, comm, world, cfg, device, link
@@ -71,11 +71,11 @@ class DataParallel:
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         total = sum(p.numel() * p.element_size() for p in self.params)
-        self.plan, self.path = choose_hierarchical(plan, cfg, comm, world, total, inter=link, intra=intra_link)
+        self.route, self.path = choose_hierarchical(route, cfg, comm, world, total, inter=link, intra=intra_link)
         self.progress = mpi_progress(cfg.progress, cores_per_rank(world))
         # int8's residuals: kept here, a part of the run that checkpoints hold (hpcnet.stateful)
         self.feedback = ErrorFeedback(comm, in_checkpoints=cfg.compression == "int8")
-        transport = _transport(self.plan, self.path, cfg, comm, world, progress=self.progress, feedback=self.feedback)
+        transport = _transport(self.route, self.path, cfg, comm, world, progress=self.progress, feedback=self.feedback)
         broadcast_module(model, comm)  # replicas start equal even if initialisation differed
         self.owners = Owners(ShardLayout(self.params, world.size), comm, world, cfg, link=link, device=device,
                              names=[name for name, _ in named]) if cfg.zero else None
@@ -92,7 +92,7 @@ class DataParallel:
             self.sharded_params.rounds.pace(self.reducer)
         if cfg.compression == "int8" and world.num_nodes == 1 and world.is_main and world.size > 1:
             log.info("dist.compression=int8 compresses only between nodes, and this job has one: the sums are exact")
-        self.forecast = (forecast_comm(total, cfg, world, hierarchical=self.plan.hierarchical, inter=link,
+        self.forecast = (forecast_comm(total, cfg, world, hierarchical=self.route.hierarchical, inter=link,
                                        intra=intra_link, chunk_bytes=transport.chunk_bytes)
                          if link is not None and world.size > 1 else None)
         # Where dist.zero=2 would cut a parameter at this world size, every stage takes the norm unit by unit.
@@ -104,7 +104,7 @@ class DataParallel:
         self.clock = PhaseClock()  # the loop's (hpcnet.observe.phases); marks are no-ops until it starts a step
         self.share = 1.0 / world.size
         self._has_buffers = any(True for _ in model.buffers())
-        self._buffer_group = _buffer_group(device, world, self.plan)
+        self._buffer_group = _buffer_group(device, world, self.route)
 
     @property
     def layout(self) -> ShardLayout | None:
@@ -113,7 +113,7 @@ class DataParallel:
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer, run_dir: Path | None = None) -> Any:
         """With ``dist.zero`` > 0: ``optimizer`` (over every parameter, no state yet) sharded by the owners, which
-        rank 0 logs and writes to ``plan.json`` in ``run_dir`` (``Owners.start``); else ``optimizer`` itself."""
+        rank 0 logs and writes to ``owners.json`` in ``run_dir`` (``Owners.start``); else ``optimizer`` itself."""
         if self.owners is None:
             return optimizer
         owners = self.owners
@@ -122,7 +122,7 @@ class DataParallel:
         owners.start(run_dir, self.move_owners)
         return self.optimizer
 
-    def move_owners(self, assignment: ShardPlan) -> int:
+    def move_owners(self, assignment: OwnerAssignment) -> int:
         """Move what is owned to ``assignment``'s owners (collective): stage 3's parameters, the optimizer state and,
         from stage 2 on, the buckets' layout; returns the bytes of state moved by all ranks together."""
         assert self.optimizer is not None
@@ -161,12 +161,12 @@ class DataParallel:
     def describe(self) -> str:
         sizes = [b.nbytes / 2**20 for b in self.reducer.buckets]
         progress = f" ({self.progress})" if "mpi" in self.backend else ""
-        return (f"gradients: {self.backend} all-reduce{' (hierarchical)' if self.plan.hierarchical else ''}"
+        return (f"gradients: {self.backend} all-reduce{' (hierarchical)' if self.route.hierarchical else ''}"
                 f"{progress}, "
                 f"{len(sizes)} bucket(s) of {', '.join(f'{s:.1f}' for s in sizes[:6])}"
                 f"{' ...' if len(sizes) > 6 else ''} MiB, compression "
                 f"{'none (auto)' if self.cfg.compression == 'auto' else self.cfg.compression}, "
-                f"fallback {self.plan.fallback or 'none'}")
+                f"fallback {self.route.fallback or 'none'}")
 
     def measured_comm_s(self) -> float | None:
         """The median of this rank's all-reduce times (``ReducerStats.comm_s``) after the first step, or None."""
@@ -176,7 +176,7 @@ class DataParallel:
     def after_step(self, step: int) -> None:
         """Called by every rank after each optimizer step: at ``FORECAST_CHECK_STEP`` rank 0 logs the measured
         all-reduce time beside the forecast; with a sharded optimizer the owners may move
-        (``Owners.after_step``: every ``dist.replan_every`` steps with ``dist.plan=auto``, collective)."""
+        (``Owners.after_step``: every ``dist.reassign_every`` steps with ``dist.owners=auto``, collective)."""
         if step == FORECAST_CHECK_STEP:
             check_forecast(self.forecast, self.measured_comm_s(), self.world)
         if self.owners is not None and self.optimizer is not None:
@@ -208,7 +208,7 @@ class DataParallel:
         self.clock.mark("comm")
         self.reducer.arm_fault(self.step_count == self.cfg.fail_at_step)
         # What the step may change besides gradients: a retry restores them.
-        saved = self._snapshot() if self.plan.fallback or self.reducer.may_redo else None
+        saved = self._snapshot() if self.route.fallback or self.reducer.may_redo else None
         redone = False
         while True:
             loss = self._forward_backward(batches, loss_fn)
@@ -229,13 +229,13 @@ class DataParallel:
                 redone = True
                 self._restore(saved)
             except CommFailure as exc:
-                if self.plan.fallback is None or saved is None:
+                if self.route.fallback is None or saved is None:
                     raise mark_agreed(RestartableError(f"step {self.step_count}: {exc}; no fallback left")) from exc
                 self.reducer.arm_fault(False)
-                fallback = build_transport(self.plan.fallback, False, self.comm, self.world,
+                fallback = build_transport(self.route.fallback, False, self.comm, self.world,
                                            timeout_s=self.cfg.timeout_s, progress=self.progress)
                 self.reducer.switch(fallback, str(exc), self.step_count)
-                self.plan = Plan(self.plan.fallback, False, None)
+                self.route = Route(self.route.fallback, False, None)
                 self.feedback.clear()  # the fallback sums exactly: int8's residuals have nothing left to carry
                 self._buffer_group = None  # the NCCL group may be the part that failed
                 self._restore(saved)
@@ -310,7 +310,7 @@ class DataParallel:
 
     def summary(self) -> dict[str, Any]:
         stats = self.reducer.stats
-        out = {"backend": self.backend, "hierarchical": self.plan.hierarchical, "fallbacks": stats.fallbacks,
+        out = {"backend": self.backend, "hierarchical": self.route.hierarchical, "fallbacks": stats.fallbacks,
                "bytes_reduced": stats.bytes_reduced, "zero": self.cfg.zero}
         measured = self.measured_comm_s()
         if measured is not None:
@@ -323,7 +323,7 @@ class DataParallel:
                            "flat_ms": self.path.flat.seconds * 1e3, "hierarchical_ms": self.path.nested.seconds * 1e3}
         if self.owners is not None:
             out["owned_bytes"] = self.owners.assignment.rank_bytes
-            out["replans"] = self.owners.replans
+            out["reassignments"] = self.owners.reassignments
         return out
 
     def close(self, collective: bool = True) -> None:
@@ -335,11 +335,11 @@ class DataParallel:
             self.sharded_params.close(collective)
 
 
-def _transport(plan: Plan, path: PathChoice | None, cfg: DistConfig, comm: Any, world: World, *, progress: str,
+def _transport(route: Route, path: PathChoice | None, cfg: DistConfig, comm: Any, world: World, *, progress: str,
                feedback: ErrorFeedback) -> Transport:
-    """The plan's transport on ``path`` (collective), made to fail at ``dist.fail_at_step`` on the chosen ranks."""
-    transport = build_transport(plan.primary, plan.hierarchical, comm, world, timeout_s=cfg.timeout_s,
-                                progress=progress, inter_node=plan.inter_node, wire=_DTYPES[cfg.compression],
+    """The route's transport on ``path`` (collective), made to fail at ``dist.fail_at_step`` on the chosen ranks."""
+    transport = build_transport(route.primary, route.hierarchical, comm, world, timeout_s=cfg.timeout_s,
+                                progress=progress, inter_node=route.inter_node, wire=_DTYPES[cfg.compression],
                                 feedback=feedback,
                                 chunk_bytes=PIPELINE_CHUNK_BYTES if path is None else path.chunk_bytes)
     if cfg.fail_at_step:
@@ -366,10 +366,10 @@ def _placement(cfg: DistConfig, owners: Owners | None, world: World) -> Placemen
                             world_size=world.size)
 
 
-def _buffer_group(device: torch.device, world: World, plan: Plan) -> Any:
+def _buffer_group(device: torch.device, world: World, route: Route) -> Any:
     """The NCCL group buffers are broadcast over on GPU (in stream order, without a host round trip), or None:
     MPI."""
-    if device.type == "cuda" and world.size > 1 and plan.torch_backend == "nccl":
+    if device.type == "cuda" and world.size > 1 and route.torch_backend == "nccl":
         import torch.distributed as dist
 
         return dist.group.WORLD

@@ -8,7 +8,7 @@ import logging
 from typing import Any
 
 from hpcnet.comm.costmodel import CommForecast, LinkCost, PathChoice, choose_path, forecast_allreduce
-from hpcnet.comm.plan import Plan
+from hpcnet.comm.route import Route
 from hpcnet.comm.transport.hierarchical import PIPELINE_CHUNK_BYTES
 from hpcnet.config import DistConfig
 from hpcnet.world import World
@@ -19,21 +19,21 @@ FORECAST_CHECK_STEP = 20
 """The step at which rank 0 logs the measured all-reduce time beside the forecast (``check_forecast``)."""
 
 
-def choose_hierarchical(plan: Plan, cfg: DistConfig, comm: Any, world: World, gradient_bytes: int, *,
-                        inter: LinkCost | None, intra: LinkCost | None) -> tuple[Plan, PathChoice | None]:
+def choose_hierarchical(route: Route, cfg: DistConfig, comm: Any, world: World, gradient_bytes: int, *,
+                        inter: LinkCost | None, intra: LinkCost | None) -> tuple[Route, PathChoice | None]:
     """``dist.hierarchical=auto`` where the layout allows both paths, the sums are exact and the links were probed:
     the flat or the hierarchical all-reduce and its chunk, whichever the forecast says is faster
     (``costmodel.choose_path``); rank 0's choice, so every rank builds the same transport (collective).  Returns
-    the plan to follow and the choice (None where there was none to make)."""
-    if (inter is None or cfg.hierarchical != "auto" or not plan.hierarchical or world.num_nodes <= 1
+    the route to follow and the choice (None where there was none to make)."""
+    if (inter is None or cfg.hierarchical != "auto" or not route.hierarchical or world.num_nodes <= 1
             or cfg.compression not in ("none", "auto")):
-        return plan, None
+        return route, None
     choice = choose_path(gradient_bytes, nodes=world.num_nodes, local=world.size // world.num_nodes, inter=inter,
                          intra=intra) if world.is_main else None
     choice = comm.bcast(choice, root=0)
     if world.is_main:
         log.info("dist.hierarchical=auto: %s", choice.describe())
-    return (plan if choice.hierarchical else dataclasses.replace(plan, hierarchical=False, inter_node=None)), choice
+    return (route if choice.hierarchical else dataclasses.replace(route, hierarchical=False, inter_node=None)), choice
 
 
 def forecast_comm(gradient_bytes: int, cfg: DistConfig, world: World, *, hierarchical: bool, inter: LinkCost,

@@ -68,7 +68,7 @@ def intra_samples(local_size: int, count: int = INTRA_SAMPLES) -> list[int]:
     return sorted(picks)
 
 
-def plan_rounds(nodes: list[list[int]], samples: int = INTRA_SAMPLES) -> list[list[tuple[int, int]]]:
+def pair_rounds(nodes: list[list[int]], samples: int = INTRA_SAMPLES) -> list[list[tuple[int, int]]]:
     """The probe's schedule: rounds of disjoint ``(low, high)`` rank pairs (pure logic).
 
     Args:

@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from hpcnet.agree import mark_agreed
-from hpcnet.comm.buckets import Bucket, plan_buckets
+from hpcnet.comm.buckets import Bucket, bucket_layout
 from hpcnet.comm.sharding.placement import Placement, ReplicatedGradients
 from hpcnet.comm.transport import CommFailure, FaultyTransport, Transport, succeeded, wait_all
 from hpcnet.fault.flightrec import NULL_RECORDER
@@ -149,17 +149,17 @@ class Reducer:
     def _build_buckets(self) -> None:
         """Lay the trainable parameters out in buckets, as the placement orders their entries."""
         named = self._named
-        # One dtype/device per bucket: plan per (device, dtype) group.
+        # One dtype/device per bucket: a layout per (device, dtype) group.
         groups: dict[tuple[Any, Any], list[int]] = {}
         for i, (_, p) in enumerate(named):
             groups.setdefault((p.device, p.dtype), []).append(i)
         self.buckets: list[Bucket] = []
         for members in groups.values():
             sizes = [named[i][1].numel() * named[i][1].element_size() for i in members]
-            for plan in plan_buckets(sizes, self._bucket_bytes_cap, self._first_bucket_bytes):
-                params = [named[members[j]][1] for j in plan]
-                names = [named[members[j]][0] for j in plan]
-                entries = [(j, *entry) for j, m in enumerate(plan)
+            for indices in bucket_layout(sizes, self._bucket_bytes_cap, self._first_bucket_bytes):
+                params = [named[members[j]][1] for j in indices]
+                names = [named[members[j]][0] for j in indices]
+                entries = [(j, *entry) for j, m in enumerate(indices)
                            for entry in self.placement.entries(members[m], named[members[m]][1])]
                 entries = self.placement.order(entries)
                 offsets = np.cumsum([0] + [entry[2].numel() for entry in entries]).tolist()

@@ -40,8 +40,8 @@ from typing import Any
 
 from hpcnet.agree import shared_errors
 from hpcnet.comm.netif import IbPort, Interface, ib_ports, interface_towards, interfaces, preference, rendezvous_order
-from hpcnet.comm.pingpong import INTRA_SAMPLES, direction_key, plan_rounds, play_rounds
-from hpcnet.comm.plan import hierarchical_layout
+from hpcnet.comm.pingpong import INTRA_SAMPLES, direction_key, pair_rounds, play_rounds
+from hpcnet.comm.route import hierarchical_layout
 from hpcnet.world import World, discover
 
 FORMAT = "hpcnet-topology/2"
@@ -567,7 +567,7 @@ def probe(comm: Any, world: World, *, budget_s: float = 3.0, sizes: tuple[int, i
             hardware = (interfaces(), ib_ports(), gpus) if leader_view else None
         # Rank 0 (node 0's leader) sends its interfaces along: the addresses it may offer for the rendezvous.
         nodes_ranks, offered = _nodes_ranks(comm, world, hardware[0] if comm.Get_rank() == 0 else None)
-        rounds = plan_rounds(nodes_ranks, intra_pairs)
+        rounds = pair_rounds(nodes_ranks, intra_pairs)
         # Written, so every page is real: an untouched buffer maps to the one
         # shared zero page, stays in cache and flatters the sender (as
         # mpi4py.bench's numpy.empty buffers do).

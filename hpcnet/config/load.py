@@ -110,7 +110,14 @@ def _build(cls: type, values: dict[str, Any], prefix: str) -> Any:
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {exc}") from exc
 
 
+RENAMED = {"dist.plan": "dist.owners", "dist.replan_every": "dist.reassign_every"}
+"""Options that have a new name: old dotted name -> new.  An old name is an error that gives the new one, never
+taken silently: a TOML file written for an older hpcnet says what to change."""
+
+
 def _unknown(option: str, cls: type, prefix: str) -> str:
+    if option in RENAMED:
+        return f"option '{option}' was renamed '{RENAMED[option]}': set {RENAMED[option]} instead"
     known = [f"{prefix}{name}" for name in _field_names(cls)]
     close = difflib.get_close_matches(option, known, n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else f"; known here: {', '.join(known)}"

@@ -304,7 +304,7 @@ class DistConfig:
     compression: str = "auto"
     """Wire format of gradients: 'auto' (exact, as 'none': lossy compression is never chosen for you; across nodes the
     log says what bf16 and int8 would save), 'none', 'fp16' or 'bf16' (lossy; nccl and gloo, and between the nodes of
-    a hierarchical mpi plan with gloo there, dist.inter_node; on one CPU node set dist.backend=gloo), or 'int8'
+    a hierarchical mpi route with gloo there, dist.inter_node; on one CPU node set dist.backend=gloo), or 'int8'
     (lossy: blockwise int8 with error feedback, the residuals saved in checkpoints; only between nodes, over gloo, on
     CPU backends: within a node the sums stay exact; docs/communication.md)."""
     fallback: str = "auto"
@@ -326,14 +326,14 @@ class DistConfig:
     optimizer state on its owner rank only, parameters all-gathered after the update; 2 = also its averaged gradient
     (reduce-scattered to the owner); 3 = also the parameter itself, gathered block by block (model.blocks) for each
     block's forward and backward and released after."""
-    plan: str = "auto"
+    owners: str = "auto"
     """Who owns which parameter with dist.zero > 0: 'auto' (the cost model: bytes, the measured link and each rank's
     measured speed, so a slower rank owns less) or 'uniform' (bytes balanced, ranks taken as equal); written to
-    plan.json."""
-    replan_every: int = 50
-    """With dist.zero > 0 and dist.plan=auto: every this many steps the ranks repeat the start-up speed probe, and when
-    a rank's relative speed moved by more than 25% and the cost model's step would be more than 10% shorter, the
-    parameters get new owners (their optimizer state moved); 0 = keep the start-up plan."""
+    owners.json."""
+    reassign_every: int = 50
+    """With dist.zero > 0 and dist.owners=auto: every this many steps the ranks repeat the start-up speed probe, and
+    when a rank's relative speed moved by more than 25% and the cost model's step would be more than 10% shorter, the
+    parameters get new owners (their optimizer state moved); 0 = keep the start-up owners."""
     memory_cap_gb: float = 0.0
     """Each rank's memory for training, GB (1e9 bytes); 0 = no cap. The memory planner (hpcnet.plan) measures one step
     at start-up and chooses dist.zero and train.activation_checkpointing, overriding both: the fastest choice whose
@@ -358,8 +358,8 @@ class DistConfig:
             raise ConfigError(f"dist.bucket_mb must be positive, got {self.bucket_mb}")
         if self.first_bucket_mb < 0:
             raise ConfigError(f"dist.first_bucket_mb must be >= 0, got {self.first_bucket_mb}")
-        if self.replan_every < 0 or self.replan_every == 1:
-            raise ConfigError(f"dist.replan_every must be 0 (never) or at least 2 steps, got {self.replan_every}")
+        if self.reassign_every < 0 or self.reassign_every == 1:
+            raise ConfigError(f"dist.reassign_every must be 0 (never) or at least 2 steps, got {self.reassign_every}")
         if self.hierarchical not in ("auto", "on", "off"):
             raise ConfigError(f"dist.hierarchical: {self.hierarchical!r} is not one of 'auto', 'on', 'off'")
         if self.inter_node not in ("auto", "primary", "gloo"):
@@ -375,8 +375,8 @@ class DistConfig:
             raise ConfigError(f"dist.fail_at_step must be >= 0, got {self.fail_at_step}")
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             raise ConfigError(f"dist.zero: {self.zero!r} is not one of 0, 1, 2, 3")
-        if self.plan not in ("auto", "uniform"):
-            raise ConfigError(f"dist.plan: {self.plan!r} is not one of 'auto', 'uniform'")
+        if self.owners not in ("auto", "uniform"):
+            raise ConfigError(f"dist.owners: {self.owners!r} is not one of 'auto', 'uniform'")
         if isinstance(self.memory_cap_gb, bool) or not isinstance(self.memory_cap_gb, (int, float)) \
                 or not math.isfinite(self.memory_cap_gb) or self.memory_cap_gb < 0:
             raise ConfigError(f"dist.memory_cap_gb must be a number of GB >= 0 (0: no cap), got {self.memory_cap_gb!r}")

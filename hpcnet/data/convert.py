@@ -284,23 +284,23 @@ def convert(out: str | Path, train: Arrays, eval_arrays: Arrays | None = None, *
                                "both splits need at least one")
         order = np.random.default_rng(seed).permutation(total) if shuffle else None
         num_train = total - num_eval
-        plan = [("train", train, slice(0, num_train) if order is None else order[:num_train], num_train),
-                ("eval", train, slice(num_train, total) if order is None else order[num_train:], num_eval)]
+        splits = [("train", train, slice(0, num_train) if order is None else order[:num_train], num_train),
+                  ("eval", train, slice(num_train, total) if order is None else order[num_train:], num_eval)]
     else:
         if shuffle:
             raise DatasetError("--shuffle only decides which rows --eval-fraction holds out; with separate "
                                "eval arrays there is nothing to shuffle (the trainer shuffles training rows)")
         _check_arrays(eval_arrays, kind)
         _check_eval_matches(train, eval_arrays, kind)
-        plan = [("train", train, slice(0, total), total),
-                ("eval", eval_arrays, slice(0, len(eval_arrays)), len(eval_arrays))]
+        splits = [("train", train, slice(0, total), total),
+                  ("eval", eval_arrays, slice(0, len(eval_arrays)), len(eval_arrays))]
     labels = _Labels(num_classes)
-    progress = _Progress(sum(count for *_, count in plan), quiet)
-    sources = sorted({f"{a.inputs_name}, {a.targets_name}" for _, a, _, _ in plan})
-    checks = [check for arrays in {id(a): a for _, a, _, _ in plan}.values() for check in arrays.checks if check]
+    progress = _Progress(sum(count for *_, count in splits), quiet)
+    sources = sorted({f"{a.inputs_name}, {a.targets_name}" for _, a, _, _ in splits})
+    checks = [check for arrays in {id(a): a for _, a, _, _ in splits}.values() for check in arrays.checks if check]
     with atomic_h5(out) as f:
         try:
-            for split, arrays, rows, count in plan:
+            for split, arrays, rows, count in splits:
                 _write_split(f, split, arrays, rows, count, kind, labels, progress)
         except DatasetError:
             for check in checks:  # a value made by damage is named as the damage: finish reading, then verify
@@ -314,7 +314,7 @@ def convert(out: str | Path, train: Arrays, eval_arrays: Arrays | None = None, *
                                **(provenance or {})})
         if not overwrite and out.exists():  # appeared while converting: do not clobber someone's file
             raise DatasetError(f"--out {out} was created by someone else during the conversion; not replaced")
-    return Converted(out, kind, found, plan[0][3], plan[1][3])
+    return Converted(out, kind, found, splits[0][3], splits[1][3])
 
 
 def _check_out(out: Path, overwrite: bool) -> None:

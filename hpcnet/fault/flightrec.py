@@ -46,7 +46,7 @@ OPS: tuple[str, ...] = (
     "eval.allreduce",       # the evaluation sums
     "state.is_finite",      # before a save: agree that the state is finite (train.nonfinite)
     "balance.allgather",    # data.balance=auto: each rank's time per sample, every data.balance_every steps
-    "replan.allgather",     # dist.replan_every: each rank's speed probe
+    "reassign.allgather",     # dist.reassign_every: each rank's speed probe
     "stats.gather",         # at the end of the loop: every rank's step-time figures to rank 0 (summary.json)
     "gather.round",         # dist.zero=3: one round of parameter gathers (hpcnet.comm.sharding.rounds)
 )

@@ -3,7 +3,7 @@
 Rank 0 talks to the console; every rank logs to ``rank<r>.log`` in the run
 directory; metrics go to ``metrics.rank<r>.jsonl``, one JSON object a line.
 
-The files that describe a run (metrics, ``plan.json``, ``trace.json``,
+The files that describe a run (metrics, ``owners.json``, ``trace.json``,
 ``topology.json``, ``summary.json``, TensorBoard's event files) are best effort
 (``OptionalFile``, ``MetricsWriter``, ``hpcnet.observe.tensorboard``): where
 one cannot be written (a full disk, a quota, no permission, a directory in the

@@ -3,8 +3,8 @@ memory for every ``dist.zero`` stage and activation checkpointing choice of a ru
 
 The options are ``python -m hpcnet.train``'s (the model, the dataset, ``train.batch_size``, ``optim.*``,
 ``train.precision``); one step of the model is measured in this process at one rank's batch (see
-``hpcnet.plan``).  With ``--cap-gb`` (or ``dist.memory_cap_gb``) it also prints the choice a run with that cap
-makes, or the error it stops with.  Status 0, or 2 on bad input or when nothing fits.
+``hpcnet.plan.peaks``).  With ``--cap-gb`` (or ``dist.memory_cap_gb``) it also prints the choice a run with that
+cap makes, or the error it stops with.  Status 0, or 2 on bad input or when nothing fits.
 
 Example::
 
@@ -56,8 +56,8 @@ def _plan(args: argparse.Namespace) -> int:
     from hpcnet.config.load import load_config
     from hpcnet.data.loader import open_dataset
     from hpcnet.models import build_from_config, count_parameters
-    from hpcnet.plan import cap_in_bytes, choose, configured_bucket_bytes, predictions
     from hpcnet.plan.measure import measure_config
+    from hpcnet.plan.peaks import cap_in_bytes, choose, configured_bucket_bytes, predictions
 
     overrides = args.overrides + ([f"dist.memory_cap_gb={args.cap_gb}"] if args.cap_gb is not None else [])
     cfg = load_config(args.config, overrides)

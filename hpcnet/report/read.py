@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcnet.paths import CONFIG_FILE, FAILURE_FILE, LAUNCH_FILE, PLAN_FILE, SUMMARY_FILE, TRACE_FILE, attempt_dir
+from hpcnet.paths import CONFIG_FILE, FAILURE_FILE, LAUNCH_FILE, OWNERS_FILE, SUMMARY_FILE, TRACE_FILE, attempt_dir
 
 TOPOLOGY_FILE = "topology.json"
 """Written by the trainer at start-up (docs/outputs.md); its ``size``, and its per-host figures for the report."""
@@ -35,7 +35,7 @@ class Run:
     failure: dict[str, Any] | None = None
     topology: dict[str, Any] | None = None
     extras: list[str] = field(default_factory=list)
-    """Files worth a link: config.toml, trace.json, plan.json, topology.json, stall dumps, rank logs."""
+    """Files worth a link: config.toml, trace.json, owners.json, topology.json, stall dumps, rank logs."""
 
     @property
     def ranks(self) -> list[int]:
@@ -160,7 +160,7 @@ def read_run(path: Path) -> Run:
     run.failure = read_json(path / FAILURE_FILE)
     run.topology = read_json(path / TOPOLOGY_FILE)
     names = {p.name for p in _listdir(path)}
-    run.extras = [n for n in (CONFIG_FILE, TRACE_FILE, PLAN_FILE, TOPOLOGY_FILE, FAILURE_FILE) if n in names]
+    run.extras = [n for n in (CONFIG_FILE, TRACE_FILE, OWNERS_FILE, TOPOLOGY_FILE, FAILURE_FILE) if n in names]
     run.extras += sorted(n for n in names if n.startswith(("stall.rank", "memory.rank")) and n.endswith(".txt"))
     return run
 

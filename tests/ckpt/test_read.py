@@ -39,11 +39,11 @@ def test_a_checkpoint_replaced_between_listing_and_reading_is_an_error(comm, mpi
 
 def test_shared_reads_take_every_piece_of_the_wanted_tensors_own_stretch_first():
     from hpcnet.ckpt.read import shared_reads
-    from hpcnet.ckpt.schema import TensorSpec, plan_reads
+    from hpcnet.ckpt.schema import TensorSpec, assign_readers
 
     specs = [TensorSpec(f"model/w{i}", "float32", (256, 1024), 64) for i in range(3)]
     wanting = [{0, 1, 2}, {1}, {0, 1, 2}]  # w1 is rank 1's alone
-    ownership = plan_reads(specs, wanting, 3)
+    ownership = assign_readers(specs, wanting, 3)
     own, others = shared_reads(ownership, wanting, 1)
     assert own == [(i, p) for i, p in ownership.owned(1)]
     assert {i for i, _ in own + others} == {0, 1, 2}

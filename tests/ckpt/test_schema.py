@@ -10,13 +10,13 @@ from hpcnet.ckpt.schema import (
     BLOCK_BYTES,
     CheckpointInfo,
     Piece,
+    assign_readers,
+    assign_writers,
     block_hashes,
     check_names_nest,
     check_tensor_name,
+    checkpoints_to_prune,
     make_spec,
-    plan_ownership,
-    plan_reads,
-    plan_retention,
     resolve_chain,
     write_pieces,
 )
@@ -34,13 +34,13 @@ def _random_specs(rng: random.Random, n: int):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7, 64])
-def test_plan_ownership_covers_every_block_once_and_balances(world_size):
+def test_the_writers_cover_every_block_once_and_balance(world_size):
     rng = random.Random(world_size)
     specs = _random_specs(rng, 60)
-    plan = plan_ownership(specs, world_size, split_min_bytes=256 << 10)
-    assert plan == plan_ownership(specs, world_size, split_min_bytes=256 << 10)  # deterministic
+    ownership = assign_writers(specs, world_size, split_min_bytes=256 << 10)
+    assert ownership == assign_writers(specs, world_size, split_min_bytes=256 << 10)  # deterministic
     loads = [0] * world_size
-    for spec, pieces, split in zip(specs, plan.pieces, plan.split):
+    for spec, pieces, split in zip(specs, ownership.pieces, ownership.split):
         covered = [b for p in pieces for b in range(p.block_lo, p.block_hi)]
         assert covered == list(range(spec.n_blocks))
         if split:  # a collective write: every rank must own at least one block
@@ -48,31 +48,31 @@ def test_plan_ownership_covers_every_block_once_and_balances(world_size):
         for p in pieces:
             lo, hi = spec.block_range_rows(p.block_lo, p.block_hi)
             loads[p.rank] += (hi - lo) * spec.row_bytes
-    assert tuple(loads) == plan.rank_bytes
-    largest_whole = max([s.nbytes for s, split in zip(specs, plan.split) if not split] or [0])
+    assert tuple(loads) == ownership.rank_bytes
+    largest_whole = max([s.nbytes for s, split in zip(specs, ownership.split) if not split] or [0])
     assert max(loads) <= sum(loads) / world_size + largest_whole  # greedy bound
 
 
-def test_plan_ownership_is_even_on_a_resnet():
+def test_the_writers_are_even_on_a_resnet():
     model = nn.Sequential(*[nn.Conv2d(c, c, 3) for c in (64, 128, 256, 512)], nn.Linear(4096, 1000))
     specs = [make_spec(k, "float32", tuple(v.shape)) for k, v in model.state_dict().items()]
     for n in (2, 4):
-        loads = plan_ownership(specs, n).rank_bytes
+        loads = assign_writers(specs, n).rank_bytes
         assert max(loads) / (sum(loads) / n) < 1.05
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7, 64])
-def test_plan_reads_gives_each_rank_one_stretch_and_reads_what_one_rank_wants_there(world_size):
+def test_the_readers_each_read_one_stretch_and_what_one_rank_wants_there(world_size):
     rng = random.Random(100 + world_size)
     specs = _random_specs(rng, 80)
     everyone = set(range(world_size))
     wanting = [rng.choice([everyone, everyone, everyone, set(), {rng.randrange(world_size)},
                            set(rng.sample(range(world_size), min(2, world_size)))]) for _ in specs]
-    plan = plan_reads(specs, wanting, world_size)
-    assert plan == plan_reads(specs, wanting, world_size)  # deterministic
+    ownership = assign_readers(specs, wanting, world_size)
+    assert ownership == assign_readers(specs, wanting, world_size)  # deterministic
     loads = [0] * world_size
     last_rank = 0
-    for spec, ranks, pieces in zip(specs, wanting, plan.pieces):
+    for spec, ranks, pieces in zip(specs, wanting, ownership.pieces):
         if not ranks or spec.n_blocks == 0:
             assert pieces == ()  # nobody wants it: not read
             continue
@@ -87,7 +87,7 @@ def test_plan_reads_gives_each_rank_one_stretch_and_reads_what_one_rank_wants_th
         for p in pieces:
             lo, hi = spec.block_range_rows(p.block_lo, p.block_hi)
             loads[p.rank] += (hi - lo) * spec.row_bytes
-    assert tuple(loads) == plan.rank_bytes
+    assert tuple(loads) == ownership.rank_bytes
     shared_blocks = [s.block_rows * s.row_bytes for s, r in zip(specs, wanting) if len(r) > 1 and s.n_blocks]
     own = [sum(s.nbytes for s, r in zip(specs, wanting) if r == {k}) for k in range(world_size)]
     even = sum(loads) / world_size
@@ -97,23 +97,23 @@ def test_plan_reads_gives_each_rank_one_stretch_and_reads_what_one_rank_wants_th
         assert loads[k] <= max(even, own[k]) + 2 * max(shared_blocks, default=0)
 
 
-def test_plan_reads_cuts_a_model_into_contiguous_halves():
+def test_the_readers_cut_a_model_into_contiguous_halves():
     specs = [make_spec(f"layer{i}", "float32", (1024, 4096)) for i in range(4)]
-    plan = plan_reads(specs, [{0, 1}] * 4, 2)
-    assert [[(p.rank, p.block_lo, p.block_hi) for p in pieces] for pieces in plan.pieces] == [
+    ownership = assign_readers(specs, [{0, 1}] * 4, 2)
+    assert [[(p.rank, p.block_lo, p.block_hi) for p in pieces] for pieces in ownership.pieces] == [
         [(0, 0, specs[0].n_blocks)], [(0, 0, specs[1].n_blocks)], [(1, 0, specs[2].n_blocks)],
         [(1, 0, specs[3].n_blocks)]]
     # Three ranks: the middle one reads the end of layer 1 and the start of layer 2.
-    plan = plan_reads(specs, [{0, 1, 2}] * 4, 3)
-    assert [[p.rank for p in pieces] for pieces in plan.pieces] == [[0], [0, 1], [1, 2], [2]]
+    ownership = assign_readers(specs, [{0, 1, 2}] * 4, 3)
+    assert [[p.rank for p in pieces] for pieces in ownership.pieces] == [[0], [0, 1], [1, 2], [2]]
     # What rank 1 alone wants (its optimizer state) counts towards its share.
     state = make_spec("optim/0/exp_avg", "float32", (1024, 4096))
-    plan = plan_reads([*specs, state], [{0, 1}] * 4 + [{1}], 2)
-    assert plan.pieces[4] == (Piece(1, 0, state.n_blocks),)
-    assert abs(plan.rank_bytes[0] - plan.rank_bytes[1]) <= 2 * specs[0].block_rows * specs[0].row_bytes
-    assert [p.rank for p in plan.pieces[2]] == [0, 1]  # rank 0 reads 2.5 layers, rank 1 1.5 and its state
+    ownership = assign_readers([*specs, state], [{0, 1}] * 4 + [{1}], 2)
+    assert ownership.pieces[4] == (Piece(1, 0, state.n_blocks),)
+    assert abs(ownership.rank_bytes[0] - ownership.rank_bytes[1]) <= 2 * specs[0].block_rows * specs[0].row_bytes
+    assert [p.rank for p in ownership.pieces[2]] == [0, 1]  # rank 0 reads 2.5 layers, rank 1 1.5 and its state
     with pytest.raises(ValueError, match="rank 5"):
-        plan_reads(specs, [{5}] * 4, 2)
+        assign_readers(specs, [{5}] * 4, 2)
 
 
 def test_make_spec_blocks():
@@ -163,12 +163,12 @@ def test_chains_and_retention():
     infos = [_info(1, "full"), _info(2, "incremental", 1, 1), _info(3, "incremental", 2, 1),
              _info(4, "full"), _info(5, "incremental", 4, 4), _info(6, "full"), _info(7, "incremental", 6, 6)]
     assert [i.step for i in resolve_chain(infos, infos[2])] == [1, 2, 3]
-    assert [i.step for i in plan_retention(infos, 2)] == [1, 2, 3]
-    assert [i.step for i in plan_retention(infos, 1)] == [1, 2, 3, 4, 5]
-    assert plan_retention(infos, 3) == []
+    assert [i.step for i in checkpoints_to_prune(infos, 2)] == [1, 2, 3]
+    assert [i.step for i in checkpoints_to_prune(infos, 1)] == [1, 2, 3, 4, 5]
+    assert checkpoints_to_prune(infos, 3) == []
     # a rollback mixed chains: 8 builds on 2, so 1 and 2 stay
     mixed = [*infos, _info(8, "incremental", 2, 1)]
-    assert [i.step for i in plan_retention(mixed, 1)] == [3, 4, 5]
+    assert [i.step for i in checkpoints_to_prune(mixed, 1)] == [3, 4, 5]
     with pytest.raises(ValueError, match="missing"):
         resolve_chain([i for i in infos if i.step != 2], infos[2])
     replaced = [CheckpointInfo(step=1, path=infos[0].path, kind="full", uid="f" * 32), infos[1], infos[2]]
@@ -187,11 +187,11 @@ def test_retention_goes_by_commit_order_not_step():
     # keeping the three highest steps would delete the new run's own checkpoints.
     infos = [_seq_info(40, 1), _seq_info(50, 2), _seq_info(60, 3), _seq_info(10, 4), _seq_info(20, 5),
              _seq_info(30, 6)]
-    assert [i.step for i in plan_retention(infos, 3)] == [40, 50, 60]
+    assert [i.step for i in checkpoints_to_prune(infos, 3)] == [40, 50, 60]
     assert [i.step for i in sorted(infos, key=lambda i: i.commit_order)][-1] == 30
     # files of hpcnet before seq existed (seq 0) are older than any that has one, ordered by creation time
     old = CheckpointInfo(step=99, path="/c/ckpt-0000000099.h5", kind="full", uid="9" * 32, created_unix=5.0)
     assert sorted([infos[0], old], key=lambda i: i.commit_order)[0] is old
     unreadable = CheckpointInfo(step=1, path="/c/ckpt-0000000001.h5", kind="unreadable", error="bad")
     assert sorted([unreadable, *infos], key=lambda i: i.commit_order)[-1] is unreadable
-    assert unreadable not in plan_retention([unreadable, *infos], 1)  # never deleted
+    assert unreadable not in checkpoints_to_prune([unreadable, *infos], 1)  # never deleted

@@ -133,7 +133,7 @@ def test_a_sampler_state_that_fails_on_resume_fails_every_rank(comm, mpi_tmp_pat
 
 
 def test_a_sharded_optimizer_s_rank_wants_the_model_and_its_own_state_only():
-    from hpcnet.comm.costmodel import ShardPlan
+    from hpcnet.comm.costmodel import OwnerAssignment
     from hpcnet.comm.sharding.layout import ShardLayout
     from hpcnet.comm.sharding.optimizer import ShardedOptimizer
     from hpcnet.stateful import wanted_by
@@ -148,8 +148,8 @@ def test_a_sharded_optimizer_s_rank_wants_the_model_and_its_own_state_only():
              "optim/0/exp_avg", "optim/0/step", "optim/1/exp_avg", "optim/1/step")
     wanted = {}
     for rank in (0, 1):
-        sharded = ShardedOptimizer(torch.optim.AdamW(params, lr=0.1), ShardPlan([0, 1, 1], [4096, 4108], [1.0, 1.0]),
-                                   layout, _FakeComm(rank, 2), stage=1)
+        owners = OwnerAssignment([0, 1, 1], [4096, 4108], [1.0, 1.0])
+        sharded = ShardedOptimizer(torch.optim.AdamW(params, lr=0.1), owners, layout, _FakeComm(rank, 2), stage=1)
         wanted[rank] = [name for name in names if wanted_by([sharded])(name)]
         sharded.close()
     assert wanted[0] == ["model/w", "model/blocks/1/b", "optim/0/exp_avg:0-32", "optim/0/exp_avg:16-40",

@@ -41,7 +41,7 @@ def test_interfaces_are_usable():
 
 
 def test_the_backend_is_decided_before_the_bootstrap():
-    """'auto' is resolved once, by the transport plan (hpcnet.comm.dataparallel), not again here."""
+    """'auto' is resolved once, by the route (hpcnet.comm.route), not again here."""
     world = discover(MPI.COMM_SELF)
     for backend, device in (("auto", "cpu"), ("mpi", "cpu"), ("nccl", "cpu")):
         with pytest.raises(ValueError, match=f"backend '{backend}' on a cpu device"):

@@ -1,4 +1,4 @@
-"""The cost model: alpha-beta collectives, the LPT shard plan, automatic bucket sizes (one process, no MPI)."""
+"""The cost model: alpha-beta collectives, the LPT owner assignment, automatic bucket sizes (one process, no MPI)."""
 
 import itertools
 import json
@@ -7,13 +7,13 @@ import random
 
 import pytest
 
-from hpcnet.comm.costmodel import LinkCost, ShardPlan, assign_shards, auto_bucket_bytes, measured_speeds
+from hpcnet.comm.costmodel import LinkCost, OwnerAssignment, assign_shards, auto_bucket_bytes, measured_speeds
 
 KIB, MIB = 1 << 10, 1 << 20
 
 
 def unit_link(n_ranks: int) -> LinkCost:
-    """A link on which the plan's communication costs exactly 1 s per owned byte (2(n-1)/B = 1)."""
+    """A link on which the assignment's communication costs exactly 1 s per owned byte (2(n-1)/B = 1)."""
     return LinkCost(latency_s=1e-6, bandwidth_Bps=float(max(2 * (n_ranks - 1), 1)))
 
 
@@ -90,37 +90,38 @@ def test_collective_arguments_are_checked():
         link.all_gather_s(8, 0)
 
 
-# --------------------------------------------------------------------------- the shard plan
+# --------------------------------------------------------------------------- the owner assignment
 
 
 def test_lpt_finds_the_optimum_on_an_easy_case():
     sizes = [5, 4, 3, 3, 2, 2, 1]
-    plan = assign_shards(sizes, [1.0] * 3, compute_s_per_byte=1.0, link=unit_link(3))
-    assert max(plan.rank_bytes) == optimum_bytes(sizes, 3) == 7
-    assert plan.rank_time_s == [2.0 * b for b in plan.rank_bytes]  # 1 s/byte update + 1 s/byte communication
-    assert plan.max_time_s == 14.0
-    assert sorted(i for r in range(3) for i in plan.owned(r)) == list(range(len(sizes)))
+    assignment = assign_shards(sizes, [1.0] * 3, compute_s_per_byte=1.0, link=unit_link(3))
+    assert max(assignment.rank_bytes) == optimum_bytes(sizes, 3) == 7
+    # 1 s/byte update + 1 s/byte communication
+    assert assignment.rank_time_s == [2.0 * b for b in assignment.rank_bytes]
+    assert assignment.max_time_s == 14.0
+    assert sorted(i for r in range(3) for i in assignment.owned(r)) == list(range(len(sizes)))
 
 
 def test_lpt_meets_its_bound_where_it_misses_the_optimum():
     # The classic case: LPT puts both 3s apart and ends with 3+2+2 = 7; 3+3 | 2+2+2 = 6 is best. 7/6 is the
     # bound 4/3 - 1/(3m) for m = 2, reached exactly.
     sizes = [3, 3, 2, 2, 2]
-    plan = assign_shards(sizes, [1.0, 1.0], compute_s_per_byte=1.0, link=unit_link(2))
+    assignment = assign_shards(sizes, [1.0, 1.0], compute_s_per_byte=1.0, link=unit_link(2))
     assert optimum_bytes(sizes, 2) == 6
-    assert max(plan.rank_bytes) == 7
-    assert plan.owner == [0, 1, 0, 1, 0]
+    assert max(assignment.rank_bytes) == 7
+    assert assignment.owner == [0, 1, 0, 1, 0]
 
 
 def test_lpt_is_within_four_thirds_of_the_brute_force_optimum():
     rng = random.Random(0)
     for _ in range(20):
         sizes = [rng.randint(1, 100) for _ in range(7)]
-        plan = assign_shards(sizes, [1.0] * 3, compute_s_per_byte=1.0, link=unit_link(3))
+        assignment = assign_shards(sizes, [1.0] * 3, compute_s_per_byte=1.0, link=unit_link(3))
         best = optimum_bytes(sizes, 3)
-        assert best <= max(plan.rank_bytes) <= 4 / 3 * best, sizes
-        assert sum(plan.rank_bytes) == sum(sizes)
-        assert plan.rank_bytes == [sum(s for s, o in zip(sizes, plan.owner) if o == r) for r in range(3)]
+        assert best <= max(assignment.rank_bytes) <= 4 / 3 * best, sizes
+        assert sum(assignment.rank_bytes) == sum(sizes)
+        assert assignment.rank_bytes == [sum(s for s, o in zip(sizes, assignment.owner) if o == r) for r in range(3)]
 
 
 def test_the_heaps_choose_as_trying_every_rank_does():
@@ -129,70 +130,71 @@ def test_the_heaps_choose_as_trying_every_rank_does():
     for speeds in ([1.0, 0.7, 0.7, 0.4], [0.3, 1.0, 0.3, 1.0, 0.6], [1.0] * 4):
         sizes = [rng.randint(0, 10_000) for _ in range(40)]
         compute = [rng.uniform(0, 1e-3) for _ in sizes]
-        plan = assign_shards(sizes, speeds, compute_s_per_byte=compute, link=link)
-        assert plan.owner == naive_greedy(sizes, speeds, compute, link)
+        assignment = assign_shards(sizes, speeds, compute_s_per_byte=compute, link=link)
+        assert assignment.owner == naive_greedy(sizes, speeds, compute, link)
     # Small integers at speeds 1 and 1/2: exact ties between ranks of different speeds, which go to the lower rank.
     speeds = [0.5, 1.0, 0.5, 1.0]
     for _ in range(20):
         sizes = [rng.randint(1, 4) for _ in range(12)]
-        plan = assign_shards(sizes, speeds, compute_s_per_byte=1.0, link=unit_link(4))
-        assert plan.owner == naive_greedy(sizes, speeds, [1.0] * len(sizes), unit_link(4)), sizes
+        assignment = assign_shards(sizes, speeds, compute_s_per_byte=1.0, link=unit_link(4))
+        assert assignment.owner == naive_greedy(sizes, speeds, [1.0] * len(sizes), unit_link(4)), sizes
 
 
 def test_a_rank_at_half_speed_gets_half_the_bytes():
     fast_link = LinkCost(latency_s=1e-6, bandwidth_Bps=1e15)  # communication negligible: compute decides
-    plan = assign_shards([1000] * 100, [1.0, 1.0, 0.5], compute_s_per_byte=1e-9, link=fast_link)
-    fast_a, fast_b, slow = plan.rank_bytes
-    assert sum(plan.rank_bytes) == 100_000
+    assignment = assign_shards([1000] * 100, [1.0, 1.0, 0.5], compute_s_per_byte=1e-9, link=fast_link)
+    fast_a, fast_b, slow = assignment.rank_bytes
+    assert sum(assignment.rank_bytes) == 100_000
     for fast in (fast_a, fast_b):
         assert abs(slow - fast / 2) <= 1000  # within one parameter of the ideal 40k/40k/20k
-    assert plan.imbalance == pytest.approx(1.0, abs=0.05)
+    assert assignment.imbalance == pytest.approx(1.0, abs=0.05)
 
 
 def test_rank_time_is_update_over_speed_plus_communication():
     # One parameter of 100 bytes, 0.01 s/byte; ring of 2 at 10 B/s: 2*(2-1)/10 = 0.2 s per owned byte.
     # Rank 0 finishes it in 1 + 20 = 21 s, rank 1 (half speed) in 2 + 20 = 22 s.
-    plan = assign_shards([100], [1.0, 0.5], compute_s_per_byte=0.01, link=LinkCost(latency_s=1.0, bandwidth_Bps=10.0))
-    assert plan.owner == [0]
-    assert plan.rank_time_s == pytest.approx([21.0, 0.0])
-    assert plan.max_time_s == pytest.approx(21.0)
-    assert plan.imbalance == pytest.approx(2.0)
+    assignment = assign_shards([100], [1.0, 0.5], compute_s_per_byte=0.01,
+                               link=LinkCost(latency_s=1.0, bandwidth_Bps=10.0))
+    assert assignment.owner == [0]
+    assert assignment.rank_time_s == pytest.approx([21.0, 0.0])
+    assert assignment.max_time_s == pytest.approx(21.0)
+    assert assignment.imbalance == pytest.approx(2.0)
 
 
 def test_compute_per_parameter_orders_the_items():
     # Parameter 0 is small but costly to update (an embedding with a heavy optimizer, say): it goes first.
     link = LinkCost(latency_s=1e-6, bandwidth_Bps=1e15)
-    plan = assign_shards([10, 100, 100], [1.0, 1.0], compute_s_per_byte=[100.0, 1.0, 1.0], link=link)
-    assert plan.owner == [0, 1, 1]
+    assignment = assign_shards([10, 100, 100], [1.0, 1.0], compute_s_per_byte=[100.0, 1.0, 1.0], link=link)
+    assert assignment.owner == [0, 1, 1]
     scalar = assign_shards([7, 3, 5], [1.0, 1.0], compute_s_per_byte=2.0, link=link)
     assert scalar == assign_shards([7, 3, 5], [1.0, 1.0], compute_s_per_byte=[2.0] * 3, link=link)
 
 
-def test_the_plan_is_deterministic():
+def test_the_assignment_is_deterministic():
     rng = random.Random(2)
     sizes = [rng.randint(1, 1 << 20) for _ in range(50)]
     link = LinkCost.from_probe(latency_us=5.0, bandwidth_gbps=100.0)
     kw = dict(compute_s_per_byte=1e-9, link=link)
-    plan = assign_shards(sizes, [1.0, 0.9, 1.0, 0.5], **kw)
-    assert plan == assign_shards(list(sizes), [1.0, 0.9, 1.0, 0.5], **kw)
+    assignment = assign_shards(sizes, [1.0, 0.9, 1.0, 0.5], **kw)
+    assert assignment == assign_shards(list(sizes), [1.0, 0.9, 1.0, 0.5], **kw)
     # distinct sizes, shuffled: every parameter keeps its owner
     perm = list(range(len(sizes)))
     rng.shuffle(perm)
     shuffled = assign_shards([sizes[p] for p in perm], [1.0, 0.9, 1.0, 0.5], **kw)
-    assert [shuffled.owner[j] for j in sorted(range(len(perm)), key=perm.__getitem__)] == plan.owner
-    assert shuffled.rank_bytes == plan.rank_bytes
-    # equal items: ties go by index, then by rank, so the plan is a round robin whatever the history
+    assert [shuffled.owner[j] for j in sorted(range(len(perm)), key=perm.__getitem__)] == assignment.owner
+    assert shuffled.rank_bytes == assignment.rank_bytes
+    # equal items: ties go by index, then by rank, so the assignment is a round robin whatever the history
     equal = assign_shards([64] * 7, [1.0] * 3, **kw)
     assert equal.owner == [0, 1, 2, 0, 1, 2, 0]
     assert assign_shards([64] * 7, [1.0] * 3, **kw) == equal
-    assert json.loads(json.dumps(plan.to_json())) == plan.to_json()
-    assert set(plan.to_json()) == {"owner", "rank_bytes", "rank_time_s", "max_time_s", "imbalance"}
+    assert json.loads(json.dumps(assignment.to_json())) == assignment.to_json()
+    assert set(assignment.to_json()) == {"owner", "rank_bytes", "rank_time_s", "max_time_s", "imbalance"}
 
 
-def test_no_parameters_is_an_empty_balanced_plan():
-    plan = assign_shards([], [1.0, 1.0], compute_s_per_byte=1.0, link=unit_link(2))
-    assert plan == ShardPlan(owner=[], rank_bytes=[0, 0], rank_time_s=[0.0, 0.0])
-    assert plan.max_time_s == 0.0 and plan.imbalance == 1.0
+def test_no_parameters_is_an_empty_balanced_assignment():
+    assignment = assign_shards([], [1.0, 1.0], compute_s_per_byte=1.0, link=unit_link(2))
+    assert assignment == OwnerAssignment(owner=[], rank_bytes=[0, 0], rank_time_s=[0.0, 0.0])
+    assert assignment.max_time_s == 0.0 and assignment.imbalance == 1.0
     single = assign_shards([5, 3], [1.0], compute_s_per_byte=1.0, link=unit_link(1))
     assert single.owner == [0, 0] and single.rank_time_s == [8.0]  # one rank: no communication
 

@@ -7,14 +7,14 @@ import torch
 from torch import nn
 
 from hpcnet.comm.dataparallel import DataParallel
-from hpcnet.comm.plan import Plan
+from hpcnet.comm.route import Route
 from hpcnet.config import DistConfig
 from hpcnet.config.load import load_config
 from hpcnet.errors import RestartableError, UsageError
 from hpcnet.world import discover
 from tests.helpers.comm import Net, even_nodes, reference_grads
 
-MPI_ONLY = Plan("mpi", False, None)
+MPI_ONLY = Route("mpi", False, None)
 
 
 @pytest.mark.mpi
@@ -22,10 +22,10 @@ def test_mismatched_models_are_an_error_on_every_rank(comm):
     world = discover(comm, environ={})
     model = nn.Linear(4, 4 + (comm.Get_rank() == comm.Get_size() - 1 and comm.Get_size() > 1))
     if comm.Get_size() == 1:
-        DataParallel(model, comm, world, DistConfig(), device=torch.device("cpu"), plan=MPI_ONLY).close()
+        DataParallel(model, comm, world, DistConfig(), device=torch.device("cpu"), route=MPI_ONLY).close()
         return
     with pytest.raises(UsageError, match=rf"model differs across ranks: ranks \[{comm.Get_size() - 1}\]"):
-        DataParallel(model, comm, world, DistConfig(), device=torch.device("cpu"), plan=MPI_ONLY)
+        DataParallel(model, comm, world, DistConfig(), device=torch.device("cpu"), route=MPI_ONLY)
 
 
 def _loss(model, batch):
@@ -39,12 +39,12 @@ def _data(comm, n=8):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("plan", [MPI_ONLY, Plan("gloo", False, "mpi"), Plan("mpi", True, None)])
-def test_a_step_averages_the_gradients_of_equal_replicas(comm, data_plane, plan):
-    world = discover(comm, environ=even_nodes(comm) if plan.hierarchical else {})
+@pytest.mark.parametrize("route", [MPI_ONLY, Route("gloo", False, "mpi"), Route("mpi", True, None)])
+def test_a_step_averages_the_gradients_of_equal_replicas(comm, data_plane, route):
+    world = discover(comm, environ=even_nodes(comm) if route.hierarchical else {})
     torch.manual_seed(comm.Get_rank())  # replicas initialised differently: rank 0's weights win
     model = Net()
-    dp = DataParallel(model, comm, world, DistConfig(bucket_mb=0.004), device=torch.device("cpu"), plan=plan)
+    dp = DataParallel(model, comm, world, DistConfig(bucket_mb=0.004), device=torch.device("cpu"), route=route)
     first = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     assert comm.allgather(first.sum().item()) == [first.sum().item()] * comm.Get_size()
     x, y = _data(comm)
@@ -53,11 +53,11 @@ def test_a_step_averages_the_gradients_of_equal_replicas(comm, data_plane, plan)
     assert loss.shape == () and dp.step_count == 1
     for p, g in zip(model.parameters(), expected):
         torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-6)
-    hierarchical = plan.hierarchical and comm.Get_size() > 1
-    assert dp.backend == ("hierarchical-" if hierarchical else "") + plan.primary
-    assert dp.summary()["hierarchical"] == plan.hierarchical
+    hierarchical = route.hierarchical and comm.Get_size() > 1
+    assert dp.backend == ("hierarchical-" if hierarchical else "") + route.primary
+    assert dp.summary()["hierarchical"] == route.hierarchical
     assert f"gradients: {dp.backend} all-reduce" in dp.describe()
-    assert f"fallback {plan.fallback or 'none'}" in dp.describe()
+    assert f"fallback {route.fallback or 'none'}" in dp.describe()
     dp.close()
 
 
@@ -66,7 +66,7 @@ def test_micro_batches_communicate_once_and_average(comm):
     world = discover(comm, environ={})
     torch.manual_seed(0)
     model = Net()
-    dp = DataParallel(model, comm, world, DistConfig(), device=torch.device("cpu"), plan=MPI_ONLY)
+    dp = DataParallel(model, comm, world, DistConfig(), device=torch.device("cpu"), route=MPI_ONLY)
     x, y = _data(comm)
     expected = reference_grads(model, x, y, comm)
     before = dp.summary()["bytes_reduced"]
@@ -85,13 +85,13 @@ def test_a_failed_step_is_redone_on_the_fallback_by_every_rank(comm, data_plane)
     cfg = DistConfig(fail_at_step=2, fail_ranks=[last])
     torch.manual_seed(0)
     model = Net()
-    dp = DataParallel(model, comm, world, cfg, device=torch.device("cpu"), plan=Plan("gloo", False, "mpi"))
+    dp = DataParallel(model, comm, world, cfg, device=torch.device("cpu"), route=Route("gloo", False, "mpi"))
     x, y = _data(comm)
     dp.step([(x, y)], _loss)
     assert dp.backend == "gloo"
     expected = reference_grads(model, x, y, comm)
     dp.step([(x, y)], _loss)
-    assert dp.backend == "mpi" and dp.plan == Plan("mpi", False, None)
+    assert dp.backend == "mpi" and dp.route == Route("mpi", False, None)
     assert [(f["step"], f["from"], f["to"]) for f in dp.summary()["fallbacks"]] == [(2, "gloo", "mpi")]
     for p, g in zip(model.parameters(), expected):
         torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-6)
@@ -102,7 +102,7 @@ def test_a_failed_step_is_redone_on_the_fallback_by_every_rank(comm, data_plane)
 def test_a_failure_without_fallback_stops_every_rank(comm):
     world = discover(comm, environ={})
     cfg = DistConfig(fail_at_step=1, fail_ranks=[comm.Get_size() - 1])
-    dp = DataParallel(Net(), comm, world, cfg, device=torch.device("cpu"), plan=MPI_ONLY)
+    dp = DataParallel(Net(), comm, world, cfg, device=torch.device("cpu"), route=MPI_ONLY)
     with pytest.raises(RestartableError, match=r"step 1: mpi all-reduce failed .*; no fallback left"):
         dp.step([_data(comm)], _loss)
     dp.close()
@@ -208,13 +208,13 @@ def test_hierarchical_auto_follows_the_faked_probe_and_both_paths_average_alike(
     world = discover(comm, environ=even_nodes(comm))
     if world.num_nodes < 2 or world.size == world.num_nodes:
         pytest.skip("needs nodes of 2 ranks (an even world size above 2)")
-    plan = Plan("mpi", True, None, "gloo")
+    route = Route("mpi", True, None, "gloo")
     torch.manual_seed(0)
     model = Net()
-    dp = DataParallel(model, comm, world, DistConfig(bucket_mb=0.004), device=torch.device("cpu"), plan=plan,
+    dp = DataParallel(model, comm, world, DistConfig(bucket_mb=0.004), device=torch.device("cpu"), route=route,
                       link=LinkCost.from_probe(100.0, 1.0), intra_link=LinkCost.from_probe(inside_us, inside_gbit))
     try:
-        assert dp.plan.hierarchical == hierarchical and dp.summary()["path"]["hierarchical"] == hierarchical
+        assert dp.route.hierarchical == hierarchical and dp.summary()["path"]["hierarchical"] == hierarchical
         assert dp.backend == ("hierarchical-mpi+gloo" if hierarchical else "mpi")
         if hierarchical:
             assert dp.reducer.transport.chunk_bytes == dp.path.chunk_bytes

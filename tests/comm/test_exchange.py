@@ -1,4 +1,4 @@
-"""Tensors between ranks as raw bytes in messages below MPI's count limit: ``exchange`` and the re-plan's move of
+"""Tensors between ranks as raw bytes in messages below MPI's count limit: ``exchange`` and the reassignment's move of
 optimizer state (``ShardedOptimizer.reshard``), with the limit lowered so small tensors go in many pieces; a real
 message of more than 2**31 bytes in the slow tests (``--slow``: scripts/test.sh --slow) where memory allows."""
 
@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from hpcnet.comm import exchange as exchange_mod
-from hpcnet.comm.costmodel import ShardPlan
+from hpcnet.comm.costmodel import OwnerAssignment
 from hpcnet.comm.exchange import exchange, pieces
-from hpcnet.comm.sharding.assign import plan_shards
+from hpcnet.comm.sharding.assign import assign_owners
 from hpcnet.comm.sharding.layout import ShardLayout
 from hpcnet.comm.sharding.optimizer import ParamGather, ShardedOptimizer
 from tests.helpers.comm import owned_params
@@ -136,8 +136,8 @@ def test_reshard_moves_the_state_bit_for_bit_as_bytes_below_the_limit(comm, monk
     params = list(model.parameters())
     layout = ShardLayout(params, size)
     assert size == 1 or any(not u.whole for u in layout.units)  # the 64x40 weight is cut into row ranges
-    plan, _ = plan_shards(layout.tensors, limited, mode="uniform")
-    optimizer = ShardedOptimizer(torch.optim.AdamW(params, lr=1e-2), plan, layout, limited, stage)
+    assignment, _ = assign_owners(layout.tensors, limited, mode="uniform")
+    optimizer = ShardedOptimizer(torch.optim.AdamW(params, lr=1e-2), assignment, layout, limited, stage)
     for step in range(2):
         grads = _grads(params, step)
         if stage == 1:
@@ -154,7 +154,7 @@ def test_reshard_moves_the_state_bit_for_bit_as_bytes_below_the_limit(comm, monk
                                 for k, values in optimizer.unit_state().items()}):
         held.update(part)
     assert sorted(held) == list(range(len(layout.units)))
-    moved = ShardPlan([(o + 1) % size for o in plan.owner], plan.rank_bytes, plan.rank_time_s)
+    moved = OwnerAssignment([(o + 1) % size for o in assignment.owner], assignment.rank_bytes, assignment.rank_time_s)
     limited.sizes.clear()
     sent = optimizer.reshard(moved)
     state = optimizer.unit_state()
@@ -162,7 +162,7 @@ def test_reshard_moves_the_state_bit_for_bit_as_bytes_below_the_limit(comm, monk
     for k, values in state.items():
         _assert_same(values, held[k])
     if size > 1:
-        assert sent == sum(v.numel() * v.element_size() for k, o in enumerate(plan.owner) if o == rank
+        assert sent == sum(v.numel() * v.element_size() for k, o in enumerate(assignment.owner) if o == rank
                            for v in held[k].values())
         assert max(limited.sizes) <= 256 and len(limited.sizes) > 2 * len(state)  # the larger tensors in pieces
     optimizer.close()

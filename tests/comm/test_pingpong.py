@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from hpcnet.comm.pingpong import intra_samples, pair_key, plan_rounds, play_rounds, tournament
+from hpcnet.comm.pingpong import intra_samples, pair_key, pair_rounds, play_rounds, tournament
 from tests.helpers.comm import nodes_of
 
 
@@ -26,7 +26,7 @@ def _check_schedule(nodes: list[list[int]], rounds: list[list[tuple[int, int]]],
                                          [1] * 7, [3, 1, 5, 2, 2], [16, 16]])
 def test_schedule_covers_required_pairs_once(local_sizes):
     nodes = nodes_of(local_sizes)
-    rounds = plan_rounds(nodes)
+    rounds = pair_rounds(nodes)
     _check_schedule(nodes, rounds)
     # Optimal for the leaders: n-1 rounds (n even) or n (odd); then one round per
     # intra-node sample, shared by all nodes (a resting leader may take one earlier).
@@ -43,7 +43,7 @@ def test_tournament_and_samples():
     assert intra_samples(1) == [] and intra_samples(2) == [1] and intra_samples(4) == [1, 2, 3]
     assert intra_samples(8) == [1, 4, 7] and intra_samples(8, 1) == [1]
     # virtual nodes of 2 ranks on 4 ranks: leaders 0 and 2 meet, then both nodes time their pair together
-    assert plan_rounds(nodes_of([2, 2])) == [[(0, 2)], [(0, 1), (2, 3)]]
+    assert pair_rounds(nodes_of([2, 2])) == [[(0, 2)], [(0, 1), (2, 3)]]
     assert pair_key(3, 1) == "1-3"
 
 
@@ -52,7 +52,7 @@ def test_tournament_and_samples():
 def test_play_rounds_times_every_pair_once_at_any_size(comm):
     """Every rank plays its pairs of a schedule over all ranks; the initiators hold the figures."""
     size, rank = comm.Get_size(), comm.Get_rank()
-    rounds = plan_rounds([[r] for r in range(size)])  # every rank a node of its own: all pairs
+    rounds = pair_rounds([[r] for r in range(size)])  # every rank a node of its own: all pairs
     small, large = np.ones(8, np.uint8), np.ones(1 << 16, np.uint8)
     measured, probe_s = play_rounds(comm, rounds, small, large, budget_s=0.3)
     assert set(measured) == {pair_key(a, b) for rnd in rounds for a, b in rnd if a == rank}

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from hpcnet.comm.buckets import plan_buckets
+from hpcnet.comm.buckets import bucket_layout
 from hpcnet.comm.reducer import Reducer
 from hpcnet.comm.sharding.placement import ShardedGradients
 from hpcnet.comm.transport import build_transport
@@ -20,17 +20,17 @@ def _sharded(owners, comm):
     return ShardedGradients(owners, None, n_params=len(owners), rank=comm.Get_rank(), world_size=comm.Get_size())
 
 
-def test_plan_buckets_reverse_order_and_caps():
-    assert plan_buckets([4, 4, 4, 4], 8) == [[3, 2], [1, 0]]
-    assert plan_buckets([4, 4, 4, 4], 8, first_bucket_bytes=4) == [[3], [2, 1], [0]]
-    assert plan_buckets([100, 1, 1], 8) == [[2, 1, 0]]  # a bucket closes once full: a big tensor goes at once
+def test_bucket_layout_takes_reverse_order_and_caps():
+    assert bucket_layout([4, 4, 4, 4], 8) == [[3, 2], [1, 0]]
+    assert bucket_layout([4, 4, 4, 4], 8, first_bucket_bytes=4) == [[3], [2, 1], [0]]
+    assert bucket_layout([100, 1, 1], 8) == [[2, 1, 0]]  # a bucket closes once full: a big tensor goes at once
     # An MLP (weight, bias per layer; last layer first): a big weight closes its bucket, never waits for the
     # next layer's bias.
-    assert plan_buckets([16, 1, 16, 1, 2, 1], 8, first_bucket_bytes=1) == [[5], [4, 3, 2], [1, 0]]
-    every = sorted(i for b in plan_buckets(list(range(1, 50)), 64, 16) for i in b)
+    assert bucket_layout([16, 1, 16, 1, 2, 1], 8, first_bucket_bytes=1) == [[5], [4, 3, 2], [1, 0]]
+    every = sorted(i for b in bucket_layout(list(range(1, 50)), 64, 16) for i in b)
     assert every == list(range(49))
     with pytest.raises(ValueError):
-        plan_buckets([1], 0)
+        bucket_layout([1], 0)
 
 
 @pytest.mark.mpi

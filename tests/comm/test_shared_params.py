@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hpcnet.comm.dataparallel import DataParallel
-from hpcnet.comm.plan import Plan
 from hpcnet.comm.reducer import LateGradient, Reducer
+from hpcnet.comm.route import Route
 from hpcnet.comm.sharding.layout import ShardLayout
 from hpcnet.comm.sharding.placement import ShardedGradients
 from hpcnet.comm.transport import build_transport
@@ -170,8 +170,8 @@ def test_n_ranks_train_as_one_with_n_times_the_batch(comm, mode, progress, zero)
     model = Shared(mode)
     alone = copy.deepcopy(model)
     dp = DataParallel(model, comm, world, DistConfig(bucket_mb=0.001, first_bucket_mb=0.0001, progress=progress,
-                                                     zero=zero, plan="uniform"),
-                      device=torch.device("cpu"), plan=Plan("mpi", False, None))
+                                                     zero=zero, owners="uniform"),
+                      device=torch.device("cpu"), route=Route("mpi", False, None))
     optimizer = dp.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
     alone_optimizer = torch.optim.SGD(alone.parameters(), lr=0.5)
     generator = torch.Generator().manual_seed(1)
@@ -202,7 +202,7 @@ def test_a_count_that_grows_after_single_arrivals_stops_every_rank(comm, progres
     torch.manual_seed(0)
     model = Shared("reentrant", depth=1, tied_inside=False)
     dp = DataParallel(model, comm, world, DistConfig(bucket_mb=0.001, first_bucket_mb=0.0001, progress=progress),
-                      device=torch.device("cpu"), plan=Plan("mpi", False, None))
+                      device=torch.device("cpu"), route=Route("mpi", False, None))
     torch.manual_seed(100 + comm.Get_rank())
     x, y = torch.randn(4, 16), torch.randint(0, 16, (4,))
     dp.step([(x, y)], _loss)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hpcnet.comm.netif import IbPort, Interface, interfaces, kind_of
-from hpcnet.comm.pingpong import pair_key, plan_rounds
+from hpcnet.comm.pingpong import pair_key, pair_rounds
 from hpcnet.comm.topology import (
     Gpu,
     InterfaceUse,
@@ -41,7 +41,7 @@ def _topology(local_sizes, *, nets=None, ib=False, pairs=None) -> Topology:
              for i, m in enumerate(nodes_ranks)]
     ranks = [RankInfo(rank=r, host=f"n{i}", node_index=i, local_rank=k, gpu_count=1)
              for i, m in enumerate(nodes_ranks) for k, r in enumerate(m)]
-    pairs = pairs if pairs is not None else [p for rnd in plan_rounds(nodes_ranks) for p in rnd]
+    pairs = pairs if pairs is not None else [p for rnd in pair_rounds(nodes_ranks) for p in rnd]
     lat = {pair_key(*p): (2.0 if ranks[p[0]].node_index == ranks[p[1]].node_index else 20.0) for p in pairs}
     bw = {pair_key(*p): (100.0 if ranks[p[0]].node_index == ranks[p[1]].node_index else 10.0) for p in pairs}
     return Topology(size=len(ranks), num_nodes=len(nodes), virtual_nodes=False, nodes=nodes, ranks=ranks,
@@ -115,7 +115,7 @@ def _check_probe(topology: Topology, comm, layout: list[tuple[int, int, int]]) -
     assert topology.size == size and len(topology.ranks) == size
     assert [(r.node_index, r.local_rank) for r in topology.ranks] == [(n, k) for n, k, _ in layout]
     nodes = [n.ranks for n in topology.nodes]
-    required = {pair_key(*p) for rnd in plan_rounds(nodes) for p in rnd}
+    required = {pair_key(*p) for rnd in pair_rounds(nodes) for p in rnd}
     assert set(topology.latency_us) == required == set(topology.bandwidth_gbps)
     assert set(topology.directed_gbps) == {f"{a}->{b}" for key in required for a, b in
                                            (key.split("-"), key.split("-")[::-1])}

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from hpcnet.comm.netif import Interface, rendezvous_order
-from hpcnet.comm.pingpong import direction_key, pair_key, plan_rounds
+from hpcnet.comm.pingpong import direction_key, pair_key, pair_rounds
 from hpcnet.comm.topology import (
     InterfaceUse,
     Node,
@@ -43,7 +43,7 @@ def _topology(local_sizes, *, send=None, receive=None, noise=0.0, seed=0, hosts=
     ranks = [RankInfo(rank=r, host=names[i], node_index=i, local_rank=k, gpu_count=0)
              for i, m in enumerate(nodes_ranks) for k, r in enumerate(m)]
     latency, bandwidth, directed = {}, {}, {}
-    for a, b in (p for rnd in plan_rounds(nodes_ranks) for p in rnd):
+    for a, b in (p for rnd in pair_rounds(nodes_ranks) for p in rnd):
         same = node_of[a] == node_of[b]
         for src, dst in ((a, b), (b, a)):
             rate = intra_gbps if same else min(send[node_of[src]], receive[node_of[dst]])

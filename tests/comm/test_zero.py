@@ -1,5 +1,5 @@
 """dist.zero=1|2: sharded optimizer state and gradients give the updates of dist.zero=0; checkpoints move between
-stages and world sizes; the owners' plan."""
+stages and world sizes; the owners' assignment."""
 
 import json
 
@@ -10,12 +10,12 @@ from torch import nn
 
 from hpcnet.ckpt.schema import rows_of
 from hpcnet.comm import exchange
-from hpcnet.comm.costmodel import LinkCost, assign_shards, plan_time_s
-from hpcnet.comm.sharding.assign import plan_shards
+from hpcnet.comm.costmodel import LinkCost, assign_shards, assignment_times_s
+from hpcnet.comm.sharding.assign import assign_owners
 from hpcnet.comm.sharding.layout import MIN_UNIT_BYTES, UNITS_PER_RANK, ShardLayout, split_units
 from hpcnet.comm.sharding.optimizer import ParamGather, norm_order, unit_grad_norm
 from hpcnet.errors import ConfigError, ExitCode
-from hpcnet.paths import PLAN_FILE
+from hpcnet.paths import OWNERS_FILE
 from hpcnet.train import run
 from tests.helpers.comm import owned_params
 from tests.helpers.data import tiny_images
@@ -62,7 +62,7 @@ def test_zero_updates_equal_zero_0(comm, data_plane, mpi_tmp_path, zero, optim, 
 
     # What each rank holds: the optimizer state of its own units only, all of them together once; at 2 ranks and
     # more the largest layer is cut into row ranges.
-    owner = sharded.optimizer.plan.owner
+    owner = sharded.optimizer.assignment.owner
     layout = sharded.optimizer.layout
     held = {k for k, t in enumerate(layout.tensors) if t in sharded.optimizer.state}
     assert held == {k for k, o in enumerate(owner) if o == comm.Get_rank()}
@@ -78,28 +78,29 @@ def test_zero_updates_equal_zero_0(comm, data_plane, mpi_tmp_path, zero, optim, 
 
 
 @pytest.mark.mpi
-def test_plan_json_and_summary(comm, data_plane, mpi_tmp_path):
+def test_owners_json_and_summary(comm, data_plane, mpi_tmp_path):
     dataset = _dataset(comm, mpi_tmp_path)
-    result = run(_cfg(mpi_tmp_path, dataset, "plan", "dist.zero=2", "dist.plan=uniform"), comm, plane=data_plane)
-    run_dir = mpi_tmp_path / "runs" / "plan"
+    result = run(_cfg(mpi_tmp_path, dataset, "owners-file", "dist.zero=2", "dist.owners=uniform"), comm,
+                 plane=data_plane)
+    run_dir = mpi_tmp_path / "runs" / "owners-file"
     if comm.Get_rank() == 0:
-        plan = json.loads((run_dir / PLAN_FILE).read_text())
-        assert plan["zero"] == 2 and plan["plan"] == "uniform" and plan["world_size"] == comm.Get_size()
+        record = json.loads((run_dir / OWNERS_FILE).read_text())
+        assert record["zero"] == 2 and record["owners"] == "uniform" and record["world_size"] == comm.Get_size()
         params = dict(result.model.named_parameters())
         # Every parameter in order, whole or in row ranges that follow one another to its last row.
-        assert list(dict.fromkeys(u["name"] for u in plan["units"])) == list(params)
+        assert list(dict.fromkeys(u["name"] for u in record["units"])) == list(params)
         for name, p in params.items():
-            rows = [u.get("rows", [0, p.shape[0]]) for u in plan["units"] if u["name"] == name]
+            rows = [u.get("rows", [0, p.shape[0]]) for u in record["units"] if u["name"] == name]
             assert rows[0][0] == 0 and rows[-1][1] == p.shape[0] and all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
-        assert plan["cut"] == sorted({u["name"] for u in plan["units"] if "rows" in u})
-        assert (len(plan["cut"]) > 0) == (comm.Get_size() > 1)  # the 2048-element layer, at 2 ranks and more
-        assert sum(plan["rank_bytes"]) == sum(p.numel() * 4 for p in result.model.parameters())
+        assert record["cut"] == sorted({u["name"] for u in record["units"] if "rows" in u})
+        assert (len(record["cut"]) > 0) == (comm.Get_size() > 1)  # the 2048-element layer, at 2 ranks and more
+        assert sum(record["rank_bytes"]) == sum(p.numel() * 4 for p in result.model.parameters())
         assert result.summary["comm"]["zero"] == 2
     comm.Barrier()
 
 
 class _Comm:
-    """Enough of a communicator for plan_shards with given speeds (pure)."""
+    """Enough of a communicator for assign_owners with given speeds (pure)."""
 
     def __init__(self, size):
         self.size = size
@@ -110,15 +111,15 @@ class _Comm:
 
 def test_a_slower_rank_owns_less():
     params = [nn.Parameter(torch.zeros(n)) for n in [4096, 2048, 2048, 1024, 1024, 512, 256, 64, 8, 8]]
-    even, _ = plan_shards(params, _Comm(2), mode="uniform")
-    slow, speeds = plan_shards(params, _Comm(2), mode="auto", speeds=[1.0, 0.25],
-                               link=LinkCost(latency_s=1e-5, bandwidth_Bps=1e12))
+    even, _ = assign_owners(params, _Comm(2), mode="uniform")
+    slow, speeds = assign_owners(params, _Comm(2), mode="auto", speeds=[1.0, 0.25],
+                                 link=LinkCost(latency_s=1e-5, bandwidth_Bps=1e12))
     assert speeds == [1.0, 0.25]
     assert abs(even.rank_bytes[0] - even.rank_bytes[1]) <= 2048
     assert slow.rank_bytes[1] < slow.rank_bytes[0] / 2  # a quarter of the speed: about a fifth of the bytes
     assert sorted(set(slow.owner)) == [0, 1] and len(slow.owner) == len(params)
     with pytest.raises(ValueError, match="speeds has 3 entries for 2 ranks"):
-        plan_shards(params, _Comm(2), mode="auto", speeds=[1.0, 1.0, 1.0])
+        assign_owners(params, _Comm(2), mode="auto", speeds=[1.0, 1.0, 1.0])
 
 
 def test_one_huge_matrix_is_cut_so_the_owners_balance():
@@ -136,9 +137,9 @@ def test_one_huge_matrix_is_cut_so_the_owners_balance():
         cap = max(MIN_UNIT_BYTES, total // (size * UNITS_PER_RANK))
         layout = ShardLayout(params, size)
         assert max(layout.sizes) <= cap + 4096 * 4  # near-equal row ranges: at most a row over
-        plan, _ = plan_shards(layout.tensors, _Comm(size), mode="uniform")
-        assert max(plan.rank_bytes) <= (1 + 1 / UNITS_PER_RANK) * total / size + 4096 * 4
-        whole, _ = plan_shards(params, _Comm(size), mode="uniform")
+        assignment, _ = assign_owners(layout.tensors, _Comm(size), mode="uniform")
+        assert max(assignment.rank_bytes) <= (1 + 1 / UNITS_PER_RANK) * total / size + 4096 * 4
+        whole, _ = assign_owners(params, _Comm(size), mode="uniform")
         assert max(whole.rank_bytes) >= 4096 * 4096 * 4  # for contrast: one rank owns the big matrix whole
         # A cut unit's tensor is its parameter's memory: an update of it is an update of those rows.
         k = [k for k, u in enumerate(layout.units) if u.param == 2][1]
@@ -198,9 +199,9 @@ def test_resume_across_stages_is_exact(comm, data_plane, mpi_tmp_path, saved_zer
     dist.zero=A and resumed at B ends as an uninterrupted run at A would, bit for bit where A and B sum alike
     (a stage-3 checkpoint holds the parameters by their owners, a cut one in row pieces)."""
     dataset = _dataset(comm, mpi_tmp_path)
-    # Uniform owners: the two uninterrupted-or-not runs plan alike (auto plans from speeds measured at each
+    # Uniform owners: the two uninterrupted-or-not runs assign alike (auto assigns from speeds measured at each
     # start, and so may differ from run to run; what a resume does with that is tested below).
-    common = ["optim.name=adamw", "optim.lr=0.003", "train.steps=8", "checkpoint.at_end=true", "dist.plan=uniform"]
+    common = ["optim.name=adamw", "optim.lr=0.003", "train.steps=8", "checkpoint.at_end=true", "dist.owners=uniform"]
     name = f"resume-{saved_zero}-{resumed_zero}"
     straight = run(_cfg(mpi_tmp_path, dataset, f"{name}-straight", *common, f"dist.zero={saved_zero}"), comm,
                    plane=data_plane)
@@ -217,33 +218,33 @@ def test_resume_across_stages_is_exact(comm, data_plane, mpi_tmp_path, saved_zer
 
 @pytest.mark.mpi
 def test_a_resume_goes_on_with_the_owners_it_was_saved_under(comm, data_plane, mpi_tmp_path, monkeypatch):
-    """dist.plan=auto plans from the speeds measured at each start.  A resume at the same world size takes the
+    """dist.owners=auto assigns from the speeds measured at each start.  A resume at the same world size takes the
     owners the checkpoint was saved under, whatever it measures, so at stage 2 (where the owners decide how
     each bucket is reduce-scattered) it ends bit for bit as the run that was not stopped."""
     import hpcnet.comm.sharding.assign as assign
 
     rank, size = comm.Get_rank(), comm.Get_size()
     dataset = _dataset(comm, mpi_tmp_path)
-    common = ["optim.name=adamw", "optim.lr=0.003", "train.steps=8", "dist.zero=2", "dist.plan=auto",
-              "dist.replan_every=0"]
+    common = ["optim.name=adamw", "optim.lr=0.003", "train.steps=8", "dist.zero=2", "dist.owners=auto",
+              "dist.reassign_every=0"]
     monkeypatch.setattr(assign, "measure_speed", lambda **_: 4.0 if rank == 0 else 1.0)  # rank 0 four times slower
     straight = run(_cfg(mpi_tmp_path, dataset, "owners-straight", *common), comm, plane=data_plane)
     first = run(_cfg(mpi_tmp_path, dataset, "owners", *common), comm, plane=data_plane, stop=StopAfter(3))
-    saved_owners = list(first.optimizer.plan.owner)
-    assert saved_owners == list(straight.optimizer.plan.owner)
+    saved_owners = list(first.optimizer.assignment.owner)
+    assert saved_owners == list(straight.optimizer.assignment.owner)
     monkeypatch.setattr(assign, "measure_speed", lambda **_: 1.0)  # now equally fast: fresh owners would differ
     fresh = run(_cfg(mpi_tmp_path, dataset, "owners-fresh", *common, "train.steps=1"), comm, plane=data_plane)
     if size > 1:
-        assert list(fresh.optimizer.plan.owner) != saved_owners
+        assert list(fresh.optimizer.assignment.owner) != saved_owners
     second = run(_cfg(mpi_tmp_path, dataset, "owners", *common, "checkpoint.resume=auto"), comm, plane=data_plane)
     assert second.summary["start_step"] == 3
-    assert list(second.optimizer.plan.owner) == saved_owners
+    assert list(second.optimizer.assignment.owner) == saved_owners
     held = {k for k, t in enumerate(second.optimizer.layout.tensors) if t in second.optimizer.state}
     assert held == {k for k, o in enumerate(saved_owners) if o == rank}  # the state moved to them
     assert_same(flat_params(straight), flat_params(second), True)
     if rank == 0:
-        plan = json.loads((mpi_tmp_path / "runs" / "owners" / PLAN_FILE).read_text())
-        assert plan["owner"] == saved_owners
+        record = json.loads((mpi_tmp_path / "runs" / "owners" / OWNERS_FILE).read_text())
+        assert record["owner"] == saved_owners
     comm.Barrier()
 
 
@@ -293,8 +294,8 @@ def test_bad_zero_options_are_named():
 
     with pytest.raises(ConfigError, match=r"dist.zero: 5 is not one of 0, 1, 2, 3"):
         load_config(overrides=["dist.zero=5"])
-    with pytest.raises(ConfigError, match=r"dist.plan: 'greedy' is not one of 'auto', 'uniform'"):
-        load_config(overrides=["dist.plan=greedy"])
+    with pytest.raises(ConfigError, match=r"dist.owners: 'greedy' is not one of 'auto', 'uniform'"):
+        load_config(overrides=["dist.owners=greedy"])
 
 
 @pytest.mark.mpi
@@ -355,48 +356,48 @@ def test_stage_2_on_virtual_nodes_in_bf16_equals_stage_0(comm, data_plane, mpi_t
     comm.Barrier()
 
 
-def test_plan_time_is_the_planner_s_own_model():
+def test_assignment_times_are_the_assignment_s_own_model():
     sizes = [4096, 2048, 2048, 1024, 512, 8]
     link = LinkCost(latency_s=1e-5, bandwidth_Bps=1e9)
-    plan = assign_shards(sizes, [1.0, 0.5, 0.8], compute_s_per_byte=1e-9, link=link)
-    times = plan_time_s(sizes, plan.owner, [1.0, 0.5, 0.8], compute_s_per_byte=1e-9, link=link)
-    assert times == pytest.approx(plan.rank_time_s)
+    assignment = assign_shards(sizes, [1.0, 0.5, 0.8], compute_s_per_byte=1e-9, link=link)
+    times = assignment_times_s(sizes, assignment.owner, [1.0, 0.5, 0.8], compute_s_per_byte=1e-9, link=link)
+    assert times == pytest.approx(assignment.rank_time_s)
     with pytest.raises(ValueError, match="owner names 2 parameters"):
-        plan_time_s(sizes, [0, 1], [1.0], compute_s_per_byte=1e-9, link=link)
+        assignment_times_s(sizes, [0, 1], [1.0], compute_s_per_byte=1e-9, link=link)
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("zero,backend", [(1, "mpi"), (2, "mpi"), (2, "gloo"), (2, "shm")])
-def test_replan_moves_state_and_keeps_the_updates(comm, data_plane, mpi_tmp_path, monkeypatch, zero, backend):
+def test_reassigning_moves_state_and_keeps_the_updates(comm, data_plane, mpi_tmp_path, monkeypatch, zero, backend):
     """After step 3 rank 0 is measured 8x slower: the owners change, the optimizer state moves with them, and
-    the run still gives dist.zero=0's parameters; a checkpoint after the re-plan resumes to the same end."""
+    the run still gives dist.zero=0's parameters; a checkpoint after the reassignment resumes to the same end."""
     from hpcnet.comm.dataparallel import DataParallel
 
     size = comm.Get_size()
 
     def after_step(self, step):
         if step == 3 and self.owners is not None:  # dist.zero > 0
-            self.owners.replan(step, [0.125 if r == 0 else 1.0 for r in range(size)], self.move_owners)
+            self.owners.reassign(step, [0.125 if r == 0 else 1.0 for r in range(size)], self.move_owners)
 
     monkeypatch.setattr(DataParallel, "after_step", after_step)
     monkeypatch.setattr(exchange, "MAX_MESSAGE_BYTES", 100)  # the moved state in pieces, as over 2 GiB it goes
     dataset = _dataset(comm, mpi_tmp_path)
-    # The start-up plan balances bytes (uniform), so a rank 8x slower makes the planner's gain certain.
-    args = ["optim.name=adamw", "optim.lr=0.003", f"dist.backend={backend}", "dist.plan=uniform"]
-    name = f"replan-{zero}-{backend}"
+    # The start-up owners balance bytes (uniform), so a rank 8x slower makes the cost model's gain certain.
+    args = ["optim.name=adamw", "optim.lr=0.003", f"dist.backend={backend}", "dist.owners=uniform"]
+    name = f"reassign-{zero}-{backend}"
     replicated = run(_cfg(mpi_tmp_path, dataset, f"{name}-z0", *args), comm, plane=data_plane)
     sharded = run(_cfg(mpi_tmp_path, dataset, name, *args, f"dist.zero={zero}"), comm, plane=data_plane)
     assert_same(flat_params(replicated), flat_params(sharded), _exact_expected(comm, zero, backend))
     if size > 1:
-        assert sharded.summary["comm"]["replans"] == 1
+        assert sharded.summary["comm"]["reassignments"] == 1
         owned = sharded.summary["comm"]["owned_bytes"]
         assert owned[0] < min(owned[1:])  # the slow rank owns least now
         if comm.Get_rank() == 0:
-            plan = json.loads((mpi_tmp_path / "runs" / name / PLAN_FILE).read_text())
-            assert plan["rank_bytes"] == owned and plan["speeds"][0] == pytest.approx(0.125)
+            record = json.loads((mpi_tmp_path / "runs" / name / OWNERS_FILE).read_text())
+            assert record["rank_bytes"] == owned and record["speeds"][0] == pytest.approx(0.125)
         held = {k for k, t in enumerate(sharded.optimizer.layout.tensors) if t in sharded.optimizer.state}
-        assert held == {k for k, o in enumerate(sharded.optimizer.plan.owner) if o == comm.Get_rank()}
-    # Saved after the re-plan (step 4), resumed with the start-up plan: the same end.
+        assert held == {k for k, o in enumerate(sharded.optimizer.assignment.owner) if o == comm.Get_rank()}
+    # Saved after the reassignment (step 4), resumed with the start-up owners: the same end.
     run(_cfg(mpi_tmp_path, dataset, f"{name}-stop", *args, f"dist.zero={zero}"), comm, plane=data_plane,
         stop=StopAfter(4))
     resumed = run(_cfg(mpi_tmp_path, dataset, f"{name}-stop", *args, f"dist.zero={zero}",
@@ -407,9 +408,9 @@ def test_replan_moves_state_and_keeps_the_updates(comm, data_plane, mpi_tmp_path
 
 
 @pytest.mark.mpi
-def test_replan_every_probes_again_and_agrees(comm, data_plane, mpi_tmp_path, monkeypatch):
-    """dist.replan_every=2: from step 4 on, rank 0's speed probe takes 10x as long; the probes are gathered every 2
-    steps and the same new plan is taken on every rank, once; dist.plan=uniform never re-plans."""
+def test_reassign_every_probes_again_and_agrees(comm, data_plane, mpi_tmp_path, monkeypatch):
+    """dist.reassign_every=2: from step 4 on, rank 0's speed probe takes 10x as long; the probes are gathered every 2
+    steps and the same new owners are taken on every rank, once; dist.owners=uniform never reassigns."""
     from hpcnet.comm.sharding import assign, owners
 
     rank = comm.Get_rank()
@@ -420,20 +421,20 @@ def test_replan_every_probes_again_and_agrees(comm, data_plane, mpi_tmp_path, mo
         return 1e-3 * (10 if rank == 0 and len(calls) > 1 else 1)
 
     # Fixed figures: measured ones vary by more than 25% on a loaded machine, and a start-up probe that found
-    # rank 0 slow by chance would leave nothing to re-plan at step 4.
+    # rank 0 slow by chance would leave nothing to reassign at step 4.
     monkeypatch.setattr(assign, "measure_speed", lambda device=None: 1e-3)  # the start-up owners: equal speeds
     monkeypatch.setattr(owners, "measure_speed", probe)
     dataset = _dataset(comm, mpi_tmp_path)
-    auto = run(_cfg(mpi_tmp_path, dataset, "replan-every", "dist.zero=1", "dist.replan_every=2"), comm,
+    auto = run(_cfg(mpi_tmp_path, dataset, "reassign-every", "dist.zero=1", "dist.reassign_every=2"), comm,
                plane=data_plane)
-    owners = comm.allgather(auto.optimizer.plan.owner)
+    owners = comm.allgather(auto.optimizer.assignment.owner)
     assert all(o == owners[0] for o in owners)
     if comm.Get_size() > 1:
-        assert auto.summary["comm"]["replans"] == 1 and len(calls) == 3  # probes at steps 2, 4, 6: at 4 only
+        assert auto.summary["comm"]["reassignments"] == 1 and len(calls) == 3  # probes at steps 2, 4, 6: at 4 only
         assert auto.summary["comm"]["owned_bytes"][0] < max(auto.summary["comm"]["owned_bytes"])
-    uniform = run(_cfg(mpi_tmp_path, dataset, "replan-uniform", "dist.zero=1", "dist.replan_every=2",
-                       "dist.plan=uniform"), comm, plane=data_plane)
-    assert uniform.summary["comm"]["replans"] == 0
-    with pytest.raises(ConfigError, match="dist.replan_every must be 0"):
-        _cfg(mpi_tmp_path, dataset, "bad", "dist.replan_every=1")
+    uniform = run(_cfg(mpi_tmp_path, dataset, "reassign-uniform", "dist.zero=1", "dist.reassign_every=2",
+                       "dist.owners=uniform"), comm, plane=data_plane)
+    assert uniform.summary["comm"]["reassignments"] == 0
+    with pytest.raises(ConfigError, match="dist.reassign_every must be 0"):
+        _cfg(mpi_tmp_path, dataset, "bad", "dist.reassign_every=1")
     comm.Barrier()

@@ -41,7 +41,7 @@ def _tokens(comm, tmp):
 
 def _cfg(tmp, dataset, name, *extra):
     return train_config(tmp, dataset, name, "train.steps=6", "optim.warmup_steps=2", "optim.grad_clip=0.5",
-                        "optim.lr=0.2", "checkpoint.at_end=false", "dist.plan=uniform", *extra)
+                        "optim.lr=0.2", "checkpoint.at_end=false", "dist.owners=uniform", *extra)
 
 
 def _assert_same(a, b, exact):
@@ -92,7 +92,7 @@ def test_stage_3_trains_as_stage_0(comm, data_plane, mpi_tmp_path, model, optim,
     if "eval" in plain.summary:
         assert sharded.summary["eval"] == pytest.approx(plain.summary["eval"], rel=1e-4)
     # Each rank's units: memory for its own only, all units held once over the ranks; the optimizer's state too.
-    layout, owner = sharded.optimizer.layout, sharded.optimizer.plan.owner
+    layout, owner = sharded.optimizer.layout, sharded.optimizer.assignment.owner
     mine = {k for k, o in enumerate(owner) if o == comm.Get_rank()}
     assert {k for k, t in enumerate(layout.tensors) if t.untyped_storage().nbytes() > 0} == mine
     assert {k for k, t in enumerate(layout.tensors) if t in sharded.optimizer.state} == mine

@@ -76,6 +76,23 @@ def test_errors_name_the_option(args, needle):
     assert needle in str(info.value)
 
 
+@pytest.mark.parametrize("old, new", [("dist.plan", "dist.owners"), ("dist.replan_every", "dist.reassign_every")])
+def test_a_renamed_option_is_an_error_that_gives_its_new_name(tmp_path, old, new):
+    """An old name is never taken silently nor called unknown: one line says what to set instead, from the command
+    line and from a TOML file."""
+    expected = f"option '{old}' was renamed '{new}': set {new} instead"
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[f"{old}=2"])
+    assert str(info.value) == expected
+    path = tmp_path / "old.toml"
+    section, key = old.split(".")
+    path.write_text(f"[{section}]\n{key} = 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == expected
+    assert load_config(overrides=[f"{new}={getattr(Config().dist, new.split('.')[1])}"]) == Config()
+
+
 @pytest.mark.parametrize("args, needle", [
     (["checkpoint.every_s=nan"], "checkpoint.every_s: expected a finite number, got nan"),
     (["monitor.stall_floor_s=nan"], "monitor.stall_floor_s: expected a finite number, got nan"),

@@ -111,8 +111,8 @@ def _dataset(comm, tmp):
 @pytest.mark.mpi
 @pytest.mark.parametrize("extra", [
     ["dist.zero=0"],
-    ["dist.zero=2", "dist.plan=uniform", "optim.name=adamw", "optim.lr=0.003"],
-    ["dist.zero=1", "dist.plan=uniform", "train.grad_accumulation=2", "train.precision=bf16"],
+    ["dist.zero=2", "dist.owners=uniform", "optim.name=adamw", "optim.lr=0.003"],
+    ["dist.zero=1", "dist.owners=uniform", "train.grad_accumulation=2", "train.precision=bf16"],
 ])
 def test_training_with_activation_checkpointing_gives_the_bits_of_training_without(comm, data_plane, mpi_tmp_path,
                                                                                     extra):

@@ -141,21 +141,21 @@ def test_a_full_disk_under_the_metrics_drops_lines_with_one_warning_and_leaves_w
 
 
 def test_an_optional_file_in_the_way_is_one_warning_and_written_once_the_way_is_clear(tmp_path, caplog):
-    path = tmp_path / "plan.json"
-    (tmp_path / "plan.json.tmp").mkdir()  # a directory where the temporary file goes
+    path = tmp_path / "owners.json"
+    (tmp_path / "owners.json.tmp").mkdir()  # a directory where the temporary file goes
     optional = OptionalFile(path)
     with caplog.at_level(logging.WARNING, logger="hpcnet"):
         assert not optional.write_text("1\n") and not optional.write_text("2\n")
     assert len(_unwritten(caplog, path)) == 1 and not path.exists()
-    (tmp_path / "plan.json.tmp").rmdir()
+    (tmp_path / "owners.json.tmp").rmdir()
     assert optional.write_text("3\n") and path.read_text() == "3\n"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["owners.json"]
 
 
 # What stands in the way of each file that describes a run, and the options that make the run write it.
 BLOCKED = {
     "trace": ("trace.json.tmp", "directory", ["train.trace_steps=9:10"]),  # merged right after step 10's save
-    "plan": ("plan.json", "directory", ["dist.zero=1"]),
+    "owners": ("owners.json", "directory", ["dist.zero=1"]),
     "metrics": ("metrics.rank0.jsonl", "full disk", []),
     "topology": ("topology.json", "directory", ["dist.probe=true"]),
     "summary": ("summary.json", "directory", []),

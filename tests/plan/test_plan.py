@@ -12,8 +12,8 @@ from hpcnet.data.info import DatasetInfo
 from hpcnet.errors import ExitCode, UsageError
 from hpcnet.models import build_model
 from hpcnet.objective import compute_loss
-from hpcnet.plan import ModelMemory, choose, largest_share, predict, predictions
-from hpcnet.plan.measure import StepMemory, measure_model
+from hpcnet.plan.measure import ModelMemory, StepMemory, measure_model
+from hpcnet.plan.peaks import choose, largest_share, predict, predictions
 from hpcnet.train import run
 from tests.helpers.data import shared_data_dir, tiny_images
 from tests.helpers.launch import clean_env
@@ -151,12 +151,12 @@ def test_a_cap_nothing_fits_under_stops_every_rank_naming_it(launch, tmp_path):
 def test_python_m_hpcnet_plan_prints_every_choice_and_the_one_under_the_cap(tmp_path):
     args = [sys.executable, "-m", "hpcnet.plan", "--ranks", "4", f"data.dir={shared_data_dir(tmp_path)}",
             "model.name=mlp", "model.options.hidden=[256,256]", "optim.name=adamw", "train.batch_size=8"]
-    out = subprocess.run([*args, "--cap-gb", "1", "--json", str(tmp_path / "plan.json")], env=clean_env(),
+    out = subprocess.run([*args, "--cap-gb", "1", "--json", str(tmp_path / "owners.json")], env=clean_env(),
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "under 1 GB a rank, train.activation_checkpointing=off: dist.zero=0, activation checkpointing off" \
         in out.stdout
-    saved = json.loads((tmp_path / "plan.json").read_text())
+    saved = json.loads((tmp_path / "owners.json").read_text())
     assert len(saved["predictions"]) == 8 and saved["chosen"]["stage"] == 0  # 4 stages, with and without
     peaks = {(p["stage"], p["activation_checkpointing"]): p["peak_bytes"] for p in saved["predictions"]}
     assert peaks[(0, "off")] > peaks[(1, "off")] > peaks[(2, "off")]
@@ -206,7 +206,7 @@ def test_a_huge_cap_is_met_by_the_fastest_choice(tmp_path, capsys):
     assert status == 0 and "under 1e+300 GB a rank" in out, err
 
 
-@pytest.mark.parametrize("where", ["missing/plan.json", "."])
+@pytest.mark.parametrize("where", ["missing/owners.json", "."])
 def test_a_json_file_that_cannot_be_written_is_one_line_naming_it(tmp_path, capsys, where):
     target = tmp_path / where
     status, _, err = _plan(capsys, "--json", target, f"data.dir={tmp_path / 'data'}", "model.name=mlp",

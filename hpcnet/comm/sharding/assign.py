@@ -1,5 +1,5 @@
 """Who owns what: every unit of ownership gets one owner rank from the cost model
-(``hpcnet.comm.costmodel.assign_shards``).  ``dist.plan=uniform`` balances bytes over ranks taken as equally fast;
+(``hpcnet.comm.costmodel.assign_shards``).  ``dist.owners=uniform`` balances bytes over ranks taken as equally fast;
 ``auto`` also weighs each rank's measured speed (a timed matmul at start-up, the slowest rank's median, so ranks
 of unequal speed own less) and the measured link.  Every rank computes the same owners from the same gathered
 inputs."""
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from hpcnet.comm.costmodel import LinkCost, ShardPlan, assign_shards, measured_speeds
+from hpcnet.comm.costmodel import LinkCost, OwnerAssignment, assign_shards, measured_speeds
 
 UPDATE_S_PER_BYTE = 1.0 / 2e9
 """Modelled optimizer update time per parameter byte on the fastest rank: an elementwise update reads and writes
@@ -36,9 +36,9 @@ def measure_speed(rounds: int = SPEED_PROBE_ROUNDS, size: int = 192, device: tor
     return statistics.median(times)
 
 
-def plan_shards(params: list[torch.Tensor], comm: Any, *, mode: str, link: LinkCost | None = None,
-                speeds: list[float] | None = None, device: torch.device | None = None
-                ) -> tuple[ShardPlan, list[float]]:
+def assign_owners(params: list[torch.Tensor], comm: Any, *, mode: str, link: LinkCost | None = None,
+                  speeds: list[float] | None = None, device: torch.device | None = None
+                  ) -> tuple[OwnerAssignment, list[float]]:
     """Owner ranks for the units ``params`` (a ``ShardLayout``'s tensors, or whole parameters) (collective when
     ``mode='auto'`` and ``speeds`` is None: gathers speeds).
 
@@ -53,6 +53,5 @@ def plan_shards(params: list[torch.Tensor], comm: Any, *, mode: str, link: LinkC
     if len(speeds) != size:
         raise ValueError(f"speeds has {len(speeds)} entries for {size} ranks")
     sizes = [p.numel() * p.element_size() for p in params]
-    plan = assign_shards(sizes, speeds, compute_s_per_byte=UPDATE_S_PER_BYTE,
-                         link=link or DEFAULT_LINK)
-    return plan, speeds
+    assignment = assign_shards(sizes, speeds, compute_s_per_byte=UPDATE_S_PER_BYTE, link=link or DEFAULT_LINK)
+    return assignment, speeds

@@ -76,5 +76,5 @@ class ShardLayout:
         return len(self.of_param[param]) > 1
 
     def to_json(self) -> list[list[int]]:
-        """[param, lo, hi] per unit (a checkpoint's meta and plan.json)."""
+        """[param, lo, hi] per unit (a checkpoint's meta and owners.json)."""
         return [[u.param, u.lo, u.hi] for u in self.units]

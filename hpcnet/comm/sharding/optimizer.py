@@ -25,7 +25,7 @@ from torch import nn
 from hpcnet.ckpt.parts import load_optimizer_state, optimizer_entries, state_by_param
 from hpcnet.ckpt.schema import ROW_PIECE, piece_name, rows_of, split_pieces
 from hpcnet.comm.buckets import dense
-from hpcnet.comm.costmodel import ShardPlan
+from hpcnet.comm.costmodel import OwnerAssignment
 from hpcnet.comm.exchange import exchange, pieces
 from hpcnet.comm.sharding.layout import ShardLayout, Unit
 from hpcnet.stateful import Entries, Saved, Stateful
@@ -94,7 +94,7 @@ class ShardedOptimizer(Stateful):
         full: the optimizer over every parameter, as ``build_optimizer`` made it (holds no state yet); an
             optimizer of its class over the owned units' tensors replaces it.  Its update must be elementwise
             (SGD, Adam, AdamW, ...): a cut parameter's rows are updated apart.
-        plan: the owners (by unit index in ``layout``).
+        assignment: the owners (by unit index in ``layout``).
         layout: the model's trainable parameters, in model order, and their units.
         comm: the ranks' communicator.
         stage: 1, 2 or 3 (2: the gradients of units owned elsewhere are None here, those of owned cut units are
@@ -103,12 +103,12 @@ class ShardedOptimizer(Stateful):
             parameters).
     """
 
-    def __init__(self, full: torch.optim.Optimizer, plan: ShardPlan, layout: ShardLayout, comm: Any,
+    def __init__(self, full: torch.optim.Optimizer, assignment: OwnerAssignment, layout: ShardLayout, comm: Any,
                  stage: int) -> None:
         if full.state:
             raise ValueError("a sharded optimizer starts from an optimizer without state")
-        if len(plan.owner) != len(layout.units):
-            raise ValueError(f"the plan names {len(plan.owner)} units, the layout has {len(layout.units)}")
+        if len(assignment.owner) != len(layout.units):
+            raise ValueError(f"the assignment names {len(assignment.owner)} units, the layout has {len(layout.units)}")
         self.stage, self.comm, self.layout = stage, comm, layout
         self.rank = comm.Get_rank()
         self.params = layout.params
@@ -129,12 +129,13 @@ class ShardedOptimizer(Stateful):
         self.norm_order = norm_order(self.params)
         self.clock: Any = None  # the loop's PhaseClock: the update is 'optimizer', the broadcast 'comm'
         self.gather: ParamGather | None = None
-        self._take(plan, self._hyper)
+        self._take(assignment, self._hyper)
 
-    def _take(self, plan: ShardPlan, hyper: list[dict[str, Any]]) -> None:
-        """Own ``plan``'s units: a fresh inner optimizer over them (no state) and the broadcast that goes with it."""
-        self.plan = plan
-        owner, of_param = plan.owner, self.layout.of_param
+    def _take(self, assignment: OwnerAssignment, hyper: list[dict[str, Any]]) -> None:
+        """Own ``assignment``'s units: a fresh inner optimizer over them (no state) and the broadcast that goes with
+        it."""
+        self.assignment = assignment
+        owner, of_param = assignment.owner, self.layout.of_param
         groups = []
         self.owned: list[int] = []  # the owned units, in the inner optimizer's order
         start = 0
@@ -260,7 +261,7 @@ class ShardedOptimizer(Stateful):
             return True  # not this optimizer's: the restore names the mismatch
         piece = ROW_PIECE.match(parts[2])
         for k in self.layout.of_param[self.full_order[full]]:
-            if self.plan.owner[k] != self.rank:
+            if self.assignment.owner[k] != self.rank:
                 continue
             u = self.layout.units[k]
             if piece is None or (int(piece["lo"]) < u.hi and u.lo < int(piece["hi"])):
@@ -302,7 +303,7 @@ class ShardedOptimizer(Stateful):
             local += count
         return out
 
-    def reshard(self, plan: ShardPlan) -> int:
+    def reshard(self, assignment: OwnerAssignment) -> int:
         """Move to new owners between steps (collective): each unit's state goes from its old owner to its new
         one, and an optimizer over the newly owned units takes over with the same hyperparameters.
 
@@ -315,14 +316,14 @@ class ShardedOptimizer(Stateful):
         kept: dict[int, Any] = {}
         sent = 0
         for k, values in current.items():
-            if plan.owner[k] == self.rank:
+            if assignment.owner[k] == self.rank:
                 kept[k] = values
                 continue
-            outgoing[plan.owner[k]][k] = values
+            outgoing[assignment.owner[k]][k] = values
             sent += sum(v.numel() * v.element_size() for v in values.values() if isinstance(v, torch.Tensor))
         kept.update(exchange(self.comm, outgoing))
         hyper = [{k: v for k, v in group.items() if k != "params"} for group in self.inner.param_groups]
-        self._take(plan, hyper)
+        self._take(assignment, hyper)
         self.inner.load_state_dict({"state": {local: kept[k] for local, k in enumerate(self.owned) if k in kept},
                                     "param_groups": self._local_groups(hyper)})
         return sent

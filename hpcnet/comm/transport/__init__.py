@@ -69,8 +69,8 @@ def build_transport(kind: str, hierarchical: bool, comm: Any, world: World, *,
     every torch.distributed group created here: NCCL enforces it in its own
     watchdog, so nothing waits on a NCCL work with a CPU timeout (see
     the ``TorchHandle`` docstring).  ``progress`` ('thread' or 'inline',
-    ``hpcnet.comm.plan.mpi_progress``) says where MPI collectives run;
-    ``inter_node`` (``Plan.inter_node``) what a hierarchical transport uses
+    ``hpcnet.comm.route.mpi_progress``) says where MPI collectives run;
+    ``inter_node`` (``Route.inter_node``) what a hierarchical transport uses
     between the nodes when not ``kind``; ``wire`` (``dist.compression``'s
     dtype) is applied by a hierarchical transport with gloo between the nodes,
     there only, and ignored by the others (the reducer compresses for them);

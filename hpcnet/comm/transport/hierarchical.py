@@ -54,7 +54,7 @@ class HierarchicalTransport(Transport):
             ('gloo', 'nccl') for which subgroups are created (collective over
             every rank of the default group).
         timeout_s: the subgroups' timeout (NCCL enforces it in its watchdog); None: torch's default.
-        progress: where MPI collectives run ('thread' or 'inline', ``hpcnet.comm.plan.mpi_progress``).
+        progress: where MPI collectives run ('thread' or 'inline', ``hpcnet.comm.route.mpi_progress``).
         cross_kind: between the nodes: ``kind`` (None), or 'gloo' under 'mpi' (a gloo subgroup of the
             ranks with the same local rank; its sockets block while they wait, where MPI polls a core).
         chunk_bytes: the pipelined chunks of a bucket (``_run``; not NCCL's).

@@ -22,7 +22,7 @@ What limits it is the memory bandwidth, shared by the node's ranks.
 
 The collective runs in the caller (the reducer's ``finish``), like inline
 MPI: ``synchronous`` is True.  Tensors not allocated here (a compression wire,
-a foreign tensor) are refused: ``hpcnet.comm.plan`` rejects compression
+a foreign tensor) are refused: ``hpcnet.comm.route`` rejects compression
 with this backend.
 """
 

@@ -1,11 +1,11 @@
 """The shared-memory transport: slices, exact sums at any size and on virtual nodes, training equal to MPI's,
-fallback out of the shared window, and the plan's rules."""
+fallback out of the shared window, and the route's rules."""
 
 import pytest
 import torch
 
 from hpcnet.comm.dataparallel import DataParallel
-from hpcnet.comm.plan import Plan, decide_plan, plan_transport
+from hpcnet.comm.route import Route, agree_route, choose_route
 from hpcnet.comm.transport.shm import ALIGN_ELEMENTS, ShmTransport, slice_bounds
 from hpcnet.config import DistConfig
 from hpcnet.errors import UsageError
@@ -59,8 +59,8 @@ def test_training_on_shm_equals_mpi_and_falls_back_out_of_the_window(comm):
         torch.manual_seed(0)
         model = Net()
         cfg = DistConfig(backend=backend.split("-")[0], bucket_mb=0.004, **extra)
-        plan = plan_transport(cfg, device_type="cpu", num_nodes=1, min_local_size=comm.Get_size())
-        dp = DataParallel(model, comm, discover(comm, environ={}), cfg, device=torch.device("cpu"), plan=plan)
+        route = choose_route(cfg, device_type="cpu", num_nodes=1, min_local_size=comm.Get_size())
+        dp = DataParallel(model, comm, discover(comm, environ={}), cfg, device=torch.device("cpu"), route=route)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         for _ in range(5):
             dp.step([(x, y)], _loss)
@@ -78,22 +78,22 @@ def test_training_on_shm_equals_mpi_and_falls_back_out_of_the_window(comm):
             torch.testing.assert_close(finals["mpi"], finals[other], rtol=1e-5, atol=1e-6)
 
 
-def test_the_plan_for_shm():
+def test_the_route_for_shm():
     cpu = dict(device_type="cpu", num_nodes=2, min_local_size=4)
     fastest = DistConfig(backend="fastest")
-    assert plan_transport(fastest, **cpu, shm_wins=True) == Plan("shm", False, "mpi")  # measured faster
-    assert plan_transport(fastest, **cpu, shm_wins=False).primary == "mpi"
-    assert plan_transport(DistConfig(), **cpu, shm_wins=True).primary == "mpi"  # auto: the same bits every run
-    assert plan_transport(DistConfig(backend="mpi"), **cpu, shm_wins=True).primary == "mpi"  # the option wins
-    assert plan_transport(fastest, device_type="cuda", num_nodes=1, min_local_size=2,
-                          shm_wins=True).primary == "nccl"
-    assert plan_transport(DistConfig(backend="shm"), **cpu) == Plan("shm", False, "mpi")
-    assert plan_transport(DistConfig(backend="shm", fallback="gloo"), **cpu) == Plan("shm", False, "gloo")
-    assert Plan("shm", False, "mpi").torch_backend is None  # no torch.distributed at all
+    assert choose_route(fastest, **cpu, shm_wins=True) == Route("shm", False, "mpi")  # measured faster
+    assert choose_route(fastest, **cpu, shm_wins=False).primary == "mpi"
+    assert choose_route(DistConfig(), **cpu, shm_wins=True).primary == "mpi"  # auto: the same bits every run
+    assert choose_route(DistConfig(backend="mpi"), **cpu, shm_wins=True).primary == "mpi"  # the option wins
+    assert choose_route(fastest, device_type="cuda", num_nodes=1, min_local_size=2,
+                        shm_wins=True).primary == "nccl"
+    assert choose_route(DistConfig(backend="shm"), **cpu) == Route("shm", False, "mpi")
+    assert choose_route(DistConfig(backend="shm", fallback="gloo"), **cpu) == Route("shm", False, "gloo")
+    assert Route("shm", False, "mpi").torch_backend is None  # no torch.distributed at all
     with pytest.raises(UsageError, match="'shm' sums CPU tensors"):
-        plan_transport(DistConfig(backend="shm"), device_type="cuda", num_nodes=1, min_local_size=1)
+        choose_route(DistConfig(backend="shm"), device_type="cuda", num_nodes=1, min_local_size=1)
     with pytest.raises(UsageError, match="dist.compression: bf16 needs the nccl or gloo backend"):
-        plan_transport(DistConfig(backend="shm", compression="bf16"), **cpu)
+        choose_route(DistConfig(backend="shm", compression="bf16"), **cpu)
 
 
 @pytest.mark.mpi
@@ -105,6 +105,6 @@ def test_fastest_picks_the_faster_sum_measured_the_same_on_every_rank(comm, monk
     assert comm.allgather((mpi_s, shm_s)) == [(mpi_s, shm_s)] * comm.Get_size() and mpi_s > 0 and shm_s > 0
     for measured, expected in (((2.0, 1.0), "shm"), ((1.0, 2.0), "mpi")):
         monkeypatch.setattr(shm, "race_shm_against_mpi", lambda *args, m=measured: m)
-        plan = decide_plan(comm, world, DistConfig(backend="fastest"), device_type="cpu")
-        assert plan.primary == (expected if comm.Get_size() > 1 else "mpi")  # one rank: nothing to race
-        assert decide_plan(comm, world, DistConfig(), device_type="cpu").primary == "mpi"  # auto never races
+        route = agree_route(comm, world, DistConfig(backend="fastest"), device_type="cpu")
+        assert route.primary == (expected if comm.Get_size() > 1 else "mpi")  # one rank: nothing to race
+        assert agree_route(comm, world, DistConfig(), device_type="cpu").primary == "mpi"  # auto never races

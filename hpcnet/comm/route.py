@@ -1,7 +1,7 @@
-"""The transport plan: which backend carries the gradients, flat or hierarchical, and the fallback.
+"""The gradients' route: which backend carries them, flat or hierarchical, and the fallback.
 
-A pure function of the ``dist`` options, the device and the job's layout (``plan_transport``), decided once
-per job before the topology probe and the rendezvous (``decide_plan``), so an impossible choice stops every
+A pure function of the ``dist`` options, the device and the job's layout (``choose_route``), agreed on once
+per job before the topology probe and the rendezvous (``agree_route``), so an impossible choice stops every
 rank before anything is set up.  The choices are described in docs/communication.md.
 """
 
@@ -18,8 +18,8 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
-    """Which transports to use (pure decision, see ``plan_transport``); given to the bootstrap
+class Route:
+    """Which transports to use (pure decision, see ``choose_route``); given to the bootstrap
     (``torch_backend``) and to ``DataParallel``."""
 
     primary: str
@@ -30,7 +30,7 @@ class Plan:
 
     @property
     def torch_backend(self) -> str | None:
-        """The torch.distributed default group the plan needs: 'nccl', 'gloo', or None (MPI only).
+        """The torch.distributed default group the route needs: 'nccl', 'gloo', or None (MPI only).
 
         The gloo fallback of a NCCL run is a subgroup created on demand from
         the NCCL default group, so NCCL wins.
@@ -55,14 +55,14 @@ def hierarchical_layout(num_nodes: int, min_local_size: int, max_local_size: int
     return num_nodes > 1 and min_local_size > 1 and max_local_size == min_local_size
 
 
-def plan_transport(cfg: DistConfig, *, device_type: str, num_nodes: int, min_local_size: int,
-                   cuda_aware: bool = False, hierarchical_hint: bool | None = None,
-                   shm_wins: bool = False, max_local_size: int | None = None,
-                   cores_per_rank: float = SPARE_CORES_FOR_THREAD) -> Plan:
+def choose_route(cfg: DistConfig, *, device_type: str, num_nodes: int, min_local_size: int,
+                 cuda_aware: bool = False, hierarchical_hint: bool | None = None,
+                 shm_wins: bool = False, max_local_size: int | None = None,
+                 cores_per_rank: float = SPARE_CORES_FOR_THREAD) -> Route:
     """Decide the primary backend, flat or hierarchical, and the fallback (pure logic).
 
     The one place where ``dist.backend = 'auto'`` is resolved: the bootstrap
-    and ``DataParallel`` both follow the plan this returns.  An impossible
+    and ``DataParallel`` both follow the route this returns.  An impossible
     choice is a ``UsageError`` naming the option.
 
     Args:
@@ -80,7 +80,7 @@ def plan_transport(cfg: DistConfig, *, device_type: str, num_nodes: int, min_loc
             'fastest' on CPU is then 'shm'. 'auto' never races: a timing flips
             between runs, and shm and MPI differ in the last bits.
         cores_per_rank: the fewest cores a rank has (``dist.inter_node=auto``: gloo between the nodes of a
-            hierarchical mpi plan below ``SPARE_CORES_FOR_THREAD``, where MPI's polling would take the core that
+            hierarchical mpi route below ``SPARE_CORES_FOR_THREAD``, where MPI's polling would take the core that
             computes).
     """
     gpu = device_type == "cuda"
@@ -133,9 +133,9 @@ def plan_transport(cfg: DistConfig, *, device_type: str, num_nodes: int, min_loc
     if halves and primary in ("mpi", "shm") and inter_node is None:
         which = f"{cfg.backend!r} is mpi on CPU" if cfg.backend in ("auto", "fastest") else f"is {primary!r}"
         raise UsageError(f"dist.compression: {cfg.compression} needs the nccl or gloo backend, or gloo between the "
-                         f"nodes of a hierarchical mpi plan, and dist.backend {which} here (MPI has no "
+                         f"nodes of a hierarchical mpi route, and dist.backend {which} here (MPI has no "
                          "half-precision sum); set dist.backend=gloo")
-    return Plan(primary, hierarchical, fallback, inter_node)
+    return Route(primary, hierarchical, fallback, inter_node)
 
 
 def _check_int8(primary: str, cfg: DistConfig, num_nodes: int, min_local_size: int,
@@ -172,9 +172,9 @@ def mpi_progress(option: str, cores_per_rank: float) -> str:
     return "thread" if cores_per_rank >= SPARE_CORES_FOR_THREAD else "inline"
 
 
-def decide_plan(comm: Any, world: World, cfg: DistConfig, *, device_type: str,
-                hierarchical_hint: bool | None = None) -> Plan:
-    """Collective: ``plan_transport`` for this job, the same on every rank, or the same error on every rank.
+def agree_route(comm: Any, world: World, cfg: DistConfig, *, device_type: str,
+                hierarchical_hint: bool | None = None) -> Route:
+    """Collective: ``choose_route`` for this job, the same on every rank, or the same error on every rank.
 
     Ranks that see different devices (a node without GPUs under
     ``dist.device=auto``) would initialise different backends and wait for
@@ -194,17 +194,17 @@ def decide_plan(comm: Any, world: World, cfg: DistConfig, *, device_type: str,
             log.info("dist.backend=fastest: %s; %d MiB sums measured: shm %.2f ms, mpi %.2f ms (slowest rank's "
                      "median)", "shm" if shm_wins else "mpi", RACE_BYTES >> 20, shm_s * 1e3, mpi_s * 1e3)
     with shared_errors(comm):
-        plan = plan_transport(cfg, device_type=device_type, num_nodes=world.num_nodes, min_local_size=min_local,
-                              cuda_aware=device_type == "cuda" and cuda_aware_mpi(),
-                              hierarchical_hint=hierarchical_hint, shm_wins=shm_wins, max_local_size=max_local,
-                              cores_per_rank=min(cores))
-    plans = comm.allgather((device_type, plan))
-    odd = [r for r, p in enumerate(plans) if p != plans[0]]
+        route = choose_route(cfg, device_type=device_type, num_nodes=world.num_nodes, min_local_size=min_local,
+                             cuda_aware=device_type == "cuda" and cuda_aware_mpi(),
+                             hierarchical_hint=hierarchical_hint, shm_wins=shm_wins, max_local_size=max_local,
+                             cores_per_rank=min(cores))
+    routes = comm.allgather((device_type, route))
+    odd = [r for r, p in enumerate(routes) if p != routes[0]]
     if odd:
         raise mark_agreed(UsageError(
-            f"the ranks chose different transports: rank 0 has a {plans[0][0]} device and {plans[0][1]}, rank "
-            f"{odd[0]} a {plans[odd[0]][0]} device and {plans[odd[0]][1]} (ranks {odd} differ); set dist.device"))
-    return plan
+            f"the ranks chose different transports: rank 0 has a {routes[0][0]} device and {routes[0][1]}, rank "
+            f"{odd[0]} a {routes[odd[0]][0]} device and {routes[odd[0]][1]} (ranks {odd} differ); set dist.device"))
+    return route
 
 
 def cuda_aware_mpi() -> bool:

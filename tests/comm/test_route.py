@@ -1,8 +1,9 @@
-"""The transport plan: a pure function of the options, the device and the layout, decided once, before the probe."""
+"""The gradients' route: a pure function of the options, the device and the layout, agreed on once, before the
+probe."""
 
 import pytest
 
-from hpcnet.comm.plan import Plan, decide_plan, hierarchical_layout, plan_transport
+from hpcnet.comm.route import Route, agree_route, choose_route, hierarchical_layout
 from hpcnet.config import DistConfig
 from hpcnet.config.load import load_config
 from hpcnet.errors import ConfigError, UsageError
@@ -10,53 +11,53 @@ from hpcnet.world import discover
 
 
 @pytest.mark.parametrize("cfg, kw, expected", [
-    ({}, dict(device_type="cpu", num_nodes=1, min_local_size=4), Plan("mpi", False, "gloo")),
-    ({}, dict(device_type="cuda", num_nodes=2, min_local_size=8), Plan("nccl", True, "gloo")),
-    ({}, dict(device_type="cuda", num_nodes=2, min_local_size=1), Plan("nccl", False, "gloo")),
-    ({"backend": "gloo"}, dict(device_type="cpu", num_nodes=1, min_local_size=2), Plan("gloo", False, "mpi")),
+    ({}, dict(device_type="cpu", num_nodes=1, min_local_size=4), Route("mpi", False, "gloo")),
+    ({}, dict(device_type="cuda", num_nodes=2, min_local_size=8), Route("nccl", True, "gloo")),
+    ({}, dict(device_type="cuda", num_nodes=2, min_local_size=1), Route("nccl", False, "gloo")),
+    ({"backend": "gloo"}, dict(device_type="cpu", num_nodes=1, min_local_size=2), Route("gloo", False, "mpi")),
     ({"hierarchical": "on", "fallback": "none"}, dict(device_type="cpu", num_nodes=1, min_local_size=2),
-     Plan("mpi", True, None)),
+     Route("mpi", True, None)),
     ({"backend": "mpi", "fallback": "mpi"}, dict(device_type="cpu", num_nodes=1, min_local_size=2),
-     Plan("mpi", False, None)),
+     Route("mpi", False, None)),
 ])
-def test_plan_transport(cfg, kw, expected):
-    assert plan_transport(DistConfig(**cfg), **kw) == expected
+def test_choose_route(cfg, kw, expected):
+    assert choose_route(DistConfig(**cfg), **kw) == expected
 
 
 @pytest.mark.parametrize("option, cores, expected", [
     ("auto", 1.0, "gloo"), ("auto", 2.0, None), ("gloo", 8.0, "gloo"), ("primary", 1.0, None)])
-def test_between_nodes_a_hierarchical_mpi_plan_takes_gloo_where_polling_would_take_the_core(option, cores, expected):
-    """dist.inter_node: gloo's sockets block while they wait; MPI polls.  Only the hierarchical mpi plan on CPU
-    has a choice to make; gloo then is the torch backend the plan needs."""
+def test_between_nodes_a_hierarchical_mpi_route_takes_gloo_where_polling_would_take_the_core(option, cores, expected):
+    """dist.inter_node: gloo's sockets block while they wait; MPI polls.  Only the hierarchical mpi route on CPU
+    has a choice to make; gloo then is the torch backend the route needs."""
     layout = dict(device_type="cpu", num_nodes=2, min_local_size=2, cores_per_rank=cores)
-    plan = plan_transport(DistConfig(inter_node=option, fallback="none"), **layout)
-    assert plan == Plan("mpi", True, None, expected)
-    assert plan.torch_backend == expected
-    flat = plan_transport(DistConfig(inter_node=option), **{**layout, "num_nodes": 1})
+    route = choose_route(DistConfig(inter_node=option, fallback="none"), **layout)
+    assert route == Route("mpi", True, None, expected)
+    assert route.torch_backend == expected
+    flat = choose_route(DistConfig(inter_node=option), **{**layout, "num_nodes": 1})
     assert flat.inter_node is None
-    gpu = plan_transport(DistConfig(inter_node=option), **{**layout, "device_type": "cuda"})
+    gpu = choose_route(DistConfig(inter_node=option), **{**layout, "device_type": "cuda"})
     assert gpu.inter_node is None and gpu.primary == "nccl"
     with pytest.raises(ConfigError, match="dist.inter_node: 'tcp' is not one of"):
         DistConfig(inter_node="tcp")
     # dist.compression under mpi: only where gloo carries the sums between the nodes (bf16 there only)
     compressed = DistConfig(inter_node=option, compression="bf16")
     if expected:
-        assert plan_transport(compressed, **layout).inter_node == "gloo"
+        assert choose_route(compressed, **layout).inter_node == "gloo"
     else:
-        with pytest.raises(UsageError, match="gloo between the nodes of a hierarchical mpi plan"):
-            plan_transport(compressed, **layout)
+        with pytest.raises(UsageError, match="gloo between the nodes of a hierarchical mpi route"):
+            choose_route(compressed, **layout)
 
 
 def test_hierarchical_on_nodes_of_unequal_sizes_is_an_error_naming_the_option():
     """Nodes of 3 and 2 ranks: the nodes' shards would not line up across nodes (sums of unequal buffers, or a
     hang); auto leaves it flat, on is refused."""
     uneven = dict(device_type="cpu", num_nodes=2, min_local_size=2, max_local_size=3)
-    assert not plan_transport(DistConfig(), **uneven).hierarchical
-    assert not plan_transport(DistConfig(hierarchical="off"), **uneven).hierarchical
+    assert not choose_route(DistConfig(), **uneven).hierarchical
+    assert not choose_route(DistConfig(hierarchical="off"), **uneven).hierarchical
     with pytest.raises(UsageError, match="dist.hierarchical=on needs as many ranks on every node; these nodes "
                                          "have 2 to 3"):
-        plan_transport(DistConfig(hierarchical="on"), **uneven)
-    assert plan_transport(DistConfig(hierarchical="on"), **{**uneven, "min_local_size": 3}).hierarchical
+        choose_route(DistConfig(hierarchical="on"), **uneven)
+    assert choose_route(DistConfig(hierarchical="on"), **{**uneven, "min_local_size": 3}).hierarchical
 
 
 @pytest.mark.mpi(min_size=3)
@@ -71,44 +72,44 @@ def test_a_hierarchical_transport_on_nodes_of_unequal_sizes_fails_on_every_rank(
     comm.Barrier()
 
 
-def test_plan_transport_errors():
+def test_choose_route_errors():
     with pytest.raises(UsageError, match="dist.backend: 'nccl' needs a GPU"):
-        plan_transport(DistConfig(backend="nccl"), device_type="cpu", num_nodes=1, min_local_size=1)
+        choose_route(DistConfig(backend="nccl"), device_type="cpu", num_nodes=1, min_local_size=1)
     with pytest.raises(UsageError, match="CUDA-aware"):
-        plan_transport(DistConfig(backend="mpi"), device_type="cuda", num_nodes=1, min_local_size=1)
+        choose_route(DistConfig(backend="mpi"), device_type="cuda", num_nodes=1, min_local_size=1)
     with pytest.raises(UsageError, match="dist.compression"):
-        plan_transport(DistConfig(backend="mpi", compression="bf16"), device_type="cpu", num_nodes=1,
-                       min_local_size=1)
+        choose_route(DistConfig(backend="mpi", compression="bf16"), device_type="cpu", num_nodes=1,
+                     min_local_size=1)
 
 
 def test_compression_is_checked_against_the_resolved_backend():
     """'auto' is mpi on CPU, which cannot sum half precision: an error before training, not in backward."""
     cpu = dict(device_type="cpu", num_nodes=1, min_local_size=2)
     with pytest.raises(UsageError, match=r"dist.compression: bf16 .* dist.backend 'auto' is mpi on CPU"):
-        plan_transport(DistConfig(compression="bf16"), **cpu)
+        choose_route(DistConfig(compression="bf16"), **cpu)
     # gloo carries it; its automatic fallback (mpi) could not, so there is none
-    assert plan_transport(DistConfig(backend="gloo", compression="fp16"), **cpu) == Plan("gloo", False, None)
+    assert choose_route(DistConfig(backend="gloo", compression="fp16"), **cpu) == Route("gloo", False, None)
     with pytest.raises(UsageError, match="dist.fallback: 'mpi' cannot carry dist.compression=bf16"):
-        plan_transport(DistConfig(backend="gloo", compression="bf16", fallback="mpi"), **cpu)
+        choose_route(DistConfig(backend="gloo", compression="bf16", fallback="mpi"), **cpu)
     gpu = dict(device_type="cuda", num_nodes=1, min_local_size=2)
-    assert plan_transport(DistConfig(compression="bf16"), **gpu) == Plan("nccl", False, "gloo")
+    assert choose_route(DistConfig(compression="bf16"), **gpu) == Route("nccl", False, "gloo")
     load_config(overrides=["dist.compression=bf16"])  # the option alone is valid: the device decides
 
 
-@pytest.mark.parametrize("plan, torch_backend", [
-    (Plan("mpi", False, None), None), (Plan("mpi", True, None), None),
-    (Plan("mpi", False, "gloo"), "gloo"), (Plan("gloo", False, "mpi"), "gloo"),
-    (Plan("nccl", True, "gloo"), "nccl"), (Plan("nccl", False, None), "nccl"),
+@pytest.mark.parametrize("route, torch_backend", [
+    (Route("mpi", False, None), None), (Route("mpi", True, None), None),
+    (Route("mpi", False, "gloo"), "gloo"), (Route("gloo", False, "mpi"), "gloo"),
+    (Route("nccl", True, "gloo"), "nccl"), (Route("nccl", False, None), "nccl"),
 ])
-def test_the_plan_says_which_torch_group_the_bootstrap_starts(plan, torch_backend):
-    assert plan.torch_backend == torch_backend
+def test_the_route_says_which_torch_group_the_bootstrap_starts(route, torch_backend):
+    assert route.torch_backend == torch_backend
 
 
 def test_the_topology_hint_decides_auto_only():
     kw = dict(device_type="cpu", num_nodes=2, min_local_size=2)
-    assert plan_transport(DistConfig(), **kw).hierarchical
-    assert not plan_transport(DistConfig(), **kw, hierarchical_hint=False).hierarchical
-    assert plan_transport(DistConfig(hierarchical="on"), **kw, hierarchical_hint=False).hierarchical
+    assert choose_route(DistConfig(), **kw).hierarchical
+    assert not choose_route(DistConfig(), **kw, hierarchical_hint=False).hierarchical
+    assert choose_route(DistConfig(hierarchical="on"), **kw, hierarchical_hint=False).hierarchical
 
 
 @pytest.mark.mpi
@@ -116,16 +117,16 @@ def test_ranks_with_different_devices_are_an_error_on_every_rank(comm):
     world = discover(comm, environ={})
     last = comm.Get_rank() == comm.Get_size() - 1 and comm.Get_size() > 1
     cfg = DistConfig(backend="gloo", hierarchical="off")  # flat on the local cluster's real hosts too
-    assert decide_plan(comm, world, cfg, device_type="cpu") == Plan("gloo", False, "mpi")
+    assert agree_route(comm, world, cfg, device_type="cpu") == Route("gloo", False, "mpi")
     if comm.Get_size() == 1:
         return
     with pytest.raises(UsageError, match=rf"ranks chose different transports: .*\(ranks \[{comm.Get_size() - 1}\]"):
-        decide_plan(comm, world, cfg, device_type="cuda" if last else "cpu")
+        agree_route(comm, world, cfg, device_type="cuda" if last else "cpu")
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("option, needle", [
-    # flat: on the local cluster's real hosts a hierarchical mpi plan sends bf16 between them over gloo
+    # flat: on the local cluster's real hosts a hierarchical mpi route sends bf16 between them over gloo
     ("dist.compression=bf16 dist.hierarchical=off", "dist.compression: bf16 needs the nccl or gloo backend"),
     ("dist.backend=nccl", "dist.backend: 'nccl' needs a GPU"),
 ])
@@ -141,7 +142,7 @@ def test_an_impossible_transport_stops_before_the_data_and_the_model(comm, mpi_t
 
 
 def test_the_layout_rule_is_the_topologys_advice():
-    """The probe's 'hierarchical' advice is this rule, so deciding the plan before the probe changes nothing."""
+    """The probe's 'hierarchical' advice is this rule, so choosing the route before the probe changes nothing."""
     from hpcnet.comm.topology import Node, Topology, recommend
 
     for local_sizes in ([1], [4], [1, 1], [2, 2], [2, 1], [3, 3, 3], [3, 2], [4, 4, 2]):
@@ -156,18 +157,18 @@ def test_the_layout_rule_is_the_topologys_advice():
         assert recommend(topology)["hierarchical"] == layout
         cpu = dict(device_type="cpu", num_nodes=len(local_sizes), min_local_size=min(local_sizes),
                    max_local_size=max(local_sizes))
-        assert plan_transport(DistConfig(), **cpu).hierarchical == layout
-        assert plan_transport(DistConfig(), **cpu, hierarchical_hint=True).hierarchical == (
+        assert choose_route(DistConfig(), **cpu).hierarchical == layout
+        assert choose_route(DistConfig(), **cpu, hierarchical_hint=True).hierarchical == (
             min(local_sizes) == max(local_sizes))
 
 
 @pytest.mark.mpi
 def test_an_impossible_transport_stops_before_the_probe_on_every_rank(comm, mpi_tmp_path, monkeypatch):
-    """dist.backend=nccl on a CPU-only job: the planning error, not a probe, on every rank."""
+    """dist.backend=nccl on a CPU-only job: the route's error, not a probe, on every rank."""
     from hpcnet import train
 
     def no_probe(*args, **kwargs):
-        raise AssertionError("the probe ran before the plan")
+        raise AssertionError("the probe ran before the route was chosen")
 
     monkeypatch.setattr(train, "probe", no_probe)
     cfg = load_config(overrides=[f"run.dir={mpi_tmp_path / 'before-probe'}", "run.dir_exact=true",
@@ -179,7 +180,7 @@ def test_an_impossible_transport_stops_before_the_probe_on_every_rank(comm, mpi_
 
 
 def test_mpi_progress_is_inline_without_a_spare_core_and_the_option_wins():
-    from hpcnet.comm.plan import mpi_progress
+    from hpcnet.comm.route import mpi_progress
 
     assert mpi_progress("auto", 1.0) == mpi_progress("auto", 0.125) == "inline"  # 2 ranks on 2 cores; 16 a core
     assert mpi_progress("auto", 2.0) == mpi_progress("auto", 8.0) == "thread"
@@ -193,12 +194,12 @@ def test_int8_takes_the_hierarchical_path_with_gloo_between_the_nodes():
     one rank a node, even where polling would not take the core; on one node the sums are plain and exact."""
     int8 = DistConfig(compression="int8")
     cpu = dict(device_type="cpu", cores_per_rank=8)
-    assert plan_transport(int8, num_nodes=2, min_local_size=2, **cpu) == Plan("mpi", True, "gloo", "gloo")
-    assert plan_transport(int8, num_nodes=3, min_local_size=1, **cpu) == Plan("mpi", True, "gloo", "gloo")
-    assert plan_transport(int8, num_nodes=2, min_local_size=2, hierarchical_hint=False, **cpu).hierarchical
-    assert plan_transport(int8, num_nodes=1, min_local_size=4, **cpu) == Plan("mpi", False, "gloo")
+    assert choose_route(int8, num_nodes=2, min_local_size=2, **cpu) == Route("mpi", True, "gloo", "gloo")
+    assert choose_route(int8, num_nodes=3, min_local_size=1, **cpu) == Route("mpi", True, "gloo", "gloo")
+    assert choose_route(int8, num_nodes=2, min_local_size=2, hierarchical_hint=False, **cpu).hierarchical
+    assert choose_route(int8, num_nodes=1, min_local_size=4, **cpu) == Route("mpi", False, "gloo")
     gloo = DistConfig(backend="gloo", compression="int8")
-    assert plan_transport(gloo, num_nodes=2, min_local_size=2, **cpu) == Plan("gloo", True, "mpi")
+    assert choose_route(gloo, num_nodes=2, min_local_size=2, **cpu) == Route("gloo", True, "mpi")
     for cfg, kw, needle in [
             (DistConfig(compression="int8"), dict(device_type="cuda"), "int8 runs between the nodes over gloo, and "
                                                                         "dist.backend is nccl"),
@@ -207,14 +208,14 @@ def test_int8_takes_the_hierarchical_path_with_gloo_between_the_nodes():
             (DistConfig(compression="int8", inter_node="primary"), cpu, "int8 .* dist.inter_node is primary"),
     ]:
         with pytest.raises(UsageError, match=f"dist.compression: {needle}"):
-            plan_transport(cfg, num_nodes=2, min_local_size=2, **kw)
+            choose_route(cfg, num_nodes=2, min_local_size=2, **kw)
     with pytest.raises(UsageError, match="int8 needs as many ranks on every node"):
-        plan_transport(int8, num_nodes=2, min_local_size=1, max_local_size=2, **cpu)
+        choose_route(int8, num_nodes=2, min_local_size=1, max_local_size=2, **cpu)
 
 
 def test_compression_auto_is_exact():
     assert DistConfig().compression == "auto"
     cpu = dict(device_type="cpu", num_nodes=2, min_local_size=2, cores_per_rank=8)
-    assert plan_transport(DistConfig(), **cpu) == plan_transport(DistConfig(compression="none"), **cpu)
+    assert choose_route(DistConfig(), **cpu) == choose_route(DistConfig(compression="none"), **cpu)
     with pytest.raises(Exception, match="dist.compression: .int4. is not one of .auto., .none., .fp16., .bf16."):
         load_config(overrides=["dist.compression=int4"])
