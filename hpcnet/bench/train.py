@@ -53,7 +53,8 @@ from hpcnet.bench.common import (
     write_json,
 )
 from hpcnet.bench.stepsplit import profile_block, sync_device
-from hpcnet.comm.topology import HostLinks, host_links, probe
+from hpcnet.comm.measured import HostLinks, host_links
+from hpcnet.comm.topology import probe
 from hpcnet.config import PRECISIONS
 from hpcnet.models.device import BatchMover, DeviceSettings, apply_settings, device_settings
 

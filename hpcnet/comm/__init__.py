@@ -1,7 +1,7 @@
 """The data plane and what decides it, on the ranks, nodes and devices of ``hpcnet.world``.
 
-``netif`` (network interfaces), ``topology`` and ``pingpong`` (the measured topology; ``python -m
-hpcnet.comm.topology``), ``costmodel``, ``route`` and ``forecast`` (which transport, which
+``netif`` (network interfaces), ``nodes``, ``pingpong``, ``measured`` and ``topology`` (the measured
+topology; ``python -m hpcnet.comm.topology``), ``costmodel``, ``route`` and ``forecast`` (which transport, which
 path, what a step's communication should take), ``bootstrap`` (torch.distributed from MPI), ``transport`` (how a
 bucket is summed: NCCL, gloo, MPI, shared memory, hierarchical; and how stage 3's gathers move), ``buckets`` and
 ``reducer`` (buckets filled during backward), ``replicas`` (replicas kept equal), ``sharding`` (what each rank

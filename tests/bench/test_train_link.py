@@ -17,7 +17,7 @@ from hpcnet.bench.train import (
     link_summary,
     measured_link_gbit,
 )
-from hpcnet.comm.topology import HostLinks
+from hpcnet.comm.measured import HostLinks
 
 MIB = 2**20
 

@@ -143,7 +143,9 @@ def test_an_impossible_transport_stops_before_the_data_and_the_model(comm, mpi_t
 
 def test_the_layout_rule_is_the_topologys_advice():
     """The probe's 'hierarchical' advice is this rule, so choosing the route before the probe changes nothing."""
-    from hpcnet.comm.topology import Node, Topology, recommend
+    from hpcnet.comm.measured import Topology
+    from hpcnet.comm.nodes import Node
+    from hpcnet.comm.topology import recommend
 
     for local_sizes in ([1], [4], [1, 1], [2, 2], [2, 1], [3, 3, 3], [3, 2], [4, 4, 2]):
         starts = [sum(local_sizes[:i]) for i in range(len(local_sizes))]

@@ -8,20 +8,11 @@ import time
 import numpy as np
 import pytest
 
+from hpcnet.comm.measured import Topology
 from hpcnet.comm.netif import IbPort, Interface, interfaces, kind_of
+from hpcnet.comm.nodes import Gpu, InterfaceUse, Node, RankInfo, common_interface
 from hpcnet.comm.pingpong import pair_key, pair_rounds
-from hpcnet.comm.topology import (
-    Gpu,
-    InterfaceUse,
-    Node,
-    RankInfo,
-    Topology,
-    common_interface,
-    local_gpus,
-    main,
-    probe,
-    recommend,
-)
+from hpcnet.comm.topology import local_gpus, main, probe, recommend
 from hpcnet.world import discover, node_layout, wait_sleeping
 from tests.helpers.comm import nodes_of
 

@@ -6,21 +6,11 @@ import random
 
 import pytest
 
+from hpcnet.comm.measured import Topology, host_lines, host_links, link_warnings, slow_hosts, slow_links
 from hpcnet.comm.netif import Interface, rendezvous_order
+from hpcnet.comm.nodes import InterfaceUse, Node, RankInfo, expected_rendezvous
 from hpcnet.comm.pingpong import direction_key, pair_key, pair_rounds
-from hpcnet.comm.topology import (
-    InterfaceUse,
-    Node,
-    RankInfo,
-    Topology,
-    expected_rendezvous,
-    host_lines,
-    host_links,
-    link_warnings,
-    probe,
-    slow_hosts,
-    slow_links,
-)
+from hpcnet.comm.topology import probe
 from hpcnet.report.markdown import topology_section
 from hpcnet.world import discover
 from tests.helpers.comm import nodes_of
