@@ -6,22 +6,26 @@ import pkgutil
 import sys
 from pathlib import Path
 
-# helper modules of the package (stepsplit: bench train's instrumented block; recovery_cluster: recovery --cluster)
-_NOT_BENCHMARKS = {"common", "stepsplit", "recovery_cluster"}
-
 
 def benchmarks() -> dict[str, str]:
-    """Benchmark name -> first line of its module docstring (read from the source: nothing is imported)."""
+    """Benchmark name -> first line of its module docstring (read from the source: nothing is imported).
+
+    A benchmark is a module of the package with a ``main``; the others are its parts (``common``, ``stepsplit``,
+    ``memory_capacity``, ...).
+    """
     package = Path(__file__).parent
     found = {}
     for info in pkgutil.iter_modules([str(package)]):
-        if info.name.startswith("_") or info.name in _NOT_BENCHMARKS:
+        if info.name.startswith("_"):
             continue
         try:
-            doc = ast.get_docstring(ast.parse((package / f"{info.name}.py").read_text())) or ""
+            tree = ast.parse((package / f"{info.name}.py").read_text())
         except (OSError, SyntaxError):
-            doc = ""
-        found[info.name] = doc.strip().splitlines()[0] if doc.strip() else ""
+            continue
+        if not any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in tree.body):
+            continue
+        doc = (ast.get_docstring(tree) or "").strip()
+        found[info.name] = doc.splitlines()[0] if doc else ""
     return found
 
 

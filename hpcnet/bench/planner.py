@@ -3,7 +3,7 @@
 Launch:
     mpirun -np 4 python -m mpi4py -m hpcnet.bench planner [--rungs 2,4,6,8] [--json out.json]
 
-For every rung (``hpcnet.bench.memory.ladder_options``: width 64k, k blocks, the ladder's vocabulary, sequence
+For every rung (``hpcnet.bench.memory_capacity.ladder_options``: width 64k, k blocks, the ladder's vocabulary, sequence
 and batch) rank 0 measures one step of the plain model (``hpcnet.plan.measure``) and predicts each rank's peak
 at every ``dist.zero`` stage with and without activation checkpointing (``hpcnet.plan.peaks.predict``); then every
 rank trains the rung with hpcnet at each of those choices for ``--steps`` steps and measures its peak as
@@ -28,7 +28,8 @@ def _train_peak(rung: int, stage: int, checkpointing: str, comm: Any, world: Any
     """Collective: the largest rank's measured peak of ``steps`` AdamW steps of rung ``rung`` with hpcnet."""
     from mpi4py import MPI
 
-    from hpcnet.bench import memory as bm
+    from hpcnet.bench.memory_capacity import CAP_BATCH, CAP_SEQ, CAP_VOCAB, ladder_options
+    from hpcnet.bench.memory_contenders import _batches
     from hpcnet.comm.dataparallel import DataParallel
     from hpcnet.comm.route import agree_route
     from hpcnet.config import DistConfig, OptimConfig
@@ -39,12 +40,12 @@ def _train_peak(rung: int, stage: int, checkpointing: str, comm: Any, world: Any
     from hpcnet.optim import build_optimizer
     from hpcnet.plan.measure import reset_peak, settled_kib, status_kib
 
-    batches = bm._batches("tokens", (bm.CAP_SEQ,), bm.CAP_VOCAB, bm.CAP_BATCH, world.rank)
+    batches = _batches("tokens", (CAP_SEQ,), CAP_VOCAB, CAP_BATCH, world.rank)
     before = settled_kib()
     comm.Barrier()
     reset_peak()
     torch.manual_seed(0)
-    model = build_model("transformer", DatasetInfo("tokens", (bm.CAP_SEQ,), bm.CAP_VOCAB), bm.ladder_options(rung))
+    model = build_model("transformer", DatasetInfo("tokens", (CAP_SEQ,), CAP_VOCAB), ladder_options(rung))
     if checkpointing == "blocks":
         checkpoint_blocks(find_blocks(model))
     cfg = DistConfig(zero=stage, owners="uniform")
@@ -64,7 +65,8 @@ def _train_peak(rung: int, stage: int, checkpointing: str, comm: Any, world: Any
 
 def _predict(rung: int, ranks: int) -> dict[tuple[int, str], Any]:
     """Rank 0: the planner's predictions for rung ``rung`` at ``ranks`` ranks."""
-    from hpcnet.bench import memory as bm
+    from hpcnet.bench.memory_capacity import CAP_BATCH, CAP_SEQ, CAP_VOCAB, ladder_options
+    from hpcnet.bench.memory_contenders import _batches
     from hpcnet.config import OptimConfig
     from hpcnet.data.info import DatasetInfo
     from hpcnet.models import build_model
@@ -74,8 +76,8 @@ def _predict(rung: int, ranks: int) -> dict[tuple[int, str], Any]:
     from hpcnet.plan.peaks import predict
 
     torch.manual_seed(0)
-    model = build_model("transformer", DatasetInfo("tokens", (bm.CAP_SEQ,), bm.CAP_VOCAB), bm.ladder_options(rung))
-    batch = bm._batches("tokens", (bm.CAP_SEQ,), bm.CAP_VOCAB, bm.CAP_BATCH, 0)[0]
+    model = build_model("transformer", DatasetInfo("tokens", (CAP_SEQ,), CAP_VOCAB), ladder_options(rung))
+    batch = _batches("tokens", (CAP_SEQ,), CAP_VOCAB, CAP_BATCH, 0)[0]
     memory = measure_model(model, lambda m: build_optimizer(m, OptimConfig(name="adamw", lr=1e-3)), compute_loss,
                            batch)
     return {(s, c): predict(memory, ranks=ranks, stage=s, checkpointing=c) for s, c in CHOICES}
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m hpcnet.bench planner``; the only place that uses COMM_WORLD."""
     from mpi4py import MPI
 
-    from hpcnet.bench import memory as bm
+    from hpcnet.bench.memory_capacity import rung_parameters
+    from hpcnet.bench.memory_measure import _fixed_mmap_threshold
     from hpcnet.comm.bootstrap import init_data_plane
     from hpcnet.world import cpu_threads, discover
 
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     comm = MPI.COMM_WORLD.Dup()
     world = discover(comm)
     torch.set_num_threads(cpu_threads(world))
-    bm._fixed_mmap_threshold()
+    _fixed_mmap_threshold()
     env = environment(comm)
     if world.rank == 0:
         print(describe_environment(env), flush=True)
@@ -121,10 +124,10 @@ def main(argv: list[str] | None = None) -> int:
                     p = predicted[(stage, checkpointing)]
                     error = p.peak / measured - 1
                     errors.append(error)
-                    results.append({"rung": rung, "parameters": bm.rung_parameters(rung), "stage": stage,
+                    results.append({"rung": rung, "parameters": rung_parameters(rung), "stage": stage,
                                     "activation_checkpointing": checkpointing, "predicted_bytes": p.peak,
                                     "measured_bytes": measured, "error": error, "phase": p.phase})
-                    rows.append([str(rung), f"{bm.rung_parameters(rung) / 1e6:.1f} M", str(stage), checkpointing,
+                    rows.append([str(rung), f"{rung_parameters(rung) / 1e6:.1f} M", str(stage), checkpointing,
                                  f"{p.peak / 1e6:.1f}", f"{measured / 1e6:.1f}", f"{100 * error:+.1f}%", p.phase])
             if world.rank == 0:
                 print(f"  rung {rung}: {time.perf_counter() - t0:.0f} s", flush=True)

@@ -7,7 +7,7 @@ import pytest
 
 
 def test_memory_search_largest_brackets_the_answer():
-    from hpcnet.bench.memory import search_largest
+    from hpcnet.bench.memory_capacity import search_largest
 
     for limit in range(0, 9):
         for start in range(1, 9):
@@ -30,17 +30,16 @@ def test_memory_search_largest_brackets_the_answer():
 def test_memory_ladder_and_helpers():
     import torch
 
-    from hpcnet.bench.memory import (
+    from hpcnet.bench.memory_capacity import (
         CAP_SEQ,
         CAP_VOCAB,
         deeper_options,
         ladder_options,
-        paired_ratios,
-        rotated,
         rung_parameters,
         start_rung,
         transformer_parameters,
     )
+    from hpcnet.bench.memory_measure import paired_ratios, rotated
     from hpcnet.data.info import DatasetInfo
     from hpcnet.models import build_model
 
@@ -65,7 +64,7 @@ def test_memory_ladder_and_helpers():
 
 
 def test_memory_contenders_table():
-    from hpcnet.bench.memory import CAP_CONTENDERS, CAP_TIMED, CONTENDERS, TIME_PEERS
+    from hpcnet.bench.memory_contenders import CAP_CONTENDERS, CAP_TIMED, CONTENDERS, TIME_PEERS
 
     assert {"ddp", "fsdp2", "fsdp2+ac", "hpcnet-zero2", "hpcnet-zero2+ac", "hpcnet-zero3",
             "hpcnet-zero3+ac"} <= set(CAP_CONTENDERS)
@@ -80,7 +79,7 @@ def test_memory_contenders_table():
 
 
 def test_memory_capacity_ratio_brackets_the_truth():
-    from hpcnet.bench.memory import capacity_ratio
+    from hpcnet.bench.memory_capacity import capacity_ratio
 
     found = {"a": {"parameters": 20, "next_parameters": 25}, "a+ac": {"parameters": 30, "next_parameters": 36},
              "b": {"parameters": 10, "next_parameters": 12}, "b+ac": {"parameters": 8, "next_parameters": 9},
@@ -96,7 +95,7 @@ def test_memory_capacity_ratio_brackets_the_truth():
 
 @pytest.mark.launch
 def test_memory_under_mpirun(launch, tmp_path):
-    from hpcnet.bench.memory import CONTENDERS, TIME_PEERS
+    from hpcnet.bench.memory_contenders import CONTENDERS, TIME_PEERS
 
     out = tmp_path / "memory.json"
     # Five of the capacity contenders (each kind, stage 3 with its twin; the others' search is the same code).
