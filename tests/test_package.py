@@ -179,6 +179,38 @@ def test_each_subpackage_names_its_public_surface(package):
         module.no_such_name  # noqa: B018 - the lazy __getattr__ refuses what it does not export
 
 
+def _logic(tree: ast.Module) -> list[str]:
+    """What an ``__init__`` holds besides its public surface: every statement but the docstrings, the imports and
+    the surface's assignment (``__all__, __getattr__, __dir__ = _lazy_exports(...)``, or ``__all__ = [...]``)."""
+    found = []
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            continue
+        targets = (node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign)
+                   else [])
+        names = {n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name)}
+        if targets and names <= {"__all__", "__getattr__", "__dir__"}:
+            continue
+        found.append(f"line {node.lineno}: {type(node).__name__} {getattr(node, 'name', '')}".rstrip())
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(str(p.parent.relative_to(ROOT))
+                                            for p in (ROOT / "hpcnet").glob("*/**/__init__.py")))
+def test_a_subpackage_s_init_holds_its_public_surface_only(package):
+    """Logic lives in modules named for what it is; an ``__init__`` names the package's public surface (the root
+    ``hpcnet/__init__.py`` holds what must run before anything else is imported: a standby's release signal)."""
+    assert _logic(ast.parse((ROOT / package / "__init__.py").read_text())) == []
+
+
+def test_logic_in_an_init_is_found():
+    assert _logic(ast.parse('"""Doc."""\nimport x\n__all__: list[str] = ["f"]\n')) == []
+    assert _logic(ast.parse("from x import y\nMODELS = {}\ndef build():\n    pass\n")) == [
+        "line 2: Assign", "line 3: FunctionDef build"]
+
+
 @pytest.mark.parametrize("module", TORCH_FREE)
 def test_torch_free_modules_import_no_torch(module):
     code = f"import sys, {module}; print('torch' in sys.modules)"

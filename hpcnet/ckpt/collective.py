@@ -1,15 +1,17 @@
-"""The parallel-HDF5 file of one checkpoint: its collective create, and the writes that need no communication.
+"""The collective part of a checkpoint file's save: its create over MPI-IO, and what the ranks exchange around it.
 
 Every rank creates every dataset and attribute with the same arguments
-(``create_file``, collective, over MPI-IO), then the file is closed again: the
-datasets are contiguous and allocated at create, so their bytes are written
-afterwards with ``pwrite`` at their offsets (``write_local``: each rank its
-pieces and its row of ``/rank_state``; ``write_tables``: rank 0 the index,
-meta and checksums), by code that calls neither MPI nor HDF5.  That split is
-what lets a save go on in a background thread while training runs: the
-thread never enters MPI, so a rank never has two threads inside blocking
-collectives at once (``hpcnet.ckpt.write``), and a full disk fails a
-``pwrite`` with its errno instead of an HDF5 write inside an open MPI-IO file.
+(``create_file``, collective, over MPI-IO), rank 0 allocates the file's space
+(``_reserve``), the ranks note where the datasets lie, and the file is closed
+again: the datasets are contiguous and allocated at create, so their bytes are
+written afterwards with ``pwrite`` at their offsets, by code that calls neither
+MPI nor HDF5 (``hpcnet.ckpt.local``).  That split is what lets a save go on in
+a background thread while training runs: the thread never enters MPI, so a rank
+never has two threads inside blocking collectives at once
+(``hpcnet.ckpt.write``), and a full disk fails a ``pwrite`` with its errno
+instead of an HDF5 write inside an open MPI-IO file.  Here too: the file's
+layout (``file_layout``, ``file_bytes``) and the tables the ranks gather
+(``rank_table``, ``gather_tables``).
 
 With ``job.direct_writes`` off (a benchmark's comparison) the tensors are
 written through h5py instead, collectively where every rank has rows, while
@@ -22,18 +24,15 @@ import contextlib
 import logging
 import math
 import os
-import threading
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from hpcnet.ckpt import direct, h5nogil
-from hpcnet.ckpt.durable import fsync_path
 from hpcnet.ckpt.job import SaveJob
-from hpcnet.ckpt.schema import DTYPES, WRITE_PIECE_BYTES, TensorSpec, block_hashes, write_pieces
+from hpcnet.ckpt.local import Offsets, rows_of_blocks
+from hpcnet.ckpt.schema import DTYPES, WRITE_PIECE_BYTES, block_hashes, write_pieces
 from hpcnet.errors import errno_of, error_text, os_error
 from hpcnet.fault.watchdog import NULL_DEADLINES
 from hpcnet.world import wait_sleeping
@@ -70,59 +69,6 @@ def _tensor_major(flat: np.ndarray, counts: np.ndarray) -> np.ndarray:
     size, n = counts.shape
     runs = [flat[starts[r * n + i]:ends[r * n + i]] for i in range(n) for r in range(size)]
     return np.concatenate(runs) if runs else flat[:0]
-
-
-def _rows_of_blocks(spec: TensorSpec, blocks: np.ndarray, first_block: int) -> np.ndarray:
-    """Row numbers, relative to block ``first_block``, of the rows of (relative) ``blocks``."""
-    rows = (blocks[:, None] * spec.block_rows + np.arange(spec.block_rows)[None, :]).reshape(-1)
-    return rows[rows < spec.rows - first_block * spec.block_rows]
-
-
-def _hash_owned(job: SaveJob) -> dict[int, np.ndarray]:
-    """This rank's block hashes of every piece it owns, computed in threads (``hpcnet.ckpt.direct``)."""
-    with direct.pool(job.io_threads) as pool:
-        futures = {i: direct.submit_hash(pool, array, job.specs[i].block_rows * job.specs[i].row_bytes)
-                   for i, array in job.arrays.items()}
-        return {i: direct.collect(f) for i, f in futures.items()}
-
-
-class _Flusher(threading.Thread):
-    """fsyncs a file while its writer hashes: the disk works while the CPU hashes."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(name="hpcnet-checkpoint-fsync", daemon=True)
-        self.path = path
-        self.error: OSError | None = None
-
-    def run(self) -> None:
-        try:
-            fsync_path(self.path)
-        except OSError as exc:
-            self.error = exc
-
-
-
-def changed_blocks(job: SaveJob, errors: list[BaseException]) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
-    """An increment's hashes and changed blocks, before anything is written (local; errors appended)."""
-    try:
-        hashes = _hash_owned(job)
-        return hashes, {i: np.flatnonzero(h != job.prev_hashes[i]) for i, h in hashes.items()}  # type: ignore[index]
-    except Exception as exc:  # noqa: BLE001 - shared by the next collective stretch
-        errors.append(exc)
-        return {}, {}
-
-
-def local_counts(job: SaveJob, rank: int, changed: dict[int, np.ndarray]) -> np.ndarray:
-    """Per tensor: [blocks (hashes) this rank stores, rows it writes]."""
-    local = np.zeros((len(job.specs), 2), dtype=np.int64)
-    for i, piece in job.ownership.owned(rank):
-        spec = job.specs[i]
-        if job.kind == "incremental":
-            local[i] = len(changed[i]), len(_rows_of_blocks(spec, changed[i], piece.block_lo))
-        else:
-            lo, hi = spec.block_range_rows(piece.block_lo, piece.block_hi)
-            local[i] = piece.block_hi - piece.block_lo, hi - lo
-    return local
 
 
 def gather_tables(comm: Any, job: SaveJob, counts: np.ndarray, hashes: dict[int, np.ndarray],
@@ -169,23 +115,6 @@ def _create_collectively(comm: Any, job: SaveJob, tmp: Path, deadlines: Any, tim
         wait_for_peers(comm)
     return h5nogil.create_file(tmp, comm, alignment_threshold=direct.ALIGN_BYTES,
                                alignment_interval=direct.ALIGN_BYTES)
-
-
-@dataclass(slots=True)
-class Offsets:
-    """Where the datasets of a created checkpoint file lie: what the writes after ``create_file`` need (a save
-    whose file could not be allocated has none: nothing is written)."""
-
-    tensors: dict[int, int] = field(default_factory=dict)
-    """Tensor index -> byte offset of its dataset (the tensors this rank writes; ``direct_writes``)."""
-    rank_state: int | None = None
-    """Byte offset of ``/rank_state`` (``direct_writes``)."""
-    tables: dict[str, int] = field(default_factory=dict)
-    """Rank 0: table name -> byte offset (empty tables have no storage and none)."""
-    written: int = 0
-    """Bytes this rank wrote through h5py while the file was open (``direct_writes`` off)."""
-    usable: bool = False
-    """Whether the file's space was allocated, or could not be allocated ahead (``_reserve``): the writes go on."""
 
 
 def create_file(comm: Any, job: SaveJob, tmp: Path, datasets: dict[str, tuple[tuple[int, ...], np.dtype]],
@@ -256,116 +185,6 @@ def _offset(dataset: Any, errors: list[BaseException]) -> int | None:
     except Exception as exc:  # noqa: BLE001 - shared later
         errors.append(exc)
         return None
-
-
-def write_local(job: SaveJob, rank: int, tmp: Path, offsets: Offsets, counts: np.ndarray,
-                changed: dict[int, np.ndarray], rank_row: np.ndarray, errors: list[BaseException],
-                timings: dict[str, float]) -> tuple[int, dict[int, np.ndarray]]:
-    """This rank's bytes of a created file, fsync'd; no MPI, no HDF5 (what a background thread may run).
-
-    ``direct_writes``: this rank's pieces (a full checkpoint's, hashed in threads while the disk writes;
-    an increment's changed rows, hashed before) and its row of ``/rank_state`` with pwrite at their offsets
-    (``hpcnet.ckpt.direct``).  Otherwise h5py wrote them already: a full checkpoint is hashed while a
-    ``_Flusher`` fsyncs it (hashing during h5py's collective writes would compete for the CPU with MPI's
-    busy-polling, while during the fsync the CPU idles).  Returns the bytes written and, for a full
-    checkpoint, the block hashes of every piece written (a piece that failed has none: ``gather_tables``
-    sends zeros for it).  Errors are appended to ``errors``.
-    """
-    t0 = time.perf_counter()
-    hashes: dict[int, np.ndarray] = {}
-    written = 0
-    if not offsets.usable:
-        return written, hashes  # the space could not be allocated (every rank has the error): nothing to write
-    if not job.direct_writes:
-        if job.kind == "full":
-            hashes = _hash_while_flushing(job, tmp, errors, timings)
-        else:
-            _fsync_noted(tmp, errors)
-        timings["data_s"] = time.perf_counter() - t0
-        return written, hashes
-    if job.fault is not None:
-        try:
-            job.fault("write", job.step)
-        except OSError as exc:  # as a failing write would: noted, and the writes go on
-            errors.append(exc)
-    if offsets.rank_state is None:
-        return 0, hashes  # its offset failed here (noted): nothing to write into
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW)
-    except OSError as exc:
-        errors.append(exc)
-        return 0, hashes
-    try:
-        pieces = _local_pieces(job, rank, offsets, counts, changed)
-        with direct.pool(job.io_threads) as pool:
-            futures = {i: direct.submit_write(pool, fd, data, offset, block_bytes, hashed=job.kind == "full")
-                       for i, data, offset, block_bytes in pieces}
-            futures[-1] = direct.submit_write(pool, fd, rank_row, offsets.rank_state + rank * len(rank_row),
-                                              len(rank_row), hashed=False)
-            sizes = {i: data.nbytes for i, data, _, _ in pieces}
-            for i, chunks in futures.items():
-                try:
-                    piece_hashes = direct.collect(chunks)
-                except Exception as exc:  # noqa: BLE001 - shared later
-                    errors.append(exc)
-                    continue
-                if i >= 0:
-                    written += sizes[i]
-                    if job.kind == "full":
-                        hashes[i] = piece_hashes
-        timings["data_s"] = timings["hash_s"] = time.perf_counter() - t0
-        os.fsync(fd)  # each rank flushes its own writes (it matters on parallel file systems)
-    except OSError as exc:
-        errors.append(exc)
-    finally:
-        os.close(fd)
-    timings["close_fsync_s"] = time.perf_counter() - t0 - timings.get("data_s", 0.0)
-    return written, hashes
-
-
-def _local_pieces(job: SaveJob, rank: int, offsets: Offsets, counts: np.ndarray,
-                  changed: dict[int, np.ndarray]) -> list[tuple[int, np.ndarray, int, int]]:
-    """(tensor index, bytes to write, file offset, hash block bytes) of each piece this rank writes."""
-    out = []
-    for i, piece in job.ownership.owned(rank):
-        if i not in offsets.tensors:
-            continue  # no storage: nothing of it changed, or its offset failed (noted)
-        spec, array = job.specs[i], job.arrays[i]
-        block_bytes = spec.block_rows * spec.row_bytes
-        if job.kind == "incremental":
-            if counts[rank, i, 1] == 0:
-                continue
-            data = array[_rows_of_blocks(spec, changed[i], piece.block_lo)] if spec.shape else array[None]
-            first = int(counts[:rank, i, 1].sum())
-        else:
-            data = array
-            first = spec.block_range_rows(piece.block_lo, piece.block_hi)[0]
-        out.append((i, data, offsets.tensors[i] + first * spec.row_bytes, block_bytes))
-    return out
-
-
-def _fsync_noted(path: Path, errors: list[BaseException]) -> None:
-    try:
-        fsync_path(path)
-    except OSError as exc:
-        errors.append(exc)
-
-
-def write_tables(tmp: Path, offsets: Offsets, tables: dict[str, np.ndarray | None]) -> None:
-    """Rank 0: the tables (meta, index, hashes, blocks, rank hashes) with pwrite at their offsets, fsync'd.
-
-    No MPI, no HDF5.  Raises OSError.
-    """
-    fd = os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW)
-    try:
-        for name, offset in offsets.tables.items():
-            data = tables.get(name)
-            if data is None or not len(data):
-                continue
-            direct.pwrite_all(fd, memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8)), offset)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 _UNCLOSED: list[tuple[Any, tuple]] = []
@@ -603,7 +422,7 @@ def _write_independent(job: SaveJob, rank: int, d_tensors: dict[int, Any], count
         array, d = job.arrays[i], d_tensors[i]
         try:
             if incremental:
-                data = array[_rows_of_blocks(spec, changed[i], piece.block_lo)] if spec.shape else array[None]
+                data = array[rows_of_blocks(spec, changed[i], piece.block_lo)] if spec.shape else array[None]
                 first = int(counts[:rank, i, 1].sum())
                 d[first:first + len(data)] = data
             else:
@@ -614,21 +433,3 @@ def _write_independent(job: SaveJob, rank: int, d_tensors: dict[int, Any], count
             errors.append(exc)
     return written
 
-
-def _hash_while_flushing(job: SaveJob, tmp: Path, errors: list[BaseException],
-                         timings: dict[str, float]) -> dict[int, np.ndarray]:
-    """A full checkpoint's block hashes, computed while a ``_Flusher`` fsyncs the data just written."""
-    hashes: dict[int, np.ndarray] = {}
-    t_hash = time.perf_counter()
-    flusher = _Flusher(tmp)
-    flusher.start()
-    try:
-        hashes = _hash_owned(job)
-    except Exception as exc:  # noqa: BLE001 - gather_tables sends zeros for it
-        errors.append(exc)
-    timings["hash_s"] = time.perf_counter() - t_hash
-    flusher.join()
-    timings["flush_s"] = time.perf_counter() - t_hash
-    if flusher.error is not None:
-        errors.append(flusher.error)
-    return hashes

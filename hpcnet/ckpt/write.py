@@ -32,22 +32,12 @@ from typing import Any
 import numpy as np
 
 from hpcnet.agree import agree_on_error
-from hpcnet.ckpt.collective import (
-    Offsets,
-    changed_blocks,
-    create_file,
-    file_bytes,
-    file_layout,
-    gather_tables,
-    local_counts,
-    rank_table,
-    write_local,
-    write_tables,
-)
+from hpcnet.ckpt.collective import create_file, file_bytes, file_layout, gather_tables, rank_table
 from hpcnet.ckpt.durable import fsync_path
 from hpcnet.ckpt.fence import refusal
 from hpcnet.ckpt.job import SaveJob, SaveResult
 from hpcnet.ckpt.listing import scan, write_latest
+from hpcnet.ckpt.local import Offsets, changed_blocks, local_counts, write_local, write_tables
 from hpcnet.ckpt.schema import (
     FORMAT,
     FORMAT_VERSION,

@@ -2,53 +2,24 @@
 
 Each section validates its own values and names the dotted option in its
 errors.  Building a Config from defaults, a TOML file and command-line
-overrides, and writing it back, is ``hpcnet.config.load``'s.
+overrides, and writing it back, is ``hpcnet.config.load``'s.  The ``fault`` section is
+``hpcnet.config.injection``'s, the bound of every duration ``hpcnet.config.durations``'s (both
+re-exported here).
 """
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpcnet.config.durations import MAX_DURATION_S, check_durations
 from hpcnet.config.importing import is_import_path
+from hpcnet.config.injection import FaultConfig
 from hpcnet.errors import ConfigError
 from hpcnet.observe.trace import parse_steps
-
-MAX_DURATION_S = 30 * 24 * 3600
-"""The longest any duration option (every ``*_s`` field) may be: 30 days.
-
-A month is past any single wait a cluster job needs (job time limits are commonly a few days, the
-longest rarely 30), so a larger value is a typo or a stand-in for 'never'; the options that mean
-'never' say so with 0. The bound keeps every deadline built from a duration far inside what its
-clock accepts: faulthandler and POSIX timers, ``time.sleep`` and sockets overflow past about 9.2e9 s
-(292 years), ``datetime.timedelta`` (torch.distributed's timeouts) past 8.6e13 s, and the watchdog
-adds a few multiples of these options to a deadline."""
 
 MAX_SEED = 2**63 - 1
 """The largest ``run.seed``: it is written to config.toml, whose integers are 64-bit signed, and the
 per-rank seeds derived from it (``seed + 1 + rank`` for torch, an unsigned 64-bit seed) stay in range."""
-
-
-def check_durations(section: Any, prefix: str) -> None:
-    """Every ``*_s`` field of a config section is a finite number of seconds in [0, ``MAX_DURATION_S``].
-
-    Sections call it after their own checks (which say more where 0 is not allowed), so every duration
-    option, present and future, is bounded in one place.
-
-    Args:
-        section: a config dataclass.
-        prefix: its name in dotted options, e.g. ``"monitor"``.
-    """
-    for f in dataclasses.fields(section):
-        if not f.name.endswith("_s"):
-            continue
-        value = getattr(section, f.name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"{prefix}.{f.name} must be a finite number of seconds, got {value!r}")
-        if value < 0:
-            raise ConfigError(f"{prefix}.{f.name} must be >= 0 s, got {value:.10g}")
-        if value > MAX_DURATION_S:
-            raise ConfigError(f"{prefix}.{f.name} must be at most {MAX_DURATION_S} s (30 days), got {value:.10g}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -510,71 +481,6 @@ class MonitorConfig:
             raise ConfigError(f"monitor.heartbeat_misses x monitor.heartbeat_interval_s (how long a rank may be "
                               f"silent) must be at most {MAX_DURATION_S} s (30 days), got {self.heartbeat_misses} x "
                               f"{self.heartbeat_interval_s:.10g} s")
-
-
-@dataclass(kw_only=True, slots=True)
-class FaultConfig:
-    """The ``fault`` section: fault injection for testing recovery."""
-
-    kill_at_step: int = 0
-    """Fault injection: SIGKILL the chosen rank when it reaches this step (0 = never)."""
-    hang_at_step: int = 0
-    """Fault injection: the chosen rank stops (SIGSTOP) at this step."""
-    sleep_at_step: int = 0
-    """Fault injection: the chosen rank sleeps fault.sleep_s at this step (a hang that ends)."""
-    sleep_s: float = 0.0
-    """Seconds for fault.sleep_at_step."""
-    slow_s: float = 0.0
-    """Fault injection: the chosen rank sleeps this long in every step (a straggler)."""
-    slow_per_sample_s: float = 0.0
-    """Fault injection: the chosen rank's forward sleeps this long per sample of its micro-batch (a slower device: what
-    data.balance=auto can even out)."""
-    corrupt_checkpoint: bool = False
-    """Fault injection: corrupt the newest committed checkpoint before resuming."""
-    fill_disk_at_step: int = 0
-    """Fault injection: checkpoint writes from this step on fail with ENOSPC (a full file system)."""
-    write_error: str = ""
-    """Fault injection: the chosen rank's checkpoint writes fail inside the write with 'ENOSPC', 'EDQUOT' or 'EIO';
-    'fill' fills the checkpoint file system for real (a file fill-disk.fault in checkpoint.dir, left there) in the save,
-    before its space is allocated, so that even the file's close cannot write."""
-    write_error_at_step: int = 1
-    """The first step whose save fault.write_error hits."""
-    slow_save_s: float = 0.0
-    """Fault injection: the chosen rank's checkpoint save sleeps this long before every collective file create (a slow
-    peer)."""
-    stuck_save_at_step: int = 0
-    """Fault injection: in the save of this step, the chosen rank's save blocks for good (GIL released, as in a stuck
-    write)."""
-    stuck_fs_at_step: int = 0
-    """Fault injection: in the save of this step, every rank's save blocks for good in the file's structure calls,
-    holding the GIL (a stuck file system)."""
-    hang_at_startup: str = ""
-    """Fault injection: the chosen rank blocks for good just before this start-up phase ('probe', 'rendezvous' or
-    'groups'; see dist.startup_timeout_s), so the others wait there for it; empty = never."""
-    rank: int = -1
-    """The rank the fault hits; -1 = the last rank."""
-    only_attempt: int = 0
-    """Inject only in this attempt of hpcnet.launch (1 = the first); 0 = every attempt."""
-
-    def __post_init__(self) -> None:
-        if self.write_error not in ("", "ENOSPC", "EDQUOT", "EIO", "fill"):
-            raise ConfigError(f"fault.write_error: {self.write_error!r} is not one of 'ENOSPC', 'EDQUOT', 'EIO', "
-                              "'fill'")
-        if self.hang_at_startup not in ("", "probe", "rendezvous", "groups"):
-            raise ConfigError(f"fault.hang_at_startup: {self.hang_at_startup!r} is not one of 'probe', 'rendezvous', "
-                              "'groups'")
-        for name in ("kill_at_step", "hang_at_step", "sleep_at_step", "fill_disk_at_step", "only_attempt",
-                     "write_error_at_step", "stuck_save_at_step", "stuck_fs_at_step"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"fault.{name} must be >= 0, got {getattr(self, name)}")
-        if self.sleep_s < 0 or self.slow_s < 0:
-            raise ConfigError("fault.sleep_s and fault.slow_s must be >= 0")
-        if not (math.isfinite(self.slow_per_sample_s) and self.slow_per_sample_s >= 0):
-            raise ConfigError(f"fault.slow_per_sample_s must be a number of seconds >= 0, "
-                              f"got {self.slow_per_sample_s}")
-        if not (math.isfinite(self.slow_save_s) and self.slow_save_s >= 0):
-            raise ConfigError(f"fault.slow_save_s must be a number of seconds >= 0, got {self.slow_save_s}")
-        check_durations(self, "fault")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,0 +1,72 @@
+"""The ``fault`` section: failures injected on purpose, to test recovery (``hpcnet.fault.inject`` injects them)."""
+
+import math
+from dataclasses import dataclass
+
+from hpcnet.config.durations import check_durations
+from hpcnet.errors import ConfigError
+
+
+@dataclass(kw_only=True, slots=True)
+class FaultConfig:
+    """The ``fault`` section: fault injection for testing recovery."""
+
+    kill_at_step: int = 0
+    """Fault injection: SIGKILL the chosen rank when it reaches this step (0 = never)."""
+    hang_at_step: int = 0
+    """Fault injection: the chosen rank stops (SIGSTOP) at this step."""
+    sleep_at_step: int = 0
+    """Fault injection: the chosen rank sleeps fault.sleep_s at this step (a hang that ends)."""
+    sleep_s: float = 0.0
+    """Seconds for fault.sleep_at_step."""
+    slow_s: float = 0.0
+    """Fault injection: the chosen rank sleeps this long in every step (a straggler)."""
+    slow_per_sample_s: float = 0.0
+    """Fault injection: the chosen rank's forward sleeps this long per sample of its micro-batch (a slower device: what
+    data.balance=auto can even out)."""
+    corrupt_checkpoint: bool = False
+    """Fault injection: corrupt the newest committed checkpoint before resuming."""
+    fill_disk_at_step: int = 0
+    """Fault injection: checkpoint writes from this step on fail with ENOSPC (a full file system)."""
+    write_error: str = ""
+    """Fault injection: the chosen rank's checkpoint writes fail inside the write with 'ENOSPC', 'EDQUOT' or 'EIO';
+    'fill' fills the checkpoint file system for real (a file fill-disk.fault in checkpoint.dir, left there) in the save,
+    before its space is allocated, so that even the file's close cannot write."""
+    write_error_at_step: int = 1
+    """The first step whose save fault.write_error hits."""
+    slow_save_s: float = 0.0
+    """Fault injection: the chosen rank's checkpoint save sleeps this long before every collective file create (a slow
+    peer)."""
+    stuck_save_at_step: int = 0
+    """Fault injection: in the save of this step, the chosen rank's save blocks for good (GIL released, as in a stuck
+    write)."""
+    stuck_fs_at_step: int = 0
+    """Fault injection: in the save of this step, every rank's save blocks for good in the file's structure calls,
+    holding the GIL (a stuck file system)."""
+    hang_at_startup: str = ""
+    """Fault injection: the chosen rank blocks for good just before this start-up phase ('probe', 'rendezvous' or
+    'groups'; see dist.startup_timeout_s), so the others wait there for it; empty = never."""
+    rank: int = -1
+    """The rank the fault hits; -1 = the last rank."""
+    only_attempt: int = 0
+    """Inject only in this attempt of hpcnet.launch (1 = the first); 0 = every attempt."""
+
+    def __post_init__(self) -> None:
+        if self.write_error not in ("", "ENOSPC", "EDQUOT", "EIO", "fill"):
+            raise ConfigError(f"fault.write_error: {self.write_error!r} is not one of 'ENOSPC', 'EDQUOT', 'EIO', "
+                              "'fill'")
+        if self.hang_at_startup not in ("", "probe", "rendezvous", "groups"):
+            raise ConfigError(f"fault.hang_at_startup: {self.hang_at_startup!r} is not one of 'probe', 'rendezvous', "
+                              "'groups'")
+        for name in ("kill_at_step", "hang_at_step", "sleep_at_step", "fill_disk_at_step", "only_attempt",
+                     "write_error_at_step", "stuck_save_at_step", "stuck_fs_at_step"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"fault.{name} must be >= 0, got {getattr(self, name)}")
+        if self.sleep_s < 0 or self.slow_s < 0:
+            raise ConfigError("fault.sleep_s and fault.slow_s must be >= 0")
+        if not (math.isfinite(self.slow_per_sample_s) and self.slow_per_sample_s >= 0):
+            raise ConfigError(f"fault.slow_per_sample_s must be a number of seconds >= 0, "
+                              f"got {self.slow_per_sample_s}")
+        if not (math.isfinite(self.slow_save_s) and self.slow_save_s >= 0):
+            raise ConfigError(f"fault.slow_save_s must be a number of seconds >= 0, got {self.slow_save_s}")
+        check_durations(self, "fault")
