@@ -21,7 +21,7 @@ def profile_block(contender: Any, batches: list[tuple[torch.Tensor, torch.Tensor
                   comm: Any, device: torch.device) -> dict[str, Any]:
     """Median per-step split in ms: forward+backward, exposed communication, optimizer (collective).
 
-    ``contender`` is a ``hpcnet.bench.train.Contender``.
+    ``contender`` is a ``hpcnet.bench.train_contenders.Contender``.
 
     For hpcnet, ``Reducer.finish`` (the exposed wait) and, on the MPI
     transport, the worker's all-reduce call (when each bucket is on the wire)

@@ -6,17 +6,17 @@ import argparse
 import pytest
 
 from hpcnet.bench.common import counter_delta, link_floor_s, link_speed_gbit, net_counters, net_interfaces
-from hpcnet.bench.train import (
+from hpcnet.bench.train import _parse_args
+from hpcnet.bench.train_link import (
     MEASURED,
-    _describe_link,
     _link_result,
-    _parse_args,
     gather_link,
     host_link_record,
     link_floor,
     link_summary,
     measured_link_gbit,
 )
+from hpcnet.bench.train_report import _describe_link
 from hpcnet.comm.measured import HostLinks
 
 MIB = 2**20
