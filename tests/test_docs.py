@@ -163,6 +163,52 @@ def test_architecture_names_every_module_and_only_modules_that_exist():
     assert not gone, f"docs/architecture.md names modules that do not exist: {gone}"
 
 
+def _drawn_packages(text: str) -> dict[str, tuple[int, set[str]]]:
+    """The package drawing of docs/architecture.md (the first block under '## Packages'): package -> (its row, the
+    packages its arrow names); a row that starts with no package continues the one above."""
+    block = text.split("## Packages", 1)[1].split("```", 2)[1]
+    drawn: dict[str, tuple[int, set[str]]] = {}
+    for row, line in enumerate(block.splitlines()):
+        found = re.match(r"(hpcnet\.\w+)\s*(?:->\s*([\w, ]+?)(?:\s{2,}|$))?", line)
+        if found:
+            targets = {f"hpcnet.{name.strip()}" for name in (found[2] or "").split(",") if name.strip()}
+            drawn[found[1]] = (row, targets)
+    return drawn
+
+
+def _direct(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Each package's imports less those another of its imports already brings (the transitive reduction)."""
+    def below(package: str, seen: set[str]) -> set[str]:
+        for dep in graph[package] - seen:
+            seen.add(dep)
+            below(dep, seen)
+        return seen
+
+    return {p: {d for d in deps if not any(d in below(o, set()) for o in deps - {d})} for p, deps in graph.items()}
+
+
+def test_the_package_drawing_follows_the_imports():
+    """docs/architecture.md draws every package below those that import it, its arrow naming the packages it
+    builds on directly: the real dependencies, not an intention."""
+    from tests.test_package import import_graph, package_graph
+
+    graph = {p: deps - {"hpcnet"} for p, deps in package_graph(import_graph()).items()
+             if p not in ("hpcnet", "hpcnet.__main__")}
+    drawn = _drawn_packages((ROOT / "docs" / "architecture.md").read_text())
+    assert set(drawn) == set(graph), f"not packages: {set(drawn) - set(graph)}; left out: {set(graph) - set(drawn)}"
+    upward = sorted(f"{p} -> {d}" for p, deps in graph.items() for d in deps if drawn[d][0] < drawn[p][0])
+    assert not upward, f"packages drawn above a package that imports them: {upward}"
+    arrows = {p: targets for p, (_, targets) in drawn.items()}
+    assert arrows == _direct(graph), {p: (sorted(arrows[p]), sorted(d)) for p, d in _direct(graph).items()
+                                      if arrows[p] != d}
+
+
+def test_the_drawing_reader_finds_rows_and_arrows():
+    text = "## Packages\n\n```\nhpcnet.b  -> a, c   what b is\n          more of it\nhpcnet.a           a\n```\n"
+    assert _drawn_packages(text) == {"hpcnet.b": (1, {"hpcnet.a", "hpcnet.c"}), "hpcnet.a": (3, set())}
+    assert _direct({"x": {"y", "z"}, "y": {"z"}, "z": set()}) == {"x": {"y"}, "y": {"z"}, "z": set()}
+
+
 # --- the README's commands ------------------------------------------------------------------------------
 
 FILE_HEADER = re.compile(r"^#\s*([\w.-]+\.(?:toml|py|json))\s*$")
