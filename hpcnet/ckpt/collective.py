@@ -74,7 +74,7 @@ def _tensor_major(flat: np.ndarray, counts: np.ndarray) -> np.ndarray:
 def gather_tables(comm: Any, job: SaveJob, counts: np.ndarray, hashes: dict[int, np.ndarray],
                    changed: dict[int, np.ndarray]) -> tuple[np.ndarray | None, np.ndarray | None]:
     """Collective: rank 0 gets /hashes (and an increment's /blocks) in file order; others get None."""
-    owned = job.ownership.owned(comm.Get_rank())
+    owned = job.assignment.of_rank(comm.Get_rank())
     per_rank = counts[:, :, 0].sum(axis=1)
     empty = np.zeros(0, "<u8")
     if job.kind == "incremental":
@@ -153,7 +153,7 @@ def create_file(comm: Any, job: SaveJob, tmp: Path, datasets: dict[str, tuple[tu
         offsets.usable = True
         if job.direct_writes:
             offsets.rank_state = _offset(d_rank, errors)
-            offsets.tensors = {i: offset for i, _ in job.ownership.owned(rank) if i in d_tensors
+            offsets.tensors = {i: offset for i, _ in job.assignment.of_rank(rank) if i in d_tensors
                                if (offset := _offset(d_tensors[i], errors)) is not None}
         else:
             offsets.written = _write_data(job, rank, d_tensors, d_rank, rank_row, counts, changed, errors)
@@ -390,7 +390,7 @@ def _write_split(job: SaveJob, rank: int, d_tensors: dict[int, Any], counts: np.
     """Collective: a full checkpoint's split tensors, in pieces (h5py's lock is held for a whole call)."""
     written = 0
     for i, spec in enumerate(job.specs):
-        if job.kind == "incremental" or not job.ownership.split[i]:
+        if job.kind == "incremental" or not job.assignment.split[i]:
             continue
         calls = write_pieces(counts[:, i, 1].tolist(), WRITE_PIECE_BYTES // max(1, spec.row_bytes))
         first = int(counts[:rank, i, 1].sum())
@@ -415,9 +415,9 @@ def _write_independent(job: SaveJob, rank: int, d_tensors: dict[int, Any], count
     """This rank's whole small tensors, or its packed rows of an increment, written independently."""
     incremental = job.kind == "incremental"
     written = 0
-    for i, piece in job.ownership.owned(rank):
+    for i, piece in job.assignment.of_rank(rank):
         spec = job.specs[i]
-        if (incremental and counts[rank, i, 1] == 0) or (not incremental and job.ownership.split[i]):
+        if (incremental and counts[rank, i, 1] == 0) or (not incremental and job.assignment.split[i]):
             continue
         array, d = job.arrays[i], d_tensors[i]
         try:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcnet.ckpt.fence import Fence
-from hpcnet.ckpt.schema import CheckpointInfo, Ownership, TensorSpec
+from hpcnet.ckpt.schema import CheckpointInfo, PieceAssignment, TensorSpec
 from hpcnet.paths import checkpoint_name, checkpoint_tmp_name
 
 IoFault = Callable[[str, int], None]
@@ -31,9 +31,9 @@ class SaveJob:
     uid: str
     created_unix: float
     specs: list[TensorSpec]
-    ownership: Ownership
+    assignment: PieceAssignment
     arrays: dict[int, np.ndarray]
-    """Tensor index -> this rank's rows of it (storage dtype), for every piece this rank owns."""
+    """Tensor index -> this rank's rows of it (storage dtype), for every piece this rank writes."""
     meta_bytes: bytes
     rank_state_bytes: bytes
     keep: int

@@ -51,7 +51,7 @@ def rows_of_blocks(spec: TensorSpec, blocks: np.ndarray, first_block: int) -> np
 def local_counts(job: SaveJob, rank: int, changed: dict[int, np.ndarray]) -> np.ndarray:
     """Per tensor: [blocks (hashes) this rank stores, rows it writes]."""
     local = np.zeros((len(job.specs), 2), dtype=np.int64)
-    for i, piece in job.ownership.owned(rank):
+    for i, piece in job.assignment.of_rank(rank):
         spec = job.specs[i]
         if job.kind == "incremental":
             local[i] = len(changed[i]), len(rows_of_blocks(spec, changed[i], piece.block_lo))
@@ -148,7 +148,7 @@ def _local_pieces(job: SaveJob, rank: int, offsets: Offsets, counts: np.ndarray,
                   changed: dict[int, np.ndarray]) -> list[tuple[int, np.ndarray, int, int]]:
     """(tensor index, bytes to write, file offset, hash block bytes) of each piece this rank writes."""
     out = []
-    for i, piece in job.ownership.owned(rank):
+    for i, piece in job.assignment.of_rank(rank):
         if i not in offsets.tensors:
             continue  # no storage: nothing of it changed, or its offset failed (noted)
         spec, array = job.specs[i], job.arrays[i]

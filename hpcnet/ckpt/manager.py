@@ -44,7 +44,7 @@ from hpcnet.ckpt.schema import (
     BLOCK_BYTES,
     LARGE_BLOCK_BYTES,
     CheckpointInfo,
-    Ownership,
+    PieceAssignment,
     TensorSpec,
     assign_writers,
     check_names_nest,
@@ -70,7 +70,7 @@ class _Previous:
     info: CheckpointInfo
     base: CheckpointInfo
     spec_digest: str
-    ownership: Ownership
+    assignment: PieceAssignment
     hashes: dict[int, np.ndarray]
     saves_since_full: int
 
@@ -210,15 +210,15 @@ class CheckpointManager:
         previous = self._previous
         incremental = kind == "incremental"
         fixed = {i: holders[s.name] for i, s in enumerate(specs) if s.name in holders}
-        ownership = previous.ownership if incremental else assign_writers(specs, comm.Get_size(), fixed=fixed)
+        assignment = previous.assignment if incremental else assign_writers(specs, comm.Get_size(), fixed=fixed)
         t1 = time.perf_counter()
         with shared_errors(comm):
             # A synchronous save returns only when written: nothing can change the
             # tensors meanwhile, so it writes from them directly where it can.
             arrays = {i: self._snapshot(tensors[specs[i].name], specs[i], piece.block_lo, piece.block_hi,
-                                        copy=self.async_save) for i, piece in ownership.owned(rank)}
+                                        copy=self.async_save) for i, piece in assignment.of_rank(rank)}
         job = SaveJob(directory=self.directory, step=step, kind=kind, uid=comm.bcast(uuid.uuid4().hex, root=0),
-                      created_unix=created, specs=specs, ownership=ownership, arrays=arrays, meta_bytes=meta_bytes,
+                      created_unix=created, specs=specs, assignment=assignment, arrays=arrays, meta_bytes=meta_bytes,
                       rank_state_bytes=rank_bytes, keep=self.keep, seq=seq, fault=self.fault,
                       collective_writes=self.collective_writes, direct_writes=self.direct_writes,
                       io_threads=self.io_threads, fence=self.fence)
@@ -248,7 +248,7 @@ class CheckpointManager:
             unknown = sorted(set(holders) - {s.name for s in specs})
             if unknown:
                 raise ValueError(f"holders names tensors that are not saved: {unknown[:5]}")
-            # Who holds what is part of the layout: an increment reuses its parent's ownership.
+            # Who holds what is part of the layout: an increment reuses its parent's assignment.
             spec_digest = sha256_hex(_dumps([[s.to_json() for s in specs], sorted(holders.items())], "tensors"))
             previous = self._previous
             incremental = (previous is not None and previous.spec_digest == spec_digest
@@ -313,7 +313,7 @@ class CheckpointManager:
         job = flight.job
         base = result.info if job.kind == "full" else job.base
         assert base is not None
-        self._previous = _Previous(result.info, base, flight.spec_digest, job.ownership, result.hashes,
+        self._previous = _Previous(result.info, base, flight.spec_digest, job.assignment, result.hashes,
                                    flight.since_full)
         self.last_timings.update(result.timings)
         self.last_timings["bytes"] = result.bytes_written

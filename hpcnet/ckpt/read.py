@@ -32,8 +32,8 @@ from hpcnet.ckpt import direct
 from hpcnet.ckpt.job import IoFault
 from hpcnet.ckpt.schema import (
     SPLIT_MIN_BYTES,
-    Ownership,
     Piece,
+    PieceAssignment,
     TensorSpec,
     assign_readers,
     block_hashes,
@@ -306,13 +306,13 @@ def _buffer(spec: TensorSpec, into: "dict[str, torch.Tensor] | None") -> tuple[n
     return to_storage(tensor.detach()).reshape(spec.shape), False
 
 
-def _to_receive(ownership: Ownership, specs: list[TensorSpec], wanting: list[set[int]], rank: int
+def _to_receive(assignment: PieceAssignment, specs: list[TensorSpec], wanting: list[set[int]], rank: int
                 ) -> list[tuple[int, int, int]]:
     """``(tensor, first byte, end byte)`` of what this rank will receive from others in ``_exchange``."""
     ranges = []
     for i, spec in enumerate(specs):
         if rank in wanting[i] and len(wanting[i]) > 1 and spec.nbytes >= SPLIT_MIN_BYTES:
-            for p in ownership.pieces[i]:
+            for p in assignment.pieces[i]:
                 if p.rank != rank:
                     lo, hi = spec.block_range_rows(p.block_lo, p.block_hi)
                     ranges.append((i, lo * spec.row_bytes, hi * spec.row_bytes))
@@ -331,16 +331,16 @@ def _prefault(views: list[np.ndarray]) -> None:
         view[::mmap.PAGESIZE] = 0
 
 
-def _read_local(chain: list[Path], headers: list, ownership: Ownership, wanting: list[set[int]], rank: int,
+def _read_local(chain: list[Path], headers: list, assignment: PieceAssignment, wanting: list[set[int]], rank: int,
                 into: "dict[str, torch.Tensor] | None" = None, io_threads: int = 0, page_cache: bool = False
                 ) -> tuple[dict[int, np.ndarray], ReadResult]:
     """This rank's verified pieces of every tensor (in full-size buffers), the meta and its rank state; with
     ``page_cache``, every piece of every tensor it wants (``shared_reads``), nothing to receive."""
     specs = [e["spec"] for e in headers[-1][1]]
     if page_cache:
-        owned, others = shared_reads(ownership, wanting, rank)
+        owned, others = shared_reads(assignment, wanting, rank)
     else:
-        owned, others = ownership.owned(rank), []
+        owned, others = assignment.of_rank(rank), []
     # Every size was checked against the base file's own size by read_header, so
     # a crafted /index cannot make this allocate what the file does not hold.
     out, new = {}, set()
@@ -351,7 +351,7 @@ def _read_local(chain: list[Path], headers: list, ownership: Ownership, wanting:
         if fresh:
             new.add(i)
     receive = [] if page_cache else [
-        out[i].reshape(-1).view(np.uint8)[lo:hi] for i, lo, hi in _to_receive(ownership, specs, wanting, rank)
+        out[i].reshape(-1).view(np.uint8)[lo:hi] for i, lo, hi in _to_receive(assignment, specs, wanting, rank)
         if i in new]
     if not receive:
         return out, _read_files(chain, headers, owned, out, rank, io_threads, others)
@@ -430,18 +430,18 @@ def read_chain(comm: Any, chain: list[Path], *, uids: list[str] | None = None,
         with shared_errors(comm):
             wanted = wanted_from_meta(meta)
     wanting = _wanting(comm, specs, wanted)
-    ownership = assign_readers(specs, wanting, size)
+    assignment = assign_readers(specs, wanting, size)
     if page_cache is None:
         page_cache = _reads_through_page_cache(comm, _exchanged_bytes(specs, wanting))
     t_assigned = time.perf_counter()
     try:
-        out, result = _read_local(chain, headers, ownership, wanting, rank, into, io_threads, page_cache)
+        out, result = _read_local(chain, headers, assignment, wanting, rank, into, io_threads, page_cache)
     except BaseException as exc:  # noqa: BLE001 - shared below, so every rank raises alike
         error = exc
     t_read = time.perf_counter()
     agree_on_error(comm, error)
     t_agreed = time.perf_counter()
-    t_split = 0.0 if page_cache else _exchange(comm, ownership, specs, out, wanting)
+    t_split = 0.0 if page_cache else _exchange(comm, assignment, specs, out, wanting)
     result.meta = meta
     result.tensors = {spec.name: from_storage(out[i], spec.dtype).reshape(spec.shape) for i, spec in enumerate(specs)
                       if rank in wanting[i]}
@@ -457,7 +457,7 @@ may take for a load to read them through the page cache (``shared_reads``): each
 stretches after them, so those pages must stay cached until the last rank has copied them."""
 
 
-def shared_reads(ownership: Ownership, wanting: list[set[int]], rank: int
+def shared_reads(assignment: PieceAssignment, wanting: list[set[int]], rank: int
                  ) -> tuple[list[tuple[int, Piece]], list[tuple[int, Piece]]]:
     """The pieces ``rank`` reads where every rank reads all it wants itself (pure): ``(own, others)``.
 
@@ -468,9 +468,9 @@ def shared_reads(ownership: Ownership, wanting: list[set[int]], rank: int
     arrive in the page cache.  The disk then delivers every byte once, and
     there is nothing to exchange; each rank copies and verifies what it holds.
     """
-    size = ownership.world_size
-    own = [(i, p) for i, p in ownership.owned(rank) if rank in wanting[i]]
-    others = [(i, p) for i, pieces in enumerate(ownership.pieces) if rank in wanting[i] for p in pieces
+    size = assignment.world_size
+    own = [(i, p) for i, p in assignment.of_rank(rank) if rank in wanting[i]]
+    others = [(i, p) for i, pieces in enumerate(assignment.pieces) if rank in wanting[i] for p in pieces
               if p.rank != rank]
     others.sort(key=lambda ip: ((ip[1].rank - rank) % size, ip[0]))
     return own, others
@@ -527,7 +527,7 @@ def _wanting(comm: Any, specs: list[TensorSpec], wanted: Callable[[str], bool] |
     return [{r for r, flags in enumerate(every) if flags[i]} for i in range(len(specs))]
 
 
-def _exchange(comm: Any, ownership: Ownership, specs: list[TensorSpec], out: dict[int, np.ndarray],
+def _exchange(comm: Any, assignment: PieceAssignment, specs: list[TensorSpec], out: dict[int, np.ndarray],
               wanting: list[set[int]]) -> float:
     """Collective: give each rank the pieces the others read of the tensors it wants (``wanting``); return the
     seconds spent on large tensors.
@@ -541,8 +541,8 @@ def _exchange(comm: Any, ownership: Ownership, specs: list[TensorSpec], out: dic
     rank, size = comm.Get_rank(), comm.Get_size()
     if size == 1:
         return 0.0
-    shared = [i for i in range(len(specs)) if len(wanting[i]) > 1 and ownership.pieces[i]]
-    small = [i for i in shared if len(ownership.pieces[i]) == 1 and specs[i].nbytes < SPLIT_MIN_BYTES]
+    shared = [i for i in range(len(specs)) if len(wanting[i]) > 1 and assignment.pieces[i]]
+    small = [i for i in shared if len(assignment.pieces[i]) == 1 and specs[i].nbytes < SPLIT_MIN_BYTES]
     t_large = time.perf_counter()
     exchanges = []
     for i in shared:
@@ -550,7 +550,7 @@ def _exchange(comm: Any, ownership: Ownership, specs: list[TensorSpec], out: dic
             continue
         spec = specs[i]
         counts, displs = [0] * size, [0] * size
-        for p in ownership.pieces[i]:
+        for p in assignment.pieces[i]:
             lo, hi = spec.block_range_rows(p.block_lo, p.block_hi)
             counts[p.rank], displs[p.rank] = (hi - lo) * spec.row_bytes, lo * spec.row_bytes
         exchanges.append((out[i], counts, displs))
@@ -559,7 +559,7 @@ def _exchange(comm: Any, ownership: Ownership, specs: list[TensorSpec], out: dic
     if small:
         by_rank: list[list[int]] = [[] for _ in range(size)]
         for i in small:
-            by_rank[ownership.pieces[i][0].rank].append(i)
+            by_rank[assignment.pieces[i][0].rank].append(i)
         counts = [sum(specs[i].nbytes for i in ids) for ids in by_rank]
         displs = [sum(counts[:r]) for r in range(size)]
         packed = np.empty(sum(counts), dtype=np.uint8)

@@ -1,4 +1,4 @@
-"""The checkpoint file format as pure logic: names, dtypes, blocks, ownership, chains.
+"""The checkpoint file format as pure logic: names, dtypes, blocks, who writes and reads which, chains.
 
 Nothing here communicates or touches HDF5; ``write``, ``read`` and ``listing`` do.  The
 layout of one checkpoint file (``ckpt-<step>.h5``)::
@@ -21,7 +21,7 @@ layout of one checkpoint file (``ckpt-<step>.h5``)::
 
 A *block* is ``block_rows`` consecutive rows (first-dimension slices) of a
 tensor, at least ``BLOCK_BYTES``: the unit of hashing, of change detection and
-of ownership.
+of the pieces each rank writes or reads.
 """
 
 import hashlib
@@ -202,7 +202,7 @@ def make_spec(name: str, dtype: str, shape: tuple[int, ...], block_bytes: int = 
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """Blocks ``[block_lo, block_hi)`` of one tensor, owned (written, read) by ``rank``."""
+    """Blocks ``[block_lo, block_hi)`` of one tensor, written (or read) by ``rank``."""
 
     rank: int
     block_lo: int
@@ -210,22 +210,22 @@ class Piece:
 
 
 @dataclass(frozen=True, slots=True)
-class Ownership:
+class PieceAssignment:
     """Who writes (and reads) which blocks of which tensor: per tensor, its pieces in rank order."""
 
     world_size: int
     pieces: tuple[tuple[Piece, ...], ...]
     split: tuple[bool, ...]
-    """Per tensor: split across every rank (each owns at least one block) and written collectively."""
+    """Per tensor: split across every rank (each has at least one block) and written collectively."""
     rank_bytes: tuple[int, ...]
 
-    def owned(self, rank: int) -> list[tuple[int, Piece]]:
-        """``(tensor index, piece)`` of every piece ``rank`` owns, in tensor order."""
+    def of_rank(self, rank: int) -> list[tuple[int, Piece]]:
+        """``(tensor index, piece)`` of every piece given to ``rank``, in tensor order."""
         return [(i, p) for i, pieces in enumerate(self.pieces) for p in pieces if p.rank == rank]
 
 
 def assign_writers(specs: list[TensorSpec], world_size: int, *, split_min_bytes: int = SPLIT_MIN_BYTES,
-                   fixed: dict[int, int] | None = None) -> Ownership:
+                   fixed: dict[int, int] | None = None) -> PieceAssignment:
     """Assign every block of every tensor to exactly one rank, about 1/N of the bytes each (pure).
 
     ``fixed`` (tensor index -> rank) tensors go whole to that rank: the only
@@ -233,7 +233,7 @@ def assign_writers(specs: list[TensorSpec], world_size: int, *, split_min_bytes:
     others, tensors of at least ``split_min_bytes`` with at least
     ``world_size`` blocks are cut into ``world_size`` contiguous block ranges,
     one per rank in rank order, and the rest go whole to the least-loaded
-    rank, largest first.  Deterministic: equal inputs give equal ownerships on
+    rank, largest first.  Deterministic: equal inputs give equal assignments on
     every rank.
     """
     if world_size < 1:
@@ -266,11 +266,11 @@ def assign_writers(specs: list[TensorSpec], world_size: int, *, split_min_bytes:
         rank = min(range(world_size), key=lambda r: (loads[r], r))
         pieces[i] = (Piece(rank, 0, specs[i].n_blocks),)
         loads[rank] += specs[i].nbytes
-    return Ownership(world_size, tuple(pieces), tuple(split), tuple(loads))
+    return PieceAssignment(world_size, tuple(pieces), tuple(split), tuple(loads))
 
 
 def assign_readers(specs: list[TensorSpec], wanting: list[set[int]] | list[frozenset[int]], world_size: int
-                   ) -> Ownership:
+                   ) -> PieceAssignment:
     """Who reads which blocks of a checkpoint on a load (pure): each rank one contiguous run of the file.
 
     A tensor no rank wants is not read; one that a single rank wants is read
@@ -319,7 +319,7 @@ def assign_readers(specs: list[TensorSpec], wanting: list[set[int]] | list[froze
             lo, hi = spec.block_range_rows(p.block_lo, p.block_hi)
             loads[p.rank] += (hi - lo) * spec.row_bytes
         position += spec.nbytes
-    return Ownership(world_size, tuple(pieces), tuple(len(p) > 1 for p in pieces), tuple(loads))
+    return PieceAssignment(world_size, tuple(pieces), tuple(len(p) > 1 for p in pieces), tuple(loads))
 
 
 def write_pieces(rows_per_rank: list[int], piece_rows_max: int) -> int:

@@ -43,9 +43,9 @@ def test_shared_reads_take_every_piece_of_the_wanted_tensors_own_stretch_first()
 
     specs = [TensorSpec(f"model/w{i}", "float32", (256, 1024), 64) for i in range(3)]
     wanting = [{0, 1, 2}, {1}, {0, 1, 2}]  # w1 is rank 1's alone
-    ownership = assign_readers(specs, wanting, 3)
-    own, others = shared_reads(ownership, wanting, 1)
-    assert own == [(i, p) for i, p in ownership.owned(1)]
+    assignment = assign_readers(specs, wanting, 3)
+    own, others = shared_reads(assignment, wanting, 1)
+    assert own == [(i, p) for i, p in assignment.of_rank(1)]
     assert {i for i, _ in own + others} == {0, 1, 2}
     assert all(p.rank != 1 for _, p in others)
     assert [p.rank for _, p in others] == sorted((p.rank for _, p in others), key=lambda r: (r - 1) % 3)
@@ -53,7 +53,7 @@ def test_shared_reads_take_every_piece_of_the_wanted_tensors_own_stretch_first()
     for i in (0, 1, 2):
         blocks = sorted(b for j, p in own + others if j == i for b in range(p.block_lo, p.block_hi))
         assert blocks == list(range(specs[i].n_blocks))
-    own0, others0 = shared_reads(ownership, wanting, 0)
+    own0, others0 = shared_reads(assignment, wanting, 0)
     assert 1 not in {i for i, _ in own0 + others0}  # not wanted: not read
 
 

@@ -1,4 +1,5 @@
-"""hpcnet.ckpt.schema: ownership, specs, names, blocks, hashes, chains and retention (pure, one process)."""
+"""hpcnet.ckpt.schema: who writes and reads which pieces, specs, names, blocks, hashes, chains and retention (pure,
+one process)."""
 
 import random
 
@@ -37,10 +38,10 @@ def _random_specs(rng: random.Random, n: int):
 def test_the_writers_cover_every_block_once_and_balance(world_size):
     rng = random.Random(world_size)
     specs = _random_specs(rng, 60)
-    ownership = assign_writers(specs, world_size, split_min_bytes=256 << 10)
-    assert ownership == assign_writers(specs, world_size, split_min_bytes=256 << 10)  # deterministic
+    assignment = assign_writers(specs, world_size, split_min_bytes=256 << 10)
+    assert assignment == assign_writers(specs, world_size, split_min_bytes=256 << 10)  # deterministic
     loads = [0] * world_size
-    for spec, pieces, split in zip(specs, ownership.pieces, ownership.split):
+    for spec, pieces, split in zip(specs, assignment.pieces, assignment.split):
         covered = [b for p in pieces for b in range(p.block_lo, p.block_hi)]
         assert covered == list(range(spec.n_blocks))
         if split:  # a collective write: every rank must own at least one block
@@ -48,8 +49,8 @@ def test_the_writers_cover_every_block_once_and_balance(world_size):
         for p in pieces:
             lo, hi = spec.block_range_rows(p.block_lo, p.block_hi)
             loads[p.rank] += (hi - lo) * spec.row_bytes
-    assert tuple(loads) == ownership.rank_bytes
-    largest_whole = max([s.nbytes for s, split in zip(specs, ownership.split) if not split] or [0])
+    assert tuple(loads) == assignment.rank_bytes
+    largest_whole = max([s.nbytes for s, split in zip(specs, assignment.split) if not split] or [0])
     assert max(loads) <= sum(loads) / world_size + largest_whole  # greedy bound
 
 
@@ -68,11 +69,11 @@ def test_the_readers_each_read_one_stretch_and_what_one_rank_wants_there(world_s
     everyone = set(range(world_size))
     wanting = [rng.choice([everyone, everyone, everyone, set(), {rng.randrange(world_size)},
                            set(rng.sample(range(world_size), min(2, world_size)))]) for _ in specs]
-    ownership = assign_readers(specs, wanting, world_size)
-    assert ownership == assign_readers(specs, wanting, world_size)  # deterministic
+    assignment = assign_readers(specs, wanting, world_size)
+    assert assignment == assign_readers(specs, wanting, world_size)  # deterministic
     loads = [0] * world_size
     last_rank = 0
-    for spec, ranks, pieces in zip(specs, wanting, ownership.pieces):
+    for spec, ranks, pieces in zip(specs, wanting, assignment.pieces):
         if not ranks or spec.n_blocks == 0:
             assert pieces == ()  # nobody wants it: not read
             continue
@@ -87,7 +88,7 @@ def test_the_readers_each_read_one_stretch_and_what_one_rank_wants_there(world_s
         for p in pieces:
             lo, hi = spec.block_range_rows(p.block_lo, p.block_hi)
             loads[p.rank] += (hi - lo) * spec.row_bytes
-    assert tuple(loads) == ownership.rank_bytes
+    assert tuple(loads) == assignment.rank_bytes
     shared_blocks = [s.block_rows * s.row_bytes for s, r in zip(specs, wanting) if len(r) > 1 and s.n_blocks]
     own = [sum(s.nbytes for s, r in zip(specs, wanting) if r == {k}) for k in range(world_size)]
     even = sum(loads) / world_size
@@ -99,19 +100,19 @@ def test_the_readers_each_read_one_stretch_and_what_one_rank_wants_there(world_s
 
 def test_the_readers_cut_a_model_into_contiguous_halves():
     specs = [make_spec(f"layer{i}", "float32", (1024, 4096)) for i in range(4)]
-    ownership = assign_readers(specs, [{0, 1}] * 4, 2)
-    assert [[(p.rank, p.block_lo, p.block_hi) for p in pieces] for pieces in ownership.pieces] == [
+    assignment = assign_readers(specs, [{0, 1}] * 4, 2)
+    assert [[(p.rank, p.block_lo, p.block_hi) for p in pieces] for pieces in assignment.pieces] == [
         [(0, 0, specs[0].n_blocks)], [(0, 0, specs[1].n_blocks)], [(1, 0, specs[2].n_blocks)],
         [(1, 0, specs[3].n_blocks)]]
     # Three ranks: the middle one reads the end of layer 1 and the start of layer 2.
-    ownership = assign_readers(specs, [{0, 1, 2}] * 4, 3)
-    assert [[p.rank for p in pieces] for pieces in ownership.pieces] == [[0], [0, 1], [1, 2], [2]]
+    assignment = assign_readers(specs, [{0, 1, 2}] * 4, 3)
+    assert [[p.rank for p in pieces] for pieces in assignment.pieces] == [[0], [0, 1], [1, 2], [2]]
     # What rank 1 alone wants (its optimizer state) counts towards its share.
     state = make_spec("optim/0/exp_avg", "float32", (1024, 4096))
-    ownership = assign_readers([*specs, state], [{0, 1}] * 4 + [{1}], 2)
-    assert ownership.pieces[4] == (Piece(1, 0, state.n_blocks),)
-    assert abs(ownership.rank_bytes[0] - ownership.rank_bytes[1]) <= 2 * specs[0].block_rows * specs[0].row_bytes
-    assert [p.rank for p in ownership.pieces[2]] == [0, 1]  # rank 0 reads 2.5 layers, rank 1 1.5 and its state
+    assignment = assign_readers([*specs, state], [{0, 1}] * 4 + [{1}], 2)
+    assert assignment.pieces[4] == (Piece(1, 0, state.n_blocks),)
+    assert abs(assignment.rank_bytes[0] - assignment.rank_bytes[1]) <= 2 * specs[0].block_rows * specs[0].row_bytes
+    assert [p.rank for p in assignment.pieces[2]] == [0, 1]  # rank 0 reads 2.5 layers, rank 1 1.5 and its state
     with pytest.raises(ValueError, match="rank 5"):
         assign_readers(specs, [{5}] * 4, 2)
 
