@@ -138,13 +138,23 @@ def _standby_used(record: dict[str, Any]) -> dict[str, Any]:
     return {"standby_used": bool(second.get("standby")), "standby_note": second.get("standby_note", "")}
 
 
-def measure_kill(out_dir: Path, train_args: list[str], args: argparse.Namespace, *, name: str = "kill",
-                 standby: str = "off") -> dict[str, Any]:
-    status, wall, launch_dir = _supervise(out_dir, name, [*train_args, f"fault.kill_at_step={args.kill_at}",
+def _faulted_run(out_dir: Path, name: str, train_args: list[str], args: argparse.Namespace, standby: str,
+                 fault: str, event: str) -> tuple[int, float, Path, dict[str, Any], tuple[float, re.Match] | None]:
+    """A run under the supervisor whose last rank has ``fault`` (``fault.kill_at_step``, ...) at ``--kill-at`` in
+    the first attempt only: its status, wall time, launch directory and launch.json, and the victim's first log
+    ``event``."""
+    status, wall, launch_dir = _supervise(out_dir, name, [*train_args, f"{fault}={args.kill_at}",
                                                          "fault.only_attempt=1"], args, timeout_s=600, standby=standby)
     record = json.loads((launch_dir / LAUNCH_FILE).read_text())
     victim = args.np - 1
-    killed = first_event(log_events(attempt_dir(launch_dir, 1) / rank_log(victim)), r"kills itself \(SIGKILL\)")
+    return status, wall, launch_dir, record, first_event(
+        log_events(attempt_dir(launch_dir, 1) / rank_log(victim)), event)
+
+
+def measure_kill(out_dir: Path, train_args: list[str], args: argparse.Namespace, *, name: str = "kill",
+                 standby: str = "off") -> dict[str, Any]:
+    status, wall, launch_dir, record, killed = _faulted_run(out_dir, name, train_args, args, standby,
+                                                            "fault.kill_at_step", r"kills itself \(SIGKILL\)")
     if status != 0 or killed is None or len(record["attempts"]) != 2:
         raise RuntimeError(f"kill run: status {status}, {len(record['attempts'])} attempt(s) in {launch_dir}")
     phases = _restart_phases(launch_dir, record, args.kill_at, killed[0], record["attempts"][0]["launcher_report_unix"])
@@ -155,11 +165,8 @@ def measure_kill(out_dir: Path, train_args: list[str], args: argparse.Namespace,
 
 def measure_hang(out_dir: Path, train_args: list[str], args: argparse.Namespace, *, name: str = "hang",
                  standby: str = "off") -> dict[str, Any]:
-    status, wall, launch_dir = _supervise(out_dir, name, [*train_args, f"fault.hang_at_step={args.kill_at}",
-                                                         "fault.only_attempt=1"], args, timeout_s=600, standby=standby)
-    record = json.loads((launch_dir / LAUNCH_FILE).read_text())
-    victim = args.np - 1
-    stopped = first_event(log_events(attempt_dir(launch_dir, 1) / rank_log(victim)), r"stops itself \(SIGSTOP\)")
+    status, wall, launch_dir, record, stopped = _faulted_run(out_dir, name, train_args, args, standby,
+                                                             "fault.hang_at_step", r"stops itself \(SIGSTOP\)")
     failure_path = attempt_dir(launch_dir, 1) / FAILURE_FILE
     failure = json.loads(failure_path.read_text()) if failure_path.exists() else {}
     detected = failure.get("detected_wall") or (failure_path.stat().st_mtime if failure_path.exists() else None)
@@ -255,7 +262,8 @@ def report(trials: dict[str, dict[str, list[dict[str, Any]]]], startup: dict[str
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m hpcnet.bench recovery``."""
     parser = argparse.ArgumentParser(prog="python -m hpcnet.bench recovery", description=__doc__.splitlines()[0])
     parser.add_argument("--cluster", action="store_true",
                         help="elastic shrink and grow on the running local cluster (scripts/cluster.sh): host lost "
@@ -290,7 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-startup", action="store_true", help="skip the start-up pieces")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("train_args", nargs="*", help="extra hpcnet.train options, e.g. dist.probe=false")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """Fill in the defaults that depend on ``--cluster``; the modes of ``--modes``.  ``parser.error`` (status 2)
+    on a bad option."""
     defaults = (("np", 2, 4), ("steps", 40, 80), ("kill_at", 25, 13), ("trials", 5, 2), ("settle_s", 10.0, 3.0))
     for name, default, cluster in defaults:
         if getattr(args, name) is None:
@@ -300,21 +313,22 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - {"cold", "warm"} or args.trials < 1:
         parser.error("--modes takes cold, warm or both; --trials must be at least 1")
-    if args.cluster:
-        from hpcnet.bench.recovery_cluster import main_cluster
+    return modes
 
-        return main_cluster(args)
-    out_dir = Path(args.dir) if args.dir else Path(f"/tmp/hpcnet-recovery-{os.getpid()}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    train_args = [f"data.dir={Path(args.data_dir).absolute()}", "model.name=mlp", "train.batch_size=16",
-                  f"train.steps={args.steps}", "train.eval_every=0", "run.log_every=1",
-                  f"checkpoint.every_steps={args.every_steps}",
-                  "checkpoint.move_aside=true",  # a rerun with the same --dir: set the last run's checkpoints aside
-                  *(["fault.sleep_at_step=2", f"fault.sleep_s={args.settle_s}"] if args.settle_s > 0 else []),
-                  *args.train_args]
-    hang_ok = not args.no_hang and importlib.util.find_spec("hpcnet.fault.monitor") is not None
-    faults = ["kill"] + (["hang"] if hang_ok else [])
-    load_start = load_average()
+
+def _train_args(args: argparse.Namespace) -> list[str]:
+    """The hpcnet.train options of every run."""
+    return [f"data.dir={Path(args.data_dir).absolute()}", "model.name=mlp", "train.batch_size=16",
+            f"train.steps={args.steps}", "train.eval_every=0", "run.log_every=1",
+            f"checkpoint.every_steps={args.every_steps}",
+            "checkpoint.move_aside=true",  # a rerun with the same --dir: set the last run's checkpoints aside
+            *(["fault.sleep_at_step=2", f"fault.sleep_s={args.settle_s}"] if args.settle_s > 0 else []),
+            *args.train_args]
+
+
+def _trials(out_dir: Path, train_args: list[str], args: argparse.Namespace, faults: list[str],
+            modes: list[str]) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """``--trials`` of each fault in each mode, the modes' order alternating; each printed as it ends."""
     trials: dict[str, dict[str, list[dict[str, Any]]]] = {f: {m: [] for m in modes} for f in faults}
     for trial in range(args.trials):
         order = modes if trial % 2 == 0 else modes[::-1]  # alternate, so drift in the load hits both
@@ -333,6 +347,25 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"trial {trial + 1} {fault} {mode}: "
                       f"{f'{total:.2f} s' if total is not None else result.get('error', 'no restart')}{standby_note}",
                       flush=True)
+    return trials
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hpcnet.bench recovery``: the trials, the start-up pieces, the table."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    modes = _checked(parser, args)
+    if args.cluster:
+        from hpcnet.bench.recovery_cluster import main_cluster
+
+        return main_cluster(args)
+    out_dir = Path(args.dir) if args.dir else Path(f"/tmp/hpcnet-recovery-{os.getpid()}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train_args = _train_args(args)
+    hang_ok = not args.no_hang and importlib.util.find_spec("hpcnet.fault.monitor") is not None
+    faults = ["kill"] + (["hang"] if hang_ok else [])
+    load_start = load_average()
+    trials = _trials(out_dir, train_args, args, faults, modes)
     startup = None if args.no_startup else measure_startup(args)
     print(f"\nrecovery benchmark: {args.np} ranks, model mlp, {args.trials} trial(s) per fault and mode, "
           f"{os.cpu_count()} cores, load average {', '.join(f'{x:.2f}' for x in load_start)} at start, "
