@@ -1,5 +1,5 @@
 """Datasets: ``info`` (what describes one), ``h5`` (HDF5 files), ``arrays`` and ``convert`` (your arrays to
-hpcnet's HDF5; ``python -m hpcnet.data``), ``user`` (``package.module:function`` datasets), ``sampler`` (which
+hpcnet's HDF5), ``cli`` (``python -m hpcnet.data``), ``user`` (``package.module:function`` datasets), ``sampler`` (which
 samples each rank reads), ``balance`` (unequal shares for unequal ranks), ``loader`` (opening ``data.dataset``,
 background reads) and ``synthetic`` (the built-in sets).  Reference: docs/data.md.
 """

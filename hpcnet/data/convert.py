@@ -27,6 +27,7 @@ import h5py
 import numpy as np
 
 from hpcnet.data.arrays import Arrays, MemberCheck, load_npy_pair, load_npz
+from hpcnet.data.cli import run_commands
 from hpcnet.data.h5 import atomic_h5, create_split, set_root_attributes
 from hpcnet.data.info import DATASET_KINDS
 from hpcnet.data.text import BYTES, check_text_files, load_tokenizer, token_rows, token_stream
@@ -556,7 +557,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     Args:
         argv: the arguments after the program name; None reads ``sys.argv``.
     """
-    parser = argparse.ArgumentParser(prog="python -m hpcnet.data", description="hpcnet dataset tools")
-    add_convert_command(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.handler(args, parser)
+    return run_commands(argv, add_convert_command)

@@ -22,6 +22,7 @@ import h5py
 import numpy as np
 
 from hpcnet.agree import agree_on_error, mark_agreed
+from hpcnet.data.cli import run_commands
 from hpcnet.data.h5 import atomic_h5, create_split, set_root_attributes
 from hpcnet.data.info import SPLITS, positive_ints
 from hpcnet.errors import DatasetError
@@ -262,7 +263,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     Args:
         argv: the arguments after the program name; None reads ``sys.argv``.
     """
-    parser = argparse.ArgumentParser(prog="python -m hpcnet.data", description="hpcnet dataset tools")
-    add_generate_command(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.handler(args, parser)
+    return run_commands(argv, add_generate_command)

@@ -125,13 +125,8 @@ def load_tokenizer(name: str | os.PathLike[str]) -> TextTokenizer:
     path = Path(name)
     if path.is_dir() and (path / "tokenizer.json").is_file():
         path = path / "tokenizer.json"
-    kind = file_kind(path)
-    if kind == "missing":
-        raise DatasetError(f"{path} (--tokenizer): no such file; give a tokenizer.json or 'bytes'")
-    if kind == "directory":
-        raise DatasetError(f"{path} (--tokenizer) is a directory without a tokenizer.json")
-    if kind != "file":
-        raise DatasetError(f"{path} (--tokenizer) is a {kind}, not a regular file")
+    _check_regular_file(path, "--tokenizer", missing="; give a tokenizer.json or 'bytes'",
+                        directory=" without a tokenizer.json")
     try:
         from tokenizers import Tokenizer
     except ImportError:
@@ -152,6 +147,18 @@ def load_tokenizer(name: str | os.PathLike[str]) -> TextTokenizer:
     return TextTokenizer(str(path), vocab_size, end, None if end is None else vocab[end], hf)
 
 
+def _check_regular_file(path: Path, option: str, *, missing: str = "", directory: str = "") -> None:
+    """Raise DatasetError naming ``path`` and ``option`` unless it is a regular file (``file_kind``: never opened);
+    ``missing`` and ``directory`` end the message where it is absent or a directory."""
+    kind = file_kind(path)
+    if kind == "missing":
+        raise DatasetError(f"{path} ({option}): no such file{missing}")
+    if kind == "directory":
+        raise DatasetError(f"{path} ({option}) is a directory{directory}")
+    if kind != "file":
+        raise DatasetError(f"{path} ({option}) is a {kind}, not a regular file")
+
+
 # ---------------------------------------------------------------------------
 # reading the files in pieces
 
@@ -166,13 +173,8 @@ def check_text_files(files: Sequence[str | os.PathLike[str]]) -> list[Path]:
         raise DatasetError("--text needs at least one file")
     paths = [Path(f) for f in files]
     for path in paths:
-        kind = file_kind(path)  # a pipe would be read once, and opening one here could wait for its writer
-        if kind == "directory":
-            raise DatasetError(f"{path} (--text) is a directory; give the text files in it (e.g. {path}/*.txt)")
-        if kind == "missing":
-            raise DatasetError(f"{path} (--text): no such file")
-        if kind != "file":
-            raise DatasetError(f"{path} (--text) is a {kind}, not a regular file")
+        # A pipe would be read once, and opening one here could wait for its writer.
+        _check_regular_file(path, "--text", directory=f"; give the text files in it (e.g. {path}/*.txt)")
         try:
             with open(path, "rb"):
                 pass
