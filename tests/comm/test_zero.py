@@ -12,7 +12,7 @@ from hpcnet.ckpt.schema import rows_of
 from hpcnet.comm import exchange
 from hpcnet.comm.costmodel import LinkCost, assign_shards, assignment_times_s
 from hpcnet.comm.sharding.assign import assign_owners
-from hpcnet.comm.sharding.layout import MIN_UNIT_BYTES, UNITS_PER_RANK, ShardLayout, split_units
+from hpcnet.comm.sharding.layout import MIN_UNIT_BYTES, UNITS_PER_RANK, ShardLayout, Unit, split_units
 from hpcnet.comm.sharding.optimizer import ParamGather, norm_order, unit_grad_norm
 from hpcnet.errors import ConfigError, ExitCode
 from hpcnet.paths import OWNERS_FILE
@@ -148,6 +148,19 @@ def test_one_huge_matrix_is_cut_so_the_owners_balance():
         assert unit.lo > 0 and torch.all(params[2][unit.lo:unit.hi] == size) and params[2][0, 0] == 0
         params[2].data.zero_()
     assert all(u.whole for u in split_units(params, 1))  # one rank: nothing cut
+
+
+def test_a_rank_reads_the_checkpoint_pieces_over_its_own_rows_whatever_their_cuts():
+    """``ShardLayout.owns_rows``, which the sharded optimizer's and stage 3's ``wants`` ask: a piece of a parameter is
+    a rank's to read where it overlaps the rows of a unit the rank owns."""
+    params = [nn.Parameter(torch.zeros(8, 4)), nn.Parameter(torch.zeros(3))]
+    layout = ShardLayout(params, 2, units=[Unit(0, 0, 4, 8), Unit(0, 4, 8, 8), Unit(1, 0, 3, 3)])
+    owner = [0, 1, 1]
+    assert layout.owns_rows(0, owner, 0, None) and layout.owns_rows(0, owner, 1, None)  # the whole tensor
+    assert layout.owns_rows(0, owner, 0, (3, 5)) and layout.owns_rows(0, owner, 1, (3, 5))  # over the cut
+    assert layout.owns_rows(0, owner, 0, (0, 4)) and not layout.owns_rows(0, owner, 1, (0, 4))  # ends at rank 1's
+    assert not layout.owns_rows(0, owner, 0, (4, 6)) and layout.owns_rows(0, owner, 1, (4, 6))
+    assert not layout.owns_rows(1, owner, 0, None) and layout.owns_rows(1, owner, 1, None)
 
 
 def test_the_norm_taken_unit_by_unit_is_torch_s():

@@ -75,6 +75,13 @@ class ShardLayout:
     def is_split(self, param: int) -> bool:
         return len(self.of_param[param]) > 1
 
+    def owns_rows(self, param: int, owner: list[int], rank: int, rows: tuple[int, int] | None) -> bool:
+        """Whether ``rank`` owns a unit of parameter ``param`` (``owner``: unit -> rank) over any of rows ``rows``
+        (``(lo, hi)``; None: any row): what a rank reads of a checkpoint's piece of that parameter, whatever its
+        cuts."""
+        return any(owner[k] == rank and (rows is None or (rows[0] < self.units[k].hi and self.units[k].lo < rows[1]))
+                   for k in self.of_param[param])
+
     def to_json(self) -> list[list[int]]:
         """[param, lo, hi] per unit (a checkpoint's meta and owners.json)."""
         return [[u.param, u.lo, u.hi] for u in self.units]

@@ -260,13 +260,8 @@ class ShardedOptimizer(Stateful):
         if full >= len(self.full_order):
             return True  # not this optimizer's: the restore names the mismatch
         piece = ROW_PIECE.match(parts[2])
-        for k in self.layout.of_param[self.full_order[full]]:
-            if self.assignment.owner[k] != self.rank:
-                continue
-            u = self.layout.units[k]
-            if piece is None or (int(piece["lo"]) < u.hi and u.lo < int(piece["hi"])):
-                return True
-        return False
+        return self.layout.owns_rows(self.full_order[full], self.assignment.owner, self.rank,
+                                     (int(piece["lo"]), int(piece["hi"])) if piece else None)
 
     def load_entries(self, saved: Saved) -> None:
         """The owned units' state from a checkpoint of any world size or ``dist.zero`` (``load_state_dict``);

@@ -496,13 +496,8 @@ class ShardedParams(Stateful):
         base = piece["key"] if piece else key
         if base not in self.keys:
             return None
-        for k in self.layout.of_param[self.keys[base]]:
-            if self.owner[k] != self.rank:
-                continue
-            u = self.layout.units[k]
-            if piece is None or (int(piece["lo"]) < u.hi and u.lo < int(piece["hi"])):
-                return True
-        return False
+        return self.layout.owns_rows(self.keys[base], self.owner, self.rank,
+                                     (int(piece["lo"]), int(piece["hi"])) if piece else None)
 
     def load_entries(self, saved: Saved) -> None:
         """Fill the owned units from the checkpoint's parameters, whole or in row pieces (those ``wants`` chose:
