@@ -6,8 +6,9 @@ export PATH="${HPCNET_VENV:-$root/.venv}/bin:$PATH"
 if [ "$(id -u)" = 0 ]; then
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 fi
-# More ranks than cores is fine for functional runs on a laptop or CI box.
-export OMPI_MCA_rmaps_base_oversubscribe=1
+# More ranks than cores is fine for functional runs on a laptop or CI box (the second: Open MPI 5's, whose
+# runtime ignores the first; scripts/ftmpirun).
+export OMPI_MCA_rmaps_base_oversubscribe=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 # Quiet Open MPI's warning about a missing high-speed network on one machine.
 export OMPI_MCA_btl_base_warn_component_unused=0
 cd "$root"

