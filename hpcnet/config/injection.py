@@ -1,4 +1,5 @@
-"""The ``fault`` section: failures injected on purpose, to test recovery (``hpcnet.fault.inject`` injects them)."""
+"""The ``fault`` section: how a lost rank is recovered (``hpcnet.fault.ulfm`` resolves it), and failures injected on
+purpose, to test recovery (``hpcnet.fault.inject`` injects them)."""
 
 import math
 from dataclasses import dataclass
@@ -6,11 +7,18 @@ from dataclasses import dataclass
 from hpcnet.config.durations import check_durations
 from hpcnet.errors import ConfigError
 
+RECOVERY_MODES = ("auto", "shrink", "restart")
+"""The values of ``fault.recovery``."""
+
 
 @dataclass(kw_only=True, slots=True)
 class FaultConfig:
-    """The ``fault`` section: fault injection for testing recovery."""
+    """The ``fault`` section: the recovery mode, and fault injection for testing recovery."""
 
+    recovery: str = "auto"
+    """What the job does when a rank dies: 'shrink' goes on without it, in the same job (needs ULFM: Open MPI >= 5
+    started with mpirun --with-ft ulfm, scripts/ftmpirun); 'restart' ends the job, for hpcnet.launch to restart
+    from the newest checkpoint; 'auto' shrinks where ULFM is active and restarts elsewhere."""
     kill_at_step: int = 0
     """Fault injection: SIGKILL the chosen rank when it reaches this step (0 = never)."""
     hang_at_step: int = 0
@@ -52,6 +60,9 @@ class FaultConfig:
     """Inject only in this attempt of hpcnet.launch (1 = the first); 0 = every attempt."""
 
     def __post_init__(self) -> None:
+        if self.recovery not in RECOVERY_MODES:
+            raise ConfigError(f"fault.recovery: {self.recovery!r} is not one of "
+                              f"{', '.join(map(repr, RECOVERY_MODES))}")
         if self.write_error not in ("", "ENOSPC", "EDQUOT", "EIO", "fill"):
             raise ConfigError(f"fault.write_error: {self.write_error!r} is not one of 'ENOSPC', 'EDQUOT', 'EIO', "
                               "'fill'")

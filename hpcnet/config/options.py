@@ -506,7 +506,8 @@ class Config:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     """Heartbeats, stall and desync detection, memory-leak watch."""
     fault: FaultConfig = field(default_factory=FaultConfig)
-    """Fault injection for testing recovery (all off by default)."""
+    """How a lost rank is recovered (fault.recovery), and fault injection for testing recovery (all off by
+    default)."""
 
     def __post_init__(self) -> None:
         if self.train.activation_checkpointing == "auto" and not self.dist.memory_cap_gb:
