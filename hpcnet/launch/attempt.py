@@ -7,8 +7,10 @@ whose ranks never all start, and kills whatever is left once it ended.  ``settle
 means: the failure, the host it lost, whether a restart may help (``hpcnet.launch.restarts``).
 """
 
+import json
 import subprocess
 import time
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +34,7 @@ from hpcnet.launch.restarts import (
     read_rank_hosts,
 )
 from hpcnet.launch.stop import READY, reported_ranks
-from hpcnet.paths import FAILURE_FILE
+from hpcnet.paths import CONFIG_FILE, FAILURE_FILE, SUMMARY_FILE
 
 LAUNCHER_GRACE_S = 30.0
 """Default of ``--launcher-grace-s``: how long a launcher may take to exit once the job declared its failure. Open
@@ -211,6 +213,9 @@ def settle(record: Attempt, reports: Path | None, *, all_started: bool, start_ti
     restart may help, the cause in words.  ``reports``: where its ranks reported ready (None: it does not run
     hpcnet.train); ``all_started``: whether they all had."""
     record.failure = read_failure(record.run_dir) or record.failure
+    not_finished = unfinished(record) if record.status == 0 else ""
+    if not_finished:
+        record.status = ExitCode.RESTARTABLE  # the supervisor's verdict: the launcher's 0 is not the run's
     if record.status:
         rank_hosts = read_rank_hosts(reports, READY) if reports is not None else {}
         record.lost_host = lost_host(record.failure, record.launcher_loss, rank_hosts, started=all_started)
@@ -221,11 +226,46 @@ def settle(record: Attempt, reports: Path | None, *, all_started: bool, start_ti
     causes = [describe_failure(record.failure) if record.status else ""]
     if record.start_timed_out and record.status and reports is not None:
         causes.append(_not_started(reports, start_timeout_s))
+    if not_finished:
+        causes.append(f"the launcher ended with status 0, but {not_finished}")
     if record.lost_host is not None:
         causes.append(describe_loss(record.lost_host))
     if record.launcher_ended:
         causes.append(f"the launcher was ended {launcher_grace_s:g} s after the declared failure")
     record.cause = "; ".join(c for c in causes if c)
+
+
+def unfinished(record: Attempt) -> str:
+    """Why an attempt whose launcher ended with status 0 did not finish its run, in words; '' when it did.
+
+    Open MPI 5's prterun ends with 0 when it loses a daemon.  A run of hpcnet.train finished when it wrote its
+    ``summary.json`` since the attempt began, with as many steps as its ``train.steps`` (its ``config.toml``); its
+    summary decides, whatever the launcher printed.  Another command finished unless its launcher reported a lost
+    daemon or node (``Attempt.launcher_loss``).
+    """
+    if record.run_dir is None:
+        line = (record.launcher_loss or {}).get("line")
+        return f"it reported a lost daemon or node ({line})" if line else ""
+    summary_path = Path(record.run_dir) / SUMMARY_FILE
+    if written_since(summary_path, record.start_unix) is None:
+        return f"the run wrote no {SUMMARY_FILE}: it did not finish"
+    try:
+        steps = json.loads(summary_path.read_text())["steps"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its {SUMMARY_FILE} cannot be read"
+    total = _train_steps(Path(record.run_dir) / CONFIG_FILE)
+    if total is not None and steps < total:
+        return f"the run stopped after step {steps} of {total} ({SUMMARY_FILE})"
+    return ""
+
+
+def _train_steps(config: Path) -> int | None:
+    """``train.steps`` of a run's resolved config; None when it cannot be read."""
+    try:
+        steps = tomllib.loads(config.read_text())["train"]["steps"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return steps if isinstance(steps, int) else None
 
 
 def _not_started(reports: Path, timeout_s: float) -> str:

@@ -20,7 +20,8 @@ from pathlib import Path
 from hpcnet.config.load import override
 from hpcnet.paths import ATTEMPT_ENV, LAUNCH_ID_ENV, READY_ENV
 
-MPIRUN_NAMES = ("mpirun", "mpiexec", "orterun", "prterun")
+MPIRUN_NAMES = ("mpirun", "mpiexec", "orterun", "prterun", "ftmpirun")
+"""Launchers that take Open MPI's mpirun options (``scripts/ftmpirun`` runs Open MPI 5's with fault tolerance)."""
 LAUNCHER_KINDS = ("mpirun", "srun")
 """What ``--launcher-kind`` may declare: the options the launcher takes (``-np``, ``--host``, ``--hostfile`` as Open
 MPI's mpirun; ``-n``, ``-N``, ``--exclude``, ``-w`` as SLURM's srun), which the supervisor rewrites."""

@@ -91,7 +91,7 @@ def prepare(command: list[str], environ: dict[str, str], kind: str = "") -> "Job
     openmpi = kind == "mpirun" and is_openmpi(command[0])
     start = train_args_start(command)
     parsed = parse_command_line(command[start:]) if start is not None else None
-    if parsed is not None and (parsed.help or parsed.print_config):  # runs once, nothing to supervise
+    if parsed is not None and (parsed.help or parsed.print_config or parsed.help_config):  # prints, trains nothing
         start = None
     try:
         cfg = command_line_config(parsed) if parsed is not None and start is not None else None

@@ -31,14 +31,20 @@ _DEATH_LINES = (
 )
 
 
-# What a launcher prints when it loses a host: Open MPI's mpirun (help-errmgr-base.txt; PRRTE says PRTE) when one of
-# its daemons dies or cannot be reached, srun when the controller declares a node failed.  "start": a daemon that
-# failed to start or report, which means a lost host only once the attempt's ranks were all running.
+# What a launcher prints when it loses a host: Open MPI's mpirun (help-errmgr-base.txt and help-plm-base.txt; Open
+# MPI 5's PRRTE says PRTE, and names the host of a daemon that failed to report on a line "Remote host: H") when one
+# of its daemons dies or cannot be reached, srun when the controller declares a node failed.  "start": a daemon that
+# failed to start or report, which means a lost host only once the attempt's ranks were all running.  Open MPI 5's
+# prterun may end with status 0 after such a message: ``hpcnet.launch.attempt.unfinished`` does not take that for
+# a finished run.
 _LOSS_LINES = (
     (re.compile(r"\b(?:ORTE|PRTE) has lost communication with a remote daemon"), "daemon lost"),
     (re.compile(r"\bAn (?:ORTE|PRTE) daemon has unexpectedly failed"), "start"),
     (re.compile(r"\b(?:ORTE|PRTE) was unable to reliably start one or more daemons"), "start"),
+    (re.compile(r"\bA daemon failed to report back after being spawned"), "start"),
+    (re.compile(r"\bA daemon died unexpectedly (?:with status|on signal)"), "start"),
     (re.compile(r"^\s*Remote daemon\s*:\s*\S+ on node (?P<host>\S+)"), ""),
+    (re.compile(r"^\s*Remote host\s*:\s*(?P<host>\S+)\s*$"), ""),
     (re.compile(r"srun: error: Node failure on (?P<host>\S+)"), "node failure"),
     (re.compile(r"srun: error: .*\b[Ll]ost (?:connection|communication|contact)\b.*?\bnode (?P<host>[^\s:,;]+)"),
      "node lost"),

@@ -60,6 +60,14 @@ def test_the_supervisor_reads_where_the_run_starts_as_hpcnet_train_does(tmp_path
     assert not prepare([*TRAIN, "run.name=x", f"run.dir={tmp_path}"], {}).own
 
 
+def test_a_command_that_only_prints_is_not_supervised_as_a_run(tmp_path, monkeypatch):
+    """--help, --print-config and --help-config train nothing and write no summary.json, whose absence after a
+    status 0 otherwise means that the run did not finish (hpcnet.launch.attempt.unfinished)."""
+    monkeypatch.chdir(tmp_path)
+    for flag in ("--help", "--print-config", "--help-config"):
+        assert prepare([*TRAIN, flag], {}).train_start is None, flag
+
+
 def test_attempt_number_is_exported_to_remote_ranks_by_open_mpi_only():
     cmd = attempt_command(TRAIN, 1, train_start=len(TRAIN), pinned=[], openmpi=True)
     assert cmd[:7] == ["mpirun", "-x", "HPCNET_ATTEMPT", "-x", "HPCNET_READY", "-x", "HPCNET_LAUNCH_ID"]
@@ -86,6 +94,7 @@ def test_where_train_arguments_start():
 def test_launcher_kinds():
     assert launcher_kind(["/usr/bin/mpiexec", "-n", "2"]) == "mpirun" and launcher_kind(["srun", "x"]) == "srun"
     assert launcher_kind(["aprun", "x"]) == "" and launcher_kind([]) == ""
+    assert launcher_kind(["scripts/ftmpirun", "-np", "2"]) == "mpirun"  # mpirun's options, passed on as they are
 
 
 def test_set_ranks_rewrites_np_and_n_or_adds_them():

@@ -154,6 +154,39 @@ with errorcode 75.
 SRUN_NODE_FAILURE = """srun: error: Node failure on node07
 srun: Job step aborted: Waiting up to 32 seconds for job step to finish.
 srun: error: node07: tasks 4-7: Killed"""
+# Open MPI 5.0.11's (PRRTE 3.0.11's prterun), as it printed them here: a daemon whose rsh agent died (its host
+# killed), which ends the job with status 0; the others from help-errmgr-base.txt and help-plm-base.txt, filled in.
+PRTERUN_DAEMON_NOT_REPORTED = """------------------------------------------------------------
+A daemon failed to report back after being spawned. This could
+be due to several factors, including inability to find the
+daemon executable, or the executable was unable to find its
+required supporting libraries. In some cases, the daemon was
+able to execute, but was unable to complete a TCP connection
+back to prterun:
+
+  Local host:    hostA
+  Remote host:   hostB
+  Daemon exit status: 0
+
+This may also be caused by a firewall on the remote host. Please
+check that any firewall (e.g., iptables) has been disabled and
+try again.
+------------------------------------------------------------"""
+PRTERUN_NODE_DIED = """--------------------------------------------------------------------------
+PRTE has lost communication with a remote daemon.
+
+  HNP daemon   : [prterun-hostA-2811@0] on node hostA
+  Remote daemon: [prterun-hostA-2811@1] on node hostB
+
+This is usually due to either a failure of the TCP network
+connection to the node, or possibly an internal failure of
+the daemon itself. We cannot recover from this failure, and
+therefore will terminate the job.
+--------------------------------------------------------------------------"""
+PRTERUN_DAEMON_DIED = """--------------------------------------------------------------------------
+A daemon died unexpectedly on signal 9  while attempting to
+launch so we are aborting.
+--------------------------------------------------------------------------"""
 HOSTS = {0: "hostA", 1: "hostA", 2: "hostB", 3: "hostB"}
 
 
@@ -185,6 +218,21 @@ def test_the_launchers_messages_of_a_lost_host():
     assert is_abort_line(MPIRUN_ABORT.splitlines()[1]) and not is_abort_line(MPIRUN_NODE_DIED)
     # a start-up message first, the loss after: the loss is what counts
     assert _notes(MPIRUN_DAEMONS_NOT_STARTED + "\n" + MPIRUN_NODE_DIED)["what"] == "daemon lost"
+
+
+def test_open_mpi_5s_messages_of_a_lost_daemon_name_its_host():
+    """PRRTE (Open MPI 5's mpirun) says PRTE, and names the host of a daemon that never reported on a line of its
+    own ("Remote host", not the "Local host" before it): a lost host once the ranks had all started."""
+    notes = _notes(PRTERUN_DAEMON_NOT_REPORTED)
+    assert notes == {"what": "start", "host": "hostB",
+                     "line": "A daemon failed to report back after being spawned. This could"}
+    loss = lost_host(None, notes, HOSTS, started=True)
+    assert loss["host"] == "hostB" and loss["ranks"] == [2, 3] and "after the ranks had started" in loss["evidence"]
+    assert lost_host(None, notes, HOSTS, started=False) is None  # a launch that failed
+    assert _notes(PRTERUN_NODE_DIED) == {"what": "daemon lost", "host": "hostB",
+                                         "line": "PRTE has lost communication with a remote daemon."}
+    assert _notes(PRTERUN_DAEMON_DIED)["what"] == "start" and "host" not in _notes(PRTERUN_DAEMON_DIED)
+    assert _notes("  Local host:    hostA") is None
 
 
 def test_a_lost_host_from_the_launchers_message_whatever_its_status():

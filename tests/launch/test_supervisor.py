@@ -395,6 +395,20 @@ def test_ranks_that_never_all_start_end_the_attempt_after_the_start_timeout_and_
     assert took < 30
 
 
+@pytest.mark.launch
+@pytest.mark.timeout(60)
+def test_a_launcher_that_ends_0_after_losing_a_daemon_is_a_lost_host_and_the_job_restarts(tmp_path):
+    """Open MPI 5's prterun ends with status 0 when a host dies with its daemon: the run wrote no summary.json,
+    so attempt 1 is a lost host (hostB, from prterun's message), restartable, and attempt 2 runs and finishes."""
+    _serial_only()
+    out, record, seen, _ = _lost_host_job(tmp_path, "prte0", "--max-restarts", "1")
+    assert out.returncode == 0 and len(seen) == 2, out.stderr
+    first = record["attempts"][0]
+    assert first["status"] == 75 and first["restartable"] and first["lost_host"]["host"] == "hostB", first
+    assert "the launcher ended with status 0, but the run wrote no summary.json" in out.stderr
+    assert record["attempts"][1]["status"] == 0 and record["final_status"] == 0
+
+
 def test_the_start_timeout_must_be_a_number_of_seconds():
     out = subprocess.run([sys.executable, "-m", "hpcnet.launch", "--start-timeout-s", "-1", "--", "true"],
                          capture_output=True, text=True, env=clean_env(), timeout=30)

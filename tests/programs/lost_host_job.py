@@ -8,8 +8,10 @@ of a lost daemon (naming hostB) and exits with 9, as mpirun does when every proc
 ``started``: the same with mpirun's message of daemons it could not start (which names no host); ``unstarted``: that
 message and status before any rank started (a launch that failed); ``halfstart``: ranks 0 and 1 report ready on
 hostA, ranks 2 and 3 never do, and the launcher waits for good, ignoring SIGTERM (mpirun waiting for a daemon that
-died as it started).  Each attempt notes its pid, the fence it saw
-and, for ``hang``, its child's pid in the working directory.
+died as it started); ``prte0``: the ranks report ready on hostA and hostB, then the launcher prints Open MPI 5's message
+of a daemon that did not report (naming hostB) and exits with 0, as prterun does when every process of hostB is
+killed.  Each attempt notes its pid, the fence it saw and, for ``hang``, its child's pid in the working directory;
+attempt 2 finishes, writing summary.json as hpcnet.train does.
 """
 import json
 import os
@@ -30,6 +32,7 @@ with (notes / "attempts.jsonl").open("a") as out:
     out.write(json.dumps({"attempt": attempt, "pid": os.getpid(), "fence": [seen["launch"], seen["attempt"]],
                           "launch_id": os.environ["HPCNET_LAUNCH_ID"]}) + "\n")
 if attempt > 1:
+    (run_dir / "summary.json").write_text(json.dumps({"steps": 0, "start_step": 0}))
     sys.exit(0)
 mode = os.environ["FAKE_MODE"]
 if mode == "hang":
@@ -52,7 +55,7 @@ if mode == "halfstart":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     time.sleep(600)
     sys.exit(3)
-if mode in ("lost", "started"):
+if mode in ("lost", "started", "prte0"):
     ready = pathlib.Path(os.environ["HPCNET_READY"])
     ready.mkdir(parents=True, exist_ok=True)
     for rank, host in enumerate(("hostA", "hostA", "hostB", "hostB")):
@@ -69,6 +72,20 @@ connection to the node, or possibly an internal failure of
 the daemon itself. We cannot recover from this failure, and
 therefore will terminate the job.
 --------------------------------------------------------------------------""", file=sys.stderr, flush=True)
+elif mode == "prte0":
+    print("""------------------------------------------------------------
+A daemon failed to report back after being spawned. This could
+be due to several factors, including inability to find the
+daemon executable, or the executable was unable to find its
+required supporting libraries. In some cases, the daemon was
+able to execute, but was unable to complete a TCP connection
+back to prterun:
+
+  Local host:    hostA
+  Remote host:   hostB
+  Daemon exit status: 0
+------------------------------------------------------------""", file=sys.stderr, flush=True)
+    sys.exit(0)
 else:
     print("""--------------------------------------------------------------------------
 ORTE was unable to reliably start one or more daemons.
