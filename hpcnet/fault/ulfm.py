@@ -101,7 +101,9 @@ def local_fault_tolerance() -> FaultTolerance:
 
     vendor, version = MPI.get_vendor()
     library = f"{vendor} {'.'.join(map(str, version))}"
-    if vendor != "Open MPI" or version < (5,):
+    if vendor != "Open MPI":
+        return FaultTolerance(False, False, library, f"hpcnet supports Open MPI's ULFM only (>= 5), not {library}'s")
+    if version < (5,):
         return FaultTolerance(False, False, library, f"{library} has no ULFM (Open MPI >= 5 has)")
     lib = _loaded_libmpi()
     if lib is None or not all(hasattr(lib, name) for name in ULFM_CALLS):
