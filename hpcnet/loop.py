@@ -117,7 +117,7 @@ class Loop:
         self.loader, self.eval_split, self.device, self.metrics = loader, eval_split, device, metrics
         self.state, self.faults, self.monitor, self.stop = state, faults, monitor, stop
         self.total = cfg.train.steps
-        self.global_batch = cfg.train.batch_size * cfg.train.grad_accumulation * world.size
+        self.global_batch = loader.sampler.global_batch_size * cfg.train.grad_accumulation
         self.on_nonfinite = cfg.train.nonfinite  # stop | skip | ignore
         self.policy = SavePolicy.from_config(cfg)
         # model.loss (checked at start-up by the trainer), under train.precision
@@ -129,10 +129,12 @@ class Loop:
         self.clock = dp.clock  # where each step's time goes (hpcnet.observe.phases); DataParallel marks its part
         self.tracer = tracer  # train.trace_steps
         self._log_from_step = 0
+        self.progress: LoopProgress | None = None
+        """Where ``run`` is (what a rebuild after lost ranks goes on from: ``hpcnet.fault.live``)."""
 
     def run(self, start_step: int) -> dict[str, Any]:
         """Train from ``start_step``; the run's summary."""
-        p = LoopProgress(step=start_step, start_step=start_step)
+        p = self.progress = LoopProgress(step=start_step, start_step=start_step, shares=self._slices())
         loss = None
         self.dp.model.train()
         self._log_from_step = start_step
@@ -158,6 +160,12 @@ class Loop:
                 "stopped_by_signal": p.stopped_by, "diverged": p.diverged, "skipped_steps": p.skipped_steps,
                 **({"step_stats": step_stats} if step_stats is not None else {}),
                 **({"balance": self.balancer.summary()} if self.balancer is not None else {})}
+
+    def _slices(self) -> list[float] | None:
+        """Each rank's fraction of the global batch where they differ (a job that lost ranks keeps its global
+        batch), else None (equal)."""
+        sizes = self.loader.sampler.sizes
+        return [b / sum(sizes) for b in sizes] if len(set(sizes)) > 1 else None
 
     def _step(self, p: LoopProgress) -> tuple[torch.Tensor, int]:
         """Forward, backward, averaged gradients, the update; the ``NONFINITE_*`` bits this rank brings."""

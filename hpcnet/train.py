@@ -59,7 +59,9 @@ from hpcnet.data.loader import BatchLoader, open_dataset
 from hpcnet.data.sampler import GlobalBatchSampler
 from hpcnet.errors import ConfigError, ExitCode, exit_code_of
 from hpcnet.fault.inject import FaultInjector
+from hpcnet.fault.live import Live
 from hpcnet.fault.monitor import Monitor
+from hpcnet.fault.survive import track
 from hpcnet.fault.watchdog import startup_phase
 from hpcnet.launch.park import park
 from hpcnet.launch.stop import StopRequest
@@ -109,33 +111,54 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
         plane: an initialised data plane over the same ranks; created (and
             closed) here when None and there is more than one rank.
         stop: where signal handlers record a stop request, or None.
+
+    With ``fault.recovery=shrink`` (a fault-tolerant MPI), ranks that die are left behind: the survivors build the
+    run again on their own communicator and go on (``hpcnet.fault.live``).
     """
     t_start = time.perf_counter()
     import_for_training()
-    comm = comm.Dup()  # hpcnet's control-plane traffic never mixes with the caller's
+    comm = track(comm.Dup())  # hpcnet's control-plane traffic never mixes with the caller's
+    live = Live(cfg)
+    while True:
+        try:
+            result, world, run_dir = _attempt(cfg, comm, plane, stop, live)
+        except Exception as exc:
+            if not live.survives(exc):
+                raise
+            comm, plane = live.recover(comm, exc), None  # the caller's plane went with the lost ranks
+            continue
+        result.summary.update(wall_s=time.perf_counter() - t_start, **live.summary())
+        _finish(result, world, run_dir, cfg.train.steps)
+        return result
+
+
+def _attempt(cfg: Config, comm: Any, plane: DataPlane | None, stop: StopRequest | None, live: Live
+             ) -> tuple[TrainResult, World, Path]:
+    """One world of the run: start-up, the data plane, training; what holds ``comm`` is closed whatever happens."""
     own_plane = False
     monitor = None
     try:
-        world, run_dir, device, monitor = _start(cfg, comm)
+        world, run_dir, device, monitor = _start(cfg, comm, live)
         # The transport, decided once (dist.backend=auto resolved here): an
         # impossible choice stops every rank before the probe, the rendezvous,
         # the data and the model; the torch.distributed group is the one it needs, if any.
         route = agree_route(comm, world, cfg.dist, device_type=device.type)
         faults = FaultInjector(cfg.fault, world, checkpoint_dir=checkpoint_dir(cfg.run.dir, cfg.run.name,
-                                                                               cfg.checkpoint.dir))
+                                                                               cfg.checkpoint.dir),
+                               generation=live.generation)
         # Each start-up phase on the network runs under dist.startup_timeout_s (hpcnet.fault.watchdog).
         faults.before_phase("probe")
-        prefer, link, intra_link = _probe(cfg, comm, world, device, run_dir, monitor)
+        if live.probed is None:
+            live.probed = _probe(cfg, comm, world, device, run_dir, monitor)
+        prefer, link, intra_link = live.probed
         if plane is None and world.size > 1 and route.torch_backend:
             faults.before_phase("rendezvous")
             plane = init_data_plane(comm, world, backend=route.torch_backend, device=device,
                                     timeout_s=cfg.dist.timeout_s, interface=cfg.dist.interface, prefer=prefer,
                                     deadlines=monitor.deadlines, startup_timeout_s=cfg.dist.startup_timeout_s)
             own_plane = True
-        result = _train(cfg, comm, world, device, route, run_dir, monitor, stop, faults, link, intra_link)
-        result.summary.update(wall_s=time.perf_counter() - t_start)
-        _finish(result, world, run_dir, cfg.train.steps)
-        return result
+        result = _train(cfg, comm, world, device, route, run_dir, monitor, stop, faults, live, link, intra_link)
+        return result, world, run_dir
     finally:
         if monitor is not None:
             monitor.stop()
@@ -143,11 +166,16 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
             if own_plane and plane is not None:
                 plane.close()
             comm.Free()
+        elif own_plane and plane is not None and live.mode == "shrink":
+            plane.abort()  # never waited on: its peers may be gone (torch.distributed's groups are made again)
 
 
-def _start(cfg: Config, comm: Any) -> tuple[World, Path, torch.device, Monitor]:
-    """Ranks, the run directory and its logs, the device, the monitor thread, the resolved config written."""
+def _start(cfg: Config, comm: Any, live: Live) -> tuple[World, Path, torch.device, Monitor]:
+    """Ranks, the run directory and its logs, the device, the monitor thread, the resolved config written, the
+    recovery mode decided (the first world)."""
     world = discover(comm)
+    if live.world is not None:  # a rebuild: the same run, its directory and logs already made
+        return _restart(cfg, comm, world, live)
     check_same_config(comm, cfg)
     if cfg.run.tensorboard:  # the same on every rank (check_same_config): no collective for runs without it
         with shared_errors(comm):  # before the run directory: only rank 0 writes the events, every rank stops alike
@@ -180,6 +208,18 @@ def _start(cfg: Config, comm: Any) -> tuple[World, Path, torch.device, Monitor]:
                  __version__, torch.__version__, world.size, world.num_nodes, world.launcher,
                  device, torch.get_num_threads())
         log.info("run directory: %s\nresolved config:\n%s", run_dir, resolved)
+    live.decide(comm, world, run_dir)
+    return world, run_dir, device, monitor
+
+
+def _restart(cfg: Config, comm: Any, world: World, live: Live) -> tuple[World, Path, torch.device, Monitor]:
+    """A rebuild's start-up (``hpcnet.fault.live``): the first world's run directory; each rank's log named by its
+    rank in the new world (a survivor that became rank 0 speaks for the job); the device; a new monitor."""
+    run_dir = live.run_dir
+    setup_logging(run_dir, world.rank)
+    with shared_errors(comm):
+        device = choose_device(world, cfg.dist.device)
+    monitor = Monitor(cfg.monitor, comm, world, run_dir, device=device).start()
     return world, run_dir, device, monitor
 
 
@@ -215,9 +255,10 @@ def _probe(cfg: Config, comm: Any, world: World, device: torch.device, run_dir: 
     return prefer, link, intra
 
 
-def _data(cfg: Config, comm: Any, world: World) -> tuple[Any, Any, GlobalBatchSampler]:
+def _data(cfg: Config, comm: Any, world: World, global_batch: int | None = None
+          ) -> tuple[Any, Any, GlobalBatchSampler]:
     """The train and eval splits and the sampler: every rank opens the same files and validates them alike,
-    so a bad dataset is the same clear error everywhere."""
+    so a bad dataset is the same clear error everywhere.  ``global_batch``: a shrunk job's (``hpcnet.fault.live``)."""
     with shared_errors(comm):
         train_split = open_dataset(cfg.data.dataset, "train", directory=cfg.data.dir, comm=comm,
                                    options=cfg.data.options, seed=cfg.run.seed)
@@ -225,7 +266,7 @@ def _data(cfg: Config, comm: Any, world: World) -> tuple[Any, Any, GlobalBatchSa
                                   options=cfg.data.options, seed=cfg.run.seed)
         sampler = GlobalBatchSampler(len(train_split), batch_size=cfg.train.batch_size,
                                      rank=world.rank, world_size=world.size,
-                                     seed=cfg.run.seed, shuffle=cfg.data.shuffle)
+                                     seed=cfg.run.seed, shuffle=cfg.data.shuffle, global_batch=global_batch)
     return train_split, eval_split, sampler
 
 
@@ -336,10 +377,11 @@ def _checkpoint_activations(cfg: Config, comm: Any, world: World, model: nn.Modu
 
 
 def _train(cfg: Config, comm: Any, world: World, device: torch.device, route: Route, run_dir: Path,
-           monitor: Monitor, stop: StopRequest | None, faults: FaultInjector, link: LinkCost | None = None,
-           intra_link: LinkCost | None = None) -> TrainResult:
-    """Data, model, checkpoints, then the loop from where the checkpoints say; closed whatever happens."""
-    train_split, eval_split, sampler = _data(cfg, comm, world)
+           monitor: Monitor, stop: StopRequest | None, faults: FaultInjector, live: Live,
+           link: LinkCost | None = None, intra_link: LinkCost | None = None) -> TrainResult:
+    """Data, model, checkpoints, then the loop from where the checkpoints (or, after ranks were lost, the
+    survivors: ``hpcnet.fault.live``) say; closed whatever happens."""
+    train_split, eval_split, sampler = _data(cfg, comm, world, live.global_batch)
     faults.before_phase("groups")
     dp, optimizer, settings, memory_plan, objective = _model(cfg, comm, world, device, train_split, route, monitor,
                                                              link, run_dir, intra_link)
@@ -351,7 +393,7 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, route: Ro
         log.info("model %s: %s parameters; dataset %s: %d train / %d eval samples; global batch %d",
                  cfg.model.describe(),
                  f"{count_parameters(dp.model):,}", cfg.data.dataset,
-                 len(train_split), len(eval_split), cfg.train.batch_size * cfg.train.grad_accumulation * world.size)
+                 len(train_split), len(eval_split), sampler.global_batch_size * cfg.train.grad_accumulation)
         log.info("%s", dp.describe())
         log.info("device settings (cuda.*): %s", settings.describe())
     directory = checkpoint_dir(cfg.run.dir, cfg.run.name, cfg.checkpoint.dir)
@@ -361,15 +403,20 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, route: Ro
                                 fault=faults.io_fault, deadlines=monitor.deadlines, timeout_s=cfg.checkpoint.timeout_s)
     manager.on_finished = functools.partial(record_checkpoint, metrics)  # a committed save's times
     result = TrainResult(dp.model, optimizer)
-    loader = None
+    loader = state = loop = None
     try:
         loader = BatchLoader(train_split, sampler)  # a resume drops the batch it read ahead and reads from its position
         balancer = (Balancer(comm, loader, dp, every=cfg.data.balance_every, device=device, monitor=monitor)
                     if cfg.data.balance == "auto" else None)
         state = TrainState(cfg, state_parts(cfg, world, dp, optimizer, loader, balancer), manager)
-        if cfg.checkpoint.resume:
-            faults.before_resume(functools.partial(corrupt_newest, manager.directory), comm)
-        start_step = state.start(cfg.checkpoint.resume, otherwise=cfg.checkpoint.resume_else)
+        start_step = live.restore(state, comm, _first_source(cfg))
+        if start_step is None:
+            if cfg.checkpoint.resume:
+                faults.before_resume(functools.partial(corrupt_newest, manager.directory), comm)
+            start_step = state.start(cfg.checkpoint.resume, otherwise=cfg.checkpoint.resume_else)
+        if len(set(sampler.sizes)) > 1 and balancer is None:  # a shrunk job's unequal slices
+            dp.set_share(sampler.local_batch_size / sampler.global_batch_size)
+        live.rebuilt(comm, world, start_step)
         if start_step >= cfg.train.steps and world.is_main:
             log.warning("nothing to train: the run resumed at step %d and train.steps is %d. Raise train.steps "
                         "to train on; another run.name or checkpoint.dir starts a new run", start_step,
@@ -377,9 +424,13 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, route: Ro
         steps = parse_steps(cfg.train.trace_steps)
         tracer = (StepTracer(comm, steps, dp.clock, monitor.recorder, run_dir, ops=cfg.train.trace_ops, device=device)
                   if steps else None)  # clocks compared over MPI here, once
-        result.summary = Loop(cfg, comm, world, dp, optimizer, loader, eval_split, device, metrics, state, faults,
-                              monitor, stop, mover=BatchMover(device, settings), balancer=balancer,
-                              tracer=tracer, objective=objective).run(start_step)
+        loop = Loop(cfg, comm, world, dp, optimizer, loader, eval_split, device, metrics, state, faults, monitor,
+                    stop, mover=BatchMover(device, settings), balancer=balancer, tracer=tracer, objective=objective)
+        result.summary = loop.run(start_step)
+    except Exception as exc:
+        if loop is not None and loop.progress is not None and live.survives(exc):
+            live.keep(state, loop.progress.step)
+        raise
     finally:
         if _may_communicate():
             manager.close()  # a checkpoint still being written is committed before we leave
@@ -406,6 +457,12 @@ def state_parts(cfg: Config, world: World, dp: DataParallel, optimizer: torch.op
         parts.append(dp.owners)
     parts += [dp.feedback, loader, *([balancer] if balancer is not None else []), RngState(cfg.run.seed, world.rank)]
     return parts
+
+
+def _first_source(cfg: Config) -> str:
+    """Where the run began when not from its own directory (a path given to checkpoint.resume, or
+    checkpoint.resume_else): a reload before the run's first committed checkpoint goes back there."""
+    return cfg.checkpoint.resume if cfg.checkpoint.resume not in ("", "auto") else cfg.checkpoint.resume_else
 
 
 def _finish(result: TrainResult, world: World, run_dir: Path, total_steps: int) -> None:

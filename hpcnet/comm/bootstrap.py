@@ -174,6 +174,18 @@ class DataPlane:
         self.store = None
         unset_own_env()
 
+    def abort(self) -> None:
+        """Let the process groups go without waiting for a peer (peers were lost: ``hpcnet.fault.live``): every group
+        aborted, torch.distributed left ready for a new default group (idempotent)."""
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        if self.group is not None and dist.is_initialized():
+            _abort_process_group()
+        self.group = None
+        self.store = None
+        unset_own_env()
+
 
 BACKENDS = ("nccl", "gloo")
 

@@ -31,7 +31,7 @@ class GlobalBatchSampler:
     """
 
     def __init__(self, num_samples: int, batch_size: int, *, rank: int, world_size: int, seed: int = 0,
-                 shuffle: bool = True) -> None:
+                 shuffle: bool = True, global_batch: int | None = None) -> None:
         """Create the sampler at the start of epoch 0.
 
         Args:
@@ -41,6 +41,9 @@ class GlobalBatchSampler:
             world_size: number of ranks.
             seed: a non-negative seed; with the epoch it fixes the order.
             shuffle: False keeps the file order in every epoch.
+            global_batch: samples per step of all ranks together, when not ``batch_size * world_size`` (a job
+                that lost ranks keeps its global batch: ``fault.recovery=shrink``); the ranks then take slices
+                as equal as they can be (the first ``G mod N`` one sample more).
 
         Raises:
             DatasetError: the dataset is smaller than one global batch.
@@ -52,7 +55,11 @@ class GlobalBatchSampler:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         self.num_samples, self.batch_size, self.rank, self.world_size = num_samples, batch_size, rank, world_size
         self.seed, self.shuffle = seed, shuffle
-        self.global_batch_size = batch_size * world_size
+        self.global_batch_size = batch_size * world_size if global_batch is None else global_batch
+        if not is_integer(self.global_batch_size) or self.global_batch_size < world_size:
+            raise ValueError(f"global_batch must be at least one sample a rank ({world_size}), got {global_batch!r}")
+        base, extra = divmod(self.global_batch_size, world_size)
+        self._equal = [base + (r < extra) for r in range(world_size)]
         self.steps_per_epoch = num_samples // self.global_batch_size  # of an epoch started from sample 0
         if self.steps_per_epoch == 0:
             raise DatasetError(f"the dataset has {num_samples} samples, fewer than one global batch of "
@@ -63,13 +70,14 @@ class GlobalBatchSampler:
         self._order_epoch = -1
         self._order = np.empty(0, dtype=np.int64)
         self._sizes: list[int] | None = None
-        self._start = rank * batch_size
+        self._start = sum(self._equal[:rank])
         self.resumed_sizes: list[int] | None = None
 
     @property
     def sizes(self) -> list[int]:
-        """Samples per rank per step, rank by rank (all ``batch_size`` unless ``set_sizes`` changed them)."""
-        return list(self._sizes) if self._sizes is not None else [self.batch_size] * self.world_size
+        """Samples per rank per step, rank by rank (all ``batch_size``, or the global batch's equal slices, unless
+        ``set_sizes`` changed them)."""
+        return list(self._sizes) if self._sizes is not None else list(self._equal)
 
     @property
     def local_batch_size(self) -> int:
@@ -77,7 +85,7 @@ class GlobalBatchSampler:
         return self.sizes[self.rank]
 
     def set_sizes(self, sizes: list[int] | None) -> None:
-        """Split every later global batch into slices of ``sizes`` (rank by rank); None: ``batch_size`` each.
+        """Split every later global batch into slices of ``sizes`` (rank by rank); None: equal slices.
 
         Raises:
             ValueError: not one positive integer per rank, or a sum other than the global batch.
@@ -89,7 +97,7 @@ class GlobalBatchSampler:
                 raise ValueError(f"sizes {list(sizes)} sum to {sum(sizes)}, not the global batch "
                                  f"{self.global_batch_size}")
             sizes = [int(b) for b in sizes]
-            if sizes == [self.batch_size] * self.world_size:
+            if sizes == self._equal:
                 sizes = None
         self._sizes = sizes
         self._start = sum(self.sizes[:self.rank])

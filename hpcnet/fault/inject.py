@@ -99,17 +99,19 @@ class FaultInjector:
         world: this job's world (which rank is the chosen one).
         attempt: the attempt number; None reads ``HPCNET_ATTEMPT``.
         checkpoint_dir: where ``write_error='fill'`` fills the file system.
+        generation: how many times the job has shrunk (``hpcnet.fault.live``); with ``fault.only_attempt`` the faults
+            hit the attempt's first world only, as they would hit its first process.
     """
 
     def __init__(self, cfg: FaultConfig, world: World, attempt: int | None = None,
-                 checkpoint_dir: str | Path | None = None) -> None:
+                 checkpoint_dir: str | Path | None = None, generation: int = 0) -> None:
         self.cfg = cfg
         self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
         try:
             self.attempt = current_attempt() if attempt is None else attempt
         except ConfigError as exc:
             raise mark_agreed(exc) from None  # the same environment, so the same verdict, on every rank
-        self.active = cfg.only_attempt in (0, self.attempt)
+        self.active = cfg.only_attempt == 0 or (cfg.only_attempt == self.attempt and generation == 0)
         target = cfg.rank if cfg.rank >= 0 else world.size + cfg.rank
         if not 0 <= target < world.size:
             # Every rank computes the same verdict from the same config.

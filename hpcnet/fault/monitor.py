@@ -79,6 +79,7 @@ from hpcnet.fault.heartbeat import (
 from hpcnet.fault.liveness import LocalLiveness, halted, name_this_thread, process_threads, start_time
 from hpcnet.fault.memwatch import MemoryWatch, merge_summaries
 from hpcnet.fault.native import NativeWatchdog
+from hpcnet.fault.survive import is_process_failure, revoke_all, track
 from hpcnet.fault.watchdog import NULL_DEADLINES, Deadlines, Guard
 from hpcnet.paths import FAILURE_FILE, stall_dump
 from hpcnet.world import World, machine_id, sharing, usable_cores
@@ -166,7 +167,7 @@ class Monitor:
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             log.warning("MPI was initialised without MPI_THREAD_MULTIPLE: heartbeats and stall detection are off")
             return self
-        hb_comm = self.comm.Dup()
+        hb_comm = track(self.comm.Dup())
         session = hb_comm.bcast(random.getrandbits(48) if self.world.rank == 0 else None, root=0)
         ids = hb_comm.allgather((os.getpid(), start_time(os.getpid()), machine_id(), usable_cores()))
         self._pids = tuple(pid for pid, *_ in ids)  # whom to ask for stacks on this host
@@ -270,8 +271,12 @@ class Monitor:
             while not self._stop.is_set():
                 self._once(time.monotonic())
                 self._sleep()
-        except Exception:
-            log.exception("the monitor thread failed: heartbeats and stall detection are off for this rank")
+        except Exception as exc:
+            if is_process_failure(exc):  # a fault-tolerant MPI: a peer died; wake every survivor (hpcnet.fault.live)
+                log.info("the monitor saw a peer fail (%s): every communicator of the job is revoked", exc)
+                revoke_all()
+            else:
+                log.exception("the monitor thread failed: heartbeats and stall detection are off for this rank")
         finally:
             self._leave()
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from hpcnet.comm.transport import WANTS_NOTHING, GatherHandle, GroupGather
 from hpcnet.fault.flightrec import NULL_RECORDER
+from hpcnet.fault.survive import track
 
 
 class Round:
@@ -47,7 +48,7 @@ class Rounds:
     """
 
     def __init__(self, comm: Any, gather: GroupGather, *, recorder: Any = NULL_RECORDER) -> None:
-        self.comm = comm.Dup()
+        self.comm = track(comm.Dup())
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.gather, self.recorder = gather, recorder
         self._mine = np.zeros(2, dtype=np.int64)  # [the group wanted, the buckets ready]

@@ -30,6 +30,7 @@ from hpcnet.comm.transport.base import (
     mpi_buffer,
 )
 from hpcnet.comm.transport.torchdist import TorchHandle
+from hpcnet.fault.survive import track
 
 PIPELINE_CHUNK_BYTES = 4 << 20
 """A bucket is summed in chunks of this size (``HierarchicalTransport._run``; NCCL pipelines by itself)."""
@@ -81,8 +82,8 @@ class HierarchicalTransport(Transport):
         self.name = f"hierarchical-{kind}" + (f"+{self.cross_kind}" if self.cross_kind != kind else "")
         self.chunk_bytes = chunk_bytes
         self.size = comm.Get_size()
-        self.local = comm.Split(color=node_index, key=local_rank)
-        self.cross = comm.Split(color=local_rank, key=node_index)
+        self.local = track(comm.Split(color=node_index, key=local_rank))
+        self.cross = track(comm.Split(color=local_rank, key=node_index))
         self.local_size = self.local.Get_size()
         nodes = comm.allgather((node_index, local_rank))  # the same answer on every rank: the same error or none
         sizes = list(Counter(node for node, _ in nodes).values())

@@ -17,6 +17,7 @@ from hpcnet.comm.transport.base import (
     Transport,
     mpi_buffer,
 )
+from hpcnet.fault.survive import track
 
 
 class MpiTransport(Transport):
@@ -26,7 +27,7 @@ class MpiTransport(Transport):
     reduce_scatters = True
 
     def __init__(self, comm: Any, progress: str = "thread") -> None:
-        self.comm = comm.Dup()  # its own message space: never matched against other traffic
+        self.comm = track(comm.Dup())  # its own message space: never matched against other traffic
         self.size = self.comm.Get_size()
         self._progress = CollectiveExecutor(progress, "hpcnet-mpi-allreduce")
 
@@ -79,7 +80,7 @@ class MpiGroupGather(GroupGather):
 
     def __init__(self, comm: Any, groups: list[GatherGroup], tensors: list[torch.Tensor], owner: list[int]) -> None:
         super().__init__(comm, groups, tensors, owner)
-        self.comm = comm.Dup()  # its own message space
+        self.comm = track(comm.Dup())  # its own message space
         self._send: dict[int, tuple[Any, Any]] = {}  # group -> (addresses, datatype of this rank's units)
         self._recv: dict[int, tuple[Any, list[Any]]] = {}  # group -> (owners, datatype per sending rank)
 

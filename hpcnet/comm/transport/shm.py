@@ -35,6 +35,7 @@ import torch
 
 from hpcnet.comm.transport.base import CollectiveExecutor, Transport
 from hpcnet.comm.transport.mpi import MpiTransport
+from hpcnet.fault.survive import track
 from hpcnet.world import World
 
 ALIGN_ELEMENTS = 16
@@ -82,9 +83,9 @@ class ShmTransport(Transport):
         from hpcnet.errors import UsageError
 
         self.size = comm.Get_size()
-        self.node = comm.Split(color=world.node_index, key=world.local_rank)
+        self.node = track(comm.Split(color=world.node_index, key=world.local_rank))
         self.local_rank, self.local_size = self.node.Get_rank(), self.node.Get_size()
-        self.cross = comm.Split(color=self.local_rank, key=world.node_index)
+        self.cross = track(comm.Split(color=self.local_rank, key=world.node_index))
         self._regions: dict[int, _Region] = {}
         # Errors become a handle that raises at wait, as inline MPI's do.
         self._inline = CollectiveExecutor("inline", "")
