@@ -123,7 +123,7 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
         try:
             result, world, run_dir = _attempt(cfg, comm, plane, stop, live)
         except Exception as exc:
-            if not live.survives(exc):
+            if not live.survives(exc, comm):
                 raise
             comm, plane = live.recover(comm, exc), None  # the caller's plane went with the lost ranks
             continue
@@ -183,6 +183,7 @@ def _start(cfg: Config, comm: Any, live: Live) -> tuple[World, Path, torch.devic
                 require_tensorboard()
     run_dir = make_run_dir(comm, cfg.run.dir, cfg.run.name, exact=cfg.run.dir_exact)
     setup_logging(run_dir, world.rank)
+    live.decide(comm, world, run_dir)  # before the monitor: an impossible fault.recovery stops every rank here
     # More ranks than cores on this machine (hosts that share one count together): blocked MPI calls must give the
     # core away, or waiting ranks take it from computing ones (docs/communication.md, "Oversubscribed machines").
     ranks, cores = machine_sharing(comm)
@@ -208,7 +209,6 @@ def _start(cfg: Config, comm: Any, live: Live) -> tuple[World, Path, torch.devic
                  __version__, torch.__version__, world.size, world.num_nodes, world.launcher,
                  device, torch.get_num_threads())
         log.info("run directory: %s\nresolved config:\n%s", run_dir, resolved)
-    live.decide(comm, world, run_dir)
     return world, run_dir, device, monitor
 
 
@@ -428,7 +428,7 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, route: Ro
                     stop, mover=BatchMover(device, settings), balancer=balancer, tracer=tracer, objective=objective)
         result.summary = loop.run(start_step)
     except Exception as exc:
-        if loop is not None and loop.progress is not None and live.survives(exc):
+        if loop is not None and loop.progress is not None and live.survives(exc, comm):
             live.keep(state, loop.progress.step)
         raise
     finally:
@@ -558,6 +558,10 @@ if __name__ == "__main__":
     _STOP.ignore()  # the status is decided
     sys.stdout.flush()
     sys.stderr.flush()
+    from hpcnet.fault.survive import survived_a_loss
+
+    if survived_a_loss():
+        os._exit(code)  # never MPI_Finalize with lost peers: it may wait for them for good (survived_a_loss)
     if code:
         # Every rank returns the same status; finalize cleanly so the launcher
         # reports our status rather than an MPI_Abort (python -m mpi4py aborts

@@ -19,6 +19,7 @@
 #           mpirun $(scripts/cluster.sh env) -np 4 python ...
 #   mpirun ARGS...   mpirun with those options (--host for every host's slots
 #           unless ARGS name hosts themselves).
+#   ftmpirun ARGS... the same with scripts/ftmpirun (Open MPI 5, fault tolerance on).
 #   exec HOST CMD... runs a command on a host (what mpirun's rsh agent does).
 #   fail HOST        SIGKILL every process on the host (its daemon included).
 #   partition HOST / heal HOST   its link down / up, from the bridge's side.
@@ -405,6 +406,22 @@ run_mpirun() {
     exec mpirun "${opts[@]}" "$@"
 }
 
+# scripts/ftmpirun (Open MPI 5, fault tolerance on) with the cluster's options, in PRRTE's names.
+run_ftmpirun() {
+    is_up || die "not running: scripts/cluster.sh start"
+    local opts=(--prtemca plm_ssh_agent "$agent" --prtemca oob_tcp_if_include "$subnet"
+                --mca btl_tcp_if_include "$subnet" --wdir "$PWD") arg named=0 var
+    for var in PATH PYTHONPATH VIRTUAL_ENV; do
+        [ -z "${!var:-}" ] || opts+=(-x "$var")
+    done
+    for arg in "$@"; do
+        case "$arg" in --host|-H|--hostfile|--host=*|--hostfile=*) named=1 ;; esac
+    done
+    [ "$named" = 1 ] || opts+=(--host "$(host_list)")
+    export HPCNET_CLUSTER_DIR="$state_dir"
+    exec "$here/ftmpirun" "${opts[@]}" "$@"
+}
+
 print_env() {
     is_up || die "not running: scripts/cluster.sh start"
     local opts
@@ -450,6 +467,7 @@ case "$verb" in
     hosts) is_up || die "not running"; cat "$state_dir/hosts" ;;
     env) print_env ;;
     mpirun) run_mpirun "$@" ;;
+    ftmpirun) run_ftmpirun "$@" ;;
     exec) is_up || die "not running"; [ $# -ge 2 ] || die "exec HOST COMMAND..."
           # The agent takes one shell command line, as ssh does: quote each argument.
           target="$1"; shift

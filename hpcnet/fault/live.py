@@ -21,9 +21,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from hpcnet.agree import shared_errors
+from hpcnet.agree import is_agreed, shared_errors
 from hpcnet.config import Config
-from hpcnet.fault.survive import is_process_failure, shrink
+from hpcnet.fault.survive import is_process_failure, peers_lost, shrink
 from hpcnet.fault.ulfm import FaultTolerance, detect, recovery_mode
 from hpcnet.stateful import Entries, Saved
 from hpcnet.world import World
@@ -82,9 +82,12 @@ class Live:
         """Whether every rank holds the whole state (then a rebuild takes it from memory)."""
         return self.cfg.dist.zero == 0 and self.cfg.dist.compression != "int8"
 
-    def survives(self, exc: BaseException) -> bool:
-        """Whether this error is a lost peer that the job goes on without."""
-        return self.mode == "shrink" and is_process_failure(exc)
+    def survives(self, exc: BaseException, comm: Any) -> bool:
+        """Whether this error is a lost peer that the job goes on without: an MPI process failure, or an error of
+        this rank alone while it knows of a failed peer in ``comm`` (an agreed error is everyone's verdict)."""
+        if self.mode != "shrink":
+            return False
+        return is_process_failure(exc) or (not is_agreed(exc) and peers_lost(comm))
 
     def keep(self, state: Any, step: int) -> None:
         """In the trainer, as an error that ``survives`` propagates: this rank's parts' entries, where they are

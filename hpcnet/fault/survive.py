@@ -20,6 +20,15 @@ log = logging.getLogger(__name__)
 
 _LOCK = threading.Lock()
 _TRACKED: list[Any] = []
+_SHRUNK = threading.Event()
+
+
+def survived_a_loss() -> bool:
+    """Whether this process went on after peers were lost (``shrink``): its MPI_Finalize would wait for them.
+
+    Open MPI 5.0's MPI_Finalize fences with every process of the job, the dead ones included, and may wait for
+    good (open-mpi/ompi#11404); a process that has shrunk leaves without it (``hpcnet.train``'s entry point)."""
+    return _SHRUNK.is_set()
 
 
 def track(comm: Any) -> Any:
@@ -73,6 +82,27 @@ def is_process_failure(exc: BaseException) -> bool:
     return _mpi_error_class(exc) in classes
 
 
+def peers_lost(comm: Any, wait_s: float = 1.0) -> bool:
+    """Whether this process knows of a failed peer in ``comm`` (``MPI_Comm_get_failed``), waiting up to ``wait_s``
+    for its failure detector: an error that is not an MPI process failure may still come from one (a collective
+    that completed here with a dead peer's part missing: garbage sizes, a MemoryError)."""
+    from mpi4py import MPI
+
+    if not hasattr(comm, "Get_failed"):
+        return False
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            group = comm.Get_failed()
+            failed = group.Get_size()
+            group.Free()
+        except MPI.Exception:
+            return False  # no ULFM here
+        if failed or time.monotonic() >= deadline:
+            return bool(failed)
+        time.sleep(0.02)
+
+
 @dataclass(frozen=True, slots=True)
 class Shrunk:
     """The survivors' communicator and who was lost."""
@@ -91,6 +121,7 @@ def shrink(comm: Any) -> Shrunk:
     t0 = time.perf_counter()
     revoke_all()
     survivors = comm.Shrink()
+    _SHRUNK.set()
     old, new = comm.Get_group(), survivors.Get_group()
     gone = MPI.Group.Difference(old, new)
     lost = tuple(MPI.Group.Translate_ranks(gone, list(range(gone.Get_size())), old))

@@ -1,6 +1,7 @@
 """MPI on the tensors' own memory: the gradients' all-reduce and reduce-scatter, from a worker thread or inline
 (``dist.progress``), and stage 3's gathers, one ``MPI_Ialltoallw`` a round."""
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,6 +84,7 @@ class MpiGroupGather(GroupGather):
         self.comm = track(comm.Dup())  # its own message space
         self._send: dict[int, tuple[Any, Any]] = {}  # group -> (addresses, datatype of this rank's units)
         self._recv: dict[int, tuple[Any, list[Any]]] = {}  # group -> (owners, datatype per sending rank)
+        self._in_flight: set[_Request] = set()
 
     def send_and_receive(self, wants: Sequence[int]) -> "_Request":
         from mpi4py import MPI
@@ -97,7 +99,8 @@ class MpiGroupGather(GroupGather):
         # Not ``buffer.numpy()``: a storage once seen by numpy can no longer be resized.
         return _Request(self.comm.Ialltoallw(
             [MPI.BOTTOM, [int(t is not None) for t in send], [0] * self.size, [t or MPI.BYTE for t in send]],
-            [base, [int(t is not None) for t in recv], [0] * self.size, [t or MPI.BYTE for t in recv]]))
+            [base, [int(t is not None) for t in recv], [0] * self.size, [t or MPI.BYTE for t in recv]]),
+            self._in_flight)
 
     def _send_type(self, g: GatherGroup) -> Any:
         """This rank's units of ``g`` at their own addresses (None: it owns none); remade when a tensor moved (new
@@ -141,6 +144,11 @@ class MpiGroupGather(GroupGather):
         return types
 
     def close(self, collective: bool) -> None:
+        if not collective and self.comm is not None and self.comm.Is_revoked():
+            # Peers were lost (hpcnet.fault.live): a round left in flight ends now, with the revoke's error; left
+            # pending, MPI_Finalize would wait for it for good.
+            for request in list(self._in_flight):
+                request.abandon()
         for _, dtype in self._send.values():
             _free([dtype])
         for _, types in self._recv.values():
@@ -155,11 +163,22 @@ class MpiGroupGather(GroupGather):
 class _Request:
     """A round's ``MPI_Ialltoallw`` in flight."""
 
-    def __init__(self, request: Any) -> None:
-        self.request = request
+    def __init__(self, request: Any, in_flight: set["_Request"]) -> None:
+        self.request, self.in_flight = request, in_flight
+        in_flight.add(self)
 
     def wait(self) -> None:
-        self.request.Wait()
+        try:
+            self.request.Wait()
+        finally:
+            self.in_flight.discard(self)
+
+    def abandon(self) -> None:
+        """Complete a round whose communicator is revoked (its error is the loss already being handled)."""
+        from mpi4py import MPI
+
+        with contextlib.suppress(MPI.Exception):
+            self.wait()
 
 
 def _free(types: list[Any]) -> None:

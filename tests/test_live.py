@@ -1,0 +1,90 @@
+"""Live recovery (``fault.recovery=shrink``, hpcnet.fault.live) under a fault-tolerant MPI (``scripts/ftmpirun``):
+a rank killed -9 mid-run is left behind, the survivors go on in the same processes at the same global batch, and
+the run ends as the uninterrupted one does, within rounding (the sums run over fewer ranks and larger slices).
+
+Each job is 3 ranks on this host (the 2-host case is in tests/test_cluster_live.py); the fault kills the last rank
+after step ``KILL_AT``'s update, in the first world only.  Skipped where set-up could not install the MPI.
+"""
+
+import pytest
+from mpi4py import MPI
+
+from tests.helpers.live import EVERY, KILL_AT, STEPS, assert_close, final_tensors, ftmpi, run_job, summary, train_args
+
+pytestmark = [pytest.mark.launch, pytest.mark.timeout(240),
+              pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="starts its own jobs; serial pass")]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from hpcnet.data.synthetic import generate_images
+
+    path = tmp_path_factory.mktemp("live-data") / "tiny.h5"
+    generate_images(path, num_train=384, num_eval=24, shape=(1, 8, 8), num_classes=4, seed=11)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ft():
+    return ftmpi()
+
+
+@pytest.fixture(scope="module")
+def reference(ft, data, tmp_path_factory):
+    """The uninterrupted run on 3 ranks: what every shrunk run must end as."""
+    tmp = tmp_path_factory.mktemp("live-reference")
+    out = run_job([ft, "-np", "3"], train_args(data, tmp / "runs", "ref"), tmp)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert summary(tmp / "runs", "ref")["recovery"]["mode"] == "shrink"
+    return final_tensors(tmp / "runs", "ref")
+
+
+@pytest.mark.parametrize("zero", [0, 2, 3])
+def test_a_killed_rank_is_left_behind_and_the_survivors_end_as_the_uninterrupted_run(ft, data, reference,
+                                                                                    tmp_path, zero):
+    """Stage 0 goes on from the survivors' memory at the step it reached; stages 2 and 3, whose lost rank took its
+    shards, from the newest checkpoint (step 4), read in-process at 2 ranks. No relaunch, status 0, and the next
+    saves commit and verify on the shrunk job."""
+    runs = tmp_path / "runs"
+    out = run_job([ft, "-np", "3"], train_args(data, runs, "kill", f"dist.zero={zero}",
+                                                  f"fault.kill_at_step={KILL_AT}", "fault.only_attempt=1"), tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"fault injection: rank 2 kills itself (SIGKILL) at step {KILL_AT}" in out.stderr
+    recovered = summary(runs, "kill")["recovery"]
+    assert recovered["mode"] == "shrink" and recovered["mpi"]["active"], recovered
+    [record] = recovered["recoveries"]
+    from_memory = zero == 0
+    assert record["lost"][0]["rank"] == 2 and record["world_size"] == 2 and record["step"] == KILL_AT, record
+    assert record["state"] == ("memory" if from_memory else "checkpoint"), record
+    assert record["resumed_step"] == (KILL_AT if from_memory else EVERY), record
+    assert record["recomputed_steps"] == (0 if from_memory else KILL_AT - EVERY), record
+    assert f"lost rank 2 ({record['lost'][0]['host']}) at step {KILL_AT}: the 2 survivors shrank the job" in out.stderr
+    assert "global batch 24 kept" in out.stderr
+    assert_close(final_tensors(runs, "kill"), reference)
+    summary_steps = summary(runs, "kill")
+    assert summary_steps["steps"] == STEPS and summary_steps["world_size"] == 2
+
+
+def test_a_checkpoint_the_shrunk_job_wrote_resumes_at_another_size_under_the_system_mpi(ft, data, reference,
+                                                                                        tmp_path):
+    """Killed at step 7 of 8, the survivors commit step 8 at 2 ranks; the system's Open MPI resumes it at 3 ranks
+    (restart mode) and ends as the uninterrupted run at the same global batch."""
+    runs = tmp_path / "runs"
+    first = run_job([ft, "-np", "3"], train_args(data, runs, "grow", "train.steps=8",
+                                                    f"fault.kill_at_step={KILL_AT}", "fault.only_attempt=1"),
+                    tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert summary(runs, "grow")["world_size"] == 2
+    second = run_job(["mpirun", "-np", "3"], [*train_args(data, runs, "grow"), "--resume", "auto"], tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stderr and "at step 8 (saved by 2 rank(s))" in second.stderr, second.stderr
+    assert summary(runs, "grow")["recovery"]["mode"] == "restart"
+    assert_close(final_tensors(runs, "grow"), reference)
+
+
+def test_recovery_shrink_under_the_system_mpi_is_an_error_naming_the_option_on_every_rank(data, tmp_path):
+    out = run_job(["mpirun", "-np", "2"], train_args(data, tmp_path / "runs", "x", "fault.recovery=shrink"),
+                  tmp_path, timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "fault.recovery=shrink" in out.stderr and "scripts/ftmpirun" in out.stderr
+    assert "Traceback" not in out.stderr
