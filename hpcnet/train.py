@@ -139,6 +139,7 @@ def _attempt(cfg: Config, comm: Any, plane: DataPlane | None, stop: StopRequest 
     monitor = None
     try:
         world, run_dir, device, monitor = _start(cfg, comm, live)
+        live.mark("monitor")
         # The transport, decided once (dist.backend=auto resolved here): an
         # impossible choice stops every rank before the probe, the rendezvous,
         # the data and the model; the torch.distributed group is the one it needs, if any.
@@ -151,12 +152,14 @@ def _attempt(cfg: Config, comm: Any, plane: DataPlane | None, stop: StopRequest 
         if live.probed is None:
             live.probed = _probe(cfg, comm, world, device, run_dir, monitor)
         prefer, link, intra_link = live.probed
+        live.mark("route")
         if plane is None and world.size > 1 and route.torch_backend:
             faults.before_phase("rendezvous")
             plane = init_data_plane(comm, world, backend=route.torch_backend, device=device,
                                     timeout_s=cfg.dist.timeout_s, interface=cfg.dist.interface, prefer=prefer,
                                     deadlines=monitor.deadlines, startup_timeout_s=cfg.dist.startup_timeout_s)
             own_plane = True
+            live.mark("rendezvous")
         result = _train(cfg, comm, world, device, route, run_dir, monitor, stop, faults, live, link, intra_link)
         return result, world, run_dir
     finally:
@@ -382,9 +385,11 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, route: Ro
     """Data, model, checkpoints, then the loop from where the checkpoints (or, after ranks were lost, the
     survivors: ``hpcnet.fault.live``) say; closed whatever happens."""
     train_split, eval_split, sampler = _data(cfg, comm, world, live.global_batch)
+    live.mark("data")
     faults.before_phase("groups")
     dp, optimizer, settings, memory_plan, objective = _model(cfg, comm, world, device, train_split, route, monitor,
                                                              link, run_dir, intra_link)
+    live.mark("model")
     metrics = MetricsWriter(run_dir / metrics_file(world.rank)
                             if cfg.run.metrics == "all" or (cfg.run.metrics == "rank0" and world.is_main) else None,
                             tensorboard=TensorBoardWriter(run_dir / TENSORBOARD_DIR)

@@ -59,6 +59,16 @@ class Live:
     """The first world's probe (``hpcnet.train._probe``): the links it measured are the survivors' links."""
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     _seen_at: float = 0.0
+    _phases: dict[str, float] = field(default_factory=dict)
+    _last: float = 0.0
+
+    def mark(self, phase: str) -> None:
+        """A rebuild's phase ends here (its time goes to the record's ``rebuild_phases_s``); outside one, nothing."""
+        if not self._last:
+            return
+        now = time.perf_counter()
+        self._phases[phase] = round(now - self._last, 4)
+        self._last = now
 
     run_dir: Any = None
     mpi: FaultTolerance | None = None
@@ -130,6 +140,7 @@ class Live:
             "step": max(step for _, step in reached),
             "state": "memory" if self.carried is not None else "checkpoint",
             "error": f"{type(exc).__name__}: {exc}"[:300], "shrink_s": round(shrunk.shrink_s, 4)})
+        self._last, self._phases = time.perf_counter(), {}
         return new
 
     def restore(self, state: Any, comm: Any, resume: str) -> int | None:
@@ -155,7 +166,9 @@ class Live:
         if not self.recoveries or "rebuild_s" in self.recoveries[-1]:
             return
         record = self.recoveries[-1]
+        self.mark("state")
         record["rebuild_s"] = round(time.perf_counter() - self._seen_at - record["shrink_s"], 4)
+        record["rebuild_phases_s"], self._last = self._phases, 0.0
         record["resumed_step"] = step
         record["recomputed_steps"] = max(0, record["step"] - step)
         self._seen_at = 0.0
