@@ -57,7 +57,8 @@ class FaultConfig:
     rank: int = -1
     """The rank the fault hits; -1 = the last rank."""
     only_attempt: int = 0
-    """Inject only in this attempt of hpcnet.launch (1 = the first); 0 = every attempt."""
+    """Inject only in this attempt of hpcnet.launch (1 = the first), in its first world (before any shrink:
+    fault.recovery); 0 = every attempt and world."""
 
     def __post_init__(self) -> None:
         if self.recovery not in RECOVERY_MODES:
