@@ -146,7 +146,7 @@ def _attempt(cfg: Config, comm: Any, plane: DataPlane | None, stop: StopRequest 
         route = agree_route(comm, world, cfg.dist, device_type=device.type)
         faults = FaultInjector(cfg.fault, world, checkpoint_dir=checkpoint_dir(cfg.run.dir, cfg.run.name,
                                                                                cfg.checkpoint.dir),
-                               generation=live.generation)
+                               generation=live.generation, killed=live.killed)
         # Each start-up phase on the network runs under dist.startup_timeout_s (hpcnet.fault.watchdog).
         faults.before_phase("probe")
         if live.probed is None:

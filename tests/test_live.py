@@ -65,6 +65,23 @@ def test_a_killed_rank_is_left_behind_and_the_survivors_end_as_the_uninterrupted
     assert summary_steps["steps"] == STEPS and summary_steps["world_size"] == 2
 
 
+@pytest.mark.parametrize("zero", [0, 2])
+def test_three_losses_in_a_row_leave_one_rank_that_ends_as_the_uninterrupted_run(ft, data, reference, tmp_path, zero):
+    """4 ranks of 6 samples (the reference's global batch of 24) lose their last rank after steps 3, 7 and 11
+    (fault.kill_every_steps); the last survivor trains the whole global batch: no hang, no relaunch, the same
+    model within the bound."""
+    runs = tmp_path / "runs"
+    out = run_job([ft, "-np", "4"], [*train_args(data, runs, "series", f"dist.zero={zero}", "train.batch_size=6",
+                                                 "fault.kill_at_step=3", "fault.kill_every_steps=4")], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = summary(runs, "series")["recovery"]["recoveries"]
+    assert [(r["step"], r["world_size"], r["lost"][0]["rank"]) for r in records] == [(3, 3, 3), (7, 2, 2), (11, 1, 1)]
+    assert [r["resumed_step"] for r in records] == ([3, 7, 11] if zero == 0 else [0, 4, 8]), records
+    assert "the survivor shrank the job" in out.stderr and "global batch 24 kept" in out.stderr
+    assert summary(runs, "series")["steps"] == STEPS
+    assert_close(final_tensors(runs, "series"), reference)
+
+
 def test_a_checkpoint_the_shrunk_job_wrote_resumes_at_another_size_under_the_system_mpi(ft, data, reference,
                                                                                         tmp_path):
     """Killed at step 7 of 8, the survivors commit step 8 at 2 ranks; the system's Open MPI resumes it at 3 ranks

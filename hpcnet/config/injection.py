@@ -21,6 +21,10 @@ class FaultConfig:
     from the newest checkpoint; 'auto' shrinks where ULFM is active and restarts elsewhere."""
     kill_at_step: int = 0
     """Fault injection: SIGKILL the chosen rank when it reaches this step (0 = never)."""
+    kill_every_steps: int = 0
+    """Fault injection, with fault.kill_at_step: kill the chosen rank of the job as it is then again every this many
+    steps (a series of losses for fault.recovery=shrink; each step's kill happens once in a job, also where a
+    survivor computes the step again); 0 = once."""
     hang_at_step: int = 0
     """Fault injection: the chosen rank stops (SIGSTOP) at this step."""
     sleep_at_step: int = 0
@@ -70,8 +74,8 @@ class FaultConfig:
         if self.hang_at_startup not in ("", "probe", "rendezvous", "groups"):
             raise ConfigError(f"fault.hang_at_startup: {self.hang_at_startup!r} is not one of 'probe', 'rendezvous', "
                               "'groups'")
-        for name in ("kill_at_step", "hang_at_step", "sleep_at_step", "fill_disk_at_step", "only_attempt",
-                     "write_error_at_step", "stuck_save_at_step", "stuck_fs_at_step"):
+        for name in ("kill_at_step", "kill_every_steps", "hang_at_step", "sleep_at_step", "fill_disk_at_step",
+                     "only_attempt", "write_error_at_step", "stuck_save_at_step", "stuck_fs_at_step"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"fault.{name} must be >= 0, got {getattr(self, name)}")
         if self.sleep_s < 0 or self.slow_s < 0:

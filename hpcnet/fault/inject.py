@@ -101,10 +101,12 @@ class FaultInjector:
         checkpoint_dir: where ``write_error='fill'`` fills the file system.
         generation: how many times the job has shrunk (``hpcnet.fault.live``); with ``fault.only_attempt`` the faults
             hit the attempt's first world only, as they would hit its first process.
+        killed: the steps whose kill has happened in this job (kept across its worlds by ``hpcnet.fault.live``).
     """
 
     def __init__(self, cfg: FaultConfig, world: World, attempt: int | None = None,
-                 checkpoint_dir: str | Path | None = None, generation: int = 0) -> None:
+                 checkpoint_dir: str | Path | None = None, generation: int = 0,
+                 killed: set[int] | None = None) -> None:
         self.cfg = cfg
         self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
         try:
@@ -119,6 +121,7 @@ class FaultInjector:
         self.target = target
         self.rank = world.rank
         self.mine = self.active and world.rank == target
+        self.killed = set() if killed is None else killed
         armed = self.describe()
         if armed and world.rank == 0:
             log.warning("fault injection armed (attempt %d): %s", self.attempt, armed)
@@ -130,7 +133,10 @@ class FaultInjector:
         c, who = self.cfg, f"rank {self.target}"
         parts = []
         if c.kill_at_step:
-            parts.append(f"{who} SIGKILLs itself at step {c.kill_at_step}")
+            parts.append(f"{who} SIGKILLs itself at step {c.kill_at_step}" +
+                         (f" and every {c.kill_every_steps} steps after (the last rank of the job as it is then)"
+                          if c.kill_every_steps and c.rank < 0 else
+                          f" and every {c.kill_every_steps} steps after" if c.kill_every_steps else ""))
         if c.hang_at_step:
             parts.append(f"{who} SIGSTOPs itself at step {c.hang_at_step}")
         if c.hang_at_startup:
@@ -175,8 +181,20 @@ class FaultInjector:
             log.error("fault injection: rank %d blocks for good before the start-up phase %r", self.rank, phase)
             threading.Event().wait()
 
+    def _kill_step(self, step: int) -> bool:
+        """Whether the chosen rank is killed after ``step`` (``kill_at_step``, then every ``kill_every_steps``),
+        once in a job: every rank notes it."""
+        c = self.cfg
+        due = step == c.kill_at_step or (c.kill_at_step > 0 and c.kill_every_steps > 0 and step > c.kill_at_step
+                                         and (step - c.kill_at_step) % c.kill_every_steps == 0)
+        if not self.active or not due or step in self.killed:
+            return False
+        self.killed.add(step)
+        return True
+
     def at_step(self, step: int) -> None:
         """Called by every rank after optimizer step ``step``; acts on the chosen rank only."""
+        kill = self._kill_step(step)
         if not self.mine:
             return
         c = self.cfg
@@ -190,7 +208,7 @@ class FaultInjector:
             # record is flushed before the process stops.
             log.error("fault injection: rank %d stops itself (SIGSTOP) at step %d", self.rank, step)
             os.kill(os.getpid(), signal.SIGSTOP)
-        if step == c.kill_at_step:
+        if kill:
             log.error("fault injection: rank %d kills itself (SIGKILL) at step %d", self.rank, step)
             os.kill(os.getpid(), signal.SIGKILL)
 

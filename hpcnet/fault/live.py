@@ -58,6 +58,8 @@ class Live:
     probed: Any = None
     """The first world's probe (``hpcnet.train._probe``): the links it measured are the survivors' links."""
     recoveries: list[dict[str, Any]] = field(default_factory=list)
+    killed: set[int] = field(default_factory=set)
+    """The steps whose injected kill has happened (``fault.kill_every_steps``): once in a job, whatever world."""
     _seen_at: float = 0.0
     _phases: dict[str, float] = field(default_factory=dict)
     _last: float = 0.0
@@ -174,9 +176,10 @@ class Live:
         self._seen_at = 0.0
         if world.is_main:
             lost = ", ".join(f"rank {x['rank']} ({x['host']})" for x in record["lost"])
-            log.warning("lost %s at step %d: the %d survivors shrank the job in %.3f s and rebuilt it in %.3f s; "
+            log.warning("lost %s at step %d: the %s shrank the job in %.3f s and rebuilt it in %.3f s; "
                         "training goes on at step %d from %s%s, global batch %d kept", lost, record["step"],
-                        world.size, record["shrink_s"], record["rebuild_s"], step,
+                        f"{world.size} survivors" if world.size > 1 else "survivor", record["shrink_s"],
+                        record["rebuild_s"], step,
                         "memory" if record["state"] == "memory" else "the newest checkpoint",
                         f" ({record['recomputed_steps']} steps to compute again)" if record["recomputed_steps"] else
                         "", self.global_batch * self.cfg.train.grad_accumulation)

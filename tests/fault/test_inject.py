@@ -172,3 +172,17 @@ def test_a_slow_rank_is_not_a_failure(comm, data_plane, mpi_tmp_path):
     for a, b in zip(_params(straight), _params(slow)):
         assert torch.equal(a, b)
     comm.Barrier()
+
+
+def test_a_kill_series_kills_at_each_of_its_steps_once_in_a_job_whatever_world_computes_it_again():
+    """fault.kill_every_steps: the kill steps are 3, 7, 11...; a survivor's world that computes step 7 again (from a
+    checkpoint) sees its kill done (the steps are kept across worlds by hpcnet.fault.live)."""
+    killed: set[int] = set()
+    cfg = FaultConfig(kill_at_step=3, kill_every_steps=4)
+    first = FaultInjector(cfg, _world(0, 4), attempt=1, killed=killed)
+    assert [s for s in range(1, 13) if first._kill_step(s)] == [3, 7, 11]
+    again = FaultInjector(cfg, _world(0, 3), attempt=1, generation=1, killed=killed)
+    assert [s for s in range(1, 16) if again._kill_step(s)] == [15]
+    assert "and every 4 steps after" in first.describe()
+    only_first = FaultConfig(kill_at_step=3, kill_every_steps=4, only_attempt=1)
+    assert not FaultInjector(only_first, _world(0, 3), attempt=1, generation=1)._kill_step(7)
