@@ -1,0 +1,145 @@
+"""hpcnet.fault.live's decisions, one process with a stand-in communicator (the jobs are in tests/test_live.py):
+where the survivors' state comes from, what a loss record says, which errors are a loss."""
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from hpcnet.config import Config
+from hpcnet.data.sampler import GlobalBatchSampler
+from hpcnet.fault import live as live_module
+from hpcnet.fault.live import Carried, Live
+from hpcnet.fault.survive import Shrunk
+from hpcnet.stateful import Entries
+
+
+class Survivors:
+    """The survivors' communicator as one rank sees it: every rank's contribution to an allgather is given."""
+
+    def __init__(self, rank, reached, held=None):
+        self.rank, self.reached, self.held, self.bcast_root = rank, reached, held, None
+
+    def Get_rank(self):
+        return self.rank
+
+    def Get_size(self):
+        return len(self.reached)
+
+    def allgather(self, mine):
+        assert mine == self.reached[self.rank]
+        return list(self.reached)
+
+    def bcast(self, obj, root):
+        self.bcast_root = root
+        return obj if root == self.rank else self.held
+
+
+class Old:
+    def __init__(self, size):
+        self.size = size
+
+    def Get_size(self):
+        return self.size
+
+
+def _live(zero=0, compression="none"):
+    cfg = Config()
+    cfg.dist.zero, cfg.dist.compression = zero, compression
+    live = Live(cfg, mode="shrink")
+    live.world = types.SimpleNamespace(hostnames=("a", "a", "b", "b"))
+    return live
+
+
+def _carried(step, value, rng):
+    return Carried(step, Entries(tensors={"model/w": torch.full((2,), float(value))}, meta={"sampler": {"at": step}},
+                                 rank_state={"rng": rng}), last_saved_step=4)
+
+
+def _recover(monkeypatch, live, survivors, lost=(3,)):
+    monkeypatch.setattr(live_module, "shrink", lambda comm: Shrunk(survivors, lost, 0.01))
+    return live.recover(Old(len(survivors.reached) + len(lost)), RuntimeError("peer gone"))
+
+
+def test_survivors_at_one_step_keep_their_own_state_and_the_global_batch(monkeypatch):
+    live = _live()
+    live.keep(types.SimpleNamespace(entries=lambda: _carried(7, 1, "mine").entries, last_saved_step=4), 7)
+    survivors = Survivors(1, [(7, 7), (7, 7), (7, 7)])
+    assert _recover(monkeypatch, live, survivors) is survivors
+    assert live.carried.step == 7 and live.carried.entries.rank_state == {"rng": "mine"} and not live.reload
+    assert survivors.bcast_root is None  # nothing moved
+    assert live.global_batch == Config().train.batch_size * 4 and live.generation == 1
+    [record] = live.recoveries
+    assert record["lost"] == [{"rank": 3, "host": "b"}] and record["world_size"] == 3 and record["step"] == 7
+    assert record["state"] == "memory" and record["from_world_size"] == 4
+
+
+def test_a_survivor_behind_the_interrupted_update_takes_the_furthest_ones_state_but_keeps_its_generators(
+        monkeypatch):
+    live = _live()
+    live.carried, live.failed_step = _carried(6, 1, "mine"), 6
+    ahead = _carried(7, 2, "theirs")
+    survivors = Survivors(0, [(6, 6), (7, 7), (7, 7)], held=ahead)
+    _recover(monkeypatch, live, survivors)
+    assert survivors.bcast_root == 1  # the lowest rank of those furthest
+    assert live.carried.step == 7 and torch.equal(live.carried.entries.tensors["model/w"], torch.full((2,), 2.0))
+    assert live.carried.entries.rank_state == {"rng": "mine"}
+    assert live.recoveries[0]["step"] == 7
+
+
+@pytest.mark.parametrize("zero, compression", [(1, "none"), (2, "none"), (3, "none"), (0, "int8")])
+def test_a_loss_of_sharded_or_per_rank_state_reloads_the_newest_checkpoint(monkeypatch, zero, compression):
+    live = _live(zero, compression)
+    live.keep(types.SimpleNamespace(entries=lambda: pytest.fail("no entries taken: they are not the whole state"),
+                                    last_saved_step=4), 9)
+    _recover(monkeypatch, live, Survivors(0, [(-1, 9), (-1, 9)]), lost=(2, 3))
+    assert live.carried is None and live.reload
+    assert live.recoveries[0]["state"] == "checkpoint" and live.recoveries[0]["lost"][1] == {"rank": 3, "host": "b"}
+
+
+def test_survivors_of_whom_one_had_not_started_the_loop_reload(monkeypatch):
+    live = _live()
+    live.carried, live.failed_step = _carried(7, 1, "mine"), 7
+    _recover(monkeypatch, live, Survivors(0, [(7, 7), (-1, -1)]))
+    assert live.reload and live.carried is None
+
+
+def test_a_revoke_that_lost_nobody_raises_the_error_again(monkeypatch):
+    live = _live()
+    monkeypatch.setattr(live_module, "shrink", lambda comm: Shrunk(Survivors(0, [(-1, -1)] * 4), (), 0.01))
+    error = RuntimeError("a bug of this rank")
+    with pytest.raises(RuntimeError) as raised:
+        live.recover(Old(4), error)
+    assert raised.value is error and not live.recoveries
+
+
+def test_only_shrink_mode_survives_and_an_agreed_error_is_never_a_loss(monkeypatch):
+    from hpcnet.agree import mark_agreed
+
+    monkeypatch.setattr(live_module, "peers_lost", lambda comm: True)
+    assert _live().survives(RuntimeError("x"), comm=None)
+    assert not _live().survives(mark_agreed(RuntimeError("everyone's verdict")), comm=None)
+    restart = _live()
+    restart.mode = "restart"
+    assert not restart.survives(RuntimeError("x"), comm=None)
+    monkeypatch.setattr(live_module, "peers_lost", lambda comm: False)
+    assert not _live().survives(RuntimeError("a bug"), comm=None)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 5, 7])
+def test_survivors_split_the_same_global_batches_as_equally_as_they_divide(ranks):
+    """32 samples a step (4 ranks of 8) taken over by other rank counts: the same global batches in the same order
+    as one rank of 32 takes them, slices differing by one sample at most, past an epoch's end."""
+    one = GlobalBatchSampler(96, 32, rank=0, world_size=1, seed=3)
+    shrunk = [GlobalBatchSampler(96, 8, rank=r, world_size=ranks, seed=3, global_batch=32) for r in range(ranks)]
+    sizes = shrunk[0].sizes
+    assert sum(sizes) == 32 and max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    assert [s.local_batch_size for s in shrunk] == sizes
+    for _ in range(5):
+        assert np.array_equal(np.concatenate([s.next_indices() for s in shrunk]), one.next_indices())
+
+
+def test_a_global_batch_smaller_than_the_ranks_is_refused():
+    with pytest.raises(ValueError, match="at least one sample a rank"):
+        GlobalBatchSampler(96, 8, rank=0, world_size=5, global_batch=4)
