@@ -39,8 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpcnet.bench.common import load_average, table, write_json
-from hpcnet.bench.recovery import first_event, log_events, step_times
+from hpcnet.bench.common import load_average, step_times, table, write_json
+from hpcnet.bench.recovery_restart import first_event, log_events
 from hpcnet.observe.stats import cv_pct, jitter_pct, percentile
 from hpcnet.paths import LAUNCH_FILE, attempt_dir, metrics_file, rank_log
 
