@@ -143,7 +143,7 @@ def _attempt(cfg: Config, comm: Any, plane: DataPlane | None, stop: StopRequest 
         # The transport, decided once (dist.backend=auto resolved here): an
         # impossible choice stops every rank before the probe, the rendezvous,
         # the data and the model; the torch.distributed group is the one it needs, if any.
-        route = agree_route(comm, world, cfg.dist, device_type=device.type)
+        route = live.route(lambda: agree_route(comm, world, cfg.dist, device_type=device.type), world)
         faults = FaultInjector(cfg.fault, world, checkpoint_dir=checkpoint_dir(cfg.run.dir, cfg.run.name,
                                                                                cfg.checkpoint.dir),
                                generation=live.generation, killed=live.killed)

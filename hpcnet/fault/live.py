@@ -18,11 +18,13 @@ The job keeps its global batch: the survivors split the same global batches (``G
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hpcnet.agree import is_agreed, shared_errors
 from hpcnet.config import Config
+from hpcnet.errors import UsageError
 from hpcnet.fault.survive import is_process_failure, peers_lost, shrink
 from hpcnet.fault.ulfm import FaultTolerance, detect, recovery_mode
 from hpcnet.stateful import Entries, Saved
@@ -144,6 +146,28 @@ class Live:
             "error": f"{type(exc).__name__}: {exc}"[:300], "shrink_s": round(shrunk.shrink_s, 4)})
         self._last, self._phases = time.perf_counter(), {}
         return new
+
+    def route(self, agree: Callable[[], Any], world: World) -> Any:
+        """The gradients' route (``agree``: ``hpcnet.comm.route.agree_route`` for this world). After a shrink, an
+        option that needs as many ranks on every node (``dist.hierarchical=on``, ``dist.compression=int8``) and
+        that the survivors' nodes no longer have falls back to ``auto``, said once: the job goes on rather than
+        ending with status 2 (the error is agreed, so every rank takes this path)."""
+        dist = self.cfg.dist
+        try:
+            return agree()
+        except UsageError:
+            if not self.generation or (dist.hierarchical != "on" and dist.compression != "int8"):
+                raise
+        if world.is_main:
+            log.warning("the survivors' nodes have unequal rank counts: %s falls back to auto for the rest of the "
+                        "run", " and ".join(f"dist.{name}={value}" for name, value in
+                                           (("hierarchical", dist.hierarchical), ("compression", dist.compression))
+                                           if value in ("on", "int8")))
+        if dist.hierarchical == "on":
+            dist.hierarchical = "auto"
+        if dist.compression == "int8":
+            dist.compression = "auto"
+        return agree()
 
     def restore(self, state: Any, comm: Any, resume: str) -> int | None:
         """In the rebuilt trainer, where a fresh start or a resume would begin: the step to go on from, the parts

@@ -143,3 +143,29 @@ def test_survivors_split_the_same_global_batches_as_equally_as_they_divide(ranks
 def test_a_global_batch_smaller_than_the_ranks_is_refused():
     with pytest.raises(ValueError, match="at least one sample a rank"):
         GlobalBatchSampler(96, 8, rank=0, world_size=5, global_batch=4)
+
+
+@pytest.mark.parametrize("option, value", [("hierarchical", "on"), ("compression", "int8")])
+def test_after_a_shrink_an_option_the_survivors_nodes_cannot_keep_falls_back_to_auto(option, value):
+    from hpcnet.errors import UsageError
+
+    def agree():
+        calls.append(getattr(live.cfg.dist, option))
+        if getattr(live.cfg.dist, option) == value:
+            raise UsageError(f"dist.{option}={value} needs as many ranks on every node")
+        return "route"
+
+    world = types.SimpleNamespace(is_main=True)
+    live, calls = _live(), []
+    setattr(live.cfg.dist, option, value)
+    with pytest.raises(UsageError):  # the job's first world: the user's option is an error, as ever
+        live.route(agree, world)
+    live.generation = 1
+    assert live.route(agree, world) == "route" and getattr(live.cfg.dist, option) == "auto"
+    assert calls == [value, value, "auto"]
+    live.cfg.dist.hierarchical, live.cfg.dist.compression = "off", "none"
+
+    def refused():
+        raise UsageError("another option")
+    with pytest.raises(UsageError, match="another option"):
+        live.route(refused, world)
