@@ -73,8 +73,9 @@ def versions() -> dict[str, str]:
             "torch": importlib.metadata.version("torch"), "mpi4py": importlib.metadata.version("mpi4py")}
 
 
-def _launch(command: list[str], cwd: Path, what: str) -> None:
-    """Run a job to its end; RuntimeError with its last output unless it ended with 0 within RUN_TIMEOUT_S."""
+def _launch(command: list[str], cwd: Path, what: str) -> str:
+    """Run a job to its end: its output; RuntimeError with its last output unless it ended with 0 within
+    RUN_TIMEOUT_S."""
     job = Watched(command, cwd)
     try:
         status = job.proc.wait(timeout=RUN_TIMEOUT_S)
@@ -85,15 +86,16 @@ def _launch(command: list[str], cwd: Path, what: str) -> None:
     if status != 0:
         ended = f"status {status}" if status is not None else f"no end within {RUN_TIMEOUT_S} s"
         raise RuntimeError(f"{what}: {ended}:\n{job.output[-2000:]}")
+    return job.output
 
 
 def _train(out_dir: Path, name: str, verb: str, job: list[str], args: argparse.Namespace) -> Path:
     """``scripts/cluster.sh VERB -np N ... hpcnet.train``, run to its end: its run directory."""
-    _launch([str(CLUSTER), verb, "-np", str(args.np), sys.executable, "-m", "mpi4py", "-m", "hpcnet.train",
-             f"run.dir={out_dir}", f"run.name={name}", *job], out_dir, name)
+    output = _launch([str(CLUSTER), verb, "-np", str(args.np), sys.executable, "-m", "mpi4py", "-m",
+                      "hpcnet.train", f"run.dir={out_dir}", f"run.name={name}", *job], out_dir, name)
     runs = sorted(p for p in out_dir.glob(f"{name}-*") if (p / SUMMARY_FILE).exists())
-    if not runs:
-        raise RuntimeError(f"{name}: no {SUMMARY_FILE} under {out_dir}/{name}-*")
+    if not runs:  # Open MPI 5's prterun ends with 0 after losing a daemon, for one
+        raise RuntimeError(f"{name}: status 0 and no {SUMMARY_FILE} under {out_dir}/{name}-*:\n{output[-2000:]}")
     return runs[-1]
 
 
