@@ -105,23 +105,37 @@ def first_step_after(times: dict[int, float], step: int, at: float) -> tuple[int
     return min(later) if later else None
 
 
-def measure_live(out_dir: Path, name: str, job: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    """The job under ``cluster.sh ftmpirun``, its last rank killed after ``--kill-at``: kill -> the next step done,
-    and the recovery's record from summary.json."""
-    run = _train(out_dir, name, "ftmpirun", [*job, f"fault.kill_at_step={args.kill_at}", "fault.only_attempt=1"],
-                 args)
-    killed = first_event(log_events(run / rank_log(args.np - 1)), KILLED)
+LOST = r"^lost rank"
+"""Rank 0's line once the survivors have rebuilt the job (``hpcnet.fault.live``)."""
+
+
+def live_figures(run: Path, kill_at: int, victim: int) -> dict[str, Any]:
+    """A live run's figures from its directory: the victim's kill line, rank 0's line once the job was rebuilt and
+    its metrics, the recovery's record in summary.json.  The failure was seen shrink + rebuild before the rebuilt
+    line (the record's times run from then).  RuntimeError where one of them is missing."""
+    killed = first_event(log_events(run / rank_log(victim)), KILLED)
+    rebuilt = first_event(log_events(run / rank_log(0)), LOST)
     recoveries = json.loads((run / SUMMARY_FILE).read_text()).get("recovery", {}).get("recoveries", [])
     times = step_times(run / metrics_file(0))
-    after = first_step_after(times, args.kill_at, killed[0]) if killed else None
-    if killed is None or after is None or len(recoveries) != 1:
-        raise RuntimeError(f"{name}: no kill logged, no step after it, or {len(recoveries)} recoveries in {run}")
+    after = first_step_after(times, kill_at, killed[0]) if killed else None
+    if killed is None or rebuilt is None or after is None or len(recoveries) != 1:
+        raise RuntimeError(f"{run}: no kill logged, no rebuilt job, no step after it, or {len(recoveries)} "
+                           "recoveries")
     record = recoveries[0]
     return {"run_dir": str(run), "kill_to_next_step_s": after[1] - killed[0], "next_step": after[0],
             "kill_to_new_step_s": after[1] - killed[0], "steps_recomputed": record["recomputed_steps"],
-            "world_size_after": record["world_size"], "step_time_before_s": step_gap_s(times, args.kill_at),
-            "lost": record["lost"], "state": record["state"], "shrink_s": record["shrink_s"],
-            "rebuild_s": record.get("rebuild_s"), "rebuild_phases_s": record.get("rebuild_phases_s")}
+            "world_size_after": record["world_size"], "step_time_before_s": step_gap_s(times, kill_at),
+            "seen_s": rebuilt[0] - record["shrink_s"] - record["rebuild_s"] - killed[0],
+            "ready_to_step_s": after[1] - rebuilt[0], "lost": record["lost"], "state": record["state"],
+            "shrink_s": record["shrink_s"], "rebuild_s": record["rebuild_s"],
+            "rebuild_phases_s": record.get("rebuild_phases_s")}
+
+
+def measure_live(out_dir: Path, name: str, job: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """The job under ``cluster.sh ftmpirun``, its last rank killed after ``--kill-at``: ``live_figures``."""
+    run = _train(out_dir, name, "ftmpirun", [*job, f"fault.kill_at_step={args.kill_at}", "fault.only_attempt=1"],
+                 args)
+    return live_figures(run, args.kill_at, args.np - 1)
 
 
 def measure_restart(out_dir: Path, name: str, job: list[str], args: argparse.Namespace, standby: str,
@@ -131,8 +145,8 @@ def measure_restart(out_dir: Path, name: str, job: list[str], args: argparse.Nam
     result = measure_kill(out_dir, job, args, name=name, standby=standby, launcher=launcher)
     second = attempt_dir(Path(result["launch_dir"]), 2)
     new_step = step_times(second / metrics_file(0)).get(args.kill_at + 1)
-    return {**result, "kill_to_next_step_s": result["total_to_first_step_s"],
-            "next_step": result["resumed_at_step"] + 1,
+    return {**result, "kill_to_next_step_s": result["total_to_first_step_s"], "seen_s": result["detection_s"],
+            "ready_to_step_s": result["first_step_s"], "next_step": result["resumed_at_step"] + 1,
             "kill_to_new_step_s": new_step - result["fault_unix"] if new_step is not None else None,
             "world_size_after": json.loads((second / SUMMARY_FILE).read_text())["world_size"]}
 
@@ -174,6 +188,8 @@ def _rounds(out_dir: Path, args: argparse.Namespace) -> dict[str, list[dict[str,
 
 
 ROWS = [("kill_to_next_step_s", "kill -> next step done (s)", 2, 1.0),
+        ("seen_s", "  kill -> failure seen (s)", 2, 1.0),
+        ("ready_to_step_s", "  ready -> next step done (s)", 2, 1.0),
         ("kill_to_new_step_s", "kill -> first step past the kill's (s)", 2, 1.0),
         ("steps_recomputed", "steps computed again", 0, 1.0),
         ("world_size_after", "world size after", 0, 1.0),

@@ -1,13 +1,15 @@
 """bench recovery's command line: the defaults that depend on ``--cluster`` and ``--live`` and the options it refuses;
 ``--live``'s figures from the runs' logs and its table."""
 
+import datetime
+import json
 import os
 import re
 
 import pytest
 
 from hpcnet.bench.recovery import _checked, _parser, main
-from hpcnet.bench.recovery_live import first_step_after, report
+from hpcnet.bench.recovery_live import first_step_after, live_figures, report
 from hpcnet.bench.recovery_restart import job_options, step_gap_s
 
 
@@ -93,16 +95,47 @@ def test_the_next_step_after_a_kill_is_one_past_the_killed_step_logged_after_it(
     assert step_gap_s(gaps, 6) == pytest.approx(0.1) and step_gap_s(gaps, 2) is None
 
 
+def _log_line(stamp, rank, level, logger, message):
+    when = datetime.datetime.fromtimestamp(stamp).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
+    return f"{when} rank {rank} {level} {logger}: {message}\n"
+
+
+def test_a_live_run_is_read_from_the_victims_kill_line_rank_0s_rebuilt_line_metrics_and_record(tmp_path):
+    t0 = 1_796_651_600.0
+    (tmp_path / "rank3.log").write_text(_log_line(t0 - 5, 3, "INFO", "hpcnet.train", "model mlp: 10 parameters")
+                                        + _log_line(t0, 3, "ERROR", "hpcnet.fault.inject", "fault injection: rank 3 "
+                                                    "kills itself (SIGKILL) at step 25"))
+    (tmp_path / "rank0.log").write_text(_log_line(t0 + 1.5, 0, "WARNING", "hpcnet.fault.live", "lost rank 3 (hpcb) at "
+                                                  "step 25: the 3 survivors shrank the job in 0.100 s and rebuilt it"))
+    steps = {23: t0 - 0.4, 24: t0 - 0.2, 25: t0 + 0.05, 26: t0 + 2.0, 27: t0 + 2.1}  # 25: logged after the kill
+    (tmp_path / "metrics.rank0.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0, "time": t}) + "\n"
+                                                          for s, t in steps.items()))
+    record = {"lost": [{"rank": 3, "host": "hpcb"}], "world_size": 3, "step": 25, "state": "memory", "shrink_s": 0.1,
+              "rebuild_s": 1.2, "rebuild_phases_s": {"monitor": 0.5}, "resumed_step": 25, "recomputed_steps": 0}
+    (tmp_path / "summary.json").write_text(json.dumps({"recovery": {"recoveries": [record]}}))
+    figures = live_figures(tmp_path, 25, 3)
+    assert figures["next_step"] == 26 and figures["kill_to_next_step_s"] == pytest.approx(2.0, abs=2e-3)
+    assert figures["seen_s"] == pytest.approx(0.2, abs=2e-3)  # the rebuilt line, less shrink and rebuild
+    assert figures["ready_to_step_s"] == pytest.approx(0.5, abs=2e-3)
+    assert (figures["steps_recomputed"], figures["world_size_after"], figures["state"]) == (0, 3, "memory")
+    assert figures["step_time_before_s"] == pytest.approx(0.2)
+    (tmp_path / "summary.json").write_text(json.dumps({"recovery": {"recoveries": []}}))  # the job never shrank
+    with pytest.raises(RuntimeError, match="0 recoveries"):
+        live_figures(tmp_path, 25, 3)
+
+
 def _live_figures():
     """Two rounds; cold's second run failed."""
     def live(round_, total, step_s):
         return {"round": round_, "kill_to_next_step_s": total, "kill_to_new_step_s": total, "steps_recomputed": 0,
-                "world_size_after": 3, "step_time_before_s": step_s, "lost": [{"rank": 3, "host": "hpcb"}],
+                "seen_s": 0.2, "ready_to_step_s": total - 0.6, "world_size_after": 3, "step_time_before_s": step_s,
+                "lost": [{"rank": 3, "host": "hpcb"}],
                 "shrink_s": 0.012, "rebuild_s": 0.4}
 
     def restart(round_, total, new, standby):
         return {"round": round_, "kill_to_next_step_s": total, "kill_to_new_step_s": new, "steps_recomputed": 5,
-                "world_size_after": 4, "step_time_before_s": 0.07, "standby_used": standby}
+                "seen_s": 1.0, "ready_to_step_s": 0.5, "world_size_after": 4, "step_time_before_s": 0.07,
+                "standby_used": standby}
 
     results = {"live": [live(0, 1.0, 0.060), live(1, 1.4, 0.064)],
                "warm": [restart(0, 4.0, 5.0, True), restart(1, 4.9, 6.0, False)],
@@ -125,8 +158,10 @@ def test_the_live_table_gives_each_contender_median_and_range_and_the_targets_pa
     assert lines[1] == ("live: mpirun (Open MPI) 5.0.11 (scripts/ftmpirun); warm, cold: hpcnet.launch over mpirun "
                         "(Open MPI) 4.1.4; torch 2.13.0+cpu, mpi4py 4.1.2; OMPI_MCA_mpi_yield_when_idle=1")
     assert lines[3].split() == ["live", "(n=2)", "warm", "(n=2)", "cold", "(n=1)"]
-    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in lines[5:14])}
+    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in lines[5:16])}
     assert rows == {"kill -> next step done (s)": ["1.20 (1.00-1.40)", "4.45 (4.00-4.90)", "9.00"],
+                    "kill -> failure seen (s)": ["0.20", "1.00", "1.00"],
+                    "ready -> next step done (s)": ["0.60 (0.40-0.80)", "0.50", "0.50"],
                     "kill -> first step past the kill's (s)": ["1.20 (1.00-1.40)", "5.50 (5.00-6.00)", "10.00"],
                     "steps computed again": ["0", "5", "5"], "world size after": ["3", "4", "4"],
                     "step time before the kill (ms)": ["62 (60-64)", "70", "70"],
