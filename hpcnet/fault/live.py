@@ -18,9 +18,12 @@ The job keeps its global batch: the survivors split the same global batches (``G
 
 import logging
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import torch
 
 from hpcnet.agree import is_agreed, shared_errors
 from hpcnet.config import Config
@@ -40,6 +43,18 @@ class Carried:
     step: int
     entries: Entries
     last_saved_step: int
+
+
+def _digest(entries: Entries) -> int:
+    """A checksum of a rank's state (CRC-32 over its tensors' bytes, in order): survivors at one step must hold the
+    same. A collective that a dead peer left half done may complete on a survivor with its part missing (seen:
+    garbage sizes in a pickled all-gather under Open MPI 5.0's ULFM), so a memory that differs is not trusted."""
+    crc = 0
+    for name, tensor in entries.tensors.items():
+        crc = zlib.crc32(name.encode(), crc)
+        if not tensor.is_meta:
+            crc = zlib.crc32(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy(), crc)
+    return crc
 
 
 @dataclass
@@ -121,9 +136,11 @@ class Live:
             raise exc
         new = shrunk.comm
         old_size = comm.Get_size()
-        reached = new.allgather((self.carried.step if self.carried is not None else -1, self.failed_step))
-        kept = [step for step, _ in reached]
-        if self.replicated and min(kept) >= 0:
+        reached = new.allgather((self.carried.step if self.carried is not None else -1, self.failed_step,
+                                 _digest(self.carried.entries) if self.carried is not None else 0))
+        kept = [step for step, _, _ in reached]
+        furthest = {digest for step, _, digest in reached if step == max(kept)}
+        if self.replicated and min(kept) >= 0 and len(furthest) == 1:
             if min(kept) != max(kept):  # some finished the interrupted update: every survivor takes theirs
                 source = kept.index(max(kept))
                 mine = self.carried
@@ -131,7 +148,7 @@ class Live:
                 theirs.entries.rank_state = mine.entries.rank_state  # its own generators, as ever
                 self.carried = theirs
             self.reload = False
-        else:
+        else:  # sharded state, a survivor before the loop, or states that differ at one step: the checkpoint
             self.carried, self.reload = None, True
         assert self.world is not None
         hosts = self.world.hostnames
@@ -141,7 +158,7 @@ class Live:
         self.recoveries.append({
             "lost": [{"rank": r, "host": hosts[r]} for r in shrunk.lost],
             "world_size": new.Get_size(), "from_world_size": old_size,
-            "step": max(step for _, step in reached),
+            "step": max(step for _, step, _ in reached),
             "state": "memory" if self.carried is not None else "checkpoint",
             "error": f"{type(exc).__name__}: {exc}"[:300], "shrink_s": round(shrunk.shrink_s, 4)})
         self._last, self._phases = time.perf_counter(), {}

@@ -10,7 +10,7 @@ import torch
 from hpcnet.config import Config
 from hpcnet.data.sampler import GlobalBatchSampler
 from hpcnet.fault import live as live_module
-from hpcnet.fault.live import Carried, Live
+from hpcnet.fault.live import Carried, Live, _digest
 from hpcnet.fault.survive import Shrunk
 from hpcnet.stateful import Entries
 
@@ -65,7 +65,8 @@ def _recover(monkeypatch, live, survivors, lost=(3,)):
 def test_survivors_at_one_step_keep_their_own_state_and_the_global_batch(monkeypatch):
     live = _live()
     live.keep(types.SimpleNamespace(entries=lambda: _carried(7, 1, "mine").entries, last_saved_step=4), 7)
-    survivors = Survivors(1, [(7, 7), (7, 7), (7, 7)])
+    same = _digest(_carried(7, 1, "mine").entries)
+    survivors = Survivors(1, [(7, 7, same)] * 3)
     assert _recover(monkeypatch, live, survivors) is survivors
     assert live.carried.step == 7 and live.carried.entries.rank_state == {"rng": "mine"} and not live.reload
     assert survivors.bcast_root is None  # nothing moved
@@ -80,7 +81,8 @@ def test_a_survivor_behind_the_interrupted_update_takes_the_furthest_ones_state_
     live = _live()
     live.carried, live.failed_step = _carried(6, 1, "mine"), 6
     ahead = _carried(7, 2, "theirs")
-    survivors = Survivors(0, [(6, 6), (7, 7), (7, 7)], held=ahead)
+    mine, theirs = _digest(live.carried.entries), _digest(ahead.entries)
+    survivors = Survivors(0, [(6, 6, mine), (7, 7, theirs), (7, 7, theirs)], held=ahead)
     _recover(monkeypatch, live, survivors)
     assert survivors.bcast_root == 1  # the lowest rank of those furthest
     assert live.carried.step == 7 and torch.equal(live.carried.entries.tensors["model/w"], torch.full((2,), 2.0))
@@ -93,7 +95,7 @@ def test_a_loss_of_sharded_or_per_rank_state_reloads_the_newest_checkpoint(monke
     live = _live(zero, compression)
     live.keep(types.SimpleNamespace(entries=lambda: pytest.fail("no entries taken: they are not the whole state"),
                                     last_saved_step=4), 9)
-    _recover(monkeypatch, live, Survivors(0, [(-1, 9), (-1, 9)]), lost=(2, 3))
+    _recover(monkeypatch, live, Survivors(0, [(-1, 9, 0), (-1, 9, 0)]), lost=(2, 3))
     assert live.carried is None and live.reload
     assert live.recoveries[0]["state"] == "checkpoint" and live.recoveries[0]["lost"][1] == {"rank": 3, "host": "b"}
 
@@ -101,13 +103,23 @@ def test_a_loss_of_sharded_or_per_rank_state_reloads_the_newest_checkpoint(monke
 def test_survivors_of_whom_one_had_not_started_the_loop_reload(monkeypatch):
     live = _live()
     live.carried, live.failed_step = _carried(7, 1, "mine"), 7
-    _recover(monkeypatch, live, Survivors(0, [(7, 7), (-1, -1)]))
+    _recover(monkeypatch, live, Survivors(0, [(7, 7, _digest(live.carried.entries)), (-1, -1, 0)]))
     assert live.reload and live.carried is None
+
+
+def test_survivors_whose_memories_differ_at_one_step_reload_rather_than_trust_either(monkeypatch):
+    """A collective that a dead peer left half done can complete on one survivor with its part missing: states
+    that should be equal and are not are never carried on."""
+    live = _live()
+    live.carried, live.failed_step = _carried(7, 1, "mine"), 7
+    other = _digest(_carried(7, 3, "theirs").entries)
+    _recover(monkeypatch, live, Survivors(0, [(7, 7, _digest(live.carried.entries)), (7, 7, other)]))
+    assert live.reload and live.carried is None and live.recoveries[0]["state"] == "checkpoint"
 
 
 def test_a_revoke_that_lost_nobody_raises_the_error_again(monkeypatch):
     live = _live()
-    monkeypatch.setattr(live_module, "shrink", lambda comm: Shrunk(Survivors(0, [(-1, -1)] * 4), (), 0.01))
+    monkeypatch.setattr(live_module, "shrink", lambda comm: Shrunk(Survivors(0, [(-1, -1, 0)] * 4), (), 0.01))
     error = RuntimeError("a bug of this rank")
     with pytest.raises(RuntimeError) as raised:
         live.recover(Old(4), error)

@@ -53,7 +53,7 @@ def final_tensors(runs: Path, name: str) -> dict[str, torch.Tensor]:
 
 
 def summary(runs: Path, name: str) -> dict:
-    return json.loads(next(runs.glob(f"{name}-*/summary.json")).read_text())
+    return json.loads(sorted(runs.glob(f"{name}-*/summary.json"))[-1].read_text())  # the newest run's
 
 
 def assert_close(tensors, reference):
