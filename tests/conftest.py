@@ -30,15 +30,30 @@ SHARED = {"cluster": "tests/test_cluster", "slurm": "tests/test_slurm.py"}
 hosts) and the local SLURM's one node; and where they are (test ids start so)."""
 
 
+ONE_WORKER = ("tests/launch/test_supervisor.py", "tests/launch/test_standby.py", "tests/test_live.py")
+"""Files whose tests compare against a job that a module-scoped fixture runs (the uninterrupted reference run): each
+file's tests run on one worker, one after the other, so that the job runs once, not once on every worker that
+takes one of its tests (10-15 s each time)."""
+
+
 LONG_FIRST = ("tests/test_docs.py", "tests/test_resume.py", "tests/fault/test_watchdog.py", "tests/launch/",
-              "tests/test_train.py", "tests/ckpt/test_full_disk.py", "tests/bench/")
+              "tests/test_train.py", "tests/ckpt/test_full_disk.py", "tests/bench/", "tests/test_live.py")
 """Files whose tests take 5-50 s each (``--durations``): started right after SHARED's on the workers."""
+
+
+def worker_scope(nodeid: str) -> str:
+    """The unit of the serial pass's scheduling that a test belongs to: its ``SHARED`` resource, its
+    ``ONE_WORKER`` file, or the test alone."""
+    module = nodeid.split("::", 1)[0]
+    return next((name for name, prefix in SHARED.items() if nodeid.startswith(prefix)),
+                module if module in ONE_WORKER else nodeid)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """The serial pass runs on pytest-xdist's workers (scripts/test.sh: ``-n 2 --dist loadgroup``); the tests of
-    each ``SHARED`` resource run on one worker, one after the other, all others wherever a worker is free.
+    """The serial pass runs on pytest-xdist's workers (scripts/test.sh: ``-n $HPCNET_TEST_WORKERS --dist
+    loadgroup``); the tests of each ``SHARED`` resource, and of each ``ONE_WORKER`` file, run on one worker, one
+    after the other, all others wherever a worker is free.
 
     xdist's own loadgroup reads ``xdist_group`` marks from suffixes it writes into the test ids, which pytest 9
     no longer lets it change: the ids here are grouped by where the tests are instead (the controller sees ids
@@ -49,7 +64,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class SharedResourceScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return next((name for name, prefix in SHARED.items() if nodeid.startswith(prefix)), nodeid)
+            return worker_scope(nodeid)
 
     return SharedResourceScheduling(config, log)
 
