@@ -9,8 +9,8 @@ from tests.helpers.cluster import CLUSTER
 from tests.helpers.live import KILL_AT, STEPS, assert_close, final_tensors, ftmpi, run_job, summary, train_args
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300),
-              pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="starts mpirun on the local cluster; serial pass"),
-              ]
+              pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1,
+                                 reason="starts mpirun on the local cluster; serial pass")]
 
 
 @pytest.fixture(scope="module")
