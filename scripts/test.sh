@@ -52,13 +52,15 @@ if [ "${HPCNET_CLUSTER:-on}" != off ] && ! scripts/cluster.sh status >/dev/null 
         echo "test.sh: the local cluster did not start; the cluster tests will be skipped" >&2
     fi
 fi
-# The serial pass on pytest-xdist's workers (HPCNET_TEST_WORKERS, default 2; the cluster's and SLURM's tests each
+# The serial pass on pytest-xdist's workers (HPCNET_TEST_WORKERS, default 3; the cluster's and SLURM's tests each
 # stay on one worker: tests/conftest.py); most of its time is spent waiting on the jobs its tests start.
-python -m pytest -n "${HPCNET_TEST_WORKERS:-2}" --dist loadgroup "$@"
+python -m pytest -n "${HPCNET_TEST_WORKERS:-3}" --dist loadgroup "$@"
 if [ "$slurm_started" = 1 ]; then scripts/slurm.sh stop; slurm_started=0; fi
+# Blocked ranks yield the core (mpi_yield_when_idle): Open MPI does so by itself only where it sees more ranks than
+# cores (3 here), and 2 ranks that busy-poll take the cores from their own worker and monitor threads.
 for n in 2 3; do
     echo "=== MPI tests on $n ranks ==="
-    timeout 900 mpiexec -n "$n" python -m mpi4py -m pytest -m mpi -q "$@"
+    timeout 900 mpiexec -n "$n" --mca mpi_yield_when_idle 1 python -m mpi4py -m pytest -m mpi -q "$@"
 done
 if [ "${HPCNET_CLUSTER_MPI:-on}" != off ] && scripts/cluster.sh status >/dev/null 2>&1; then
     echo "=== MPI tests on 4 ranks: 2 hosts x 2 ranks of the local cluster ==="
