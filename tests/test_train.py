@@ -192,6 +192,10 @@ def test_plain_python_single_process(tmp_path):
 
 
 @pytest.mark.launch
+# One case for each path to the error. A value that the config refuses fails as every other such value does, on
+# every rank alike (each rank loads the same config): durations.py's bound (monitor.startup_timeout_s here) and an
+# option's own check (dist.zero=4). Each value's message is test_bad_option_in_a_single_process_is_one_line's
+# (checkpoint.timeout_s, dist.timeout_s, run.seed, optim.eps: 2 ranks for each took 3-4 s of CPU).
 @pytest.mark.parametrize("args, needle", [
     (["train.stepz=3"], "did you mean 'train.steps'"),
     (["data.dataset=/nonexistent/set.h5"], "/nonexistent/set.h5"),
@@ -199,10 +203,6 @@ def test_plain_python_single_process(tmp_path):
     (["--config", "/nonexistent.toml"], "--config: file '/nonexistent.toml' not found"),
     (["run.dir=/proc/hpcnet-cannot-write"], "run.dir: cannot create run directory"),
     (["monitor.startup_timeout_s=1e12"], "hpcnet: error: monitor.startup_timeout_s must be at most 2592000 s"),
-    (["checkpoint.timeout_s=1e12"], "hpcnet: error: checkpoint.timeout_s must be at most 2592000 s"),
-    (["dist.timeout_s=1e18"], "hpcnet: error: dist.timeout_s must be at most 2592000 s"),
-    (["run.seed=-1"], "hpcnet: error: run.seed must be an integer in [0, 2**63 - 1], got -1"),
-    (["optim.name=adamw", "optim.eps=-1"], "hpcnet: error: optim.eps must be a positive number"),
     (["train.activation_checkpointing=blocks", "model.blocks=nopkg.Block"],
      "model.blocks: cannot import 'nopkg.Block'"),
     (["train.activation_checkpointing=blocks", "model.options.hidden=[]"], "model.blocks=auto finds no blocks"),
