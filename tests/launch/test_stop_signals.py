@@ -163,7 +163,9 @@ def test_a_stop_signal_at_any_time_ends_with_76_and_loses_nothing(tmp_path, afte
     supervisor preparing, mpirun starting, the ranks importing, MPI starting, training), it ends with 76 and either
     nothing was started or the one attempt saved the step it stopped after."""
     _serial_only()
-    command = _train_command(tmp_path, "sweep", "train.steps=100000", "checkpoint.every_steps=0")
+    # 50 ms a step (fault.slow_s, the last rank; the other waits for it in the step's all-reduce): the job trains
+    # until the signal all the same, without both cores busy (at full speed the 9 s point took 15 s of CPU, 8.5 s so).
+    command = _train_command(tmp_path, "sweep", "train.steps=100000", "checkpoint.every_steps=0", "fault.slow_s=0.05")
     t0 = time.monotonic()
     proc = _start(tmp_path, command, _env(tmp_path), "--standby", "off")
     _wait_for(proc, tmp_path, lambda: _takes_charge_of_sigusr2(proc.pid), timeout_s=30)
