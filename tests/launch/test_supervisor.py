@@ -18,6 +18,7 @@ from mpi4py import MPI
 from hpcnet.errors import ExitCode
 from hpcnet.launch.forward import Forwarder
 from hpcnet.launch.restarts import failed_where
+from tests.helpers.dirs import made_once
 from tests.helpers.launch import PROGRAMS, clean_env
 
 
@@ -213,12 +214,15 @@ def _final_tensors(tmp_path, name):
 
 @pytest.fixture(scope="module")
 def reference_dir(tmp_path_factory):
-    """A run without faults (``ref``, checkpoints at steps 4, 8 and 10), in the directory returned."""
+    """A run without faults (``ref``, checkpoints at steps 4, 8 and 10), in the directory returned: one run for this
+    file's tests and tests/launch/test_standby.py's, on whichever worker comes first (``made_once``)."""
     _serial_only()
-    tmp_path = tmp_path_factory.mktemp("reference")
-    out = _supervise(tmp_path, _train_command(tmp_path, "ref"), "--max-restarts", "0", timeout=150)
-    assert out.returncode == 0, out.stderr
-    return tmp_path
+
+    def make(tmp_path):
+        out = _supervise(tmp_path, _train_command(tmp_path, "ref"), "--max-restarts", "0", timeout=150)
+        assert out.returncode == 0, out.stderr
+
+    return made_once(tmp_path_factory, "supervised-reference", make)
 
 
 @pytest.fixture(scope="module")
@@ -279,9 +283,12 @@ def test_a_restart_of_a_run_that_began_from_another_runs_checkpoint_begins_there
 def test_killed_rank_at_zero_2_ends_as_the_unsharded_run(tmp_path, reference):
     """dist.zero=2: each owner writes its optimizer state into the checkpoint and reads it back after the kill;
     at 2 ranks the sharded run's final model and optimizer state are the unsharded reference's, bit for bit."""
+    # No standby (a cold restart): what is tested is the sharded state read back, the same either way; a restart
+    # through the standby is test_killed_rank_is_restarted_and_ends_identical's and tests/launch/test_standby.py's.
+    # A standby is 2 more ranks, and 2 more for the attempt after that never comes (1.5-3 s of CPU a rank).
     out = _supervise(tmp_path, _train_command(tmp_path, "kill0", "dist.zero=2", "fault.kill_at_step=6",
                                               "fault.only_attempt=1"),
-                     "--max-restarts", "2", "--backoff-s", "0.1", timeout=240)
+                     "--max-restarts", "2", "--backoff-s", "0.1", "--standby", "off", timeout=240)
     assert out.returncode == 0, out.stderr
     assert "attempt 1 ended with status 137" in out.stderr and "ckpt-0000000004.h5 at step 4" in out.stderr
     _assert_same(_final_tensors(tmp_path, "kill0"), reference)
@@ -299,9 +306,10 @@ def _monitor_missing() -> str:
 @pytest.mark.skipif(bool(_monitor_missing()), reason=_monitor_missing() or "-")
 def test_hung_rank_is_detected_then_restarted_and_ends_identical(tmp_path, reference):
     # A stall timeout of 8 s rather than the floor's 30 s: the detection is what is tested, not its default.
+    # No standby, as in test_killed_rank_at_zero_2_ends_as_the_unsharded_run: the detection is what is tested.
     out = _supervise(tmp_path, _train_command(tmp_path, "hang", "fault.hang_at_step=6", "fault.only_attempt=1",
                                               "monitor.stall_timeout_s=8"),
-                     "--max-restarts", "2", "--backoff-s", "0.1", timeout=240)
+                     "--max-restarts", "2", "--backoff-s", "0.1", "--standby", "off", timeout=240)
     assert out.returncode == 0, out.stderr
     assert "attempt 1 ended with status 75" in out.stderr
     record = json.loads(next((tmp_path / "runs").glob("hang-*/launch.json")).read_text())
