@@ -16,6 +16,7 @@ from mpi4py import MPI
 from hpcnet.errors import ExitCode
 from hpcnet.train import run
 from tests.helpers.data import shared_data_dir, tiny_images
+from tests.helpers.dirs import made_once
 from tests.helpers.launch import ROOT, clean_env
 from tests.helpers.train import StopAfter, train_config
 
@@ -214,11 +215,25 @@ def _ckpts(directory):
     return sorted(p.name for p in directory.glob("ckpt-*.h5"))
 
 
+@pytest.fixture
+def used_runs(tmp_path_factory, tmp_path):
+    """``tmp_path/runs`` holding a copy of a 2-rank run of 60 steps (``_run_args``: checkpoints at 40, 50 and 60 in
+    ``x.ckpt``), made once for the tests that start from it (``made_once``; 7 s of CPU a run)."""
+    import shutil
+
+    def make(folder):
+        first = subprocess.run(["mpirun", "-np", "2", sys.executable, "-m", "mpi4py", "-m", "hpcnet.train",
+                                *_run_args(folder, "train.steps=60")], cwd=folder, env=clean_env(),
+                               capture_output=True, text=True, timeout=180)
+        assert first.returncode == 0, first.stderr
+
+    shutil.copytree(made_once(tmp_path_factory, "resume-60-steps", make) / "runs", tmp_path / "runs")
+    return tmp_path / "runs"
+
+
 @pytest.mark.launch
-def test_a_fresh_run_into_a_used_checkpoint_directory_refuses_and_loses_nothing(launch, tmp_path):
-    directory = tmp_path / "runs" / "x.ckpt"
-    first = launch(2, *_run_args(tmp_path, "train.steps=60"))
-    assert first.returncode == 0, first.stderr
+def test_a_fresh_run_into_a_used_checkpoint_directory_refuses_and_loses_nothing(launch, tmp_path, used_runs):
+    directory = used_runs / "x.ckpt"
     assert _ckpts(directory) == ["ckpt-0000000040.h5", "ckpt-0000000050.h5", "ckpt-0000000060.h5"]
     again = launch(2, *_run_args(tmp_path, "train.steps=30"))  # no --resume
     assert again.returncode == ExitCode.USAGE_ERROR, again.stderr
@@ -236,17 +251,16 @@ def test_a_fresh_run_into_a_used_checkpoint_directory_refuses_and_loses_nothing(
 
 
 @pytest.mark.launch
-def test_a_rollback_sticks_and_resume_auto_goes_by_commit_order(launch, tmp_path):
-    directory = tmp_path / "runs" / "x.ckpt"
-    assert launch(2, *_run_args(tmp_path, "train.steps=60", "checkpoint.keep=10")).returncode == 0
-    back = launch(2, *_run_args(tmp_path, "train.steps=40", "checkpoint.keep=10", "--resume",
-                                str(directory / "ckpt-0000000030.h5")))
+def test_a_rollback_sticks_and_resume_auto_goes_by_commit_order(launch, tmp_path, used_runs):
+    directory = used_runs / "x.ckpt"  # checkpoints at 40, 50 and 60
+    back = launch(2, *_run_args(tmp_path, "train.steps=50", "checkpoint.keep=10", "--resume",
+                                str(directory / "ckpt-0000000040.h5")))
     assert back.returncode == 0, back.stderr
-    assert "at step 30" in back.stderr and "rollback to step 30" in back.stderr
-    on = launch(2, *_run_args(tmp_path, "train.steps=45", "checkpoint.keep=10", "--resume", "auto"))
+    assert "at step 40" in back.stderr and "rollback to step 40" in back.stderr
+    on = launch(2, *_run_args(tmp_path, "train.steps=55", "checkpoint.keep=10", "--resume", "auto"))
     assert on.returncode == 0, on.stderr
-    assert "ckpt-0000000040.h5 at step 40" in on.stderr  # the rolled-back run's 40, not the abandoned 60
-    assert _ckpts(directory)[-1] == "ckpt-0000000045.h5"
+    assert "ckpt-0000000050.h5 at step 50" in on.stderr  # the rolled-back run's 50, not the abandoned 60
+    assert _ckpts(directory)[-1] == "ckpt-0000000055.h5"
 
 
 @pytest.mark.launch
