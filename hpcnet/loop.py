@@ -19,6 +19,7 @@ from hpcnet.data.balance import Balancer
 from hpcnet.data.loader import BatchLoader
 from hpcnet.data.sampler import eval_indices
 from hpcnet.errors import ExitCode
+from hpcnet.fault.grow import Growing
 from hpcnet.fault.inject import FaultInjector
 from hpcnet.fault.monitor import Monitor
 from hpcnet.models.device import BatchMover, DeviceSettings
@@ -112,7 +113,8 @@ class Loop:
                  loader: BatchLoader, eval_split: Any, device: torch.device, metrics: MetricsWriter,
                  state: TrainState, faults: FaultInjector, monitor: Monitor, stop: Any = None,
                  mover: BatchMover | None = None, balancer: Balancer | None = None,
-                 tracer: StepTracer | None = None, objective: Objective | None = None) -> None:
+                 tracer: StepTracer | None = None, objective: Objective | None = None,
+                 grow: Any = None) -> None:
         self.cfg, self.comm, self.world, self.dp, self.optimizer = cfg, comm, world, dp, optimizer
         self.loader, self.eval_split, self.device, self.metrics = loader, eval_split, device, metrics
         self.state, self.faults, self.monitor, self.stop = state, faults, monitor, stop
@@ -129,6 +131,9 @@ class Loop:
         self.clock = dp.clock  # where each step's time goes (hpcnet.observe.phases); DataParallel marks its part
         self.tracer = tracer  # train.trace_steps
         self._log_from_step = 0
+        self.grow = grow
+        """Replacements for lost ranks (``hpcnet.fault.live.Live``): started at a boundary, and the loop stops at
+        the boundary after which they wait to join, for the job to grow back."""
         self.progress: LoopProgress | None = None
         """Where ``run`` is (what a rebuild after lost ranks goes on from: ``hpcnet.fault.live``)."""
 
@@ -282,8 +287,9 @@ class Loop:
         """Every rank agrees on stopping and saving after this step; True: the loop ends here."""
         manager = self.state.manager
         with self.monitor.collective("step_boundary"):
-            p.stopped_by, save, nonfinite, writing = self.policy.agree(
-                self.comm, p.step, self.stop.signum if self.stop else 0, nonfinite=nonfinite, writing=manager.busy())
+            p.stopped_by, save, nonfinite, writing, grow = self.policy.agree(
+                self.comm, p.step, self.stop.signum if self.stop else 0, nonfinite=nonfinite, writing=manager.busy(),
+                grow=self.grow.grow_flag(p.step) if self.grow is not None else 0)
         self.clock.mark("comm")
         if nonfinite:
             p.diverged = _nonfinite_message(p.step, nonfinite)
@@ -301,6 +307,11 @@ class Loop:
             log.warning("stopping after step %d/%d on %s (checkpoint saved)", p.step, self.total,
                         signal.Signals(p.stopped_by).name)
             return True
+        if grow == 1:
+            self.grow.start_replacements(self.comm, p.step)
+            self.clock.mark("comm")
+        elif grow == 2:
+            raise Growing(p.step)  # every rank, here: the job grows back and goes on from this step
         return False
 
     def _save(self, p: LoopProgress) -> None:

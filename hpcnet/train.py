@@ -43,7 +43,7 @@ from hpcnet.comm.bootstrap import DataPlane, init_data_plane
 from hpcnet.comm.costmodel import LinkCost
 from hpcnet.comm.dataparallel import DataParallel
 from hpcnet.comm.route import Route, agree_route
-from hpcnet.comm.topology import probe, recommend
+from hpcnet.comm.topology import measured_links
 from hpcnet.config import Config
 from hpcnet.config.importing import import_for_training
 from hpcnet.config.load import (
@@ -58,6 +58,7 @@ from hpcnet.data.balance import Balancer
 from hpcnet.data.loader import BatchLoader, open_dataset
 from hpcnet.data.sampler import GlobalBatchSampler
 from hpcnet.errors import ConfigError, ExitCode, exit_code_of
+from hpcnet.fault.grow import Growing, join_if_spawned
 from hpcnet.fault.inject import FaultInjector
 from hpcnet.fault.live import Live
 from hpcnet.fault.monitor import Monitor
@@ -102,7 +103,8 @@ class TrainResult:
     exit_code: int = ExitCode.OK
 
 
-def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopRequest | None = None) -> TrainResult:
+def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopRequest | None = None,
+        joining: bool = False) -> TrainResult:
     """Train with ``cfg`` on the ranks of ``comm`` (collective).
 
     Args:
@@ -111,6 +113,8 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
         plane: an initialised data plane over the same ranks; created (and
             closed) here when None and there is more than one rank.
         stop: where signal handlers record a stop request, or None.
+        joining: this process replaces a lost rank (``hpcnet.fault.grow``): ``comm`` is the grown job's, ``cfg``
+            the survivors' options.
 
     With ``fault.recovery=shrink`` (a fault-tolerant MPI), ranks that die are left behind: the survivors build the
     run again on their own communicator and go on (``hpcnet.fault.live``).
@@ -119,17 +123,25 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
     import_for_training()
     comm = track(comm.Dup())  # hpcnet's control-plane traffic never mixes with the caller's
     live = Live(cfg)
+    if joining:
+        cfg = live.receive(comm)
     while True:
         try:
             result, world, run_dir = _attempt(cfg, comm, plane, stop, live)
+        except Growing:
+            comm, plane = live.grow(), None
+            continue
         except Exception as exc:
             if not live.survives(exc, comm):
+                live.dismiss(lost=True)
                 raise
             comm, plane = live.recover(comm, exc), None  # the caller's plane went with the lost ranks
             continue
-        result.summary.update(wall_s=time.perf_counter() - t_start, **live.summary())
-        _finish(result, world, run_dir, cfg.train.steps)
-        return result
+        break
+    live.dismiss()  # replacements that have not joined leave
+    result.summary.update(wall_s=time.perf_counter() - t_start, **live.summary())
+    _finish(result, world, run_dir, cfg.train.steps)
+    return result
 
 
 def _attempt(cfg: Config, comm: Any, plane: DataPlane | None, stop: StopRequest | None, live: Live
@@ -150,7 +162,7 @@ def _attempt(cfg: Config, comm: Any, plane: DataPlane | None, stop: StopRequest 
         # Each start-up phase on the network runs under dist.startup_timeout_s (hpcnet.fault.watchdog).
         faults.before_phase("probe")
         if live.probed is None:
-            live.probed = _probe(cfg, comm, world, device, run_dir, monitor)
+            live.probed = measured_links(comm, world, cfg.dist, device.type, run_dir, monitor.deadlines)
         prefer, link, intra_link = live.probed
         live.mark("route")
         if plane is None and world.size > 1 and route.torch_backend:
@@ -224,38 +236,6 @@ def _restart(cfg: Config, comm: Any, world: World, live: Live) -> tuple[World, P
         device = choose_device(world, cfg.dist.device)
     monitor = Monitor(cfg.monitor, comm, world, run_dir, device=device).start()
     return world, run_dir, device, monitor
-
-
-def _probe(cfg: Config, comm: Any, world: World, device: torch.device, run_dir: Path, monitor: Monitor
-           ) -> tuple[str, LinkCost | None, LinkCost | None]:
-    """Measured latency/bandwidth (``dist.probe``): the interface name rank 0 tries first for the rendezvous
-    address (the fastest every node has; empty: none, or ``dist.interface`` decides), the slowest measured link
-    (inter-node where there are nodes) for the cost model (None: not measured), and the intra-node link where
-    there are nodes (the hierarchical path's forecast; None: one node, or not measured).
-
-    Each host still uses its own interface towards that address (``hpcnet.comm.bootstrap.host_interfaces``)."""
-    if not cfg.dist.probe or world.size == 1:
-        return "", None, None
-    with startup_phase(monitor.deadlines, "dist.probe", cfg.dist.startup_timeout_s):
-        topology = probe(comm, world, budget_s=2.0, interface=cfg.dist.interface)
-    advice = recommend(topology)
-    if world.is_main:
-        OptionalFile(run_dir / "topology.json").write_text(topology.to_json() + "\n")
-        log.info("%s", topology.summary())
-        for line in topology.warnings():  # a slow host: a slow or misconfigured NIC
-            log.warning("%s", line)
-    prefer = ""
-    if not cfg.dist.interface and world.num_nodes > 1 and advice["nccl_socket_ifname"]:
-        prefer = advice["nccl_socket_ifname"]
-    if advice["nccl_ib_disable"] and device.type == "cuda":
-        os.environ.setdefault("NCCL_IB_DISABLE", "1")
-    where = "inter" if advice["inter_node_latency_us"] and advice["inter_node_bandwidth_gbps"] else "intra"
-    latency, bandwidth = advice[f"{where}_node_latency_us"], advice[f"{where}_node_bandwidth_gbps"]
-    link = LinkCost.from_probe(latency, bandwidth) if latency and bandwidth else None
-    intra = None
-    if where == "inter" and advice["intra_node_latency_us"] and advice["intra_node_bandwidth_gbps"]:
-        intra = LinkCost.from_probe(advice["intra_node_latency_us"], advice["intra_node_bandwidth_gbps"])
-    return prefer, link, intra
 
 
 def _data(cfg: Config, comm: Any, world: World, global_batch: int | None = None
@@ -430,10 +410,13 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, route: Ro
         tracer = (StepTracer(comm, steps, dp.clock, monitor.recorder, run_dir, ops=cfg.train.trace_ops, device=device)
                   if steps else None)  # clocks compared over MPI here, once
         loop = Loop(cfg, comm, world, dp, optimizer, loader, eval_split, device, metrics, state, faults, monitor,
-                    stop, mover=BatchMover(device, settings), balancer=balancer, tracer=tracer, objective=objective)
+                    stop, mover=BatchMover(device, settings), balancer=balancer, tracer=tracer, objective=objective,
+                    grow=live)
         result.summary = loop.run(start_step)
     except Exception as exc:
-        if loop is not None and loop.progress is not None and live.survives(exc, comm):
+        if isinstance(exc, Growing):
+            live.hold(state, exc.step)  # collective: every rank stopped at this boundary
+        elif loop is not None and loop.progress is not None and live.survives(exc, comm):
             live.keep(state, loop.progress.step)
         raise
     finally:
@@ -512,6 +495,7 @@ def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    joined = join_if_spawned()  # a replacement for a lost rank waits here to be called in (hpcnet.fault.grow)
     args = parse_command_line(sys.argv[1:] if argv is None else argv)
     rank = comm.Get_rank()
     if args.help:
@@ -532,7 +516,7 @@ def main(argv: list[str] | None = None, stop: StopRequest | None = None) -> int:
             if rank == 0:
                 print(to_toml(cfg), end="")
             return ExitCode.OK
-        return run(cfg, comm, stop=stop).exit_code
+        return run(cfg, comm if joined is None else joined, stop=stop, joining=joined is not None).exit_code
     except Exception as exc:
         code = exit_code_of(exc)
         logger = logging.getLogger("hpcnet")

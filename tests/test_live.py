@@ -6,6 +6,9 @@ Each job is 3 ranks on this host (the 2-host case is in tests/test_cluster_live.
 after step ``KILL_AT``'s update, in the first world only.  Skipped where set-up could not install the MPI.
 """
 
+import json
+import sys
+
 import pytest
 from mpi4py import MPI
 
@@ -72,7 +75,8 @@ def test_three_losses_in_a_row_leave_one_rank_that_ends_as_the_uninterrupted_run
     model within the bound."""
     runs = tmp_path / "runs"
     out = run_job([ft, "-np", "4"], [*train_args(data, runs, "series", f"dist.zero={zero}", "train.batch_size=6",
-                                                 "fault.kill_at_step=3", "fault.kill_every_steps=4")], tmp_path)
+                                                 "fault.kill_at_step=3", "fault.kill_every_steps=4",
+                                                 "fault.grow=off")], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     records = summary(runs, "series")["recovery"]["recoveries"]
     assert [(r["step"], r["world_size"], r["lost"][0]["rank"]) for r in records] == [(3, 3, 3), (7, 2, 2), (11, 1, 1)]
@@ -80,6 +84,50 @@ def test_three_losses_in_a_row_leave_one_rank_that_ends_as_the_uninterrupted_run
     assert "the survivor shrank the job" in out.stderr and "global batch 24 kept" in out.stderr
     assert summary(runs, "series")["steps"] == STEPS
     assert_close(final_tensors(runs, "series"), reference)
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_a_replacement_joins_the_running_job_and_the_run_ends_as_the_uninterrupted_one(ft, data, reference, tmp_path,
+                                                                                       zero):
+    """Killed after step 7, the 2 survivors go on (stage 0 from step 7, stage 3 from the step-4 checkpoint) and
+    start a replacement at the next boundary (fault.grow=spawn, the default); it joins 2 steps later
+    (fault.grow_after_steps=2) with its state handed over from the survivors' memory, never from disk, and the 3
+    ranks end as the uninterrupted run. Status 0, no relaunch."""
+    runs = tmp_path / "runs"
+    out = run_job([ft, "-np", "3"], train_args(data, runs, "grow", f"dist.zero={zero}", f"fault.kill_at_step={KILL_AT}",
+                                               "fault.only_attempt=1", "fault.grow_after_steps=2"), tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    recovery = summary(runs, "grow")["recovery"]
+    [grow] = recovery["grows"]
+    resumed = KILL_AT if zero == 0 else EVERY
+    assert (grow["joined"], grow["from_world_size"], grow["world_size"]) == (1, 2, 3), grow
+    assert (grow["started_after_step"], grow["step"], grow["resumed_step"]) == (resumed + 1, resumed + 3,
+                                                                                resumed + 3), grow
+    assert grow["pause_s"] > 0 and grow["spawn_s"] > 0 and grow["ready_s"] > 0, grow
+    assert "1 replacement(s) joined after step" in out.stderr and "the job is back to 3 ranks" in out.stderr
+    assert zero or "resume: reading" not in out.stderr  # stage 0: the shrink and the grow from memory
+    assert summary(runs, "grow")["world_size"] == 3
+    assert_close(final_tensors(runs, "grow"), reference)
+
+
+def test_replacements_that_are_killed_in_turn_keep_the_job_at_its_size(ft, data, reference, tmp_path):
+    """Stage 2, 3 ranks under hpcnet.launch: the last rank is killed after steps 3, 6, 9 and 12 (each time before
+    that step's checkpoint); each time the 2 survivors go on from the step before, start a replacement after their
+    first step, and it (the last rank then) joins 1 step later with the sharded state handed over. One attempt,
+    status 0 (Open MPI's launcher ends with 137 once a replacement it spawned was killed: the run's summary
+    decides), the uninterrupted model."""
+    runs = tmp_path / "runs"
+    launch = [sys.executable, "-m", "hpcnet.launch", "--backoff-s", "0", "--standby", "off", "--", ft, "-np", "3"]
+    out = run_job(launch, train_args(data, runs, "turns", "dist.zero=2", "fault.kill_at_step=3",
+                                     "fault.kill_every_steps=3", "fault.grow_after_steps=1",
+                                     "checkpoint.every_steps=1"), tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [run] = runs.glob("turns-*/attempt-*/summary.json")  # one attempt
+    recovery = json.loads(run.read_text())["recovery"]
+    assert [(r["step"], r["resumed_step"], r["world_size"]) for r in recovery["recoveries"]] == [
+        (3, 2, 2), (6, 5, 2), (9, 8, 2), (12, 11, 2)], recovery
+    assert [(g["step"], g["world_size"]) for g in recovery["grows"]] == [(4, 3), (7, 3), (10, 3)], recovery
+    assert_close(final_tensors(runs, "turns"), reference)
 
 
 def test_a_checkpoint_the_shrunk_job_wrote_resumes_at_another_size_under_the_system_mpi(ft, data, reference,

@@ -35,6 +35,9 @@ class Boundary(NamedTuple):
     """The ``NONFINITE_*`` bits of all ranks together."""
     writing: bool
     """Whether any rank's background checkpoint stretch is still running (``CheckpointManager.busy``)."""
+    grow: int = 0
+    """Rank 0's word on replacements for lost ranks after this step (``hpcnet.fault.live.Live.grow_flag``): 1 start
+    them, 2 they join."""
 
 
 def should_save(step: int, *, every_steps: int, time_due: bool, stopping: bool, at_end: bool) -> bool:
@@ -75,25 +78,28 @@ class SavePolicy:
         """Whether ``every_s`` passed since the last save on this rank's clock."""
         return self.every_s > 0 and self.clock() - self.last_save >= self.every_s
 
-    def agree(self, comm: Any, step: int, signum: int, *, nonfinite: int = 0, writing: bool = False) -> Boundary:
+    def agree(self, comm: Any, step: int, signum: int, *, nonfinite: int = 0, writing: bool = False,
+              grow: int = 0) -> Boundary:
         """Share this rank's flags after ``step``; what any rank set, and whether to save (collective).
 
         Args:
             signum: the stop signal this rank received, or 0.
             nonfinite: this rank's ``NONFINITE_*`` bits.
             writing: whether this rank's checkpoint writer is still busy.
+            grow: this rank's word on replacements for lost ranks (0 where it has none).
         """
         from mpi4py import MPI
 
         # Only rank 0's clock counts: ranks' clocks drift, their decisions must not.
         due = comm.Get_rank() == 0 and self.time_due()
-        flags = np.array([signum, int(due), nonfinite & NONFINITE_LOSS, nonfinite & NONFINITE_GRAD, int(writing)],
+        flags = np.array([signum, int(due), nonfinite & NONFINITE_LOSS, nonfinite & NONFINITE_GRAD, int(writing),
+                          grow],
                          dtype=np.int64)
         comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
         stopped_by = int(flags[0])
         save = should_save(step, every_steps=self.every_steps, time_due=bool(flags[1]), stopping=bool(stopped_by),
                            at_end=self.at_end and step == self.total_steps)
-        return Boundary(stopped_by, save, int(flags[2] | flags[3]), bool(flags[4]))
+        return Boundary(stopped_by, save, int(flags[2] | flags[3]), bool(flags[4]), int(flags[5]))
 
     def saved(self) -> None:
         """Restart the clock: a save just finished."""

@@ -166,11 +166,11 @@ class TrainState:
         # the state dict's: a resume then holds no second copy of the model, and with a sharded optimizer no other
         # rank's state either, so it fits wherever a step does.
         into = {name: tensor for name, tensor in self.entries().tensors.items() if not tensor.is_meta}
-        loaded = self.manager.resume(which, into=into, wanted_from_meta=self._before_read)
+        loaded = self.manager.resume(which, into=into, wanted_from_meta=self.before_read)
         if loaded is None and otherwise:
             log.info("no checkpoint in %s yet: resuming from %s (checkpoint.resume_else)", self.manager.directory,
                      otherwise)
-            loaded = self.manager.resume(otherwise, into=into, wanted_from_meta=self._before_read)
+            loaded = self.manager.resume(otherwise, into=into, wanted_from_meta=self.before_read)
         if loaded is None:
             log.info("no checkpoint in %s yet: starting from step 0", self.manager.directory)
             return 0
@@ -178,7 +178,7 @@ class TrainState:
         log.info("resume: checkpoint read and restored in %.2f s", time.perf_counter() - t0)
         return loaded.step
 
-    def _before_read(self, meta: dict[str, Any]) -> Callable[[str], bool] | None:
+    def before_read(self, meta: dict[str, Any]) -> Callable[[str], bool] | None:
         """Collective, before the load reads a tensor: every part readies itself for the checkpoint (the owners in
         force take those it was saved under, while the optimizer holds no state: nothing moves), then what this
         rank reads."""

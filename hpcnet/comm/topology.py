@@ -18,18 +18,22 @@ pure, like the pair schedule, and tested on one process.  Run on its own:
 """
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from hpcnet.agree import shared_errors
+from hpcnet.comm.costmodel import LinkCost
 from hpcnet.comm.measured import Topology
 from hpcnet.comm.netif import Interface, ib_ports, interface_towards, interfaces
 from hpcnet.comm.nodes import Gpu, InterfaceUse, Node, RankInfo, common_interface, expected_rendezvous
 from hpcnet.comm.pingpong import INTRA_SAMPLES, pair_rounds, play_rounds
 from hpcnet.comm.route import hierarchical_layout
 from hpcnet.world import World, discover
+
+log = logging.getLogger(__name__)
 
 
 def recommend(topology: Topology) -> dict[str, Any]:
@@ -206,6 +210,42 @@ def _assemble(world: World, nodes_ranks: list[list[int]], gathered: list[Any], *
                     small_bytes=sizes[0], large_bytes=sizes[1], rounds=rounds, budget_s=budget_s, probe_s=probe_s)
 
 
+def measured_links(comm: Any, world: World, dist: Any, device_type: str, run_dir: Path, deadlines: Any
+                   ) -> tuple[str, LinkCost | None, LinkCost | None]:
+    """Measured latency/bandwidth (``dist.probe``): the interface name rank 0 tries first for the rendezvous
+    address (the fastest every node has; empty: none, or ``dist.interface`` decides), the slowest measured link
+    (inter-node where there are nodes) for the cost model (None: not measured), and the intra-node link where
+    there are nodes (the hierarchical path's forecast; None: one node, or not measured).
+
+    Collective, at start-up (``hpcnet.train``; ``dist``: the ``dist`` options), under ``dist.startup_timeout_s``.
+    Each host still uses its own interface towards that address (``hpcnet.comm.bootstrap.host_interfaces``)."""
+    from hpcnet.fault.watchdog import startup_phase
+    from hpcnet.observe.runlog import OptionalFile
+
+    if not dist.probe or world.size == 1:
+        return "", None, None
+    with startup_phase(deadlines, "dist.probe", dist.startup_timeout_s):
+        topology = probe(comm, world, budget_s=2.0, interface=dist.interface)
+    advice = recommend(topology)
+    if world.is_main:
+        OptionalFile(run_dir / "topology.json").write_text(topology.to_json() + "\n")
+        log.info("%s", topology.summary())
+        for line in topology.warnings():  # a slow host: a slow or misconfigured NIC
+            log.warning("%s", line)
+    prefer = ""
+    if not dist.interface and world.num_nodes > 1 and advice["nccl_socket_ifname"]:
+        prefer = advice["nccl_socket_ifname"]
+    if advice["nccl_ib_disable"] and device_type == "cuda":
+        os.environ.setdefault("NCCL_IB_DISABLE", "1")
+    where = "inter" if advice["inter_node_latency_us"] and advice["inter_node_bandwidth_gbps"] else "intra"
+    latency, bandwidth = advice[f"{where}_node_latency_us"], advice[f"{where}_node_bandwidth_gbps"]
+    link = LinkCost.from_probe(latency, bandwidth) if latency and bandwidth else None
+    intra = None
+    if where == "inter" and advice["intra_node_latency_us"] and advice["intra_node_bandwidth_gbps"]:
+        intra = LinkCost.from_probe(advice["intra_node_latency_us"], advice["intra_node_bandwidth_gbps"])
+    return prefer, link, intra
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m hpcnet.comm.topology``: probe COMM_WORLD, print the summary, write topology.json."""
     from mpi4py import MPI
@@ -235,3 +275,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -9,6 +9,8 @@ from hpcnet.errors import ConfigError
 
 RECOVERY_MODES = ("auto", "shrink", "restart")
 """The values of ``fault.recovery``."""
+GROW_MODES = ("spawn", "off")
+"""The values of ``fault.grow``."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -19,6 +21,16 @@ class FaultConfig:
     """What the job does when a rank dies: 'shrink' goes on without it, in the same job (needs ULFM: Open MPI >= 5
     started with mpirun --with-ft ulfm, scripts/ftmpirun); 'restart' ends the job, for hpcnet.launch to restart
     from the newest checkpoint; 'auto' shrinks where ULFM is active and restarts elsewhere."""
+    grow: str = "spawn"
+    """After a shrink: 'spawn' starts replacements for the lost ranks in the background (MPI_Comm_spawn, on free
+    slots of the job's allocation) and the job grows back to its first size at the step boundary after they are
+    ready, their state taken from the ranks; 'off' goes on at the shrunk size."""
+    grow_retry_s: float = 30.0
+    """Seconds between tries to start replacements where none could be started (no free slot yet)."""
+    grow_after_steps: int = 0
+    """Fault injection, with fault.grow=spawn: the survivors wait for the replacements (up to 300 s) at the boundary
+    this many steps after they started them (at the first boundary after a shrink), and grow back there (a join at
+    a known step); 0 = at the first boundary after the replacements are ready."""
     kill_at_step: int = 0
     """Fault injection: SIGKILL the chosen rank when it reaches this step (0 = never)."""
     kill_every_steps: int = 0
@@ -68,14 +80,19 @@ class FaultConfig:
         if self.recovery not in RECOVERY_MODES:
             raise ConfigError(f"fault.recovery: {self.recovery!r} is not one of "
                               f"{', '.join(map(repr, RECOVERY_MODES))}")
+        if self.grow not in GROW_MODES:
+            raise ConfigError(f"fault.grow: {self.grow!r} is not one of {', '.join(map(repr, GROW_MODES))}")
+        if not (math.isfinite(self.grow_retry_s) and self.grow_retry_s > 0):
+            raise ConfigError(f"fault.grow_retry_s must be a number of seconds > 0, got {self.grow_retry_s}")
         if self.write_error not in ("", "ENOSPC", "EDQUOT", "EIO", "fill"):
             raise ConfigError(f"fault.write_error: {self.write_error!r} is not one of 'ENOSPC', 'EDQUOT', 'EIO', "
                               "'fill'")
         if self.hang_at_startup not in ("", "probe", "rendezvous", "groups"):
             raise ConfigError(f"fault.hang_at_startup: {self.hang_at_startup!r} is not one of 'probe', 'rendezvous', "
                               "'groups'")
-        for name in ("kill_at_step", "kill_every_steps", "hang_at_step", "sleep_at_step", "fill_disk_at_step",
-                     "only_attempt", "write_error_at_step", "stuck_save_at_step", "stuck_fs_at_step"):
+        for name in ("grow_after_steps", "kill_at_step", "kill_every_steps", "hang_at_step", "sleep_at_step",
+                     "fill_disk_at_step", "only_attempt", "write_error_at_step", "stuck_save_at_step",
+                     "stuck_fs_at_step"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"fault.{name} must be >= 0, got {getattr(self, name)}")
         if self.sleep_s < 0 or self.slow_s < 0:

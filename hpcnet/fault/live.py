@@ -14,6 +14,10 @@ manager, the loader's sampler, the loop) and hands the parts their state back, f
 
 The job keeps its global batch: the survivors split the same global batches (``GlobalBatchSampler``'s
 ``global_batch``) and weight their gradients by their slices, so the run goes on training what it trained.
+
+With ``fault.grow=spawn`` the survivors then start replacements in the background and grow back to the first size
+at a step boundary (``hpcnet.fault.grow``): the same rebuild again, on the merged communicator, with the state
+handed over from the ranks that hold it.
 """
 
 import logging
@@ -25,10 +29,11 @@ from typing import Any
 
 import torch
 
-from hpcnet.agree import is_agreed, shared_errors
+from hpcnet.agree import is_agreed, mark_agreed, shared_errors
 from hpcnet.config import Config
-from hpcnet.errors import UsageError
-from hpcnet.fault.survive import is_process_failure, peers_lost, shrink
+from hpcnet.errors import RestartableError, UsageError
+from hpcnet.fault.grow import Replacements, hand_over
+from hpcnet.fault.survive import is_process_failure, peers_lost, shrink, track
 from hpcnet.fault.ulfm import FaultTolerance, detect, recovery_mode
 from hpcnet.stateful import Entries, Saved
 from hpcnet.world import World
@@ -57,6 +62,13 @@ def _digest(entries: Entries) -> int:
     return crc
 
 
+GROW_WAIT_S = 300.0
+"""How long the survivors wait for replacements at ``fault.grow_after_steps``."""
+_SENT = ("cfg", "mode", "mpi", "generation", "global_batch", "world", "run_dir", "probed", "recoveries", "grows",
+         "killed", "size")
+"""What a replacement receives of the survivors' ``Live`` (``Live.grow``, ``Live.receive``)."""
+
+
 @dataclass
 class Live:
     """What a job that survives lost ranks keeps from one world to the next (``hpcnet.train.run`` holds one)."""
@@ -77,6 +89,15 @@ class Live:
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     killed: set[int] = field(default_factory=set)
     """The steps whose injected kill has happened (``fault.kill_every_steps``): once in a job, whatever world."""
+    size: int = 0
+    """The first world's size: what the job grows back to (``fault.grow``)."""
+    replacements: Replacements | None = None
+    """Replacements being started, or waiting to join (the survivors' side of ``hpcnet.fault.grow``)."""
+    handover: bool = False
+    """The next world takes the state from the ranks that hold it (a grow: ``hpcnet.fault.grow.hand_over``)."""
+    grows: list[dict[str, Any]] = field(default_factory=list)
+    original: bool = True
+    """This process is one of the job's first (not a replacement)."""
     _seen_at: float = 0.0
     _phases: dict[str, float] = field(default_factory=dict)
     _last: float = 0.0
@@ -99,6 +120,7 @@ class Live:
         self.world, self.run_dir = world, run_dir
         if self.mode:
             return
+        self.size = world.size
         self.mpi = detect(comm)
         self.mode = recovery_mode(self.cfg.fault.recovery, self.mpi)  # an agreed ConfigError where impossible
         if world.is_main:
@@ -131,10 +153,17 @@ class Live:
         A failure that lost no rank (a revoke with everyone alive) is raised again."""
         if not self._seen_at:
             self._seen_at = time.perf_counter()
+        self.dismiss(lost=True)  # more ranks are lost: the next rebuild starts replacements for all of them
         shrunk = shrink(comm)
         if not shrunk.lost:
             raise exc
         new = shrunk.comm
+        if not new.allreduce(int(self.original)):
+            # Open MPI's abort ends the job mpirun started but not the replacements it spawned: every first rank
+            # gone at once is what an abort (the monitor's verdict on a hung rank, a lost host) looks like here.
+            raise mark_agreed(RestartableError(
+                f"every rank that the job started with is gone (lost ranks {list(shrunk.lost)}): the "
+                f"{new.Get_size()} replacement(s) left end too, for hpcnet.launch to restart the run"))
         old_size = comm.Get_size()
         reached = new.allgather((self.carried.step if self.carried is not None else -1, self.failed_step,
                                  _digest(self.carried.entries) if self.carried is not None else 0))
@@ -164,6 +193,63 @@ class Live:
         self._last, self._phases = time.perf_counter(), {}
         return new
 
+    def hold(self, state: Any, step: int) -> None:
+        """Every survivor, at the boundary after ``step`` where replacements are ready (``Growing``, collective):
+        copies of the parts' entries, for the grown world's hand-over."""
+        self._seen_at = time.perf_counter()
+        entries = state.entries()
+        entries.tensors = {name: t if t.is_meta else t.detach().to("cpu", copy=True)
+                           for name, t in entries.tensors.items()}
+        self.carried = Carried(step, entries, state.last_saved_step)
+        self.failed_step = step
+
+    def grow(self) -> Any:
+        """Every survivor, after ``hold``: the merged communicator of survivors and replacements (a duplicate, for
+        hpcnet's own traffic), with this job's recovery state sent to the replacements (``receive``)."""
+        assert self.replacements is not None and self.world is not None
+        replacements, self.replacements = self.replacements, None
+        merged = replacements.merge(self.world.rank)
+        new = track(merged.Dup())
+        merged.Free()
+        self.grows.append({"joined": replacements.count, "world_size": new.Get_size(),
+                           "from_world_size": self.world.size, "step": self.failed_step,
+                           "started_after_step": replacements.started_at_step,
+                           "spawn_s": round(replacements.spawn_s, 4), "ready_s": round(replacements.ready_s, 4)})
+        self.handover, self._last, self._phases = True, time.perf_counter(), {}
+        new.bcast({name: getattr(self, name) for name in _SENT}, root=0)
+        return new
+
+    def receive(self, comm: Any) -> Config:
+        """A replacement (collective with the survivors' ``grow``): the job's recovery state; the run's options."""
+        for name, value in comm.bcast(None, root=0).items():
+            setattr(self, name, value)
+        self.handover, self.original = True, False
+        self._seen_at = self._last = time.perf_counter()
+        return self.cfg
+
+    def dismiss(self, *, lost: bool = False) -> None:
+        """Let replacements that have not joined go: the run ended, or (``lost``) more ranks were lost first."""
+        if self.replacements is not None:
+            self.replacements.dismiss(self.world.rank if self.world is not None else 0, lost=lost)
+            self.replacements = None
+
+    def grow_flag(self, step: int) -> int:
+        """This rank's word on growing after ``step``, for the boundary's all-reduce (rank 0 decides; elsewhere
+        0): 1 to start the replacements, 2 when they wait to join. ``fault.grow_after_steps`` after the start,
+        rank 0 waits for them."""
+        reps = self.replacements
+        if reps is None or self.world is None or not self.world.is_main or step >= self.cfg.train.steps:
+            return 0
+        if reps.inter is None:
+            return int(step > reps.from_step and reps.due())
+        after = self.cfg.fault.grow_after_steps
+        return 2 if reps.ready(GROW_WAIT_S if after and step == reps.started_at_step + after else 0.0) else 0
+
+    def start_replacements(self, comm: Any, step: int) -> None:
+        """Collective, at the boundary after ``step`` where rank 0's ``grow_flag`` was 1."""
+        assert self.replacements is not None
+        self.replacements.start(comm, step)
+
     def route(self, agree: Callable[[], Any], world: World) -> Any:
         """The gradients' route (``agree``: ``hpcnet.comm.route.agree_route`` for this world). After a shrink, an
         option that needs as many ranks on every node (``dist.hierarchical=on``, ``dist.compression=int8``) and
@@ -189,6 +275,17 @@ class Live:
     def restore(self, state: Any, comm: Any, resume: str) -> int | None:
         """In the rebuilt trainer, where a fresh start or a resume would begin: the step to go on from, the parts
         given back (collective); None where this world is the job's first."""
+        if self.handover:  # a grow: from the ranks that hold each entry
+            carried = self.carried
+            saved, last_saved = hand_over(comm, carried.entries if carried is not None else None,
+                                          carried.step if carried is not None else 0,
+                                          carried.last_saved_step if carried is not None else -1,
+                                          self.grows[-1]["from_world_size"], state.before_read)
+            with shared_errors(comm):
+                for part in state.parts:
+                    part.load_entries(saved)
+            state.last_saved_step = last_saved
+            return saved.step
         if self.carried is not None:  # kept until the rebuild is done: a loss meanwhile starts from it again
             carried = self.carried
             saved = Saved(carried.entries.tensors, carried.entries.meta, carried.entries.rank_state,
@@ -204,10 +301,21 @@ class Live:
         return None
 
     def rebuilt(self, comm: Any, world: World, step: int) -> None:
-        """The rebuild is done: one line on the new rank 0, and the record's times (collective)."""
-        self.carried, self.reload, self.failed_step = None, False, -1
-        if not self.recoveries or "rebuild_s" in self.recoveries[-1]:
-            return
+        """The rebuild is done: one line on the new rank 0, and the record's times; after a shrink, replacements
+        started where ``fault.grow`` asks (collective)."""
+        handover = self.handover
+        self.carried, self.reload, self.handover, self.failed_step = None, False, False, -1
+        if handover:
+            self._grown(world, step)
+        elif self.recoveries and "rebuild_s" not in self.recoveries[-1]:
+            self._shrunk(world, step)
+        self.world = world
+        if self.mode == "shrink" and self.cfg.fault.grow == "spawn" and world.size < self.size and step < \
+                self.cfg.train.steps and self.replacements is None:
+            self.replacements = Replacements(self.size - world.size, from_step=step,
+                                             retry_s=self.cfg.fault.grow_retry_s)
+
+    def _shrunk(self, world: World, step: int) -> None:
         record = self.recoveries[-1]
         self.mark("state")
         record["rebuild_s"] = round(time.perf_counter() - self._seen_at - record["shrink_s"], 4)
@@ -224,9 +332,22 @@ class Live:
                         "memory" if record["state"] == "memory" else "the newest checkpoint",
                         f" ({record['recomputed_steps']} steps to compute again)" if record["recomputed_steps"] else
                         "", self.global_batch * self.cfg.train.grad_accumulation)
-        self.world = world
+
+    def _grown(self, world: World, step: int) -> None:
+        record = self.grows[-1]
+        self.mark("state")
+        record["pause_s"] = round(time.perf_counter() - self._seen_at, 4)
+        record["rebuild_phases_s"], self._last, self._seen_at = self._phases, 0.0, 0.0
+        record["hosts"] = world.hostnames[record["from_world_size"]:]
+        record["resumed_step"] = step
+        if world.is_main:
+            log.warning("%d replacement(s) joined after step %d (on %s): the job is back to %d ranks; the survivors "
+                        "paused %.3f s (the replacements were ready %.3f s after they were started)",
+                        record["joined"], step, ", ".join(sorted(set(record["hosts"]))), world.size,
+                        record["pause_s"], record["ready_s"])
 
     def summary(self) -> dict[str, Any]:
         """summary.json's ``recovery``."""
         return {"recovery": {"mode": self.mode, "mpi": {} if self.mpi is None else asdict(self.mpi),
-                             "recoveries": self.recoveries}}
+                             "recoveries": self.recoveries, "grows": self.grows}}
+

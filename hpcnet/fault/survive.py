@@ -103,6 +103,19 @@ def peers_lost(comm: Any, wait_s: float = 1.0) -> bool:
         time.sleep(0.02)
 
 
+def passing_notice(comm: Any, exc: BaseException) -> bool:
+    """Whether ``exc``, raised by an any-source operation on ``comm``, is a notice of a failure that lost no member
+    of ``comm`` (``MPI_ERR_PROC_FAILED_PENDING``; seen under Open MPI 5.0 once a job that had shrunk spawned
+    replacements): then the failures are acknowledged (``MPI_Comm_ack_failed``) and the operation, still pending,
+    goes on."""
+    from mpi4py import MPI
+
+    if _mpi_error_class(exc) != getattr(MPI, "ERR_PROC_FAILED_PENDING", None) or peers_lost(comm, wait_s=0.0):
+        return False
+    comm.Ack_failed()
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class Shrunk:
     """The survivors' communicator and who was lost."""

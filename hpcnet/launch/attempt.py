@@ -216,6 +216,12 @@ def settle(record: Attempt, reports: Path | None, *, all_started: bool, start_ti
     not_finished = unfinished(record) if record.status == 0 else ""
     if not_finished:
         record.status = ExitCode.RESTARTABLE  # the supervisor's verdict: the launcher's 0 is not the run's
+    elif record.status and record.run_dir is not None and not unfinished(record):
+        # The run wrote its complete summary.json: it finished, whatever the launcher's status (Open MPI 5's
+        # prterun ends with 137 once a replacement it spawned was killed, hpcnet.fault.grow).
+        say(f"the launcher ended with status {record.status} after the run had finished (its {SUMMARY_FILE}): "
+            "taken as finished")
+        record.status = 0
     if record.status:
         rank_hosts = read_rank_hosts(reports, READY) if reports is not None else {}
         record.lost_host = lost_host(record.failure, record.launcher_loss, rank_hosts, started=all_started)

@@ -168,11 +168,12 @@ def test_the_layout_rule_is_the_topologys_advice():
 def test_an_impossible_transport_stops_before_the_probe_on_every_rank(comm, mpi_tmp_path, monkeypatch):
     """dist.backend=nccl on a CPU-only job: the route's error, not a probe, on every rank."""
     from hpcnet import train
+    from hpcnet.comm import topology
 
     def no_probe(*args, **kwargs):
         raise AssertionError("the probe ran before the route was chosen")
 
-    monkeypatch.setattr(train, "probe", no_probe)
+    monkeypatch.setattr(topology, "probe", no_probe)
     cfg = load_config(overrides=[f"run.dir={mpi_tmp_path / 'before-probe'}", "run.dir_exact=true",
                                  "dist.probe=true", "dist.device=cpu", "dist.backend=nccl",
                                  "data.dataset=/nonexistent/set.h5"])

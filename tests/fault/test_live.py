@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from hpcnet.agree import is_agreed
 from hpcnet.config import Config
 from hpcnet.data.sampler import GlobalBatchSampler
+from hpcnet.errors import RestartableError, exit_code_of
 from hpcnet.fault import live as live_module
 from hpcnet.fault.live import Carried, Live, _digest
 from hpcnet.fault.survive import Shrunk
@@ -18,8 +20,10 @@ from hpcnet.stateful import Entries
 class Survivors:
     """The survivors' communicator as one rank sees it: every rank's contribution to an allgather is given."""
 
-    def __init__(self, rank, reached, held=None):
+    def __init__(self, rank, reached, held=None, originals=None):
         self.rank, self.reached, self.held, self.bcast_root = rank, reached, held, None
+        self.originals = len(reached) if originals is None else originals
+        """How many of the survivors are first ranks of the job (not replacements)."""
 
     def Get_rank(self):
         return self.rank
@@ -30,6 +34,10 @@ class Survivors:
     def allgather(self, mine):
         assert mine == self.reached[self.rank]
         return list(self.reached)
+
+    def allreduce(self, mine):
+        assert mine in (0, 1)
+        return self.originals
 
     def bcast(self, obj, root):
         self.bcast_root = root
@@ -181,3 +189,24 @@ def test_after_a_shrink_an_option_the_survivors_nodes_cannot_keep_falls_back_to_
         raise UsageError("another option")
     with pytest.raises(UsageError, match="another option"):
         live.route(refused, world)
+
+
+def test_replacements_left_without_any_first_rank_end_the_job_for_a_restart(monkeypatch):
+    """Open MPI's abort (the monitor's verdict on a hung rank) ends the ranks mpirun started but not the
+    replacements they spawned: replacements that find every first rank gone at once stop with 75 on every one of
+    them, where they would otherwise train on alone beside the restarted job."""
+    live = _live()
+    live.original = False
+    with pytest.raises(RestartableError, match="every rank that the job started with is gone") as raised:
+        _recover(monkeypatch, live, Survivors(0, [(-1, 9, 0)], originals=0), lost=(0, 1))
+    assert is_agreed(raised.value) and exit_code_of(raised.value) == 75
+    assert not live.recoveries
+
+
+def test_a_replacement_receives_the_survivors_recovery_state_and_their_options():
+    sent = {"cfg": Config(), "mode": "shrink", "generation": 2, "global_batch": 48, "killed": {3, 7}, "size": 4}
+    comm = types.SimpleNamespace(bcast=lambda obj, root: sent)
+    live = Live(Config())
+    assert live.receive(comm) is sent["cfg"]
+    assert (live.generation, live.global_batch, live.killed, live.size) == (2, 48, {3, 7}, 4)
+    assert live.handover and not live.original  # the state comes from the ranks; not one of the first ranks
