@@ -141,6 +141,9 @@ def run(cfg: Config, comm: Any, *, plane: DataPlane | None = None, stop: StopReq
     live.dismiss()  # replacements that have not joined leave
     result.summary.update(wall_s=time.perf_counter() - t_start, **live.summary())
     _finish(result, world, run_dir, cfg.train.steps)
+    if live.grows:  # no rank leaves before rank 0 has written summary.json: mpirun may end once a replacement has
+        comm.Barrier()
+    comm.Free()
     return result
 
 
@@ -180,7 +183,8 @@ def _attempt(cfg: Config, comm: Any, plane: DataPlane | None, stop: StopRequest 
         if _may_communicate():
             if own_plane and plane is not None:
                 plane.close()
-            comm.Free()
+            if sys.exc_info()[1] is not None:  # a grow; on success run() frees it once the run is finished
+                comm.Free()
         elif own_plane and plane is not None and live.mode == "shrink":
             plane.abort()  # never waited on: its peers may be gone (torch.distributed's groups are made again)
 

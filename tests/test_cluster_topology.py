@@ -134,7 +134,7 @@ def test_two_hosts_with_one_slowed_name_the_direction_in_the_log_the_json_and_th
     [warning] = json.loads((run / "topology.json").read_text())["warnings"]
     assert warning.startswith(f"link {b} -> {a} measured ") and "the slow end cannot be told" in warning, warning
     log = (run / "rank0.log").read_text()
-    assert re.search(rf"rank 0 WARNING hpcnet\.train: {re.escape(warning)}$", log, flags=re.M), log[-3000:]
+    assert re.search(rf"rank 0 WARNING hpcnet\.comm\.topology: {re.escape(warning)}$", log, flags=re.M), log[-3000:]
     for host, rank in ((a, 0), (b, 1)):  # the header: each host, its rank and interface
         assert f"host {host} (rank {rank}): {cluster.interface(host)} " in log, log[-3000:]
     report = subprocess.run([sys.executable, "-m", "hpcnet.report", str(run)], env=clean_env(), capture_output=True,
