@@ -75,8 +75,7 @@ def test_three_losses_in_a_row_leave_one_rank_that_ends_as_the_uninterrupted_run
     model within the bound."""
     runs = tmp_path / "runs"
     out = run_job([ft, "-np", "4"], [*train_args(data, runs, "series", f"dist.zero={zero}", "train.batch_size=6",
-                                                 "fault.kill_at_step=3", "fault.kill_every_steps=4",
-                                                 "fault.grow=off")], tmp_path)
+                                                 "fault.kill_at_step=3", "fault.kill_every_steps=4")], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     records = summary(runs, "series")["recovery"]["recoveries"]
     assert [(r["step"], r["world_size"], r["lost"][0]["rank"]) for r in records] == [(3, 3, 3), (7, 2, 2), (11, 1, 1)]
@@ -90,12 +89,13 @@ def test_three_losses_in_a_row_leave_one_rank_that_ends_as_the_uninterrupted_run
 def test_a_replacement_joins_the_running_job_and_the_run_ends_as_the_uninterrupted_one(ft, data, reference, tmp_path,
                                                                                        zero):
     """Killed after step 7, the 2 survivors go on (stage 0 from step 7, stage 3 from the step-4 checkpoint) and
-    start a replacement at the next boundary (fault.grow=spawn, the default); it joins 2 steps later
+    start a replacement at the next boundary (fault.grow=spawn); it joins 2 steps later
     (fault.grow_after_steps=2) with its state handed over from the survivors' memory, never from disk, and the 3
     ranks end as the uninterrupted run. Status 0, no relaunch."""
     runs = tmp_path / "runs"
     out = run_job([ft, "-np", "3"], train_args(data, runs, "grow", f"dist.zero={zero}", f"fault.kill_at_step={KILL_AT}",
-                                               "fault.only_attempt=1", "fault.grow_after_steps=2"), tmp_path)
+                                               "fault.only_attempt=1", "fault.grow=spawn", "fault.grow_after_steps=2"),
+                  tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     recovery = summary(runs, "grow")["recovery"]
     [grow] = recovery["grows"]
@@ -119,7 +119,7 @@ def test_replacements_that_are_killed_in_turn_keep_the_job_at_its_size(ft, data,
     runs = tmp_path / "runs"
     launch = [sys.executable, "-m", "hpcnet.launch", "--backoff-s", "0", "--standby", "off", "--", ft, "-np", "3"]
     out = run_job(launch, train_args(data, runs, "turns", "dist.zero=2", "fault.kill_at_step=3",
-                                     "fault.kill_every_steps=3", "fault.grow_after_steps=1",
+                                     "fault.kill_every_steps=3", "fault.grow=spawn", "fault.grow_after_steps=1",
                                      "checkpoint.every_steps=1"), tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     [run] = runs.glob("turns-*/attempt-*/summary.json")  # one attempt

@@ -21,10 +21,10 @@ class FaultConfig:
     """What the job does when a rank dies: 'shrink' goes on without it, in the same job (needs ULFM: Open MPI >= 5
     started with mpirun --with-ft ulfm, scripts/ftmpirun); 'restart' ends the job, for hpcnet.launch to restart
     from the newest checkpoint; 'auto' shrinks where ULFM is active and restarts elsewhere."""
-    grow: str = "spawn"
-    """After a shrink: 'spawn' starts replacements for the lost ranks in the background (MPI_Comm_spawn, on free
-    slots of the job's allocation) and the job grows back to its first size at the step boundary after they are
-    ready, their state taken from the ranks; 'off' goes on at the shrunk size."""
+    grow: str = "off"
+    """After a shrink: 'spawn' starts replacements for the lost ranks (MPI_Comm_spawn, on free slots of the job's
+    allocation) and the job grows back to its first size at the step boundary after they are ready, their state
+    taken from the ranks; 'off' goes on at the shrunk size."""
     grow_retry_s: float = 30.0
     """Seconds between tries to start replacements where none could be started (no free slot yet)."""
     grow_after_steps: int = 0
