@@ -143,6 +143,8 @@ class Loop:
         loss = None
         self.dp.model.train()
         self._log_from_step = start_step
+        if p.step >= self.total and self.policy.at_end and self.state.last_saved_step < p.step:
+            self._save(p)  # a state newer than its newest checkpoint: the survivors' memory after a loss at the end
         while p.step < self.total:
             loss, nonfinite = self._step(p)
             self._log_if_due(p, loss)

@@ -68,6 +68,18 @@ def test_a_killed_rank_is_left_behind_and_the_survivors_end_as_the_uninterrupted
     assert summary_steps["steps"] == STEPS and summary_steps["world_size"] == 2
 
 
+def test_a_loss_after_the_last_step_s_update_still_ends_with_the_last_step_saved(ft, data, reference, tmp_path):
+    """Stage 0, the last rank killed after step 12's update, before its checkpoint: the survivors hold step 12 in
+    memory and save it, though no step is left to train."""
+    runs = tmp_path / "runs"
+    out = run_job([ft, "-np", "3"], train_args(data, runs, "last", f"fault.kill_at_step={STEPS}",
+                                                  "fault.only_attempt=1"), tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [record] = summary(runs, "last")["recovery"]["recoveries"]
+    assert (record["step"], record["resumed_step"], record["state"]) == (STEPS, STEPS, "memory"), record
+    assert_close(final_tensors(runs, "last"), reference)  # final_tensors reads the newest checkpoint: step 12
+
+
 @pytest.mark.parametrize("zero", [0, 2])
 def test_three_losses_in_a_row_leave_one_rank_that_ends_as_the_uninterrupted_run(ft, data, reference, tmp_path, zero):
     """4 ranks of 6 samples (the reference's global batch of 24) lose their last rank after steps 3, 7 and 11
