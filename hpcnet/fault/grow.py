@@ -30,6 +30,7 @@ import torch
 
 from hpcnet.agree import mark_agreed
 from hpcnet.fault.replacement import HELLO_TAG, READY_TAG, WORD_TAG
+from hpcnet.fault.survive import is_process_failure
 from hpcnet.stateful import Entries, Saved
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class Replacements:
             inter = comm.Spawn(sys.executable, args=["-m", "hpcnet.fault.replacement"], maxprocs=self.count,
                                info=info, root=0)
         except MPI.Exception as exc:
-            if exc.Get_error_class() in _failure_classes():
+            if is_process_failure(exc):
                 raise  # another loss: the job shrinks again
             if comm.Get_rank() == 0:
                 log.warning("no replacement could be started (%s): trying again in %.0f s (fault.grow_retry_s)",
@@ -128,16 +129,17 @@ class Replacements:
     def merge(self, rank: int) -> Any:
         """Collective over the survivors, at a boundary after which rank 0 was ``ready``: the merged communicator,
         the survivors first in their order, then the replacements."""
-        self._word(rank, "join")
+        if rank == 0:
+            self._word(range(self.inter.Get_remote_size()), "join")
         merged = self.inter.Merge(high=False)
         self.inter.Free()
         self.inter = None
         return merged
 
-    def _word(self, rank: int, word: str) -> None:
-        if rank == 0:
-            for child in range(self.inter.Get_remote_size()):
-                self.inter.send(word, dest=child, tag=WORD_TAG)
+    def _word(self, children: Any, word: str) -> None:
+        """Rank 0: ``word`` ('join' or 'leave') to each of ``children``."""
+        for child in children:
+            self.inter.send(word, dest=child, tag=WORD_TAG)
 
     def dismiss(self, rank: int, *, lost: bool) -> None:
         """Let the replacements go: rank 0 tells each to leave (the others: nothing). It first waits for every
@@ -149,16 +151,7 @@ class Replacements:
             return
         if not self._heard(HELLO_TAG, LOST_WAIT_S if lost else HELLO_WAIT_S):
             log.warning("a replacement did not reach rank 0 in time: mpirun may wait for it")
-        for child in range(self.inter.Get_remote_size()):
-            if child not in self._waiting[HELLO_TAG]:
-                self.inter.send("leave", dest=child, tag=WORD_TAG)
-
-
-def _failure_classes() -> set[int]:
-    from mpi4py import MPI
-
-    return {getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
-            if hasattr(MPI, name)}
+        self._word(set(range(self.inter.Get_remote_size())) - self._waiting[HELLO_TAG], "leave")
 
 
 def join_if_spawned() -> Any:
