@@ -10,9 +10,8 @@ import pytest
 
 from tests.helpers.launch import ROOT
 
-TOP_LEVEL = {"__init__", "__main__", "train", "loop", "optim", "objective", "errors", "agree", "paths", "world",
-             "stateful"}
-"""The entry point, the training step's own pieces (the loop, the optimizer, the objective) and what every package
+TOP_LEVEL = {"__init__", "__main__", "train", "loop", "objective", "errors", "agree", "paths", "world", "stateful"}
+"""The entry point, the training step's own pieces (the loop, the objective) and what every package
 shares (errors, the agreement on them, file names, who is where, the state protocol)."""
 TORCH_FREE = ["hpcnet.launch.cli", "hpcnet.launch.stop", "hpcnet.ckpt.fence", "hpcnet.paths", "hpcnet.agree",
               "hpcnet.errors", "hpcnet.report.build", "hpcnet.config"]
