@@ -158,6 +158,27 @@ def test_an_optimizer_torch_refuses_on_one_rank_stops_every_rank(comm, data_plan
     assert [t.name for t in threading.enumerate() if t.name == "hpcnet-monitor"] == []
 
 
+def last_rank_refuses(param_groups, cfg):
+    """An optimizer factory (optim.factory) that raises on the last rank only."""
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_rank() == MPI.COMM_WORLD.Get_size() - 1:
+        raise ValueError("this rank has no optimizer")
+    return torch.optim.SGD(param_groups, lr=cfg.lr)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_an_optimizer_factory_that_raises_on_one_rank_stops_every_rank_naming_it(comm, data_plane, mpi_tmp_path):
+    from hpcnet.errors import UsageError
+
+    dataset = _shared_dataset(comm, mpi_tmp_path)
+    with pytest.raises(UsageError, match=r"optim\.factory: tests\.test_train:last_rank_refuses raised ValueError"):
+        run(_config(dataset, mpi_tmp_path / "no-factory", 4, "optim.factory=tests.test_train:last_rank_refuses"), comm,
+            plane=data_plane)
+    comm.Barrier()
+
+
 # --- launches: the real entry point under mpirun -----------------------------
 
 def _tiny_args(tmp_path: Path, *extra: str) -> list[str]:

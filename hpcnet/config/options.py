@@ -14,6 +14,7 @@ from typing import Any
 from hpcnet.config.durations import MAX_DURATION_S, check_durations
 from hpcnet.config.importing import is_import_path
 from hpcnet.config.injection import FaultConfig
+from hpcnet.config.optimizers import OPTIMIZERS, REFUSED
 from hpcnet.errors import ConfigError
 from hpcnet.observe.trace import parse_steps
 
@@ -128,7 +129,22 @@ class OptimConfig:
     """The ``optim`` section: optimizer and learning-rate schedule."""
 
     name: str = "sgd"
-    """Optimizer: 'sgd' (with momentum) or 'adamw'."""
+    """Optimizer, one of torch's by its lower-case name: 'sgd' (with optim.momentum), 'adamw', 'adam', 'nadam',
+    'radam', 'adamax', 'adagrad', 'rmsprop', 'adadelta', 'asgd', 'rprop', 'adafactor', or 'muon' (Muon for the hidden
+    matrices, AdamW with optim.betas and optim.eps for the embeddings, the output layer and every other parameter:
+    docs/memory.md); lbfgs and sparseadam are refused.  Ignored with optim.factory."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Further keyword options of the optimizer's constructor (torch's documented ones), e.g.
+    optim.options.amsgrad=true; optim.lr, optim.weight_decay and the optim.* options the optimizer takes are set
+    by their own names.  With 'muon', Muon's (e.g. ns_steps; adjust_lr_fn is 'match_rms_adamw' unless given)."""
+    factory: str = ""
+    """Import path 'package.module:function' of your own optimizer, called as fn(param_groups, cfg) with the
+    weight-decay groups (2-D and larger with optim.weight_decay, the rest without) and this section; it returns a
+    torch.optim.Optimizer and may regroup.  Overrides optim.name."""
+    elementwise: bool = False
+    """With optim.factory: the optimizer updates each element from its own gradient and state alone (as Adam,
+    Lion), so dist.zero may cut a large parameter into row ranges; otherwise (and unless its class says
+    elementwise = True) every parameter is owned and stepped whole."""
     lr: float = 0.05
     """Peak learning rate, reached at the end of warm-up."""
     momentum: float = 0.9
@@ -151,8 +167,16 @@ class OptimConfig:
     """Clip the global gradient norm to this value; 0 disables clipping."""
 
     def __post_init__(self) -> None:
-        if self.name not in ("sgd", "adamw"):
-            raise ConfigError(f"optim.name: {self.name!r} is not one of 'sgd', 'adamw'")
+        if self.name in REFUSED:
+            raise ConfigError(f"optim.name: {self.name!r} is not supported: {REFUSED[self.name]}")
+        if self.name not in OPTIMIZERS:
+            raise ConfigError(f"optim.name: {self.name!r} is not one of {', '.join(map(repr, OPTIMIZERS))} "
+                              f"(or give optim.factory='package.module:function')")
+        if self.factory and not is_import_path(self.factory):
+            raise ConfigError(f"optim.factory: {self.factory!r} is not of the form 'package.module:function'")
+        if self.elementwise and not self.factory:
+            raise ConfigError(f"optim.elementwise is for optim.factory's optimizer; optim.name={self.name}'s is "
+                              f"known")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError(f"optim.lr must be a positive number, got {self.lr}")
         if not 0 <= self.momentum < 1:
