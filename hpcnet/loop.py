@@ -28,7 +28,7 @@ from hpcnet.observe.phases import bucket_times, rss_mib
 from hpcnet.observe.runlog import MetricsWriter, format_duration
 from hpcnet.observe.stats import job_step_stats, rank_step_stats
 from hpcnet.observe.trace import StepTracer
-from hpcnet.optim import lr_factor
+from hpcnet.optim import Schedule
 from hpcnet.world import World
 
 log = logging.getLogger("hpcnet.train")
@@ -110,12 +110,13 @@ class Loop:
     """One pass of the training loop over ``dp``'s model, from a start step to ``train.steps`` (collective)."""
 
     def __init__(self, cfg: Config, comm: Any, world: World, dp: DataParallel, optimizer: torch.optim.Optimizer,
-                 loader: BatchLoader, eval_split: Any, device: torch.device, metrics: MetricsWriter,
+                 schedule: Schedule, loader: BatchLoader, eval_split: Any, device: torch.device, metrics: MetricsWriter,
                  state: TrainState, faults: FaultInjector, monitor: Monitor, stop: Any = None,
                  mover: BatchMover | None = None, balancer: Balancer | None = None,
                  tracer: StepTracer | None = None, objective: Objective | None = None,
                  grow: Any = None) -> None:
         self.cfg, self.comm, self.world, self.dp, self.optimizer = cfg, comm, world, dp, optimizer
+        self.schedule = schedule  # built before a resume, from the optimizer's first learning rates
         self.loader, self.eval_split, self.device, self.metrics = loader, eval_split, device, metrics
         self.state, self.faults, self.monitor, self.stop = state, faults, monitor, stop
         self.total = cfg.train.steps
@@ -180,8 +181,7 @@ class Loop:
         self.clock.start_step()
         if self.tracer is not None:
             self.tracer.before_step(p.step + 1)
-        for group in self.optimizer.param_groups:
-            group["lr"] = cfg.optim.lr * lr_factor(p.step, self.total, cfg.optim)
+        self.schedule.apply(self.optimizer, p.step)
         batches = [self.mover(self.loader.next()) for _ in range(cfg.train.grad_accumulation)]
         self.objective.start_step()  # the metrics logged are this step's, as its loss is
         self.clock.mark("data")
@@ -235,6 +235,7 @@ class Loop:
         local_loss = loss.item()
         p.loss_value, every, metrics = self._gather_log(local_loss, self.objective.take_metrics(), p.shares, step_s,
                                                         phases["comm"])
+        self.schedule.observe(p.loss_value)  # ReduceLROnPlateau's metric: the same on every rank
         self.clock.mark("comm")
         now = time.perf_counter()
         rate = (p.step - p.last_step) * self.global_batch / max(now - p.t_last, 1e-9)

@@ -83,7 +83,7 @@ from hpcnet.observe.runlog import (
 )
 from hpcnet.observe.tensorboard import TensorBoardWriter, require_tensorboard
 from hpcnet.observe.trace import StepTracer, parse_steps
-from hpcnet.optim import build_optimizer
+from hpcnet.optim import Schedule, build_optimizer
 from hpcnet.paths import CONFIG_FILE, SUMMARY_FILE, TENSORBOARD_DIR, checkpoint_dir, metrics_file
 from hpcnet.plan.measure import ResidentPeak, measure_config
 from hpcnet.plan.peaks import cap_in_bytes, choose, configured_bucket_bytes
@@ -397,7 +397,9 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, route: Ro
         loader = BatchLoader(train_split, sampler)  # a resume drops the batch it read ahead and reads from its position
         balancer = (Balancer(comm, loader, dp, every=cfg.data.balance_every, device=device, monitor=monitor)
                     if cfg.data.balance == "auto" else None)
-        state = TrainState(cfg, state_parts(cfg, world, dp, optimizer, loader, balancer), manager)
+        with shared_errors(comm):  # optim.schedule: a bad name, option or function stops every rank alike
+            schedule = Schedule(optimizer, cfg.optim, cfg.train.steps)  # before a resume sets the groups' lrs
+        state = TrainState(cfg, state_parts(cfg, world, dp, optimizer, schedule, loader, balancer), manager)
         start_step = live.restore(state, comm, _first_source(cfg))
         if start_step is None:
             if cfg.checkpoint.resume:
@@ -413,9 +415,9 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, route: Ro
         steps = parse_steps(cfg.train.trace_steps)
         tracer = (StepTracer(comm, steps, dp.clock, monitor.recorder, run_dir, ops=cfg.train.trace_ops, device=device)
                   if steps else None)  # clocks compared over MPI here, once
-        loop = Loop(cfg, comm, world, dp, optimizer, loader, eval_split, device, metrics, state, faults, monitor,
-                    stop, mover=BatchMover(device, settings), balancer=balancer, tracer=tracer, objective=objective,
-                    grow=live)
+        loop = Loop(cfg, comm, world, dp, optimizer, schedule, loader, eval_split, device, metrics, state, faults,
+                    monitor, stop, mover=BatchMover(device, settings), balancer=balancer, tracer=tracer,
+                    objective=objective, grow=live)
         result.summary = loop.run(start_step)
     except Exception as exc:
         if isinstance(exc, Growing):
@@ -436,15 +438,15 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, route: Ro
     return result
 
 
-def state_parts(cfg: Config, world: World, dp: DataParallel, optimizer: torch.optim.Optimizer, loader: BatchLoader,
-                balancer: Balancer | None) -> list[Stateful]:
+def state_parts(cfg: Config, world: World, dp: DataParallel, optimizer: torch.optim.Optimizer, schedule: Schedule,
+                loader: BatchLoader, balancer: Balancer | None) -> list[Stateful]:
     """The trainer's parts that hold state (``hpcnet.stateful``), in the order a checkpoint lists their tensors
     and a resume gives them back: the model (at ``dist.zero=3`` its parameters from their owners), the optimizer
-    (sharded from stage 1), the owners in force (before any tensor is read), int8's residuals, the data position,
-    the balance shares (after the position: they are its slice sizes), the RNG (last).  The seam of a rebuild on
-    a new communicator (docs/architecture.md, "Parts and rebuilds")."""
+    (sharded from stage 1), the learning-rate schedule, the owners in force (before any tensor is read), int8's
+    residuals, the data position, the balance shares (after the position: they are its slice sizes), the RNG
+    (last).  The seam of a rebuild on a new communicator (docs/architecture.md, "Parts and rebuilds")."""
     parts: list[Stateful] = [ModelState(dp.model, owned=dp.sharded_params),
-                             dp.optimizer if dp.optimizer is not None else OptimizerState(optimizer)]
+                             dp.optimizer if dp.optimizer is not None else OptimizerState(optimizer), schedule]
     if dp.owners is not None:
         parts.append(dp.owners)
     parts += [dp.feedback, loader, *([balancer] if balancer is not None else []), RngState(cfg.run.seed, world.rank)]

@@ -375,6 +375,36 @@ def test_resume_at_another_world_size(launch, tmp_path, saved_ranks, resumed_ran
 
 
 @pytest.mark.launch
+def test_a_torch_schedule_goes_on_from_its_saved_state_after_kill_9_at_another_world_size_and_stage(launch, tmp_path):
+    """StepLR computes each rate from the group's last one: the resumed run's rates are the uninterrupted run's,
+    taken from the checkpoint (no warning of a replay), though the optimizer is sharded otherwise."""
+    from hpcnet.config import OptimConfig
+    from hpcnet.optim import Schedule
+
+    dataset = tiny_images(MPI.COMM_SELF, tmp_path, "schedule.h5", num_train=96, num_eval=16, seed=3)
+    schedule = ["optim.name=adamw", "optim.lr=0.01", "optim.schedule=StepLR", "optim.schedule_options.step_size=3",
+                "optim.schedule_options.gamma=0.5"]
+    common = [f"data.dataset={dataset}", f"checkpoint.dir={tmp_path / 'ckpt'}", "run.dir_exact=true",
+              "model.name=mlp", "model.options.hidden=[16]", "train.batch_size=4", "train.eval_every=0",
+              "dist.probe=false", "run.log_every=1", "checkpoint.every_s=0", "checkpoint.every_steps=5",
+              "checkpoint.async_save=false", "train.steps=12", *schedule]
+    first = launch(2, *common, f"run.dir={tmp_path / 'first'}", "dist.zero=1", "fault.kill_at_step=8", timeout=240)
+    assert first.returncode != 0 and "step 12/12" not in first.stderr, first.stderr  # killed at step 8
+    second = launch(3, *common, f"run.dir={tmp_path / 'second'}", "dist.zero=2", "--resume", "auto", timeout=240)
+    assert second.returncode == 0, second.stderr
+    assert "at step 5 (saved by 2 rank(s)" in second.stderr and "optim.schedule:" not in second.stderr
+    logged = [json.loads(line) for line in (tmp_path / "second" / "metrics.rank0.jsonl").read_text().splitlines()]
+    optimizer = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=0.01)
+    straight = Schedule(optimizer, OptimConfig(name="adamw", lr=0.01, schedule="StepLR",
+                                               schedule_options={"step_size": 3, "gamma": 0.5}), 12)
+    expected = []
+    for step in range(12):
+        straight.apply(optimizer, step)
+        expected.append(optimizer.param_groups[0]["lr"])
+    assert [(r["step"], r["lr"]) for r in logged if "loss" in r] == list(zip(range(6, 13), expected[5:]))
+
+
+@pytest.mark.launch
 def test_row_pieces_renamed_in_the_newest_checkpoint_make_resume_auto_take_the_one_before(launch, tmp_path):
     """Issue 27, item 7: a cut parameter's optimizer state whose piece names do not match their rows passed
     verification, resumed, and failed at the first step (status 1); it is damage: skipped, set aside."""

@@ -229,6 +229,7 @@ def test_plain_python_single_process(tmp_path):
     (["train.activation_checkpointing=blocks", "model.options.hidden=[]"], "model.blocks=auto finds no blocks"),
     (["dist.zero=3", "model.blocks=nopkg.Layer"], "model.blocks: cannot import 'nopkg.Layer'"),
     (["dist.zero=4"], "dist.zero: 4 is not one of 0, 1, 2, 3"),
+    (["optim.schedule=NoSuchLR"], "optim.schedule: 'NoSuchLR' is neither one of torch's schedulers"),  # at build
 ])
 def test_bad_input_fails_cleanly_on_every_rank(launch, tmp_path, args, needle):
     started = time.monotonic()

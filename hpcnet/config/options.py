@@ -163,6 +163,16 @@ class OptimConfig:
     """Learning-rate decay after warm-up: 'cosine', 'linear' or 'constant'."""
     min_lr_ratio: float = 0.05
     """Final learning rate as a fraction of optim.lr."""
+    schedule: str = ""
+    """Another learning-rate schedule, in place of optim.warmup_steps, optim.decay and optim.min_lr_ratio: one of
+    torch.optim.lr_scheduler's by its class name (StepLR, MultiStepLR, ExponentialLR, CosineAnnealingLR,
+    CosineAnnealingWarmRestarts, OneCycleLR, CyclicLR, PolynomialLR, LinearLR, ConstantLR; ReduceLROnPlateau steps on
+    the global loss logged every run.log_every steps), or 'package.module:function', called as fn(optimizer,
+    total_steps, **optim.schedule_options) -> a torch LRScheduler of that optimizer. Stepped once a step, from each
+    param group's first learning rate; its state is in every checkpoint. Empty: the warm-up and decay above."""
+    schedule_options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of optim.schedule, e.g. optim.schedule_options.step_size=100; CosineAnnealingLR's T_max and
+    OneCycleLR's total_steps are train.steps unless given."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
 
@@ -194,6 +204,8 @@ class OptimConfig:
             raise ConfigError(f"optim.decay: {self.decay!r} is not one of 'cosine', 'linear', 'constant'")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.schedule_options and not self.schedule:
+            raise ConfigError("optim.schedule_options needs optim.schedule: the schedule they are options of")
         if not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
             raise ConfigError(f"optim.grad_clip must be >= 0, got {self.grad_clip}")
 

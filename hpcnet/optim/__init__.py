@@ -7,4 +7,5 @@ __all__, __getattr__, __dir__ = _lazy_exports(__name__, {
     "build_optimizer": "build", "rebuild_optimizer": "build", "is_elementwise": "build",
     "MuonWithAdamW": "muon",
     "lr_factor": "schedule",
+    "Schedule": "schedule",
 })
