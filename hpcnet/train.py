@@ -83,7 +83,7 @@ from hpcnet.observe.runlog import (
 )
 from hpcnet.observe.tensorboard import TensorBoardWriter, require_tensorboard
 from hpcnet.observe.trace import StepTracer, parse_steps
-from hpcnet.optim import Schedule, build_optimizer
+from hpcnet.optim import Schedule, build_optimizer, is_elementwise
 from hpcnet.paths import CONFIG_FILE, SUMMARY_FILE, TENSORBOARD_DIR, checkpoint_dir, metrics_file
 from hpcnet.plan.measure import ResidentPeak, measure_config
 from hpcnet.plan.peaks import cap_in_bytes, choose, configured_bucket_bytes
@@ -277,15 +277,14 @@ def _model(cfg: Config, comm: Any, world: World, device: torch.device, split: An
     if cfg.train.activation_checkpointing != "off":
         _checkpoint_activations(cfg, comm, world, model, None if memory_plan is None else memory_plan.predicted)
     blocks = _zero3_blocks(cfg, comm, world, model) if cfg.dist.zero == 3 else None
+    # Before DataParallel: whether its update is elementwise decides the units of ownership (whole parameters if
+    # not); what torch or a factory refuses (optim.*) stops every rank alike, before any collective.
+    with shared_errors(comm):
+        optimizer = build_optimizer(model, cfg.optim, fused=settings.fused_optimizer)
     with startup_phase(monitor.deadlines, "dist.groups", cfg.dist.startup_timeout_s):
         dp = DataParallel(model, comm, world, cfg.dist, device=device, route=route, recorder=monitor.recorder,
-                          link=link, intra_link=intra_link, blocks=blocks)
-    try:
-        with shared_errors(comm):  # what torch refuses (optim.*) stops every rank alike, before any collective
-            optimizer = build_optimizer(model, cfg.optim, fused=settings.fused_optimizer)
-    except BaseException:
-        dp.close(collective=_may_communicate())  # its transport (shm's shared window) is freed on every rank
-        raise
+                          link=link, intra_link=intra_link, blocks=blocks,
+                          elementwise=is_elementwise(optimizer, cfg.optim))
     optimizer = dp.shard_optimizer(optimizer, run_dir)
     torch.manual_seed(cfg.run.seed + 1 + world.rank)  # dropout etc. differ per rank
     random.seed(cfg.run.seed + world.rank)

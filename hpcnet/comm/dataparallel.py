@@ -60,13 +60,16 @@ class DataParallel:
         intra_link: the probed intra-node link where there are nodes (the hierarchical forecast's inner phases).
         blocks: ``dist.zero=3``: the model's blocks (``hpcnet.models.blocks.find_blocks``), each gathered apart
             (``hpcnet.comm.sharding.params``); None or empty: the whole model is one group.
+        elementwise: whether the optimizer's update is elementwise (``hpcnet.optim.is_elementwise``); if not,
+            every unit of ownership is a whole parameter, at every stage (``hpcnet.comm.sharding.layout``).
     """
 
     def __init__(self, model: nn.Module, comm: Any, world: World, cfg: DistConfig, *,
                  device: torch.device, route: Route, recorder: Any = NULL_RECORDER,
                  link: LinkCost | None = None, intra_link: LinkCost | None = None,
-                 blocks: list[tuple[str, nn.Module]] | None = None) -> None:
+                 blocks: list[tuple[str, nn.Module]] | None = None, elementwise: bool = True) -> None:
         self.model, self.comm, self.world, self.cfg, self.device, self.link = model, comm, world, cfg, device, link
+        self.elementwise = elementwise
         check_same_model(model, comm)
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
@@ -77,8 +80,8 @@ class DataParallel:
         self.feedback = ErrorFeedback(comm, in_checkpoints=cfg.compression == "int8")
         transport = _transport(self.route, self.path, cfg, comm, world, progress=self.progress, feedback=self.feedback)
         broadcast_module(model, comm)  # replicas start equal even if initialisation differed
-        self.owners = Owners(ShardLayout(self.params, world.size), comm, world, cfg, link=link, device=device,
-                             names=[name for name, _ in named]) if cfg.zero else None
+        self.owners = Owners(ShardLayout(self.params, world.size, cut=elementwise), comm, world, cfg, link=link,
+                             device=device, names=[name for name, _ in named]) if cfg.zero else None
         self.sharded_params = (_stage3_params(model, self.owners, comm, world, blocks or [], device=device,
                                               recorder=recorder) if cfg.zero == 3 else None)
         self.optimizer: ShardedOptimizer | None = None
@@ -96,7 +99,8 @@ class DataParallel:
                                        intra=intra_link, chunk_bytes=transport.chunk_bytes)
                          if link is not None and world.size > 1 else None)
         # Where dist.zero=2 would cut a parameter at this world size, every stage takes the norm unit by unit.
-        units = self.owners.layout.units if self.owners is not None else split_units(self.params, world.size)
+        units = (self.owners.layout.units if self.owners is not None
+                 else split_units(self.params, world.size, cut=elementwise))
         self._norm_units = units if any(not u.whole for u in units) else None
         self._norm_order = norm_order(self.params)
         self.step_count = 0
@@ -117,7 +121,8 @@ class DataParallel:
         if self.owners is None:
             return optimizer
         owners = self.owners
-        self.optimizer = ShardedOptimizer(optimizer, owners.assignment, owners.layout, self.comm, self.cfg.zero)
+        self.optimizer = ShardedOptimizer(optimizer, owners.assignment, owners.layout, self.comm, self.cfg.zero,
+                                          elementwise=self.elementwise)
         self.optimizer.clock = self.clock
         owners.start(run_dir, self.move_owners)
         return self.optimizer

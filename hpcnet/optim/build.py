@@ -131,14 +131,21 @@ def _from_factory(groups: list[dict[str, Any]], cfg: OptimConfig) -> torch.optim
 
 
 def is_elementwise(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> bool:
-    """Whether ``optimizer``'s update is elementwise (``hpcnet.config.optimizers``): by name from the registry; a
-    factory's when its class says ``elementwise = True``, is a known elementwise library class, or
-    ``optim.elementwise`` says so."""
-    if not cfg.factory:
-        return OPTIMIZERS[cfg.name].elementwise
-    cls = type(optimizer)
-    return (cfg.elementwise or getattr(cls, "elementwise", False) is True
-            or f"{cls.__module__}.{cls.__qualname__}" in ELEMENTWISE_CLASSES)
+    """Whether ``optimizer``'s update is elementwise (``hpcnet.config.optimizers``): what its class declares or
+    the registry knows of it (torch's by name, known library classes), else what ``optim.elementwise`` says."""
+    known = class_is_elementwise(type(optimizer))
+    return cfg.elementwise if known is None else known
+
+
+def class_is_elementwise(cls: type) -> bool | None:
+    """What ``cls`` declares (a class attribute ``elementwise = True`` or ``False``), what the registry knows of
+    torch's and library classes, or None: unknown."""
+    declared = getattr(cls, "elementwise", None)
+    if isinstance(declared, bool):
+        return declared
+    if getattr(torch.optim, cls.__name__, None) is cls:
+        return {known.cls: known.elementwise for known in OPTIMIZERS.values()}.get(cls.__name__)
+    return True if f"{cls.__module__}.{cls.__qualname__}" in ELEMENTWISE_CLASSES else None
 
 
 def rebuild_optimizer(full: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:

@@ -149,7 +149,8 @@ def test_a_sharded_optimizer_s_rank_wants_the_model_and_its_own_state_only():
     wanted = {}
     for rank in (0, 1):
         owners = OwnerAssignment([0, 1, 1], [4096, 4108], [1.0, 1.0])
-        sharded = ShardedOptimizer(torch.optim.AdamW(params, lr=0.1), owners, layout, _FakeComm(rank, 2), stage=1)
+        sharded = ShardedOptimizer(torch.optim.AdamW(params, lr=0.1), owners, layout, _FakeComm(rank, 2), stage=1,
+                                   elementwise=True)
         wanted[rank] = [name for name in names if wanted_by([sharded])(name)]
         sharded.close()
     assert wanted[0] == ["model/w", "model/blocks/1/b", "optim/0/exp_avg:0-32", "optim/0/exp_avg:16-40",

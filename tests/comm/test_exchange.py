@@ -137,7 +137,8 @@ def test_reshard_moves_the_state_bit_for_bit_as_bytes_below_the_limit(comm, monk
     layout = ShardLayout(params, size)
     assert size == 1 or any(not u.whole for u in layout.units)  # the 64x40 weight is cut into row ranges
     assignment, _ = assign_owners(layout.tensors, limited, mode="uniform")
-    optimizer = ShardedOptimizer(torch.optim.AdamW(params, lr=1e-2), assignment, layout, limited, stage)
+    optimizer = ShardedOptimizer(torch.optim.AdamW(params, lr=1e-2), assignment, layout, limited, stage,
+                                 elementwise=True)
     for step in range(2):
         grads = _grads(params, step)
         if stage == 1:

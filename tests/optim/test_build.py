@@ -149,6 +149,10 @@ class Tagged(torch.optim.SGD):
     elementwise = True
 
 
+class Unknown(torch.optim.SGD):
+    """A user's optimizer that declares nothing."""
+
+
 def sgd_factory(param_groups, cfg):
     return Tagged(param_groups, lr=cfg.lr, momentum=cfg.options.get("momentum", 0.0))
 
@@ -181,9 +185,11 @@ def test_a_factory_s_optimizer_is_elementwise_only_when_said():
     lion = build_optimizer(model, _optim("optim.factory=tests.optim.test_build:lion_factory"))
     assert is_elementwise(lion, _optim("optim.factory=tests.optim.test_build:lion_factory"))  # a known library class
     plain = _optim("optim.factory=hpcnet.optim:build_optimizer")
-    unknown = torch.optim.Adafactor(model.parameters())
-    assert not is_elementwise(unknown, plain)
-    assert is_elementwise(unknown, _optim("optim.factory=hpcnet.optim:build_optimizer", "optim.elementwise=true"))
+    said = _optim("optim.factory=hpcnet.optim:build_optimizer", "optim.elementwise=true")
+    unknown = Unknown(model.parameters(), lr=0.1)
+    assert not is_elementwise(unknown, plain) and is_elementwise(unknown, said)
+    adafactor = torch.optim.Adafactor(model.parameters())  # known not to be: optim.elementwise does not change it
+    assert not is_elementwise(adafactor, plain) and not is_elementwise(adafactor, said)
 
 
 @pytest.mark.parametrize("factory, needle", [

@@ -15,7 +15,6 @@ state, pieces of any cut or whole tensors, and keeps the rows this rank owns, so
 ``dist.zero`` settings and world sizes.
 """
 
-import inspect
 from typing import Any
 
 import numpy as np
@@ -28,6 +27,7 @@ from hpcnet.comm.buckets import dense
 from hpcnet.comm.costmodel import OwnerAssignment
 from hpcnet.comm.exchange import exchange, pieces
 from hpcnet.comm.sharding.layout import ShardLayout, Unit
+from hpcnet.optim.build import class_is_elementwise, rebuild_optimizer
 from hpcnet.stateful import Entries, Saved, Stateful
 
 
@@ -91,9 +91,8 @@ class ShardedOptimizer(Stateful):
     """A torch optimizer over the units this rank owns, with the full optimizer's interface.
 
     Args:
-        full: the optimizer over every parameter, as ``build_optimizer`` made it (holds no state yet); an
-            optimizer of its class over the owned units' tensors replaces it.  Its update must be elementwise
-            (SGD, Adam, AdamW, ...): a cut parameter's rows are updated apart.
+        full: the optimizer over every parameter, as ``build_optimizer`` made it (holds no state yet); one like
+            it over the owned units' tensors (``rebuild_optimizer``) replaces it.
         assignment: the owners (by unit index in ``layout``).
         layout: the model's trainable parameters, in model order, and their units.
         comm: the ranks' communicator.
@@ -101,12 +100,19 @@ class ShardedOptimizer(Stateful):
             on the units' tensors; 3: every unit has a tensor of its own (``hpcnet.comm.sharding.params``), its
             gradient is there, and nothing is broadcast after the update: the next forward gathers the
             parameters).
+        elementwise: whether ``full``'s update is elementwise (``hpcnet.optim.is_elementwise``): only then may
+            ``layout`` cut a parameter into row ranges, each updated apart; a cut layout given to any other
+            optimizer (Muon, Adafactor) is refused here, as it would silently change what the optimizer computes.
     """
 
     def __init__(self, full: torch.optim.Optimizer, assignment: OwnerAssignment, layout: ShardLayout, comm: Any,
-                 stage: int) -> None:
+                 stage: int, *, elementwise: bool) -> None:
         if full.state:
             raise ValueError("a sharded optimizer starts from an optimizer without state")
+        if layout.cut and not (elementwise and class_is_elementwise(type(full)) is not False):
+            cut = sorted({u.param for u in layout.units if not u.whole})
+            raise ValueError(f"{type(full).__name__} is not elementwise: it must own whole parameters, and the layout "
+                             f"cuts parameter(s) {cut[:5]} into row ranges")
         if len(assignment.owner) != len(layout.units):
             raise ValueError(f"the assignment names {len(assignment.owner)} units, the layout has {len(layout.units)}")
         self.stage, self.comm, self.layout = stage, comm, layout
@@ -123,9 +129,7 @@ class ShardedOptimizer(Stateful):
             self.group_sizes.append(len(members))
             self._hyper.append({k: v for k, v in group.items() if k != "params"})
         self.full_index = {i: k for k, i in enumerate(self.full_order)}
-        accepted = inspect.signature(type(full).__init__).parameters
-        self._options = {k: v for k, v in full.defaults.items() if k in accepted}
-        self._cls = type(full)
+        self._full = full  # the template rebuild_optimizer makes the inner optimizer like (no state: no memory)
         self.norm_order = norm_order(self.params)
         self.clock: Any = None  # the loop's PhaseClock: the update is 'optimizer', the broadcast 'comm'
         self.gather: ParamGather | None = None
@@ -147,7 +151,7 @@ class ShardedOptimizer(Stateful):
             groups.append({**group_hyper, "params": [self.layout.tensors[u] for u in mine]})
         # The owned units whose gradient is on the unit's tensor, not its parameter's .grad.
         self._own_grads = [u for u in self.owned if self.stage == 3 or not self.layout.units[u].whole]
-        self.inner = self._cls(groups, **self._options)
+        self.inner = rebuild_optimizer(self._full, groups)
         if self.gather is not None:
             self.gather.close()
         self.gather = ParamGather(self.layout.tensors, owner, self.comm) if self.stage < 3 else None
