@@ -16,7 +16,6 @@ from mpi4py import MPI
 from hpcnet.errors import ExitCode
 from hpcnet.train import run
 from tests.helpers.data import shared_data_dir, tiny_images
-from tests.helpers.dirs import made_once
 from tests.helpers.launch import ROOT, clean_env
 from tests.helpers.train import StopAfter, train_config
 
@@ -215,79 +214,97 @@ def _ckpts(directory):
     return sorted(p.name for p in directory.glob("ckpt-*.h5"))
 
 
-@pytest.fixture
-def used_runs(tmp_path_factory, tmp_path):
-    """``tmp_path/runs`` holding a copy of a 2-rank run of 60 steps (``_run_args``: checkpoints at 40, 50 and 60 in
-    ``x.ckpt``), made once for the tests that start from it (``made_once``; 7 s of CPU a run)."""
-    import shutil
-
-    def make(folder):
-        first = subprocess.run(["mpirun", "-np", "2", sys.executable, "-m", "mpi4py", "-m", "hpcnet.train",
-                                *_run_args(folder, "train.steps=60")], cwd=folder, env=clean_env(),
-                               capture_output=True, text=True, timeout=180)
-        assert first.returncode == 0, first.stderr
-
-    shutil.copytree(made_once(tmp_path_factory, "resume-60-steps", make) / "runs", tmp_path / "runs")
-    return tmp_path / "runs"
+def _used(comm, tmp, dataset, name):
+    """A run of 60 steps in ``tmp/ckpt/name`` with checkpoints at 40, 50 and 60 (``_cfg``'s every 10, keep 3)."""
+    run(_cfg(tmp, dataset, name, "model.name=mlp", "train.steps=60", "checkpoint.full_every=1",
+             "checkpoint.keep=3"), comm)
+    comm.Barrier()
+    return tmp / "ckpt" / name
 
 
-@pytest.mark.launch
-def test_a_fresh_run_into_a_used_checkpoint_directory_refuses_and_loses_nothing(launch, tmp_path, used_runs):
-    directory = used_runs / "x.ckpt"
+@pytest.mark.mpi
+def test_a_fresh_run_into_a_used_checkpoint_directory_refuses_and_loses_nothing(comm, mpi_tmp_path):
+    from hpcnet.errors import UsageError
+
+    dataset = _dataset(comm, mpi_tmp_path)
+    directory = _used(comm, mpi_tmp_path, dataset, "used")
     assert _ckpts(directory) == ["ckpt-0000000040.h5", "ckpt-0000000050.h5", "ckpt-0000000060.h5"]
-    again = launch(2, *_run_args(tmp_path, "train.steps=30"))  # no --resume
-    assert again.returncode == ExitCode.USAGE_ERROR, again.stderr
+    with pytest.raises(UsageError) as refused:  # no checkpoint.resume
+        run(_cfg(mpi_tmp_path, dataset, "used", "model.name=mlp", "train.steps=30"), comm)
     for words in (str(directory), "step 60", "--resume auto", "run.name", "checkpoint.move_aside=true"):
-        assert words in again.stderr
+        assert words in str(refused.value)
+    comm.Barrier()
     assert _ckpts(directory) == ["ckpt-0000000040.h5", "ckpt-0000000050.h5", "ckpt-0000000060.h5"]
     assert (directory / "latest").read_text().strip() == "ckpt-0000000060.h5"
-    fresh = launch(2, *_run_args(tmp_path, "train.steps=30", "checkpoint.move_aside=true"))
-    assert fresh.returncode == 0, fresh.stderr
+    comm.Barrier()
+    run(_cfg(mpi_tmp_path, dataset, "used", "model.name=mlp", "train.steps=30", "checkpoint.full_every=1",
+             "checkpoint.move_aside=true"), comm)
+    comm.Barrier()
     assert _ckpts(directory) == ["ckpt-0000000010.h5", "ckpt-0000000020.h5", "ckpt-0000000030.h5"]
     assert (directory / "latest").read_text().strip() == "ckpt-0000000030.h5"
     (aside,) = directory.glob("aside-*-fresh-run")
     assert _ckpts(aside) == ["ckpt-0000000040.h5", "ckpt-0000000050.h5", "ckpt-0000000060.h5"]
-    assert "moved 3 checkpoint(s)" in fresh.stderr
+    comm.Barrier()
 
 
-@pytest.mark.launch
-def test_a_rollback_sticks_and_resume_auto_goes_by_commit_order(launch, tmp_path, used_runs):
-    directory = used_runs / "x.ckpt"  # checkpoints at 40, 50 and 60
-    back = launch(2, *_run_args(tmp_path, "train.steps=50", "checkpoint.keep=10", "--resume",
-                                str(directory / "ckpt-0000000040.h5")))
-    assert back.returncode == 0, back.stderr
-    assert "at step 40" in back.stderr and "rollback to step 40" in back.stderr
-    on = launch(2, *_run_args(tmp_path, "train.steps=55", "checkpoint.keep=10", "--resume", "auto"))
-    assert on.returncode == 0, on.stderr
-    assert "ckpt-0000000050.h5 at step 50" in on.stderr  # the rolled-back run's 50, not the abandoned 60
+@pytest.mark.mpi
+def test_a_rollback_sticks_and_resume_auto_goes_by_commit_order(comm, mpi_tmp_path):
+    dataset = _dataset(comm, mpi_tmp_path)
+    directory = _used(comm, mpi_tmp_path, dataset, "rollback")  # checkpoints at 40, 50 and 60
+    args = ["model.name=mlp", "checkpoint.full_every=1", "checkpoint.keep=10"]
+    back = run(_cfg(mpi_tmp_path, dataset, "rollback", *args, "train.steps=50",
+                    f"checkpoint.resume={directory / 'ckpt-0000000040.h5'}"), comm)
+    assert back.summary["start_step"] == 40
+    comm.Barrier()
+    (aside,) = directory.glob("aside-*-rollback-to-step-40")  # the abandoned 50 and 60, out of resume auto's way
+    assert _ckpts(aside) == ["ckpt-0000000050.h5", "ckpt-0000000060.h5"]
+    on = run(_cfg(mpi_tmp_path, dataset, "rollback", *args, "train.steps=55", "checkpoint.resume=auto"), comm)
+    assert on.summary["start_step"] == 50  # the rolled-back run's 50, not the abandoned 60
+    comm.Barrier()
     assert _ckpts(directory)[-1] == "ckpt-0000000055.h5"
+    comm.Barrier()
 
 
-@pytest.mark.launch
-def test_resume_auto_with_every_checkpoint_damaged_stops_and_lists_them(launch, tmp_path):
+@pytest.mark.mpi
+def test_resume_auto_with_every_checkpoint_damaged_stops_and_lists_them(comm, mpi_tmp_path):
     from hpcnet.ckpt.damage import corrupt_newest
+    from hpcnet.errors import UsageError
 
-    directory = tmp_path / "runs" / "x.ckpt"
-    assert launch(2, *_run_args(tmp_path, "train.steps=20")).returncode == 0
-    corrupt_newest(directory)  # step 20
-    newest = directory / "ckpt-0000000010.h5"
-    newest.write_bytes(newest.read_bytes()[:4096])  # step 10: cut short
-    out = launch(2, *_run_args(tmp_path, "train.steps=30", "--resume", "auto"))
-    assert out.returncode == ExitCode.USAGE_ERROR, out.stderr
-    assert "none of the 2 committed checkpoint(s)" in out.stderr and "starting from step 0" not in out.stderr
-    assert "ckpt-0000000020.h5 (step 20): dataset /tensors/" in out.stderr and "checksum mismatch" in out.stderr
-    assert "ckpt-0000000010.h5 (step 10)" in out.stderr and "truncated" in out.stderr
+    dataset = _dataset(comm, mpi_tmp_path)
+    run(_cfg(mpi_tmp_path, dataset, "damaged", "model.name=mlp", "checkpoint.full_every=1"), comm)
+    directory = mpi_tmp_path / "ckpt" / "damaged"
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        corrupt_newest(directory)  # step 20
+        newest = directory / "ckpt-0000000010.h5"
+        newest.write_bytes(newest.read_bytes()[:4096])  # step 10: cut short
+    comm.Barrier()
+    with pytest.raises(UsageError) as refused:
+        run(_cfg(mpi_tmp_path, dataset, "damaged", "model.name=mlp", "train.steps=30", "checkpoint.resume=auto"),
+            comm)
+    message = str(refused.value)
+    assert "none of the 2 committed checkpoint(s)" in message
+    assert "ckpt-0000000020.h5 (step 20): dataset /tensors/" in message and "checksum mismatch" in message
+    assert "ckpt-0000000010.h5 (step 10)" in message and "truncated" in message
+    comm.Barrier()
 
 
-@pytest.mark.launch
+@pytest.mark.mpi
 # ENOSPC takes EDQUOT's path (tests/ckpt cover both errnos' statuses; fault.fill_disk_at_step a real full disk).
 @pytest.mark.parametrize("code, status", [("EDQUOT", ExitCode.USAGE_ERROR), ("EIO", ExitCode.RESTARTABLE)])
-def test_an_error_inside_the_checkpoint_write_gives_its_documented_status(launch, tmp_path, code, status):
-    out = launch(2, *_run_args(tmp_path, "train.steps=30", f"fault.write_error={code}", "fault.write_error_at_step=20"))
-    assert out.returncode == status, out.stderr
-    assert re.search(r"ckpt-0000000020\.h5\.[0-9a-f]{16}\.tmp", out.stderr)
-    assert os.strerror(getattr(__import__("errno"), code)) in out.stderr
-    assert _ckpts(tmp_path / "runs" / "x.ckpt") == ["ckpt-0000000010.h5"]
+def test_an_error_inside_the_checkpoint_write_gives_its_documented_status(comm, mpi_tmp_path, code, status):
+    from hpcnet.errors import exit_code_of
+
+    dataset = _dataset(comm, mpi_tmp_path)
+    with pytest.raises(Exception) as failed:
+        run(_cfg(mpi_tmp_path, dataset, code, "model.name=mlp", "train.steps=30", f"fault.write_error={code}",
+                 "fault.write_error_at_step=20", "checkpoint.full_every=1"), comm)
+    assert exit_code_of(failed.value) == status, failed.value
+    assert re.search(r"ckpt-0000000020\.h5\.[0-9a-f]{16}\.tmp", str(failed.value))
+    assert os.strerror(getattr(__import__("errno"), code)) in str(failed.value)
+    comm.Barrier()
+    assert _ckpts(mpi_tmp_path / "ckpt" / code) == ["ckpt-0000000010.h5"]
+    comm.Barrier()
 
 
 @pytest.mark.launch
@@ -342,32 +359,47 @@ def test_a_node_local_checkpoint_directory_is_an_error_not_a_fresh_start(tmp_pat
     out = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert out.returncode == ExitCode.USAGE_ERROR, out.stderr
     assert "is not the directory rank 0 writes to" in out.stderr and "ranks [1]" in out.stderr
-@pytest.mark.launch
-@pytest.mark.parametrize("saved_ranks, resumed_ranks", [(2, 3), (4, 3)])  # more ranks, and fewer
-def test_resume_at_another_world_size(launch, tmp_path, saved_ranks, resumed_ranks):
-    """The saved position is no whole number of the new global batches: the epoch goes on from it, and its
-    tail is dropped where the new grid runs out (seen in the epoch each step logs)."""
+@pytest.mark.mpi
+@pytest.mark.parametrize("direction", ["more", "fewer"])
+def test_resume_at_another_world_size(comm, mpi_tmp_path, direction):
+    """N-1 ranks save and N resume ("more"), or N save and N-1 resume ("fewer"): the saved position is no whole
+    number of the new global batches, the epoch goes on from it, and its tail is dropped where the new grid runs
+    out (seen in the epoch each step logs)."""
     from hpcnet.data.sampler import GlobalBatchSampler
 
-    dataset = tiny_images(MPI.COMM_SELF, tmp_path, "reshard.h5", num_train=211, num_eval=16, seed=3)
-    common = [f"data.dataset={dataset}", f"checkpoint.dir={tmp_path / 'ckpt'}", "run.dir_exact=true",
-              "model.name=mlp", "model.options.hidden=[16]", "train.batch_size=8", "train.eval_every=0",
-              "dist.probe=false", "run.log_every=1", "checkpoint.every_steps=0"]
-    first = launch(saved_ranks, *common, f"run.dir={tmp_path / 'first'}", "train.steps=5", timeout=240)
-    assert first.returncode == 0, first.stderr
+    size = comm.Get_size()
+    if size < (2 if direction == "more" else 3):
+        pytest.skip(f"{direction} ranks than saved needs {'2' if direction == 'more' else '3'} ranks or more "
+                    "(a position that is no whole number of one rank's batches cannot be)")
+    fewer = comm.Split(0 if comm.Get_rank() < size - 1 else MPI.UNDEFINED)
+    saving, resuming = (fewer, comm) if direction == "more" else (comm, fewer)
+    saved_ranks, resumed_ranks = (size - 1, size) if direction == "more" else (size, size - 1)
+    dataset = tiny_images(comm, mpi_tmp_path, "reshard.h5", num_train=211, num_eval=16, seed=3)
+    common = ["model.name=mlp", "model.options.hidden=[16]", "train.batch_size=8", "run.log_every=1",
+              "checkpoint.every_steps=0"]
     position = 5 * 8 * saved_ranks
     assert position % (8 * resumed_ranks)  # the case the old sampler refused
-    second = launch(resumed_ranks, *common, f"run.dir={tmp_path / 'second'}", "train.steps=13", "--resume", "auto",
-                    timeout=240)
-    assert second.returncode == 0, second.stderr
-    assert f"at step 5 (saved by {saved_ranks} rank(s)" in second.stderr
-    summary = json.loads((tmp_path / "second" / "summary.json").read_text())
-    assert (summary["start_step"], summary["steps"], summary["world_size"]) == (5, 13, resumed_ranks)
-    logged = [json.loads(line) for line in (tmp_path / "second" / "metrics.rank0.jsonl").read_text().splitlines()]
+    resumed_steps = (211 - position) // (8 * resumed_ranks) + 1  # the epoch's last whole batch, then the next's first
+    if saving != MPI.COMM_NULL:
+        run(train_config(mpi_tmp_path, dataset, "first", *common, "train.steps=5",
+                         f"checkpoint.dir={mpi_tmp_path / 'ckpt'}"), saving)
+    comm.Barrier()
+    if resuming != MPI.COMM_NULL:
+        second = run(train_config(mpi_tmp_path, dataset, "second", *common, f"train.steps={5 + resumed_steps}",
+                                  f"checkpoint.dir={mpi_tmp_path / 'ckpt'}", "checkpoint.resume=auto"), resuming)
+        assert (second.summary["start_step"], second.summary["steps"], second.summary["world_size"]) == (
+            5, 5 + resumed_steps, resumed_ranks)
+    comm.Barrier()
+    if fewer != MPI.COMM_NULL:
+        fewer.Free()
+    if comm.Get_rank() != 0:
+        return
+    logged = [json.loads(line) for line in
+              (mpi_tmp_path / "runs" / "second" / "metrics.rank0.jsonl").read_text().splitlines()]
     sampler = GlobalBatchSampler(211, 8, rank=0, world_size=resumed_ranks)
     sampler.load_state_dict({"epoch": 0, "samples_consumed_in_epoch": position, "seed": 0})
     expected = []
-    for _ in range(8):
+    for _ in range(resumed_steps):
         sampler.next_indices()
         expected.append(sampler.epoch)
     assert [r["epoch"] for r in logged if "loss" in r] == expected
@@ -435,15 +467,23 @@ def test_row_pieces_renamed_in_the_newest_checkpoint_make_resume_auto_take_the_o
     assert "ckpt-0000000010.h5 at step 10" in out.stderr
 
 
-@pytest.mark.launch
+@pytest.mark.mpi
 @pytest.mark.parametrize("zero", [0, 1])
-def test_a_checkpoint_of_other_shapes_under_the_same_names_is_a_usage_error(launch, tmp_path, zero):
-    """Issue 27, item 11: resuming a model of the same parameter names but other shapes stops with 2 (not 1),
-    naming the checkpoint and the tensors; nothing is set aside."""
-    args = _run_args(tmp_path, f"dist.zero={zero}", "optim.name=adamw")
-    assert launch(2, *args, "train.steps=10", "model.options.hidden=[64]").returncode == 0
-    out = launch(2, *args, "train.steps=20", "model.options.hidden=[32]", "--resume", "auto")
-    assert out.returncode == ExitCode.USAGE_ERROR, out.stderr[-3000:]
-    assert "checkpoint '" in out.stderr and "ckpt-0000000010.h5' does not match the model" in out.stderr
-    assert "1.weight is [64, 3072] there, [32, 3072] in the model" in out.stderr and "model.*" in out.stderr
-    assert _ckpts(tmp_path / "runs" / "x.ckpt") == ["ckpt-0000000010.h5"]
+def test_a_checkpoint_of_other_shapes_under_the_same_names_is_a_usage_error(comm, data_plane, mpi_tmp_path, zero):
+    """Issue 27, item 11: resuming a model of the same parameter names but other shapes stops every rank with a
+    usage error (status 2, not 1), naming the checkpoint and the tensors; nothing is set aside."""
+    from hpcnet.errors import UsageError
+
+    dataset = _dataset(comm, mpi_tmp_path)
+    args = [f"dist.zero={zero}", "optim.name=adamw", "model.name=mlp"]
+    run(_cfg(mpi_tmp_path, dataset, "shapes", *args, "train.steps=10", "model.options.hidden=[64]"), comm,
+        plane=data_plane)
+    with pytest.raises(UsageError) as failed:
+        run(_cfg(mpi_tmp_path, dataset, "shapes", *args, "model.options.hidden=[32]", "checkpoint.resume=auto"),
+            comm, plane=data_plane)
+    message = str(failed.value)
+    assert "checkpoint '" in message and "ckpt-0000000010.h5' does not match the model" in message
+    assert "1.weight is [64, 64] there, [32, 64] in the model" in message and "model.*" in message
+    comm.Barrier()
+    assert _ckpts(mpi_tmp_path / "ckpt" / "shapes") == ["ckpt-0000000010.h5"]
+    comm.Barrier()
