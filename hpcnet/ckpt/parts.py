@@ -101,6 +101,9 @@ class OptimizerState(Stateful):
 
     def state_entries(self) -> Entries:
         state = self.optimizer.state_dict()
+        problem = unsaveable_state(type(self.optimizer).__name__, state["state"])
+        if problem:  # every rank holds the same state: every rank raises alike
+            raise UsageError(problem)
         tensors: dict[str, torch.Tensor] = {}
         scalars: dict[str, dict[str, Any]] = {}
         for index, per_param in state["state"].items():
@@ -115,6 +118,19 @@ class OptimizerState(Stateful):
         per_param = state_by_param(saved, type(self.optimizer).__name__)
         _join_pieces(per_param, [p for group in self.optimizer.param_groups for p in group["params"]], saved.source)
         load_optimizer_state(self.optimizer, per_param, saved)
+
+
+def unsaveable_state(name: str, state: dict[int, dict[str, Any]]) -> str | None:
+    """What makes optimizer ``name``'s ``state`` (by parameter index) unfit for a checkpoint, or None: a tensor
+    subclass (torchao's low-bit states are such) would be written as its storage, or refused, by the file's
+    writer, not as the optimizer reads it back."""
+    for index, values in state.items():
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor) and type(value) not in (torch.Tensor, nn.Parameter):
+                return (f"optimizer {name}: state {key!r} of parameter {index} is a {type(value).__name__}, a tensor "
+                        f"subclass, which a checkpoint cannot hold as the optimizer reads it back; use an optimizer "
+                        f"whose state is plain tensors")
+    return None
 
 
 def optimizer_entries(name: str, groups: list[dict[str, Any]], tensors: dict[str, torch.Tensor],
@@ -136,12 +152,27 @@ def state_by_param(saved: Saved, name: str) -> dict[int, dict[str, Any]]:
     saved_name = saved.meta["state"].get("optimizer")
     if saved_name != name:
         raise UsageError(f"{saved.source} holds {saved_name!r} state, the optimizer is {name}")
+    return _tensors_by_param(saved.tensors)
+
+
+def _tensors_by_param(tensors: dict[str, torch.Tensor]) -> dict[int, dict[str, Any]]:
+    """The ``optim/<index>/<key>`` tensors of ``tensors`` by parameter index and state key."""
     per_param: dict[int, dict[str, Any]] = {}
-    for tensor_name, value in saved.tensors.items():
+    for tensor_name, value in tensors.items():
         if tensor_name.startswith("optim/"):
             _, index, key = tensor_name.split("/", 2)
             per_param.setdefault(int(index), {})[key] = value
     return per_param
+
+
+def full_optimizer_state(tensors: dict[str, torch.Tensor], meta_state: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's optimizer state as the unsharded optimizer's ``state_dict()`` (``python -m hpcnet.ckpt
+    export --optimizer``): ``tensors`` with row pieces joined (``hpcnet.ckpt.schema.join_pieces``), the meta's
+    ``state`` for the non-tensor values and the param groups."""
+    per_param = _tensors_by_param(tensors)
+    for index, values in meta_state.get("state_scalars", {}).items():
+        per_param.setdefault(int(index), {}).update(values)
+    return {"state": dict(sorted(per_param.items())), "param_groups": meta_state["param_groups"]}
 
 
 def load_optimizer_state(optimizer: Any, per_param: dict[int, dict[str, Any]], saved: Saved) -> None:

@@ -215,7 +215,8 @@ def cmd_verify(path: Path, out: Any) -> int:
     return 1 if failed else 0
 
 
-def cmd_export(path: Path, output: str | None, out: Any, fmt: str = "pt", hf_config: str | None = None) -> int:
+def cmd_export(path: Path, output: str | None, out: Any, fmt: str = "pt", hf_config: str | None = None,
+               optimizer: bool = False) -> int:
     from mpi4py import MPI
 
     from hpcnet.ckpt import export
@@ -225,23 +226,30 @@ def cmd_export(path: Path, output: str | None, out: Any, fmt: str = "pt", hf_con
         raise UsageError(f"--format {fmt!r} is not one of {', '.join(export.FORMATS)}")
     if hf_config and fmt != "hf":
         raise UsageError("--hf-config is for --format hf only")
+    if optimizer and fmt != "pt":
+        raise UsageError(f"--optimizer is for --format pt only: a {fmt} export holds the model, for readers that "
+                         "load it strictly")
     loaded = _despite_pruning(path, lambda: load_checkpoint(MPI.COMM_SELF, str(path)), out)
     assert loaded is not None
     # Before the tensors are joined: a run without model.hf fails at once.
     hf, options = export.run_model_config(loaded.meta, repr(str(loaded.path))) if fmt == "hf" else ("", {})
     from hpcnet.ckpt.schema import join_pieces  # a dist.zero=3 checkpoint's cut parameters are in row pieces
 
-    state = {k.removeprefix("model/"): v.clone() for k, v in join_pieces(loaded.tensors).items()
-             if k.startswith("model/")}
+    joined = join_pieces(loaded.tensors)
+    state = {k.removeprefix("model/"): v.clone() for k, v in joined.items() if k.startswith("model/")}
     if not state:
         raise UsageError(f"{str(loaded.path)!r} holds no model/ tensors")
+    saved: Any = state
+    if optimizer:
+        saved = {"model": state, **_optimizer_export(joined, loaded.meta, str(loaded.path))}
     target = Path(output) if output else Path(loaded.path.stem + export.SUFFIXES[fmt])
     source = f"from {loaded.path} (step {loaded.step})"
     try:
         if fmt == "pt":
-            export.write_pt(state, target)
-            how = f"state_dict of {len(state)} tensors {source}; read it with torch.load({str(target)!r}, " \
-                  "weights_only=True)"
+            export.write_pt(saved, target)
+            how = (f"state_dict of {len(state)} tensors {source}" if saved is state else
+                   f"'model' (a state_dict of {len(state)} tensors) and {saved['optimizer_class']}'s 'optimizer' "
+                   f"(its state_dict) {source}") + f"; read it with torch.load({str(target)!r}, weights_only=True)"
         elif fmt == "safetensors":
             export.write_safetensors(state, target, {"hpcnet_checkpoint": loaded.path.name,
                                                      "hpcnet_step": str(loaded.step)})
@@ -263,6 +271,16 @@ def cmd_export(path: Path, output: str | None, out: Any, fmt: str = "pt", hf_con
     return 0
 
 
+def _optimizer_export(joined: dict[str, Any], meta: dict[str, Any], source: str) -> dict[str, Any]:
+    """``--optimizer``: the checkpoint's optimizer state as the unsharded optimizer's state_dict, and its class."""
+    from hpcnet.ckpt.parts import full_optimizer_state
+
+    saved = meta.get("state")
+    if not isinstance(saved, dict) or "param_groups" not in saved:
+        raise UsageError(f"{source!r} holds no optimizer state")
+    return {"optimizer": full_optimizer_state(joined, saved), "optimizer_class": saved.get("optimizer")}
+
+
 def main(argv: list[str] | None = None, out: Any = None) -> int:
     from hpcnet.ckpt.export import FORMATS  # torch-free, as this module
 
@@ -280,6 +298,9 @@ def main(argv: list[str] | None = None, out: Any = None) -> int:
                                                   ".safetensors or -hf here); an earlier export there is replaced")
             p.add_argument("--hf-config", help="hf: the config.json or model directory to rebuild the model from, "
                                                "instead of the run's model.hf (moved, or relative to elsewhere)")
+            p.add_argument("--optimizer", action="store_true",
+                           help="pt: also the optimizer's state, unsharded: {'model': state_dict, 'optimizer': the "
+                                "optimizer's state_dict, 'optimizer_class': its class's name} (left out by default)")
     args = parser.parse_args(argv)
     path = Path(args.path)
     try:
@@ -290,7 +311,7 @@ def main(argv: list[str] | None = None, out: Any = None) -> int:
             return cmd_inspect(path, out)
         if args.command == "verify":
             return cmd_verify(path, out)
-        return cmd_export(path, args.output, out, args.format, args.hf_config)
+        return cmd_export(path, args.output, out, args.format, args.hf_config, args.optimizer)
     except CheckpointCorrupt as exc:
         print(f"error: {exc}", file=sys.stderr)
         return int(ExitCode.CODE_ERROR)

@@ -217,3 +217,26 @@ def test_export_refuses_an_output_that_is_not_a_regular_file(single_process, tmp
     assert stat.S_ISFIFO(fifo.stat().st_mode)
     assert all(not stat.S_ISREG(p.stat().st_mode) for p in outputs) and sorted(tmp_path.iterdir()) == sorted(
         [tmp_path / "run", *outputs])
+
+
+def test_export_leaves_the_optimizer_out_unless_asked_and_names_where_it_cannot_go(single_process, tmp_path, capsys):
+    model, sgd, _ = model_and_optimizers()
+    train_steps(model, [sgd], 2)
+    with CheckpointManager(MPI.COMM_SELF, tmp_path / "run", async_save=False) as manager:
+        entries = model_and_optimizer_state(model, sgd)
+        manager.save(2, entries.tensors, entries.meta, rng_state())
+    assert _run("export", tmp_path / "run", "-o", tmp_path / "model.pt")[0] == 0
+    assert list(torch.load(tmp_path / "model.pt", weights_only=True)) == list(model.state_dict())  # model only
+    code, said = _run("export", tmp_path / "run", "--optimizer", "-o", tmp_path / "both.pt")
+    both = torch.load(tmp_path / "both.pt", weights_only=True)
+    assert code == 0 and "SGD's 'optimizer'" in said and both["optimizer_class"] == "SGD"
+    assert_same_tensors(both["model"], model.state_dict())
+    again = torch.optim.SGD(list(model[0].parameters()) + list(model[1].parameters()), lr=0.1, momentum=0.9)
+    again.load_state_dict(both["optimizer"])
+    for p in again.param_groups[0]["params"]:
+        assert torch.equal(again.state[p]["momentum_buffer"], sgd.state[p]["momentum_buffer"])
+    assert _run("export", tmp_path / "run", "--optimizer", "--format", "safetensors")[0] == 2
+    assert "--optimizer is for --format pt only" in capsys.readouterr().err
+    _saved(tmp_path / "plain", [1])  # a checkpoint without an optimizer
+    assert _run("export", tmp_path / "plain", "--optimizer", "-o", tmp_path / "none.pt")[0] == 2
+    assert "holds no optimizer state" in capsys.readouterr().err

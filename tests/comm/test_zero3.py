@@ -231,6 +231,21 @@ def test_a_stage_3_checkpoint_resumes_on_one_rank_and_exports_whole(comm, data_p
         assert list(state) == list(saved.model.state_dict())
         for key, value in saved.model.state_dict().items():
             assert torch.equal(state[key], value), key
+        # --optimizer: the optimizer's state too, its pieces joined, as the unsharded optimizer's state_dict.
+        assert cmd_export(sorted(ckpt.glob("ckpt-*.h5"))[-1], str(target), io.StringIO(), optimizer=True) == 0
+        both = torch.load(target, weights_only=True)
+        assert both["optimizer_class"] == "AdamW" and list(both["model"]) == list(state)
+        expected_state = result.optimizer.state_dict()  # read back at stage 0 by every rank: the whole state
+        assert both["optimizer"]["state"].keys() == expected_state["state"].keys()
+        for index, values in expected_state["state"].items():
+            for key, value in values.items():
+                assert torch.equal(both["optimizer"]["state"][index][key], value), (index, key)
+        from hpcnet.config.load import load_config
+        from hpcnet.optim import build_optimizer
+
+        fresh = build_optimizer(saved.model, load_config(overrides=["optim.name=adamw"]).optim)
+        fresh.load_state_dict(both["optimizer"])  # as torch's own optimizer takes it
+        assert fresh.param_groups[0]["lr"] == expected_state["param_groups"][0]["lr"]
     comm.Barrier()
 
 

@@ -120,6 +120,72 @@ def test_a_run_saved_on_fewer_ranks_resumes_its_state_bit_for_bit_on_more_at_ano
     comm.Barrier()
 
 
+@pytest.mark.launch
+def test_muon_killed_9_resumes_to_the_uninterrupted_run_s_bits(launch, tmp_path):
+    """Muon + AdamW at stage 2 on 2 ranks, a rank killed -9 at step 8: resumed from the step-5 checkpoint, the
+    run ends with the uninterrupted run's parameters and optimizer state, bit for bit."""
+    from hpcnet.ckpt.load import load_checkpoint
+
+    dataset = tiny_images(MPI.COMM_SELF, tmp_path, "muon.h5", num_train=96, num_eval=16, seed=3)
+    common = [f"data.dataset={dataset}", "run.dir_exact=true", *MODEL, "train.batch_size=4", "train.eval_every=0",
+              "dist.probe=false", "dist.owners=uniform", "checkpoint.every_s=0", "checkpoint.every_steps=5",
+              "checkpoint.async_save=false", "checkpoint.at_end=true", "train.steps=12", "dist.zero=2",
+              *OPTIMIZERS["muon"]]
+    straight = launch(2, *common, f"run.dir={tmp_path / 'straight'}", f"checkpoint.dir={tmp_path / 'c-straight'}",
+                      timeout=240)
+    assert straight.returncode == 0, straight.stderr
+    killed = [*common, f"checkpoint.dir={tmp_path / 'c-killed'}"]
+    first = launch(2, *killed, f"run.dir={tmp_path / 'first'}", "fault.kill_at_step=8", timeout=240)
+    assert first.returncode != 0 and "step 12/12" not in first.stderr, first.stderr
+    second = launch(2, *killed, f"run.dir={tmp_path / 'second'}", "--resume", "auto", timeout=240)
+    assert second.returncode == 0 and "at step 5 (saved by 2 rank(s)" in second.stderr, second.stderr
+    a = load_checkpoint(MPI.COMM_SELF, str(tmp_path / "c-straight"))
+    b = load_checkpoint(MPI.COMM_SELF, str(tmp_path / "c-killed"))
+    assert a.step == b.step == 12
+    names = sorted(k for k in a.tensors if k.startswith(("model/", "optim/")))
+    assert any("momentum_buffer" in k for k in names) and any("exp_avg_sq" in k for k in names)
+    assert names == sorted(k for k in b.tensors if k.startswith(("model/", "optim/")))
+    for name in names:
+        assert torch.equal(a.tensors[name], b.tensors[name]), name
+
+
+class Packed(torch.Tensor):
+    """A tensor subclass, as torchao's low-bit optimizer states are."""
+
+
+class PackedSGD(torch.optim.SGD):
+    """SGD that also keeps a tensor subclass in its state."""
+
+    elementwise = True
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["packed"] = torch.Tensor._make_subclass(Packed, p.detach().clone())
+        return loss
+
+
+def packed_sgd(param_groups, cfg):
+    """optim.factory: ``PackedSGD``."""
+    return PackedSGD(param_groups, lr=cfg.lr)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("zero", [0, 2])
+def test_a_tensor_subclass_in_the_optimizer_state_is_refused_on_every_rank_naming_it(comm, data_plane, mpi_tmp_path,
+                                                                                     zero):
+    from hpcnet.errors import UsageError
+
+    dataset = _dataset(comm, mpi_tmp_path)
+    with pytest.raises(UsageError, match=r"optimizer PackedSGD: state 'packed' of parameter \d+ is a Packed, a tensor "
+                                         r"subclass, which a checkpoint cannot hold"):
+        run(_cfg(mpi_tmp_path, dataset, f"packed-{zero}", "optim.factory=tests.comm.test_zero_optimizers:packed_sgd",
+                 "train.steps=4", "checkpoint.every_steps=2", f"dist.zero={zero}"), comm, plane=data_plane)
+    comm.Barrier()
+
+
 # --- one process: the layout an optimizer gets ----------------------------------------------------------------------
 
 class _Comm:

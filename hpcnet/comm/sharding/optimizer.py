@@ -21,12 +21,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from hpcnet.ckpt.parts import load_optimizer_state, optimizer_entries, state_by_param
+from hpcnet.ckpt.parts import load_optimizer_state, optimizer_entries, state_by_param, unsaveable_state
 from hpcnet.ckpt.schema import ROW_PIECE, piece_name, rows_of, split_pieces
 from hpcnet.comm.buckets import dense
 from hpcnet.comm.costmodel import OwnerAssignment
 from hpcnet.comm.exchange import exchange, pieces
 from hpcnet.comm.sharding.layout import ShardLayout, Unit
+from hpcnet.errors import UsageError
 from hpcnet.optim.build import class_is_elementwise, rebuild_optimizer
 from hpcnet.stateful import Entries, Saved, Stateful
 
@@ -230,7 +231,10 @@ class ShardedOptimizer(Stateful):
         order on every rank."""
         mine: dict[str, torch.Tensor] = {}
         mine_scalars: dict[str, dict[str, Any]] = {}
-        for k, values in self.unit_state().items():
+        owned = self.unit_state()
+        problem = unsaveable_state(type(self.inner).__name__,
+                                   {self.full_index[self.layout.units[k].param]: v for k, v in owned.items()})
+        for k, values in owned.items():
             tensors, scalars = self._names(k, values)
             mine.update(tensors)
             if scalars:
@@ -238,7 +242,11 @@ class ShardedOptimizer(Stateful):
         described = {name: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in mine.items()}
         found: dict[str, tuple[int, str, tuple[int, ...]]] = {}
         scalars_all: dict[str, dict[str, Any]] = {}
-        for rank, (names, scalars) in enumerate(self.comm.allgather((described, mine_scalars))):
+        gathered = self.comm.allgather((described, mine_scalars, problem))
+        problems = [p for _, _, p in gathered if p]
+        if problems:  # an owner's alone: every rank raises it
+            raise UsageError(problems[0])
+        for rank, (names, scalars, _) in enumerate(gathered):
             for name, (dtype, shape) in names.items():
                 found[name] = (rank, dtype, shape)
             for index, values in scalars.items():
