@@ -78,6 +78,10 @@ class StepMemory:
     """(transient bytes alive, gradient bytes handed over so far) through the backward: where a rank keeps a
     share of each gradient once its bucket is summed (``dist.zero=2``), its peak is the most of
     ``alive + share * handed``, which may come later than the peak of ``alive`` alone."""
+    state_sizes: tuple[int, ...] = ()
+    """The optimizer's state bytes of each trainable parameter, in model order: what its owner keeps (AdamW twice
+    the parameter, Adafactor a row and a column of each matrix, SGD without momentum nothing).  Empty: in
+    proportion to the parameters' bytes."""
 
     def backward_with_kept(self, fraction: float) -> int:
         """The backward's peak when ``fraction`` of every gradient handed over stays alive until the step ends."""
@@ -96,6 +100,9 @@ class ModelMemory:
     block_share: float
     steps: dict[str, StepMemory] = field(default_factory=dict)
     n_blocks: int = 0
+    elementwise: bool = True
+    """Whether the optimizer's update is elementwise: whether ``dist.zero`` may cut a parameter into row ranges
+    (``hpcnet.comm.sharding.layout``); if not, each rank owns whole parameters."""
 
     def blocks_of(self, checkpointing: "str | int") -> int:
         """How many blocks a choice checkpoints: 'off' none, 'blocks' all, or the number itself."""
@@ -127,8 +134,7 @@ def measure_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: An
             p.grad = None
 
     step_once()  # the optimizer's state, allocated for good
-    state_bytes = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-                      if isinstance(v, torch.Tensor))
+    state_sizes = tuple(_state_bytes(optimizer.state.get(p, {})) for p in params)
     tracker = _LiveBytes()
 
     def hand_over(p: torch.Tensor) -> None:
@@ -155,8 +161,14 @@ def measure_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: An
         for p, value in zip(params, saved):
             p.copy_(value)
             p.grad = None
-    return StepMemory(backward=backward, optimizer=optimizer_peak, batch=samples_in(batch), state_bytes=state_bytes,
-                      forward_backward_s=seconds, timeline=timeline)
+    return StepMemory(backward=backward, optimizer=optimizer_peak, batch=samples_in(batch),
+                      state_bytes=sum(state_sizes), forward_backward_s=seconds, timeline=timeline,
+                      state_sizes=state_sizes)
+
+
+def _state_bytes(state: dict[str, Any]) -> int:
+    """Bytes of one parameter's optimizer state: its tensors (a step counter on the CPU among them)."""
+    return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
 
 
 def _rises(timeline: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
@@ -166,10 +178,12 @@ def _rises(timeline: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     return tuple(kept + timeline[-1:])
 
 
-def measure_model(model: nn.Module, optimizer_factory: Any, loss_fn: Any, batch: Any) -> ModelMemory:
+def measure_model(model: nn.Module, optimizer_factory: Any, loss_fn: Any, batch: Any, *,
+                  elementwise: bool = True) -> ModelMemory:
     """``ModelMemory`` of ``model``: its parameter sizes, its blocks' share, and one measured step
     without checkpointing and, where it has blocks (``model.blocks=auto``), one with them checkpointed.
-    ``optimizer_factory(model)`` makes a fresh optimizer (dropped after)."""
+    ``optimizer_factory(model)`` makes a fresh optimizer (dropped after); ``elementwise``: whether its update is
+    (``ModelMemory.elementwise``)."""
     from hpcnet.models.blocks import checkpoint_blocks, find_blocks, uncheckpoint_blocks
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -178,7 +192,7 @@ def measure_model(model: nn.Module, optimizer_factory: Any, loss_fn: Any, batch:
     total = sum(p.numel() for p in params) or 1
     memory = ModelMemory(sizes=[p.numel() * p.element_size() for p in params],
                          shapes=[tuple(p.shape) for p in params], block_share=sum(inside.values()) / total,
-                         n_blocks=len(blocks))
+                         n_blocks=len(blocks), elementwise=elementwise)
     memory.steps["off"] = measure_step(model, optimizer_factory(model), loss_fn, batch)
     if blocks:
         fresh = [b for _, b in blocks if not getattr(b, "_hpcnet_checkpointed", False)]
@@ -197,12 +211,13 @@ def measure_config(cfg: Any, model: nn.Module, split: Any) -> ModelMemory:
 
     from hpcnet.models.device import map_tensors
     from hpcnet.objective import Objective
-    from hpcnet.optim import build_optimizer
+    from hpcnet.optim import build_optimizer, is_elementwise
 
     device = next(model.parameters()).device
     batch = map_tensors(lambda t: t.to(device), split.read(np.arange(min(cfg.train.batch_size, len(split)))))
     return measure_model(model, lambda m: build_optimizer(m, cfg.optim),
-                         Objective(cfg.model.loss, device=device, precision=cfg.train.precision), batch)
+                         Objective(cfg.model.loss, device=device, precision=cfg.train.precision), batch,
+                         elementwise=is_elementwise(build_optimizer(model, cfg.optim), cfg.optim))
 
 
 def status_kib(field: str) -> int:

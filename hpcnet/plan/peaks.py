@@ -1,18 +1,20 @@
 """Each rank's peak predicted for each ``dist.zero`` stage and activation checkpointing choice, from the model's
 parameters, the optimizer, the batch and one measured step (``hpcnet.plan.measure``); the fastest choice under a cap.
 
-A rank's memory in a step is what it keeps (parameters; the gradient buckets, or at stage 2 its share of the
-sums; the optimizer state, or its share of it from stage 1 on) plus what the step itself holds for a while
-(activations, the backward's temporaries, gradients on their way to a bucket; the optimizer's temporaries).
-The planner measures the second part once, on the plain model at one rank's batch, with and without the
-blocks checkpointed (``measure_step``), and adds the first part for each stage from the parameter sizes and
-the shares the uniform owner plan gives (``hpcnet.comm.sharding``).  The peak is the larger of the backward's and
-the optimizer step's.  At stage 2 the share of each gradient a rank keeps appears as the backward hands the
-gradients over, so its backward peak is the most, over the measured backward, of what is alive plus the share
-of what was handed over so far (``StepMemory.backward_with_kept``), and two buckets besides (one being filled,
-one in the transport).  Stage 3 keeps only its share of the parameters too, and holds whole, during the backward,
-the root's parameters (those outside the blocks) and some blocks' (``STAGE3_BLOCKS_GATHERED``), each block taken as
-the blocks' mean; without blocks, all of them (``hpcnet.comm.sharding.params``).
+A rank's memory in a step is what it keeps (parameters; the gradient buckets, or at stage 2 its share of the sums;
+the optimizer state, or from stage 1 on the state of the units it owns, as measured parameter by parameter for the
+optimizer the run chose) plus what the step itself holds for a while (activations, the backward's temporaries,
+gradients on their way to a bucket; the optimizer's temporaries). The planner measures the second part once, on the
+plain model at one rank's batch, with and without the blocks checkpointed (``measure_step``), and adds the first
+part for each stage from the parameter sizes and the shares the uniform owner plan gives (``hpcnet.comm.sharding``):
+units cut into row ranges for an elementwise optimizer, whole parameters for any other (Muon, Adafactor), so a large
+matrix weighs on its one owner. The peak is the larger of the backward's and the optimizer step's. At stage 2 the
+share of each gradient a rank keeps appears as the backward hands the gradients over, so its backward peak is the
+most, over the measured backward, of what is alive plus the share of what was handed over so far
+(``StepMemory.backward_with_kept``), and two buckets besides (one being filled, one in the transport). Stage 3 keeps
+only its share of the parameters too, and holds whole, during the backward, the root's parameters (those outside the
+blocks) and some blocks' (``STAGE3_BLOCKS_GATHERED``), each block taken as the blocks' mean; without blocks, all of
+them (``hpcnet.comm.sharding.params``).
 
 The step time of each choice comes from the same measurement and the link model (``hpcnet.comm.costmodel``):
 the measured forward and backward (with the blocks' recomputation where they are checkpointed), and the
@@ -31,7 +33,7 @@ from hpcnet.comm.costmodel import LinkCost, assign_shards, bucket_share, stage2_
 from hpcnet.comm.sharding.assign import DEFAULT_LINK, UPDATE_S_PER_BYTE
 from hpcnet.comm.sharding.layout import split_units
 from hpcnet.errors import UsageError
-from hpcnet.plan.measure import ModelMemory
+from hpcnet.plan.measure import ModelMemory, StepMemory
 
 STAGES = (0, 1, 2, 3)
 STAGE3_BLOCKS_GATHERED = 1
@@ -89,18 +91,31 @@ def configured_bucket_bytes(dist: Any) -> int:
 
 
 def largest_share(memory: ModelMemory, ranks: int) -> int:
-    """The most parameter bytes one rank owns under the uniform owner plan at ``ranks`` ranks (units cut as
-    ``dist.zero`` cuts them)."""
-    if ranks == 1:
-        return memory.param_bytes
+    """The most parameter bytes one rank owns under the uniform owner plan at ``ranks`` ranks (``owned``)."""
+    return max(owned(memory, ranks, memory.sizes)) if ranks > 1 else memory.param_bytes
+
+
+def owned(memory: ModelMemory, ranks: int, per_param: list[int] | tuple[int, ...]) -> list[int]:
+    """Each rank's sum of ``per_param`` (bytes of each parameter, or of its optimizer state) over the units it
+    owns under the uniform owner plan at ``ranks`` ranks: units as ``dist.zero`` makes them for the optimizer
+    (``memory.elementwise``: cut into row ranges, a range taking its rows' part; else whole parameters)."""
     params = [torch.empty(shape, device="meta") for shape in memory.shapes]
-    units = split_units(params, ranks)
+    units = split_units(params, ranks, cut=memory.elementwise)
     unit_bytes = [(u.hi - u.lo) * (memory.sizes[u.param] // max(1, u.rows)) for u in units]
     plan = assign_shards(unit_bytes, [1.0] * ranks, compute_s_per_byte=UPDATE_S_PER_BYTE, link=DEFAULT_LINK)
-    owned = [0] * ranks
-    for size, owner in zip(unit_bytes, plan.owner):
-        owned[owner] += size
-    return max(owned)
+    out = [0] * ranks
+    for u, owner in zip(units, plan.owner):
+        out[owner] += per_param[u.param] * (u.hi - u.lo) // max(1, u.rows)
+    return out
+
+
+def state_sizes(step: StepMemory, memory: ModelMemory) -> tuple[int, ...]:
+    """The optimizer's state bytes of each parameter as measured; in proportion to the parameters' bytes where
+    the measurement has none by parameter."""
+    if step.state_sizes:
+        return step.state_sizes
+    P = memory.param_bytes
+    return tuple(step.state_bytes * size // P if P else 0 for size in memory.sizes)
 
 
 def gathered_bytes(memory: ModelMemory) -> int:
@@ -125,7 +140,8 @@ def predict(memory: ModelMemory, *, ranks: int, stage: int, checkpointing: "str 
     scale = batch / step.batch
     P = memory.param_bytes
     share = largest_share(memory, ranks) if stage and ranks > 1 else P
-    optimizer = int(step.state_bytes * share / P) if P else 0
+    # The owner with the most state (an upper bound where another owns the most parameters).
+    optimizer = max(owned(memory, ranks, state_sizes(step, memory))) if stage and ranks > 1 else step.state_bytes
     transient_o = int(_measured(memory, k, lambda m: m.optimizer))
     if stage < 2 or ranks == 1:
         grads = P  # the buckets live from step to step

@@ -118,6 +118,66 @@ def test_the_measured_step_sees_activations_and_checkpointing_shrinks_them():
     assert not any(getattr(b, "_hpcnet_checkpointed", False) for b in model.blocks)
 
 
+def _measured(name, **options):
+    """A small transformer measured with ``optim.name=name`` as a run builds it (``measure_config``'s way)."""
+    from hpcnet.config import OptimConfig
+    from hpcnet.optim import build_optimizer, is_elementwise
+
+    torch.manual_seed(0)
+    model = build_model("transformer", DatasetInfo("tokens", (16,), 256), {"d_model": 64, "n_layers": 2,
+                                                                          "n_heads": 2})
+    cfg = OptimConfig(name=name, lr=1e-3, **options)
+    batch = (torch.randint(0, 256, (4, 16)), torch.randint(0, 256, (4, 16)))
+    return model, measure_model(model, lambda m: build_optimizer(m, cfg), compute_loss, batch,
+                                elementwise=is_elementwise(build_optimizer(model, cfg), cfg))
+
+
+def test_the_planner_counts_what_each_optimizer_keeps_parameter_by_parameter():
+    model, adamw = _measured("adamw")
+    sizes = adamw.sizes
+    matrices = [i for i, p in enumerate(p for p in model.parameters() if p.requires_grad) if p.dim() == 2]
+    state = adamw.steps["off"].state_sizes
+    assert all(2 * size <= kept <= 2 * size + 8 for size, kept in zip(sizes, state))  # two moments and a count
+    assert adamw.elementwise
+    assert _measured("sgd", momentum=0.0)[1].steps["off"].state_bytes == 0  # nothing kept between steps
+    _, adafactor = _measured("adafactor")
+    assert not adafactor.elementwise
+    factored = adafactor.steps["off"].state_sizes
+    assert all(factored[i] < sizes[i] / 8 for i in matrices)  # a row and a column of each matrix, not its size
+    _, muon = _measured("muon")
+    assert not muon.elementwise
+    kept = muon.steps["off"].state_sizes
+    assert any(kept[i] == sizes[i] for i in matrices)  # Muon's momentum on the hidden matrices
+    assert all(kept[i] >= 2 * sizes[i] for i in range(len(sizes)) if i not in matrices)  # AdamW on the rest
+
+
+def test_a_non_elementwise_optimizer_s_share_is_its_owner_s_whole_matrices():
+    """One 40 MB matrix and four small ones at 4 ranks: cut into rows its owners share it; whole, one owner keeps
+    it all, and its state with it."""
+    sizes = [40 * MB] + [MB] * 4
+    shapes = [(10_000, 1000)] + [(250, 1000)] * 4
+    for elementwise in (True, False):
+        memory = ModelMemory(sizes=sizes, shapes=shapes, block_share=0.0, elementwise=elementwise)
+        memory.steps["off"] = StepMemory(backward=MB, optimizer=MB, batch=8, state_bytes=sum(sizes) // 10,
+                                         forward_backward_s=1.0, state_sizes=tuple(s // 10 for s in sizes))
+        p1 = predict(memory, ranks=4, stage=1, checkpointing="off")
+        if elementwise:
+            assert largest_share(memory, 4) <= 12 * MB and p1.optimizer <= 12 * MB // 10
+        else:
+            assert largest_share(memory, 4) == 40 * MB and p1.optimizer == 4 * MB
+
+
+def test_the_cap_picks_the_stage_for_the_optimizer_the_run_chose():
+    """Under a cap that SGD without momentum meets unsharded, AdamW (two moments a parameter) needs a sharded
+    stage."""
+    _, sgd = _measured("sgd", momentum=0.0)
+    _, adamw = _measured("adamw")
+    cap = predict(sgd, ranks=4, stage=0, checkpointing="off").peak
+    assert choose(sgd, ranks=4, cap_bytes=cap).stage == 0
+    assert choose(adamw, ranks=4, cap_bytes=cap).stage >= 1
+    assert predict(adamw, ranks=4, stage=0, checkpointing="off").peak > cap
+
+
 def _dataset(comm, tmp):
     return tiny_images(comm, tmp, "plan-images.h5", num_train=128, num_eval=16, seed=4)
 
