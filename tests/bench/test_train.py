@@ -25,17 +25,21 @@ def test_train_under_mpirun(launch, tmp_path):
 
 
 @pytest.mark.launch
-def test_ddp_with_its_compression_hooks_are_contenders_too(launch, tmp_path):
+def test_ddp_with_its_compression_hooks_are_contenders_too_and_a_sharded_contender_trains_as_ddp(launch, tmp_path):
+    """--ddp-hooks: DDP with each hook is a contender. --dist zero=3 (the same run): hpcnet's contender steps its
+    sharded optimizer and compares its weights once they are whole again (it read released parameters, a
+    segfault, and stepped an optimizer the owners' gradients never reach)."""
     out = tmp_path / "hooks.json"
     proc = launch(2, "train", "--models", "mlp-small", "--batch-size", "4", "--steps", "2", "--rounds", "2",
                   "--warmup", "3", "--profile-steps", "0", "--no-local", "--ddp-hooks", "bf16,powersgd",
-                  "--json", str(out), module="hpcnet.bench", timeout=120)
+                  "--dist", "zero=3", "--json", str(out), module="hpcnet.bench", timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (res,) = json.loads(out.read_text())["results"]
     assert list(res["contenders"]) == ["hpcnet", "ddp-gloo", "ddp-gloo-bf16", "ddp-gloo-powersgd4"]
     assert set(res["ratio_hpcnet_vs"]) == {"ddp-gloo-bf16", "ddp-gloo-powersgd4"}
     assert all(r["median"] > 0 for r in res["ratio_hpcnet_vs"].values())
     assert "hpcnet / ddp-gloo-powersgd4 samples/s" in proc.stdout
+    assert res["max_param_diff_hpcnet_vs_ddp"] < 1e-4
 
 
 def test_an_unknown_ddp_hook_is_a_usage_error():
@@ -44,16 +48,3 @@ def test_an_unknown_ddp_hook_is_a_usage_error():
     with pytest.raises(SystemExit) as exc:
         _parse_args(["--ddp-hooks", "bf16,int3"])
     assert exc.value.code == 2
-
-
-@pytest.mark.launch
-def test_a_sharded_contender_trains_as_ddp(launch, tmp_path):
-    """--dist zero=3: hpcnet's contender steps its sharded optimizer and compares its weights once they are whole
-    again (it read released parameters, a segfault, and stepped an optimizer the owners' gradients never reach)."""
-    out = tmp_path / "zero3.json"
-    proc = launch(2, "train", "--models", "mlp-small", "--batch-size", "4", "--steps", "2", "--rounds", "2",
-                  "--warmup", "1", "--profile-steps", "0", "--no-local", "--dist", "zero=3", "--json", str(out),
-                  module="hpcnet.bench", timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (res,) = json.loads(out.read_text())["results"]
-    assert res["max_param_diff_hpcnet_vs_ddp"] < 1e-4
