@@ -48,9 +48,19 @@ import torch
 
 from hpcnet.bench.common import describe_environment, environment, load_average, summarize, write_json
 from hpcnet.bench.memory_capacity import bench_capacity, bench_fsdp2_model
-from hpcnet.bench.memory_contenders import CAP_CONTENDERS, CAP_TIMED, CONTENDERS, TIME_PEERS, _batches, _build
+from hpcnet.bench.memory_contenders import (
+    CAP_CONTENDERS,
+    CAP_TIMED,
+    CONTENDERS,
+    REFERENCES,
+    TIME_PEERS,
+    _batches,
+    _build,
+    refusal,
+)
 from hpcnet.bench.memory_measure import _fixed_mmap_threshold, measure, paired_ratios
 from hpcnet.bench.memory_report import report, report_capacity, report_fsdp2_model
+from hpcnet.config.optimizers import OPTIMIZERS
 
 MODELS = {
     # GPT-style, 8 blocks of width 512, vocabulary 8192 (tied): 29.4 M parameters (112 MiB), in 100 tensors.
@@ -76,12 +86,12 @@ def bench_model(key: str, comm: Any, world: Any, args: argparse.Namespace) -> di
     n_params = sum(p.numel() for p in base.parameters())
     # One unmeasured step of each kind first: what the first use of autograd, gloo, MPI, FSDP2 and checkpointing
     # allocates for good would otherwise be charged to the first contender of the kind.
-    for name in ("ddp", "fsdp2", "hpcnet-zero2", "hpcnet-zero2+ac", "hpcnet-zero3"):
+    names = list(args.contenders)
+    for name in (n for n in ("ddp", "fsdp2", "hpcnet-zero2", "hpcnet-zero2+ac", "hpcnet-zero3") if n in names):
         warm = _build(name, copy.deepcopy(base), comm, world, args.optim)
         warm.step(batches)
         warm.close()
         del warm
-    names = list(CONTENDERS)
     memory, per_round, slowest, alive = measure(names, lambda: copy.deepcopy(base), batches, comm, world, args,
                                                 steps=args.steps, rounds=args.rounds, round_steps=args.round_steps)
     # Every contender took the same steps on the same batches: their weights agree (hpcnet's stages bit for bit
@@ -89,7 +99,7 @@ def bench_model(key: str, comm: Any, world: Any, args: argparse.Namespace) -> di
     weights = {name: alive[name].full_weights() for name in names}
     diffs = {name: float((weights[name] - weights["hpcnet-zero0"]).abs().max()) for name in names}
     ac_diffs = {name: float((weights[name] - weights[spec.plain]).abs().max())
-                for name, spec in CONTENDERS.items() if spec.plain}
+                for name, spec in CONTENDERS.items() if spec.plain and name in names and spec.plain in names}
     worst = comm.allreduce(max(diffs.values()), op=MPI.MAX)
     ac_worst = comm.allreduce(max(ac_diffs.values(), default=0.0), op=MPI.MAX)
     del weights
@@ -101,7 +111,7 @@ def bench_model(key: str, comm: Any, world: Any, args: argparse.Namespace) -> di
                      "step_s_summary": summarize(slowest[i].reshape(-1).tolist())}
               for i, name in enumerate(names)}
     ratios = {peer: {name: paired_ratios(per_round[name], per_round[peer]) for name in names}
-              for peer in TIME_PEERS}
+              for peer in TIME_PEERS if peer in names}
     return {"model": key, "parameters": n_params, "optimizer": args.optim, "memory": memory, "timing": timing,
             "time_ratios": ratios, "max_weight_difference": worst, "differences": diffs,
             "max_checkpointing_difference": ac_worst, "checkpointing_differences": ac_diffs,
@@ -110,19 +120,24 @@ def bench_model(key: str, comm: Any, world: Any, args: argparse.Namespace) -> di
 
 def targets(memory: dict[str, Any], ratios: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
     """The targets stated at 4 ranks (issue 12's for dist.zero=2, issue 31's held memory for dist.zero=3), each
-    with its measured figure."""
+    with its measured figure; those whose contenders did not run are left out."""
     peak = {name: max(r["peak_mib"]) for name, r in memory.items()}
     held = {name: max(r["held_mib"]) for name, r in memory.items()}
-    rows = [("hpcnet-zero3 held between steps / FSDP2's (issue 31)", held["hpcnet-zero3"] / held["fsdp2"], 1.05),
-            ("hpcnet-zero2 peak / DDP's (issue 12)", peak["hpcnet-zero2"] / peak["ddp"], 0.5),
+
+    def time_ratio(name: str, peer: str) -> float | None:
+        return ratios[peer][name]["median"] if peer in ratios and name in ratios[peer] else None
+
+    def over(of: dict[str, float], name: str, peer: str) -> float | None:
+        return of[name] / of[peer] if name in of and peer in of else None
+    rows = [("hpcnet-zero3 held between steps / FSDP2's (issue 31)", over(held, "hpcnet-zero3", "fsdp2"), 1.05),
+            ("hpcnet-zero2 peak / DDP's (issue 12)", over(peak, "hpcnet-zero2", "ddp"), 0.5),
             ("hpcnet-zero2 peak / DDP+ZeroRedundancyOptimizer's (issue 12)",
-             peak["hpcnet-zero2"] / peak["ddp+torch-zero1"], 0.8),
-            ("hpcnet-zero2 step time / FSDP2's, median of rounds (issue 12)",
-             ratios["fsdp2"]["hpcnet-zero2"]["median"], 1.0),
+             over(peak, "hpcnet-zero2", "ddp+torch-zero1"), 0.8),
+            ("hpcnet-zero2 step time / FSDP2's, median of rounds (issue 12)", time_ratio("hpcnet-zero2", "fsdp2"), 1.0),
             ("hpcnet-zero2 step time / hpcnet zero 0's, median of rounds (issue 12)",
-             ratios["hpcnet-zero0"]["hpcnet-zero2"]["median"], 1.1)]
+             time_ratio("hpcnet-zero2", "hpcnet-zero0"), 1.1)]
     return [{"what": what, "value": float(value), "at_most": bound, "met": bool(value <= bound), "ranks": world_size}
-            for what, value, bound in rows]
+            for what, value, bound in rows if value is not None]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -130,7 +145,12 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hpcnet.bench memory", description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="transformer,mlp-4096",
                         help=f"comma-separated among {', '.join(MODELS)} (default transformer,mlp-4096)")
-    parser.add_argument("--optim", default="adamw", choices=["adamw", "sgd"], help="the optimizer (default adamw)")
+    parser.add_argument("--optim", default="adamw", choices=sorted(OPTIMIZERS),
+                        help="every contender's optimizer, as optim.name names it (default adamw); a contender that "
+                             "cannot train with it is left out of the defaults, with the reason")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS),
+                        help=f"comma-separated contenders of the --models tables, among {', '.join(CONTENDERS)} "
+                             f"(default all; {' and '.join(REFERENCES)} always, the references)")
     parser.add_argument("--steps", type=int, default=3,
                         help="steps per contender for the memory figures, also the timing's warm-up (default 3)")
     parser.add_argument("--rounds", type=int, default=3,
@@ -160,12 +180,23 @@ def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argpa
     unknown = [m for m in models if m not in MODELS]
     if unknown or (not models and args.cap_gb <= 0):
         parser.error(f"--models: unknown {unknown or args.models!r}; choose among {', '.join(MODELS)}")
-    for option in ("cap_contenders", "cap_time"):
+    args.left_out = {}
+    for option, default in (("contenders", ",".join(CONTENDERS)), ("cap_contenders", ",".join(CAP_CONTENDERS)),
+                            ("cap_time", ",".join(CAP_TIMED))):
+        flag = f"--{option.replace('_', '-')}"
         names = [n.strip() for n in getattr(args, option).split(",") if n.strip()]
         if [n for n in names if n not in CONTENDERS] or len(set(names)) < len(names):
-            parser.error(f"--{option.replace('_', '-')}: {getattr(args, option)!r} must name distinct contenders "
-                         f"among {', '.join(CONTENDERS)}")
-        setattr(args, option, tuple(names))
+            parser.error(f"{flag}: {getattr(args, option)!r} must name distinct contenders among "
+                         f"{', '.join(CONTENDERS)}")
+        refused = [n for n in names if refusal(n, args.optim)]
+        if refused and getattr(args, option) != default:
+            parser.error(f"{flag}: {refused[0]} cannot train with --optim {args.optim}: "
+                         f"{refusal(refused[0], args.optim)}")
+        args.left_out.update({n: refusal(n, args.optim) for n in refused})
+        setattr(args, option, tuple(n for n in names if n not in refused))
+    missing = [n for n in REFERENCES if n not in args.contenders]
+    if missing and args.model_list:
+        parser.error(f"--contenders: {', '.join(missing)} must be among them (the tables' references)")
     if args.cap_gb > 0 and not args.cap_contenders:
         parser.error("--cap-contenders is empty: name at least one, or skip the search with --cap-gb 0")
     for option in ("steps", "rounds", "round_steps", "cap_steps", "cap_rounds"):
@@ -182,6 +213,9 @@ def _run(comm: Any, world: Any, args: argparse.Namespace, started: float
     prints each as it ends.  Returns rank 0's records (empty elsewhere) and the capacity search's."""
     outs = []
     capacity = None
+    if world.rank == 0:
+        for name, why in args.left_out.items():
+            print(f"{name} left out with --optim {args.optim}: {why}", flush=True)
     measured: dict[str, float] = {}
     for key in args.model_list:
         out = bench_model(key, comm, world, args)
@@ -191,7 +225,7 @@ def _run(comm: Any, world: Any, args: argparse.Namespace, started: float
             print(report(out, args), flush=True)
             if key == "transformer":
                 measured = {n: max(out["memory"][n]["peak_mib"]) * 2**20 / out["parameters"]
-                            for n in args.cap_contenders}
+                            for n in args.cap_contenders if n in out["memory"]}
     if args.cap_gb > 0:
         capacity = bench_capacity(comm, world, args, comm.bcast(measured, root=0))
         if world.rank == 0:

@@ -6,6 +6,7 @@ with or without activation checkpointing (``+ac``: ``hpcnet.models.blocks.checkp
 any wrapper). A new contender is one entry of ``CONTENDERS``.
 """
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,8 +55,25 @@ CONTENDERS: dict[str, ContenderSpec] = {
 }
 """Every contender, in the table's order (the capacity search's too)."""
 TIME_PEERS = ("ddp", "fsdp2", "hpcnet-zero0")
+REFERENCES = ("ddp", "hpcnet-zero0")
+"""The contenders the table compares every other with (memory over DDP's, weights against hpcnet-zero0's)."""
+REFUSALS: dict[tuple[str, str], str] = {
+    # Checked with torch 2.13 on 2 ranks (gloo): the first step raises in DTensor's sharding propagation.
+    ("fsdp2", "adafactor"): "torch's Adafactor fails on FSDP2's row-sharded DTensor parameters (its in-place "
+                            "aten.pow_ on a partial placement: DTensor refuses in-place ops that change placement)",
+    ("ddp+torch-zero1", "muon"): "ZeroRedundancyOptimizer builds one optimizer class from keyword options, and "
+                                 "optim.name=muon is two (Muon over the hidden matrices, AdamW over the rest)",
+}
+"""(contender kind, --optim) -> why that contender cannot train with that optimizer.  FSDP2 with Muon runs:
+DTensor gathers the row shards inside Muon's Newton-Schulz products, the whole-matrix update (within bfloat16
+rounding of one process's), at the cost of those gathers in every iteration."""
 CAP_CONTENDERS = tuple(name for name, spec in CONTENDERS.items() if spec.capacity)
 CAP_TIMED = tuple(name for name, spec in CONTENDERS.items() if spec.cap_timed)
+
+
+def refusal(name: str, optim: str) -> str:
+    """Why contender ``name`` cannot train with ``optim`` (``REFUSALS``); empty where it can."""
+    return REFUSALS.get((CONTENDERS[name].kind, optim), "")
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -142,9 +160,11 @@ def _build(name: str, model: nn.Module, comm: Any, world: Any, optim: str) -> Co
     from hpcnet.comm.route import agree_route
     from hpcnet.config import DistConfig, OptimConfig
     from hpcnet.models.blocks import checkpoint_blocks, find_blocks
-    from hpcnet.optim import build_optimizer
+    from hpcnet.optim import build_optimizer, is_elementwise
 
     spec = CONTENDERS[name]
+    if refusal(name, optim):
+        raise ValueError(f"{name} with --optim {optim}: {refusal(name, optim)}")
     optim_cfg = OptimConfig(name=optim, lr=1e-3)
     if spec.checkpointed:
         # Before any wrapper, as train.activation_checkpointing=blocks does for hpcnet: the same blocks, the same
@@ -155,10 +175,12 @@ def _build(name: str, model: nn.Module, comm: Any, world: Any, optim: str) -> Co
         checkpoint_blocks(blocks)
     if spec.kind == "hpcnet":
         cfg = DistConfig(zero=spec.zero, owners="uniform")
+        optimizer = build_optimizer(model, optim_cfg)  # before DataParallel, as train builds it: it decides the units
         dp = DataParallel(model, comm, world, cfg, device=torch.device("cpu"),
                           route=agree_route(comm, world, cfg, device_type="cpu"),
-                          blocks=find_blocks(model) if spec.zero == 3 else None)  # FSDP2's units
-        return Contender(name, model, model, dp.shard_optimizer(build_optimizer(model, optim_cfg)), dp)
+                          blocks=find_blocks(model) if spec.zero == 3 else None,  # FSDP2's units
+                          elementwise=is_elementwise(optimizer, optim_cfg))
+        return Contender(name, model, model, dp.shard_optimizer(optimizer), dp)
     if spec.kind == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -171,12 +193,13 @@ def _build(name: str, model: nn.Module, comm: Any, world: Any, optim: str) -> Co
         return Contender(name, model, ddp, build_optimizer(model, optim_cfg), None)
     if spec.kind != "ddp+torch-zero1":
         raise ValueError(f"{name}: unknown kind {spec.kind!r}")
-    groups = build_optimizer(model, optim_cfg).param_groups
-    cls = torch.optim.AdamW if optim == "adamw" else torch.optim.SGD
-    extra = {"betas": tuple(optim_cfg.betas), "eps": optim_cfg.eps} if optim == "adamw" else \
-        {"momentum": optim_cfg.momentum}
-    zero = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=cls, lr=optim_cfg.lr,
-                                   weight_decay=groups[0]["weight_decay"], process_group=dist.group.WORLD, **extra)
+    full = build_optimizer(model, optim_cfg)
+    groups, cls = full.param_groups, type(full)
+    # The options as the run's optimizer has them, as the sharded optimizer rebuilds one over the owned units.
+    accepted = inspect.signature(cls.__init__).parameters
+    options = {k: v for k, v in full.defaults.items() if k in accepted and k != "weight_decay"}
+    zero = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=cls, weight_decay=groups[0]["weight_decay"],
+                                   process_group=dist.group.WORLD, **options)
     zero.add_param_group({"params": groups[1]["params"], "weight_decay": 0.0})
     return Contender(name, model, ddp, zero, None)
 

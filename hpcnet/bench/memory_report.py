@@ -5,7 +5,7 @@ import argparse
 from typing import Any
 
 from hpcnet.bench.common import table
-from hpcnet.bench.memory_contenders import CONTENDERS, TIME_PEERS
+from hpcnet.bench.memory_contenders import TIME_PEERS
 
 CAPACITY_TARGETS = {"hpcnet-best / fsdp2-best": 1.25, "hpcnet-zero3 / fsdp2": 1.0, "hpcnet-zero2 / ddp": 2.0}
 """The largest model under the cap, parameters over parameters: the issues' targets (31 for stage 3, 12 for 2)."""
@@ -25,18 +25,19 @@ def report(out: dict[str, Any], args: argparse.Namespace) -> str:
     memory, timing, ratios = out["memory"], out["timing"], out["time_ratios"]
     ddp_held, ddp_peak = max(memory["ddp"]["held_mib"]), max(memory["ddp"]["peak_mib"])
     rows = []
-    for name in CONTENDERS:
-        r = memory[name]
+    peers = [p for p in TIME_PEERS if p in ratios]
+    for name, r in memory.items():
         held, peak = max(r["held_mib"]), max(r["peak_mib"])
         tensors = [t for t in r["tensors_mib"] if t]
         counted = (" / ".join(f"{max(t[k] for t in tensors):.1f}" for k in ("params", "grads", "optim"))
                    if tensors else "-")
         rows.append([name, f"{held:.1f}", f"{held / ddp_held:.2f}", f"{peak:.1f}", f"{peak / ddp_peak:.2f}",
-                     _ms(timing[name]["step_s_summary"]), *(_ratio(ratios[p][name]) for p in TIME_PEERS), counted])
+                     _ms(timing[name]["step_s_summary"]), *(_ratio(ratios[p][name]) for p in peers), counted])
     head = (f"{out['model']}: {out['parameters'] / 1e6:.1f} M parameters ({out['parameters'] * 4 / 2**20:.0f} MiB "
             f"in fp32), {out['optimizer']}")
-    lines = [head, table(["contender", "held MiB", "/ddp", "peak MiB", "/ddp", "step ms (range)", "/ddp",
-                          "/fsdp2", "/zero0", "hpcnet tensors MiB: params / grads+buckets / optim"], rows)]
+    lines = [head, table(["contender", "held MiB", "/ddp", "peak MiB", "/ddp", "step ms (range)",
+                          *(f"/{p.removeprefix('hpcnet-')}" for p in peers),
+                          "hpcnet tensors MiB: params / grads+buckets / optim"], rows)]
     lines.append("held: resident memory after the steps above what the rank held before the contender was built; "
                  "peak: its high-water mark during them; both the largest rank's. step: the slowest rank's, "
                  f"{args.rounds} rounds x {args.round_steps} steps after {args.steps} warm-up steps, median "

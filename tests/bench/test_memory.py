@@ -78,6 +78,33 @@ def test_memory_contenders_table():
             assert list(CONTENDERS).index(spec.plain) < list(CONTENDERS).index(name)
 
 
+def test_memory_takes_any_optimizer_and_leaves_out_the_contenders_that_cannot_train_with_it(capsys):
+    """--optim adafactor: FSDP2 is left out of the defaults with the reason (torch's Adafactor fails on its
+    DTensor shards), and named, it is a one-line error; muon leaves out ZeroRedundancyOptimizer; --contenders
+    chooses the table's, the references among them."""
+    from hpcnet.bench.memory import _checked, _parser
+
+    def parse(*argv):
+        parser = _parser()
+        return _checked(parser, parser.parse_args(list(argv)))
+
+    args = parse("--optim", "adafactor")
+    assert "fsdp2" not in args.contenders and "fsdp2" not in args.cap_contenders and "fsdp2" not in args.cap_time
+    assert "hpcnet-zero3" in args.cap_contenders and "DTensor" in args.left_out["fsdp2"]
+    assert "ddp+torch-zero1" in parse("--optim", "adafactor").contenders
+    muon = parse("--optim", "muon")
+    assert "ddp+torch-zero1" not in muon.contenders and "fsdp2" in muon.contenders
+    table = parse("--optim", "muon", "--contenders", "ddp,hpcnet-zero0,hpcnet-zero2,hpcnet-zero3")
+    assert table.contenders == ("ddp", "hpcnet-zero0", "hpcnet-zero2", "hpcnet-zero3")
+    for argv, needle in ((["--optim", "adafactor", "--cap-contenders", "fsdp2"],
+                          "--cap-contenders: fsdp2 cannot train with --optim adafactor: torch's Adafactor fails"),
+                         (["--contenders", "hpcnet-zero2,ddp"], "--contenders: hpcnet-zero0 must be among them"),
+                         (["--optim", "lbfgs"], "argument --optim: invalid choice: 'lbfgs'")):
+        with pytest.raises(SystemExit) as err:
+            parse(*argv)
+        assert err.value.code == 2 and needle in capsys.readouterr().err
+
+
 def test_memory_capacity_ratio_brackets_the_truth():
     from hpcnet.bench.memory_capacity import capacity_ratio
 
