@@ -23,7 +23,7 @@ for the forward and again for the backward).  ``choose`` takes the
 fastest choice whose peak fits the cap, and when none does, says what would: more ranks, a smaller batch.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -208,7 +208,8 @@ def choose(memory: ModelMemory, *, ranks: int, cap_bytes: int, option: str = "di
     """The fastest choice whose predicted peak is at most ``cap_bytes``, checkpointing as ``predictions`` takes it.
 
     Raises:
-        UsageError: naming ``option`` and what would fit (more ranks, a smaller batch) when nothing does.
+        UsageError: naming ``option`` and what would fit (more ranks, a smaller batch, an elementwise optimizer)
+            when nothing does.
     """
     every = predictions(memory, ranks=ranks, checkpointing=checkpointing, **kwargs)
     fitting = [p for p in every if p.peak <= cap_bytes]
@@ -222,10 +223,25 @@ def choose(memory: ModelMemory, *, ranks: int, cap_bytes: int, option: str = "di
     smaller = _batch_that_fits(memory, least, cap_bytes, **kwargs)
     if smaller:
         hints.append(f"train.batch_size={smaller} at dist.zero={least.stage}")
+    hints += _cut_that_fits(memory, least, cap_bytes, **kwargs)
     raise UsageError(
         f"{option}={cap_bytes / 1e9:g}: no choice fits at {ranks} ranks; the least is "
         f"{least.describe()}" + ("; would fit: " + " or ".join(hints) if hints else
                                    "; neither more ranks nor a smaller batch fits: more memory per rank is needed"))
+
+
+def _cut_that_fits(memory: ModelMemory, least: Prediction, cap: int, **kwargs: Any) -> list[str]:
+    """For an optimizer that is not elementwise, whose owners keep whole parameters: the hint that an elementwise
+    one would fit, its large parameters cut into row ranges over the owners (``hpcnet.comm.sharding.layout``)."""
+    if memory.elementwise or least.stage == 0:
+        return []
+    cut = replace(memory, elementwise=True)
+    if predict(cut, ranks=least.ranks, stage=least.stage, checkpointing=least.blocks, **kwargs).peak > cap:
+        return []
+    return [f"an elementwise optimizer at dist.zero={least.stage} (optim.name=adamw, ...; or optim.elementwise=true "
+            f"for a factory's that is): this one is stepped a whole parameter at a time, so each parameter's owner "
+            f"keeps all of it and its state (the largest {max(memory.sizes) / 1e6:.1f} MB), where an elementwise one "
+            f"spreads its rows over the ranks"]
 
 
 def _ranks_that_fit(memory: ModelMemory, least: Prediction, cap: int, ranks: int, **kwargs: Any) -> int | None:

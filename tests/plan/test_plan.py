@@ -167,6 +167,23 @@ def test_a_non_elementwise_optimizer_s_share_is_its_owner_s_whole_matrices():
             assert largest_share(memory, 4) == 40 * MB and p1.optimizer == 4 * MB
 
 
+def test_a_parameter_too_large_for_its_one_owner_names_the_optimizers_that_would_fit_it():
+    """A 40 MB matrix whole on one of 4 ranks does not fit where its rows spread over them would: nothing fitting
+    names an elementwise optimizer; more ranks do not help (the matrix stays whole)."""
+    sizes = [40 * MB] + [MB] * 4
+    shapes = [(10_000, 1000)] + [(250, 1000)] * 4
+    memory = ModelMemory(sizes=sizes, shapes=shapes, block_share=0.0, elementwise=False)
+    memory.steps["off"] = StepMemory(backward=MB, optimizer=MB, batch=8, state_bytes=2 * sum(sizes),
+                                     forward_backward_s=1.0, state_sizes=tuple(2 * s for s in sizes))
+    cut = ModelMemory(sizes=sizes, shapes=shapes, block_share=0.0, steps=memory.steps)
+    cap = min(p.peak for p in predictions(cut, ranks=4, checkpointing="off"))
+    assert cap < min(p.peak for p in predictions(memory, ranks=4, checkpointing="off"))
+    with pytest.raises(UsageError, match=r"would fit: an elementwise optimizer at dist.zero=\d \(optim.name=adamw, "
+                                         r".*the largest 40.0 MB\)"):
+        choose(memory, ranks=4, cap_bytes=cap, checkpointing="off")
+    assert choose(cut, ranks=4, cap_bytes=cap, checkpointing="off").stage > 0
+
+
 def test_the_cap_picks_the_stage_for_the_optimizer_the_run_chose():
     """Under a cap that SGD without momentum meets unsharded, AdamW (two moments a parameter) needs a sharded
     stage."""
