@@ -41,13 +41,13 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, fused: bool = False) -> 
                   *({**adamw, **g, "lr": cfg.lr, "params": [p for p in g["params"] if id(p) not in hidden]}
                     for g in groups)]
         _check_options(torch.optim.Muon, cfg, fused=False)
-        return _construct(MuonWithAdamW, [groups], {}, cfg)
+        return _construct(MuonWithAdamW, [groups], {}, cfg, _device(model))
     cls = getattr(torch.optim, OPTIMIZERS[cfg.name].cls)
     keywords = _check_options(cls, cfg, fused)
     if "weight_decay" not in keywords:
         for g in groups:
             del g["weight_decay"]
-    return _construct(cls, [groups], {k: v for k, v in keywords.items() if k != "weight_decay"}, cfg)
+    return _construct(cls, [groups], {k: v for k, v in keywords.items() if k != "weight_decay"}, cfg, _device(model))
 
 
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -89,11 +89,18 @@ def _check_options(cls: type, cfg: OptimConfig, fused: bool) -> dict[str, Any]:
     return keywords
 
 
-def _construct(cls: type, args: list[Any], keywords: dict[str, Any], cfg: OptimConfig) -> torch.optim.Optimizer:
-    """``cls(*args, **keywords)`` once each of ``optim.options`` passed ``_probe``; ConfigError where torch refuses."""
+def _device(model: nn.Module) -> torch.device:
+    """Where ``model``'s parameters are (the CPU for a model without any)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def _construct(cls: type, args: list[Any], keywords: dict[str, Any], cfg: OptimConfig,
+               device: torch.device) -> torch.optim.Optimizer:
+    """``cls(*args, **keywords)`` once each of ``optim.options`` passed ``_probe`` on ``device``; ConfigError where
+    torch refuses."""
     probed = torch.optim.Muon if cls is MuonWithAdamW else cls
     for key, value in cfg.options.items():
-        _probe(probed, key, value, cfg.name)
+        _probe(probed, key, value, cfg.name, device)
     try:
         return cls(*args, **keywords)
     except (ValueError, TypeError, RuntimeError) as exc:
@@ -101,16 +108,17 @@ def _construct(cls: type, args: list[Any], keywords: dict[str, Any], cfg: OptimC
         raise ConfigError(f"optim.* ({cfg.name}{fused_note}): torch refuses the optimizer: {exc}") from exc
 
 
-def _probe(cls: type, key: str, value: Any, name: str) -> None:
+def _probe(cls: type, key: str, value: Any, name: str, device: torch.device) -> None:
     """ConfigError naming ``optim.options.<key>`` unless ``value`` has the type of the constructor's default and
-    ``cls`` takes it alone and steps with it, on a 2x2 parameter: torch checks some values only in ``step``."""
+    ``cls`` takes it alone and steps with it, on a 2x2 parameter on the model's ``device`` (capturable needs the
+    GPU): torch checks some values only in ``step``."""
     default = inspect.signature(cls.__init__).parameters[key].default
     expected = {bool: (bool,), int: (int,), float: (int, float)}.get(type(default))
     if expected and (not isinstance(value, expected) or (isinstance(value, bool) and bool not in expected)):
         raise ConfigError(f"optim.options.{key}: {name} takes a {type(default).__name__} "
                           f"(default {default!r}), got {value!r}")
-    probe = nn.Parameter(torch.ones(2, 2))
-    probe.grad = torch.ones(2, 2)
+    probe = nn.Parameter(torch.ones(2, 2, device=device))
+    probe.grad = torch.ones(2, 2, device=device)
     try:
         cls([probe], **{key: tuple(value) if isinstance(value, list) else value}).step()
     except (ValueError, TypeError, RuntimeError) as exc:
