@@ -267,7 +267,7 @@ def _prepare(directory: Path) -> None:
             (directory / m.group(1)).write_text("\n".join(lines[1:]) + "\n")
 
 
-README_STEPS = 20
+README_STEPS = 5
 """The README's training commands run with train.steps at most this (an override added last): the test shows that
 they run as written, which takes a few steps: the last step evaluates whatever train.eval_every is and saves
 (checkpoint.at_end), which the commands after it (an export, a resume) read. The falling loss of a longer run is
