@@ -214,23 +214,23 @@ def _ckpts(directory):
     return sorted(p.name for p in directory.glob("ckpt-*.h5"))
 
 
-def _used(comm, tmp, dataset, name):
+def _used(comm, plane, tmp, dataset, name):
     """A run of 60 steps in ``tmp/ckpt/name`` with checkpoints at 40, 50 and 60 (``_cfg``'s every 10, keep 3)."""
     run(_cfg(tmp, dataset, name, "model.name=mlp", "train.steps=60", "checkpoint.full_every=1",
-             "checkpoint.keep=3"), comm)
+             "checkpoint.keep=3"), comm, plane=plane)
     comm.Barrier()
     return tmp / "ckpt" / name
 
 
 @pytest.mark.mpi
-def test_a_fresh_run_into_a_used_checkpoint_directory_refuses_and_loses_nothing(comm, mpi_tmp_path):
+def test_a_fresh_run_into_a_used_checkpoint_directory_refuses_and_loses_nothing(comm, data_plane, mpi_tmp_path):
     from hpcnet.errors import UsageError
 
     dataset = _dataset(comm, mpi_tmp_path)
-    directory = _used(comm, mpi_tmp_path, dataset, "used")
+    directory = _used(comm, data_plane, mpi_tmp_path, dataset, "used")
     assert _ckpts(directory) == ["ckpt-0000000040.h5", "ckpt-0000000050.h5", "ckpt-0000000060.h5"]
     with pytest.raises(UsageError) as refused:  # no checkpoint.resume
-        run(_cfg(mpi_tmp_path, dataset, "used", "model.name=mlp", "train.steps=30"), comm)
+        run(_cfg(mpi_tmp_path, dataset, "used", "model.name=mlp", "train.steps=30"), comm, plane=data_plane)
     for words in (str(directory), "step 60", "--resume auto", "run.name", "checkpoint.move_aside=true"):
         assert words in str(refused.value)
     comm.Barrier()
@@ -238,7 +238,7 @@ def test_a_fresh_run_into_a_used_checkpoint_directory_refuses_and_loses_nothing(
     assert (directory / "latest").read_text().strip() == "ckpt-0000000060.h5"
     comm.Barrier()
     run(_cfg(mpi_tmp_path, dataset, "used", "model.name=mlp", "train.steps=30", "checkpoint.full_every=1",
-             "checkpoint.move_aside=true"), comm)
+             "checkpoint.move_aside=true"), comm, plane=data_plane)
     comm.Barrier()
     assert _ckpts(directory) == ["ckpt-0000000010.h5", "ckpt-0000000020.h5", "ckpt-0000000030.h5"]
     assert (directory / "latest").read_text().strip() == "ckpt-0000000030.h5"
@@ -248,17 +248,18 @@ def test_a_fresh_run_into_a_used_checkpoint_directory_refuses_and_loses_nothing(
 
 
 @pytest.mark.mpi
-def test_a_rollback_sticks_and_resume_auto_goes_by_commit_order(comm, mpi_tmp_path):
+def test_a_rollback_sticks_and_resume_auto_goes_by_commit_order(comm, data_plane, mpi_tmp_path):
     dataset = _dataset(comm, mpi_tmp_path)
-    directory = _used(comm, mpi_tmp_path, dataset, "rollback")  # checkpoints at 40, 50 and 60
+    directory = _used(comm, data_plane, mpi_tmp_path, dataset, "rollback")  # checkpoints at 40, 50 and 60
     args = ["model.name=mlp", "checkpoint.full_every=1", "checkpoint.keep=10"]
     back = run(_cfg(mpi_tmp_path, dataset, "rollback", *args, "train.steps=50",
-                    f"checkpoint.resume={directory / 'ckpt-0000000040.h5'}"), comm)
+                    f"checkpoint.resume={directory / 'ckpt-0000000040.h5'}"), comm, plane=data_plane)
     assert back.summary["start_step"] == 40
     comm.Barrier()
     (aside,) = directory.glob("aside-*-rollback-to-step-40")  # the abandoned 50 and 60, out of resume auto's way
     assert _ckpts(aside) == ["ckpt-0000000050.h5", "ckpt-0000000060.h5"]
-    on = run(_cfg(mpi_tmp_path, dataset, "rollback", *args, "train.steps=55", "checkpoint.resume=auto"), comm)
+    on = run(_cfg(mpi_tmp_path, dataset, "rollback", *args, "train.steps=55", "checkpoint.resume=auto"), comm,
+             plane=data_plane)
     assert on.summary["start_step"] == 50  # the rolled-back run's 50, not the abandoned 60
     comm.Barrier()
     assert _ckpts(directory)[-1] == "ckpt-0000000055.h5"
@@ -266,12 +267,12 @@ def test_a_rollback_sticks_and_resume_auto_goes_by_commit_order(comm, mpi_tmp_pa
 
 
 @pytest.mark.mpi
-def test_resume_auto_with_every_checkpoint_damaged_stops_and_lists_them(comm, mpi_tmp_path):
+def test_resume_auto_with_every_checkpoint_damaged_stops_and_lists_them(comm, data_plane, mpi_tmp_path):
     from hpcnet.ckpt.damage import corrupt_newest
     from hpcnet.errors import UsageError
 
     dataset = _dataset(comm, mpi_tmp_path)
-    run(_cfg(mpi_tmp_path, dataset, "damaged", "model.name=mlp", "checkpoint.full_every=1"), comm)
+    run(_cfg(mpi_tmp_path, dataset, "damaged", "model.name=mlp", "checkpoint.full_every=1"), comm, plane=data_plane)
     directory = mpi_tmp_path / "ckpt" / "damaged"
     comm.Barrier()
     if comm.Get_rank() == 0:
@@ -281,7 +282,7 @@ def test_resume_auto_with_every_checkpoint_damaged_stops_and_lists_them(comm, mp
     comm.Barrier()
     with pytest.raises(UsageError) as refused:
         run(_cfg(mpi_tmp_path, dataset, "damaged", "model.name=mlp", "train.steps=30", "checkpoint.resume=auto"),
-            comm)
+            comm, plane=data_plane)
     message = str(refused.value)
     assert "none of the 2 committed checkpoint(s)" in message
     assert "ckpt-0000000020.h5 (step 20): dataset /tensors/" in message and "checksum mismatch" in message
@@ -292,13 +293,14 @@ def test_resume_auto_with_every_checkpoint_damaged_stops_and_lists_them(comm, mp
 @pytest.mark.mpi
 # ENOSPC takes EDQUOT's path (tests/ckpt cover both errnos' statuses; fault.fill_disk_at_step a real full disk).
 @pytest.mark.parametrize("code, status", [("EDQUOT", ExitCode.USAGE_ERROR), ("EIO", ExitCode.RESTARTABLE)])
-def test_an_error_inside_the_checkpoint_write_gives_its_documented_status(comm, mpi_tmp_path, code, status):
+def test_an_error_inside_the_checkpoint_write_gives_its_documented_status(comm, data_plane, mpi_tmp_path, code,
+                                                                          status):
     from hpcnet.errors import exit_code_of
 
     dataset = _dataset(comm, mpi_tmp_path)
     with pytest.raises(Exception) as failed:
         run(_cfg(mpi_tmp_path, dataset, code, "model.name=mlp", "train.steps=30", f"fault.write_error={code}",
-                 "fault.write_error_at_step=20", "checkpoint.full_every=1"), comm)
+                 "fault.write_error_at_step=20", "checkpoint.full_every=1"), comm, plane=data_plane)
     assert exit_code_of(failed.value) == status, failed.value
     assert re.search(r"ckpt-0000000020\.h5\.[0-9a-f]{16}\.tmp", str(failed.value))
     assert os.strerror(getattr(__import__("errno"), code)) in str(failed.value)
@@ -375,8 +377,10 @@ def test_resume_at_another_world_size(comm, mpi_tmp_path, direction):
     saving, resuming = (fewer, comm) if direction == "more" else (comm, fewer)
     saved_ranks, resumed_ranks = (size - 1, size) if direction == "more" else (size, size - 1)
     dataset = tiny_images(comm, mpi_tmp_path, "reshard.h5", num_train=211, num_eval=16, seed=3)
+    # The MPI data plane: torch.distributed, which the session's data_plane holds for the whole comm, is not
+    # started again on a sub-communicator.
     common = ["model.name=mlp", "model.options.hidden=[16]", "train.batch_size=8", "run.log_every=1",
-              "checkpoint.every_steps=0"]
+              "checkpoint.every_steps=0", "dist.backend=mpi", "dist.fallback=none"]
     position = 5 * 8 * saved_ranks
     assert position % (8 * resumed_ranks)  # the case the old sampler refused
     resumed_steps = (211 - position) // (8 * resumed_ranks) + 1  # the epoch's last whole batch, then the next's first
