@@ -56,19 +56,26 @@ fi
 # stay on one worker: tests/conftest.py); most of its time is spent waiting on the jobs its tests start.
 python -m pytest -n "${HPCNET_TEST_WORKERS:-3}" --dist loadgroup "$@"
 if [ "$slurm_started" = 1 ]; then scripts/slurm.sh stop; slurm_started=0; fi
+# The MPI passes collect the files that hold MPI tests (tests/helpers/mpi_files.py; the serial pass checks that
+# every MPI test is in one): each rank imports what it collects. Not where arguments other than options name what
+# to run.
+mpi_paths=()
+if [ $# -eq 0 ] || ! printf '%s\n' "$@" | grep -qv '^-'; then
+    mapfile -t mpi_paths < <(python -m tests.helpers.mpi_files)
+fi
 # Blocked ranks yield the core (mpi_yield_when_idle): Open MPI does so by itself only where it sees more ranks than
 # cores (3 here), and 2 ranks that busy-poll take the cores from their own worker and monitor threads.
 for n in 2 3; do
     echo "=== MPI tests on $n ranks ==="
-    timeout 900 mpiexec -n "$n" --mca mpi_yield_when_idle 1 python -m mpi4py -m pytest -m mpi -q "$@"
+    timeout 900 mpiexec -n "$n" --mca mpi_yield_when_idle 1 python -m mpi4py -m pytest -m mpi -q "$@" "${mpi_paths[@]}"
 done
 if [ "${HPCNET_CLUSTER_MPI:-on}" != off ] && scripts/cluster.sh status >/dev/null 2>&1; then
     echo "=== MPI tests on 4 ranks: 2 hosts x 2 ranks of the local cluster ==="
     timeout 900 scripts/cluster.sh mpirun --mca mpi_yield_when_idle 1 --host "$(scripts/cluster.sh hosts | awk 'NR<=2 {printf "%s%s:2", sep, $1; sep=","}')" \
-        -np 4 python -m mpi4py -m pytest -m mpi -q "$@"
+        -np 4 python -m mpi4py -m pytest -m mpi -q "$@" "${mpi_paths[@]}"
 else
     echo "=== MPI tests on 4 ranks on this host (the local cluster is not running) ==="
-    timeout 900 mpiexec -n 4 python -m mpi4py -m pytest -m mpi -q "$@"
+    timeout 900 mpiexec -n 4 python -m mpi4py -m pytest -m mpi -q "$@" "${mpi_paths[@]}"
 fi
 stop_started
 trap - EXIT

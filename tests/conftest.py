@@ -69,6 +69,18 @@ def pytest_xdist_make_scheduler(config, log):
     return SharedResourceScheduling(config, log)
 
 
+def _check_mpi_files(items):
+    """Every test marked ``mpi`` is in a file that the MPI passes collect (tests/helpers/mpi_files.py)."""
+    from tests.helpers.mpi_files import mpi_files
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(mpi_files(root))
+    for item in items:
+        if item.get_closest_marker("mpi") and item.nodeid.split("::", 1)[0] not in listed:
+            raise pytest.UsageError(f"{item.nodeid} is marked mpi but its file does not say 'mark.mpi': the MPI "
+                                    "passes would not collect it (tests/helpers/mpi_files.py)")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         for name, prefix in SHARED.items():
@@ -76,6 +88,8 @@ def pytest_collection_modifyitems(config, items):
                 raise pytest.UsageError(f"{item.nodeid} is marked {name} but is not in {prefix}*: the parallel "
                                         "serial pass would run it beside the other tests of that resource "
                                         "(tests/conftest.py, SHARED)")
+    if MPI.COMM_WORLD.Get_size() == 1:
+        _check_mpi_files(items)
     if hasattr(config, "workerinput"):
         # On xdist's workers (every worker collects, in the same order): the long groups of SHARED first, then
         # the files of long tests, so that what is left at the end is short and no worker waits long for the
