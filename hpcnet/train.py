@@ -84,6 +84,7 @@ from hpcnet.observe.runlog import (
 from hpcnet.observe.tensorboard import TensorBoardWriter, require_tensorboard
 from hpcnet.observe.trace import StepTracer, parse_steps
 from hpcnet.optim import Schedule, build_optimizer, is_elementwise
+from hpcnet.optim import describe as describe_optimizer
 from hpcnet.paths import CONFIG_FILE, SUMMARY_FILE, TENSORBOARD_DIR, checkpoint_dir, metrics_file
 from hpcnet.plan.measure import ResidentPeak, measure_config
 from hpcnet.plan.peaks import cap_in_bytes, choose, configured_bucket_bytes
@@ -281,10 +282,11 @@ def _model(cfg: Config, comm: Any, world: World, device: torch.device, split: An
     # not); what torch or a factory refuses (optim.*) stops every rank alike, before any collective.
     with shared_errors(comm):
         optimizer = build_optimizer(model, cfg.optim, fused=settings.fused_optimizer)
+    elementwise = is_elementwise(optimizer, cfg.optim)
+    log.info(describe_optimizer(optimizer, elementwise))
     with startup_phase(monitor.deadlines, "dist.groups", cfg.dist.startup_timeout_s):
         dp = DataParallel(model, comm, world, cfg.dist, device=device, route=route, recorder=monitor.recorder,
-                          link=link, intra_link=intra_link, blocks=blocks,
-                          elementwise=is_elementwise(optimizer, cfg.optim))
+                          link=link, intra_link=intra_link, blocks=blocks, elementwise=elementwise)
     optimizer = dp.shard_optimizer(optimizer, run_dir)
     torch.manual_seed(cfg.run.seed + 1 + world.rank)  # dropout etc. differ per rank
     random.seed(cfg.run.seed + world.rank)

@@ -173,3 +173,18 @@ def rebuild_optimizer(full: torch.optim.Optimizer, groups: list[dict[str, Any]])
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{FACTORY}: {cls.__name__} cannot be rebuilt over the parameters a rank owns "
                           f"(dist.zero) from its defaults: {exc}") from exc
+
+
+def describe(optimizer: torch.optim.Optimizer, elementwise: bool) -> str:
+    """One line for the log: the optimizer's class, what each kind of param group updates (Muon's split), and
+    whether owners may hold rows of a parameter (``dist.zero`` 1 to 3) or only whole ones."""
+    kinds: dict[str, list[int]] = {}
+    for group in optimizer.param_groups:
+        counts = kinds.setdefault(f"{group['update']} " if "update" in group else "", [0, 0])
+        counts[0] += len(group["params"])
+        counts[1] += sum(p.numel() for p in group["params"])
+    parts = ", ".join(f"{kind}over {tensors} tensor(s) ({numel:,} parameters)"
+                      for kind, (tensors, numel) in kinds.items())
+    cut = "elementwise: a large parameter may be owned in row ranges" if elementwise else (
+        "not elementwise: every parameter is owned whole")
+    return f"optimizer {type(optimizer).__name__}: {parts}; {cut}"

@@ -204,3 +204,16 @@ def test_a_bad_factory_names_optim_factory(factory, needle):
     with pytest.raises(UsageError) as caught:
         build_optimizer(_Net(), _optim(f"optim.factory={factory}"))
     assert needle in str(caught.value)
+
+
+def test_the_log_line_says_what_each_group_updates_and_whether_owners_hold_whole_parameters():
+    from hpcnet.config import OptimConfig
+    from hpcnet.optim.build import describe
+
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    muon = build_optimizer(model, OptimConfig(name="muon"))
+    assert describe(muon, False) == (
+        "optimizer MuonWithAdamW: muon over 1 tensor(s) (64 parameters), adamw over 4 tensor(s) (172 parameters); "
+        "not elementwise: every parameter is owned whole")
+    sgd = build_optimizer(model, OptimConfig())
+    assert describe(sgd, True).startswith("optimizer SGD: over 5 tensor(s) (236 parameters); elementwise")
