@@ -141,7 +141,10 @@ class Schedule(Stateful):
 
     def _advance_to(self, step: int) -> None:
         if step < self.steps:
-            raise RuntimeError(f"the learning-rate schedule is at step {self.steps}, asked for step {step}")
+            # A state ahead of the step (kept by a survivor that began the next step before a rank was lost, then
+            # went back with the others): replayed from step 0, the same values for a schedule of the step.
+            self.shadow, self.scheduler, self.arguments = self._build()
+            self.steps = 0
         while self.steps < step:
             self.shadow.step()
             try:

@@ -168,6 +168,16 @@ def test_a_resume_with_other_options_follows_the_new_schedule_and_says_so(caplog
     assert _lrs(second, optimizer, range(5, 12)) == fresh[5:]
 
 
+def test_a_schedule_asked_for_an_earlier_step_gives_that_step_s_rates():
+    """A survivor's state one step ahead of the step the job goes back to (hpcnet.fault.live)."""
+    cfg = OptimConfig(name="adamw", lr=0.1, schedule="StepLR", schedule_options={"step_size": 2, "gamma": 0.5})
+    optimizer = _optimizer()
+    schedule = Schedule(optimizer, cfg, 10)
+    schedule.apply(optimizer, 5)
+    schedule.apply(optimizer, 3)
+    assert [g["lr"] for g in optimizer.param_groups] == [0.1 * 0.5] * 2
+
+
 def test_a_checkpoint_without_a_schedule_replays_the_configured_one():
     cfg = OptimConfig(name="adamw", lr=0.1, schedule="ExponentialLR", schedule_options={"gamma": 0.5})
     schedule = _resume(cfg, 10, {}, 4)
