@@ -114,6 +114,8 @@ def test_a_run_saved_on_fewer_ranks_resumes_its_state_bit_for_bit_on_more_at_ano
     """Saved by size - 1 ranks, resumed by size ranks: every parameter's state (Muon's momentum, Adafactor's
     row and column statistics, AdamW's moments, the step counters) reaches its new owner as it was saved."""
     size, rank = comm.Get_size(), comm.Get_rank()
+    if size < 2:
+        pytest.skip("saved by one rank fewer than resume it: needs 2 ranks or more")
     dataset = _dataset(comm, mpi_tmp_path)
     common = [*OPTIMIZERS[optim], "checkpoint.every_steps=0"]
     name = f"grow-{optim}"
