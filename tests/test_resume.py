@@ -377,10 +377,10 @@ def test_resume_at_another_world_size(comm, mpi_tmp_path, direction):
     saving, resuming = (fewer, comm) if direction == "more" else (comm, fewer)
     saved_ranks, resumed_ranks = (size - 1, size) if direction == "more" else (size, size - 1)
     dataset = tiny_images(comm, mpi_tmp_path, "reshard.h5", num_train=211, num_eval=16, seed=3)
-    # The MPI data plane: torch.distributed, which the session's data_plane holds for the whole comm, is not
-    # started again on a sub-communicator.
+    # MPI alone, between nodes too (dist.inter_node=primary): torch.distributed, which the session's data_plane
+    # holds for the whole comm, is not started again on a sub-communicator.
     common = ["model.name=mlp", "model.options.hidden=[16]", "train.batch_size=8", "run.log_every=1",
-              "checkpoint.every_steps=0", "dist.backend=mpi", "dist.fallback=none"]
+              "checkpoint.every_steps=0", "dist.backend=mpi", "dist.fallback=none", "dist.inter_node=primary"]
     position = 5 * 8 * saved_ranks
     assert position % (8 * resumed_ranks)  # the case the old sampler refused
     resumed_steps = (211 - position) // (8 * resumed_ranks) + 1  # the epoch's last whole batch, then the next's first
