@@ -3,6 +3,8 @@ parameter owned and stepped whole), Adam, and Lion from a library (lion-pytorch,
 stage equals one process on the same global batch; their state resumes on another number of ranks; a row-cut
 layout never reaches an optimizer that is not elementwise."""
 
+import json
+
 import pytest
 import torch
 from mpi4py import MPI
@@ -141,15 +143,17 @@ def test_a_run_saved_on_fewer_ranks_resumes_its_state_bit_for_bit_on_more_at_ano
 
 @pytest.mark.launch
 def test_muon_killed_9_resumes_to_the_uninterrupted_run_s_bits(launch, tmp_path):
-    """Muon + AdamW at stage 2 on 2 ranks, a rank killed -9 at step 8: resumed from the step-5 checkpoint, the
-    run ends with the uninterrupted run's parameters and optimizer state, bit for bit."""
+    """Muon + AdamW at stage 2 on 2 ranks under a StepLR schedule, a rank killed -9 at step 8: resumed from the
+    step-5 checkpoint, the run takes the uninterrupted run's learning rates (the schedule's state from the
+    checkpoint, no replay) and ends with its parameters and optimizer state, bit for bit."""
     from hpcnet.ckpt.load import load_checkpoint
 
     dataset = tiny_images(MPI.COMM_SELF, tmp_path, "muon.h5", num_train=96, num_eval=16, seed=3)
     common = [f"data.dataset={dataset}", "run.dir_exact=true", *MODEL, "train.batch_size=4", "train.eval_every=0",
               "dist.probe=false", "dist.owners=uniform", "checkpoint.every_s=0", "checkpoint.every_steps=5",
               "checkpoint.async_save=false", "checkpoint.at_end=true", "train.steps=12", "dist.zero=2",
-              *OPTIMIZERS["muon"]]
+              "run.log_every=1", "optim.schedule=StepLR", "optim.schedule_options.step_size=3",
+              "optim.schedule_options.gamma=0.5", *OPTIMIZERS["muon"]]
     straight = launch(2, *common, f"run.dir={tmp_path / 'straight'}", f"checkpoint.dir={tmp_path / 'c-straight'}",
                       timeout=240)
     assert straight.returncode == 0, straight.stderr
@@ -158,6 +162,13 @@ def test_muon_killed_9_resumes_to_the_uninterrupted_run_s_bits(launch, tmp_path)
     assert first.returncode != 0 and "step 12/12" not in first.stderr, first.stderr
     second = launch(2, *killed, f"run.dir={tmp_path / 'second'}", "--resume", "auto", timeout=240)
     assert second.returncode == 0 and "at step 5 (saved by 2 rank(s)" in second.stderr, second.stderr
+    assert "optim.schedule:" not in second.stderr  # no replay: the schedule's state came from the checkpoint
+
+    def rates(run_dir):
+        lines = (tmp_path / run_dir / "metrics.rank0.jsonl").read_text().splitlines()
+        return [(r["step"], r["lr"]) for r in map(json.loads, lines) if "loss" in r]
+
+    assert rates("second") == rates("straight")[5:] and len({lr for _, lr in rates("straight")}) == 4
     a = load_checkpoint(MPI.COMM_SELF, str(tmp_path / "c-straight"))
     b = load_checkpoint(MPI.COMM_SELF, str(tmp_path / "c-killed"))
     assert a.step == b.step == 12
