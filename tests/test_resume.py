@@ -412,10 +412,11 @@ def test_resume_at_another_world_size(comm, mpi_tmp_path, direction):
 
 @pytest.mark.mpi
 def test_a_torch_schedule_goes_on_from_its_saved_state_at_another_world_size_and_stage(comm, mpi_tmp_path):
-    """StepLR computes each rate from the group's last one: saved by one rank fewer at dist.zero=1 (stopped after
-    step 8, as a signal stops a run: it saves that step), resumed by every rank at dist.zero=2, the run's rates are the uninterrupted run's,
-    taken from the checkpoint (no warning of a replay), though the optimizer is sharded otherwise. After kill -9:
-    tests/comm/test_zero_optimizers.py's Muon run, whose schedule is StepLR too."""
+    """StepLR computes each rate from the group's last one: saved by one rank fewer at dist.zero=1 (stopped
+    after step 8, as a signal stops a run: it saves that step), resumed by every rank at dist.zero=2, the run's
+    rates are the uninterrupted run's, taken from the checkpoint (no warning of a replay), though the optimizer is
+    sharded otherwise. After kill -9: tests/comm/test_zero_optimizers.py's Muon run, whose schedule is StepLR
+    too."""
     from hpcnet.config import OptimConfig
     from hpcnet.optim import Schedule
 
