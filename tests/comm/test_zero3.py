@@ -17,7 +17,7 @@ from hpcnet.fault.flightrec import DATA_PLANE_OPS, FlightRecorder
 from hpcnet.models.blocks import checkpoint_blocks, find_blocks
 from hpcnet.train import run
 from tests.helpers.comm import even_nodes
-from tests.helpers.data import tiny_images
+from tests.helpers.data import tiny_images, tiny_tokens
 from tests.helpers.train import assert_same, flat_params, train_config
 
 MLP = ["model.name=mlp", "model.options.hidden=[32,24]"]
@@ -30,13 +30,7 @@ def _images(comm, tmp):
 
 
 def _tokens(comm, tmp):
-    from hpcnet.data.synthetic import generate_tokens
-
-    path = tmp / "z3-tokens.h5"
-    if comm.Get_rank() == 0 and not path.exists():
-        generate_tokens(path, num_train=128, num_eval=16, seq_len=16, vocab_size=64, seed=3)
-    comm.Barrier()
-    return path
+    return tiny_tokens(comm, tmp, "z3-tokens.h5", num_train=128, num_eval=16, seq_len=16, vocab_size=64, seed=3)
 
 
 def _cfg(tmp, dataset, name, *extra):

@@ -16,7 +16,7 @@ from hpcnet.comm.sharding.optimizer import ShardedOptimizer
 from hpcnet.config.load import load_config
 from hpcnet.optim import build_optimizer
 from hpcnet.train import run
-from tests.helpers.data import tiny_images
+from tests.helpers.data import tiny_images, tiny_tokens
 from tests.helpers.train import StopAfter, assert_same, flat_params, train_config
 
 # The MLP of tests/comm/test_zero.py: its first layer (64 x 32) is cut into row ranges at 2 ranks and more
@@ -54,13 +54,8 @@ def _dataset(comm, tmp):
 
 
 def _tokens(comm, tmp):
-    from hpcnet.data.synthetic import generate_tokens
-
-    path = tmp / "zero-optim-tokens.h5"
-    if comm.Get_rank() == 0 and not path.exists():
-        generate_tokens(path, num_train=256, num_eval=16, seq_len=16, vocab_size=512, seed=3)
-    comm.Barrier()
-    return path
+    return tiny_tokens(comm, tmp, "zero-optim-tokens.h5", num_train=256, num_eval=16, seq_len=16, vocab_size=512,
+                       seed=3)
 
 
 def _cfg(tmp, dataset, name, *extra, model=tuple(MODEL)):

@@ -14,6 +14,19 @@ def tiny_images(comm, directory: Path, name: str, *, num_train: int, num_eval: i
     return path
 
 
+def tiny_tokens(comm, directory: Path, name: str, *, num_train: int, num_eval: int, seq_len: int, vocab_size: int,
+                seed: int) -> Path:
+    """A small token set shared by the ranks of ``comm``: rank 0 writes it once (collective)."""
+    from hpcnet.data.synthetic import generate_tokens
+
+    path = directory / name
+    if comm.Get_rank() == 0 and not path.exists():
+        generate_tokens(path, num_train=num_train, num_eval=num_eval, seq_len=seq_len, vocab_size=vocab_size,
+                        seed=seed)
+    comm.Barrier()
+    return path
+
+
 def write_dataset(path: Path, *, kind: str = "image", n: int = 8, attrs=None, drop=(), **arrays) -> Path:
     """A small valid hpcnet dataset file, with overrides to break it (``train_targets=...``, ``drop=("train",)``)."""
     import h5py
