@@ -172,7 +172,8 @@ class OptimConfig:
     param group's first learning rate; its state is in every checkpoint. Empty: the warm-up and decay above."""
     schedule_options: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of optim.schedule, e.g. optim.schedule_options.step_size=100; CosineAnnealingLR's T_max and
-    OneCycleLR's total_steps are train.steps unless given."""
+    OneCycleLR's total_steps are train.steps unless given. A step count below 1, or a schedule whose learning rate
+    turns negative or not finite in its first 10,000 steps (computed at start-up), is refused."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
 

@@ -32,6 +32,12 @@ LENGTH_OPTIONS = ("T_max", "total_steps")
 """Options that are a schedule's length, ``train.steps`` when not given (CosineAnnealingLR, OneCycleLR)."""
 BUILT_BY_HPCNET = ("last_epoch", "verbose")
 """Constructor arguments hpcnet owns: a resume takes the schedule's position from the checkpoint."""
+POSITIVE_OPTIONS = ("step_size", "step_size_up", "T_0", "T_max", "total_steps")
+"""Options that count steps and must be at least 1, which torch does not check for all of them (StepLR with a
+negative step_size multiplies the learning rate by 1/gamma every few steps)."""
+PROBED_STEPS = 10_000
+"""How many of a schedule's steps start-up computes on a copy to find a learning rate that is negative or not
+finite (ExponentialLR with a negative gamma flips its sign every step)."""
 NEEDS_CODE = ("LambdaLR", "MultiplicativeLR", "SequentialLR", "ChainedScheduler")
 """torch schedulers that take functions or other schedulers: built by a function of the user's."""
 
@@ -86,6 +92,23 @@ class Schedule(Stateful):
         if cfg.schedule:
             self.shadow, self.scheduler, self.arguments = self._build()
             self.on_loss = isinstance(self.scheduler, lr_scheduler.ReduceLROnPlateau)
+            if not self.on_loss:
+                self._probe()
+
+    def _probe(self) -> None:
+        """Compute the schedule's first ``PROBED_STEPS`` steps (at most the run's) on a copy: a learning rate that
+        is negative or not finite is a ConfigError naming the step, before the run trains on it."""
+        shadow, scheduler, _ = self._build()
+        for step in range(1, min(self.total_steps, PROBED_STEPS) + 1):
+            shadow.step()
+            try:
+                scheduler.step()
+            except ValueError:  # past a OneCycleLR's length: the run says so at that step
+                return
+            bad = [g["lr"] for g in shadow.param_groups if not (math.isfinite(g["lr"]) and g["lr"] >= 0)]
+            if bad:
+                raise ConfigError(f"optim.schedule: {type(scheduler).__name__} with optim.schedule_options "
+                                  f"{self.cfg.schedule_options} gives a learning rate of {bad[0]} at step {step}")
 
     def _build(self) -> tuple[_Shadow, Any, dict[str, Any]]:
         """A fresh shadow and its scheduler, and the arguments that made it."""
@@ -220,4 +243,9 @@ def scheduler_arguments(cls: type, options: dict[str, Any], total_steps: int) ->
     missing = [n for n in accepted if params[n].default is inspect.Parameter.empty and n not in arguments]
     if missing:
         raise ConfigError(f"optim.schedule_options.{missing[0]}: {cls.__name__} needs it")
+    for key in POSITIVE_OPTIONS:
+        value = options.get(key)
+        if value is not None and not (isinstance(value, (int, float)) and value >= 1):
+            raise ConfigError(f"optim.schedule_options.{key}: {cls.__name__} counts steps with it: at least 1, "
+                              f"got {value!r}")
     return arguments

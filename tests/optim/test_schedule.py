@@ -200,6 +200,10 @@ def test_a_checkpoint_without_a_schedule_replays_the_configured_one():
     ("tests.optim.test_schedule:not_a_scheduler", {}, "not_a_scheduler returned _Shadow, not a "
                                                       "torch.optim.lr_scheduler.LRScheduler"),
     ("tests.optim.nowhere:f", {}, "optim.schedule: cannot import module 'tests.optim.nowhere'"),
+    # torch takes these and trains: StepLR's rate grows 1/gamma-fold every 3 steps, ExponentialLR's flips its sign.
+    ("StepLR", {"step_size": -3}, "optim.schedule_options.step_size: StepLR counts steps with it: at least 1, got -3"),
+    ("ExponentialLR", {"gamma": -1.0}, "optim.schedule: ExponentialLR with optim.schedule_options {'gamma': -1.0} "
+                                       "gives a learning rate of -0.1 at step 1"),
 ])
 def test_a_bad_schedule_is_a_config_error_naming_the_option(schedule, options, needle):
     with pytest.raises(ConfigError) as err:
