@@ -215,9 +215,13 @@ def measure_config(cfg: Any, model: nn.Module, split: Any) -> ModelMemory:
 
     device = next(model.parameters()).device
     batch = map_tensors(lambda t: t.to(device), split.read(np.arange(min(cfg.train.batch_size, len(split)))))
-    return measure_model(model, lambda m: build_optimizer(m, cfg.optim),
+    # The first optimizer built (a factory's may be known by its class alone) says whether the update is
+    # elementwise, then serves the first measured step: built once, not held after it.
+    pending = [build_optimizer(model, cfg.optim)]
+    elementwise = is_elementwise(pending[0], cfg.optim)
+    return measure_model(model, lambda m: pending.pop() if pending else build_optimizer(m, cfg.optim),
                          Objective(cfg.model.loss, device=device, precision=cfg.train.precision), batch,
-                         elementwise=is_elementwise(build_optimizer(model, cfg.optim), cfg.optim))
+                         elementwise=elementwise)
 
 
 def status_kib(field: str) -> int:
