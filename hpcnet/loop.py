@@ -114,7 +114,7 @@ class Loop:
                  state: TrainState, faults: FaultInjector, monitor: Monitor, stop: Any = None,
                  mover: BatchMover | None = None, balancer: Balancer | None = None,
                  tracer: StepTracer | None = None, objective: Objective | None = None,
-                 grow: Any = None) -> None:
+                 grow: Any = None, mirror: Any = None) -> None:
         self.cfg, self.comm, self.world, self.dp, self.optimizer = cfg, comm, world, dp, optimizer
         self.schedule = schedule  # built before a resume, from the optimizer's first learning rates
         self.loader, self.eval_split, self.device, self.metrics = loader, eval_split, device, metrics
@@ -135,6 +135,9 @@ class Loop:
         self.grow = grow
         """Replacements for lost ranks (``hpcnet.fault.live.Live``): started at a boundary, and the loop stops at
         the boundary after which they wait to join, for the job to grow back."""
+        self.mirror = mirror
+        """``fault.replicas=1``: this rank's state copied, and its ward's kept, at every step's end
+        (``hpcnet.fault.mirror.Mirror``)."""
         self.progress: LoopProgress | None = None
         """Where ``run`` is (what a rebuild after lost ranks goes on from: ``hpcnet.fault.live``)."""
 
@@ -146,6 +149,7 @@ class Loop:
         self._log_from_step = start_step
         if p.step >= self.total and self.policy.at_end and self.state.last_saved_step < p.step:
             self._save(p)  # a state newer than its newest checkpoint: the survivors' memory after a loss at the end
+        self._mirror(p)  # a loss in the first step is covered too
         while p.step < self.total:
             loss, nonfinite = self._step(p)
             self._log_if_due(p, loss)
@@ -200,6 +204,7 @@ class Loop:
             p.shares = self.balancer.shares
             self.balancer.after_step(p.step)  # data.balance=auto: every data.balance_every steps, collective
         self.dp.after_step(p.step)  # dist.reassign_every with dist.zero > 0: every that many steps, collective
+        self._mirror(p)  # before anything can end the step: a loss from here on goes on from this step
         self.monitor.step(p.step)  # heartbeats carry it; step times set the stall timeout; memory samples
         self.faults.at_step(p.step)  # fault.* injection; a no-op unless configured
         if not applied:
@@ -208,6 +213,14 @@ class Loop:
                 log.warning("step %d: non-finite gradient norm, update skipped (train.nonfinite=skip; %d so far)",
                             p.step, p.skipped_steps)
         return loss, nonfinite
+
+    def _mirror(self, p: LoopProgress) -> None:
+        """``fault.replicas=1``: the state after ``p.step`` copied and mirrored on the keepers (collective)."""
+        if self.mirror is None:
+            return
+        self.clock.mark("other")  # what came before (balancing, owners) is not the mirror's
+        self.mirror.capture(self.state, p.step, self.comm, self.monitor)
+        self.clock.mark("mirror")
 
     def _gather_log(self, local_loss: float, metrics: dict[str, float], shares: list[float] | None,
                     step_s: list[float], comm_s: float = 0.0

@@ -418,7 +418,7 @@ def _train(cfg: Config, comm: Any, world: World, device: torch.device, route: Ro
                   if steps else None)  # clocks compared over MPI here, once
         loop = Loop(cfg, comm, world, dp, optimizer, schedule, loader, eval_split, device, metrics, state, faults,
                     monitor, stop, mover=BatchMover(device, settings), balancer=balancer, tracer=tracer,
-                    objective=objective, grow=live)
+                    objective=objective, grow=live, mirror=live.mirror)
         result.summary = loop.run(start_step)
     except Exception as exc:
         if isinstance(exc, Growing):

@@ -90,15 +90,24 @@ def test_a_loss_after_the_last_step_s_update_still_ends_with_the_last_step_saved
 def test_three_losses_in_a_row_leave_one_rank_that_ends_as_the_uninterrupted_run(ft, data, reference, tmp_path, zero):
     """4 ranks of 6 samples (the reference's global batch of 24) lose their last rank after steps 3, 7 and 11
     (fault.kill_every_steps); the last survivor trains the whole global batch: no hang, no relaunch, the same
-    model within the bound."""
+    model within the bound. Each time the survivors go on from the step they reached: stage 0 from their memory,
+    stage 2 from the mirrors (fault.replicas=1: the lost rank's shards from its keeper, rank 0; the checkpoint path
+    at stage 2 is the single loss's above), nothing computed again."""
     runs = tmp_path / "runs"
     out = run_job([ft, "-np", "4"], [*train_args(data, runs, "series", f"dist.zero={zero}", "train.batch_size=6",
-                                                 "fault.kill_at_step=3", "fault.kill_every_steps=4")], tmp_path)
+                                                 "fault.kill_at_step=3", "fault.kill_every_steps=4",
+                                                 f"fault.replicas={int(zero > 0)}")], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    records = summary(runs, "series")["recovery"]["recoveries"]
+    recovery = summary(runs, "series")["recovery"]
+    records = recovery["recoveries"]
     assert [(r["step"], r["world_size"], r["lost"][0]["rank"]) for r in records] == [(3, 3, 3), (7, 2, 2), (11, 1, 1)]
-    assert [r["resumed_step"] for r in records] == ([3, 7, 11] if zero == 0 else [0, 4, 8]), records
+    assert [(r["resumed_step"], r["recomputed_steps"], r["state"]) for r in records] == [
+        (step, 0, "mirror" if zero else "memory") for step in (3, 7, 11)], records
     assert "the survivor shrank the job" in out.stderr and "global batch 24 kept" in out.stderr
+    if zero:
+        assert "training goes on at step 3 from the mirrors, global batch 24 kept" in out.stderr
+        assert [w["keepers"] for w in recovery["mirror"]["worlds"]] == [[1, 2, 3, 0], [1, 2, 0], [1, 0]]
+        assert "resume: reading" not in out.stderr
     assert summary(runs, "series")["steps"] == STEPS
     assert_close(final_tensors(runs, "series"), reference)
 

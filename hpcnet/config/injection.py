@@ -27,6 +27,11 @@ class FaultConfig:
     taken from the ranks; 'off' goes on at the shrunk size."""
     grow_retry_s: float = 30.0
     """Seconds between tries to start replacements where none could be started (no free slot yet)."""
+    replicas: int = 0
+    """With fault.recovery=shrink (or auto under ULFM) at dist.zero 1 to 3: 1 keeps a copy of each rank's state in
+    another rank's host memory (on another host where there is one), taken at every step's end, so that the survivors
+    of a lost rank go on from the last step with nothing read from disk (docs/fault-tolerance.md, "Mirrors"); 0 = none
+    (the survivors read the newest checkpoint)."""
     grow_after_steps: int = 0
     """Fault injection, with fault.grow=spawn: the survivors wait for the replacements (up to 300 s) at the boundary
     this many steps after they started them (at the first boundary after a shrink), and grow back there (a join at
@@ -82,6 +87,11 @@ class FaultConfig:
                               f"{', '.join(map(repr, RECOVERY_MODES))}")
         if self.grow not in GROW_MODES:
             raise ConfigError(f"fault.grow: {self.grow!r} is not one of {', '.join(map(repr, GROW_MODES))}")
+        if self.replicas not in (0, 1):
+            raise ConfigError(f"fault.replicas must be 0 or 1 (one mirror of each rank's state), got {self.replicas}")
+        if self.replicas and self.recovery == "restart":
+            raise ConfigError("fault.replicas=1 needs fault.recovery=shrink or auto: with fault.recovery=restart a "
+                              "lost rank ends the job and the mirrors in memory go with it")
         if not (math.isfinite(self.grow_retry_s) and self.grow_retry_s > 0):
             raise ConfigError(f"fault.grow_retry_s must be a number of seconds > 0, got {self.grow_retry_s}")
         if self.write_error not in ("", "ENOSPC", "EDQUOT", "EIO", "fill"):

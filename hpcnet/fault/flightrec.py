@@ -49,13 +49,14 @@ OPS: tuple[str, ...] = (
     "reassign.allgather",     # dist.reassign_every: each rank's speed probe
     "stats.gather",         # at the end of the loop: every rank's step-time figures to rank 0 (summary.json)
     "gather.round",         # dist.zero=3: one round of parameter gathers (hpcnet.comm.sharding.rounds)
+    "mirror",               # fault.replicas=1: each rank's state to its keeper, its ward's in (a Sendrecv ring)
 )
 """Operation names; a beat carries the index, so the table is the same on every rank."""
 OP_CODES: dict[str, int] = {name: code for code, name in enumerate(OPS)}
 DATA_PLANE_OPS = frozenset({"allreduce.bucket", "gather.round"})
 """Collectives on the data plane's own communicators, left out of cross-rank comparisons (see above): gather
 rounds fall between the gradient buckets in an order that may differ by rank, as the buckets do."""
-EVERY_RANK_OPS = frozenset(OPS) - DATA_PLANE_OPS - {"none", "broadcast.buffers", "stats.gather"}
+EVERY_RANK_OPS = frozenset(OPS) - DATA_PLANE_OPS - {"none", "broadcast.buffers", "stats.gather", "mirror"}
 """Control-plane collectives that end on a rank only once every rank has entered them (sums and agreements
 over the whole job), issued one at a time by the training thread: each one that ends is proof of life
 (``FlightRecorder.all_alive_at``)."""

@@ -9,8 +9,11 @@ manager, the loader's sampler, the loop) and hands the parts their state back, f
   survivor keeps its own parts' entries; survivors that stopped on either side of an update (one finished the
   step's all-reduce, another did not) take the entries of one that is furthest, so every survivor goes on from the
   same step and no step is recomputed;
-- **the newest committed checkpoint**, read in-process at the new size, where a lost rank took shards of the state
-  with it (``dist.zero`` 1 to 3): the steps since that checkpoint are recomputed.
+- **the mirrors** (``fault.replicas=1``, ``hpcnet.fault.mirror``), where a lost rank took shards of the state with
+  it (``dist.zero`` 1 to 3) and its keeper survived: the survivors' snapshots of the last step's end and the lost
+  ranks' shards from their keepers, handed over as a grow hands them (``hand_over``);
+- **the newest committed checkpoint**, read in-process at the new size, otherwise: the steps since that checkpoint
+  are recomputed.
 
 The job keeps its global batch: the survivors split the same global batches (``GlobalBatchSampler``'s
 ``global_batch``) and weight their gradients by their slices, so the run goes on training what it trained.
@@ -33,6 +36,7 @@ from hpcnet.agree import is_agreed, mark_agreed, shared_errors
 from hpcnet.config import Config
 from hpcnet.errors import RestartableError, UsageError
 from hpcnet.fault.grow import Replacements, hand_over
+from hpcnet.fault.mirror import Mirror, mirrored_step, snapshot
 from hpcnet.fault.survive import is_process_failure, peers_lost, shrink, track
 from hpcnet.fault.ulfm import FaultTolerance, detect, recovery_mode
 from hpcnet.stateful import Entries, Saved
@@ -51,13 +55,14 @@ class Carried:
 
 
 def _digest(entries: Entries) -> int:
-    """A checksum of a rank's state (CRC-32 over its tensors' bytes, in order): survivors at one step must hold the
-    same. A collective that a dead peer left half done may complete on a survivor with its part missing (seen:
-    garbage sizes in a pickled all-gather under Open MPI 5.0's ULFM), so a memory that differs is not trusted."""
+    """A checksum of the tensors of a rank's state that no single rank holds (CRC-32 over their bytes, in order):
+    survivors at one step must hold the same. A collective that a dead peer left half done may complete on a
+    survivor with its part missing (seen: garbage sizes in a pickled all-gather under Open MPI 5.0's ULFM), so a
+    memory that differs is not trusted."""
     crc = 0
     for name, tensor in entries.tensors.items():
         crc = zlib.crc32(name.encode(), crc)
-        if not tensor.is_meta:
+        if name not in entries.holders:
             crc = zlib.crc32(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy(), crc)
     return crc
 
@@ -98,6 +103,11 @@ class Live:
     grows: list[dict[str, Any]] = field(default_factory=list)
     original: bool = True
     """This process is one of the job's first (not a replacement)."""
+    mirror: Mirror | None = None
+    """``fault.replicas=1``: this rank's snapshot and its ward's mirror (made at the first rebuilt world)."""
+    from_mirrors: bool = False
+    """The next world takes the state from the mirrors (``hand_over``, from the lost world's size)."""
+    _mirror_decided: bool = False
     _seen_at: float = 0.0
     _phases: dict[str, float] = field(default_factory=dict)
     _last: float = 0.0
@@ -165,20 +175,8 @@ class Live:
                 f"every rank that the job started with is gone (lost ranks {list(shrunk.lost)}): the "
                 f"{new.Get_size()} replacement(s) left end too, for hpcnet.launch to restart the run"))
         old_size = comm.Get_size()
-        reached = new.allgather((self.carried.step if self.carried is not None else -1, self.failed_step,
-                                 _digest(self.carried.entries) if self.carried is not None else 0))
-        kept = [step for step, _, _ in reached]
-        furthest = {digest for step, _, digest in reached if step == max(kept)}
-        if self.replicated and min(kept) >= 0 and len(furthest) == 1:
-            if min(kept) != max(kept):  # some finished the interrupted update: every survivor takes theirs
-                source = kept.index(max(kept))
-                mine = self.carried
-                theirs = new.bcast(mine if new.Get_rank() == source else None, root=source)
-                theirs.entries.rank_state = mine.entries.rank_state  # its own generators, as ever
-                self.carried = theirs
-            self.reload = False
-        else:  # sharded state, a survivor before the loop, or states that differ at one step: the checkpoint
-            self.carried, self.reload = None, True
+        reached = new.allgather(self._offer())
+        self._choose_state(new, reached, shrunk.lost, old_size)
         assert self.world is not None
         hosts = self.world.hostnames
         if self.global_batch is None:
@@ -187,20 +185,50 @@ class Live:
         self.recoveries.append({
             "lost": [{"rank": r, "host": hosts[r]} for r in shrunk.lost],
             "world_size": new.Get_size(), "from_world_size": old_size,
-            "step": max(step for _, step, _ in reached),
-            "state": "memory" if self.carried is not None else "checkpoint",
+            "step": max(step for _, step, *_ in reached),
+            "state": "mirror" if self.from_mirrors else "memory" if self.carried is not None else "checkpoint",
             "error": f"{type(exc).__name__}: {exc}"[:300], "shrink_s": round(shrunk.shrink_s, 4)})
         self._last, self._phases = time.perf_counter(), {}
         return new
+
+    def _offer(self) -> tuple[int, int, int, Any]:
+        """This survivor's word on where the state comes from: the step and digest of the state it carries, the
+        step it had completed, its mirror's offer (``hpcnet.fault.mirror.Offer``; None without one)."""
+        carried, mirror = self.carried, self.mirror
+        return (carried.step if carried is not None else -1, self.failed_step,
+                _digest(carried.entries) if carried is not None else 0,
+                mirror.offer(_digest(mirror.own)) if mirror is not None and mirror.own is not None else None)
+
+    def _choose_state(self, comm: Any, reached: list[tuple[int, int, int, Any]], lost: tuple[int, ...],
+                      old_size: int) -> None:
+        """Every survivor alike, from every survivor's ``_offer``: the state carried into the next world (memory,
+        the mirrors) or a reload of the newest checkpoint."""
+        kept = [step for step, *_ in reached]
+        furthest = {digest for step, _, digest, _ in reached if step == max(kept)}
+        offers = [offer for *_, offer in reached]
+        mirror, self.from_mirrors = self.mirror, False
+        mirrored = mirrored_step(offers, lost) if mirror is not None else None
+        if self.replicated and min(kept) >= 0 and len(furthest) == 1:
+            if min(kept) != max(kept):  # some finished the interrupted update: every survivor takes theirs
+                source = kept.index(max(kept))
+                mine = self.carried
+                theirs = comm.bcast(mine if comm.Get_rank() == source else None, root=source)
+                theirs.entries.rank_state = mine.entries.rank_state  # its own generators, as ever
+                self.carried = theirs
+            self.reload = False
+        elif mirror is not None and mirrored is not None:  # each lost rank's shards from its keeper
+            self.carried = Carried(mirrored, mirror.restored(offers, lost, old_size), mirror.last_saved_step)
+            self.reload, self.from_mirrors = False, True
+        else:  # sharded state, a survivor before the loop, or states that differ at one step: the checkpoint
+            self.carried, self.reload = None, True
+        if mirror is not None:
+            mirror.reset()  # of the world that is gone (the carried entries keep what is restored)
 
     def hold(self, state: Any, step: int) -> None:
         """Every survivor, at the boundary after ``step`` where replacements are ready (``Growing``, collective):
         copies of the parts' entries, for the grown world's hand-over."""
         self._seen_at = time.perf_counter()
-        entries = state.entries()
-        entries.tensors = {name: t if t.is_meta else t.detach().to("cpu", copy=True)
-                           for name, t in entries.tensors.items()}
-        self.carried = Carried(step, entries, state.last_saved_step)
+        self.carried = Carried(step, snapshot(state.entries()), state.last_saved_step)
         self.failed_step = step
 
     def grow(self) -> Any:
@@ -275,12 +303,13 @@ class Live:
     def restore(self, state: Any, comm: Any, resume: str) -> int | None:
         """In the rebuilt trainer, where a fresh start or a resume would begin: the step to go on from, the parts
         given back (collective); None where this world is the job's first."""
-        if self.handover:  # a grow: from the ranks that hold each entry
+        if self.handover or self.from_mirrors:  # a grow, or the mirrors: from the ranks that hold each entry
             carried = self.carried
             saved, last_saved = hand_over(comm, carried.entries if carried is not None else None,
                                           carried.step if carried is not None else 0,
                                           carried.last_saved_step if carried is not None else -1,
-                                          self.grows[-1]["from_world_size"], state.before_read)
+                                          (self.grows if self.handover else self.recoveries)[-1]["from_world_size"],
+                                          state.before_read)
             with shared_errors(comm):
                 for part in state.parts:
                     part.load_entries(saved)
@@ -304,12 +333,13 @@ class Live:
         """The rebuild is done: one line on the new rank 0, and the record's times; after a shrink, replacements
         started where ``fault.grow`` asks (collective)."""
         handover = self.handover
-        self.carried, self.reload, self.handover, self.failed_step = None, False, False, -1
+        self.carried, self.reload, self.handover, self.from_mirrors, self.failed_step = None, False, False, False, -1
         if handover:
             self._grown(world, step)
         elif self.recoveries and "rebuild_s" not in self.recoveries[-1]:
             self._shrunk(world, step)
         self.world = world
+        self._attach_mirror(world)
         if self.mode == "shrink" and self.cfg.fault.grow == "spawn" and world.size < self.size and step < \
                 self.cfg.train.steps and self.replacements is None:
             self.replacements = Replacements(self.size - world.size, from_step=step,
@@ -329,7 +359,7 @@ class Live:
                         "training goes on at step %d from %s%s, global batch %d kept", lost, record["step"],
                         f"{world.size} survivors" if world.size > 1 else "survivor", record["shrink_s"],
                         record["rebuild_s"], step,
-                        "memory" if record["state"] == "memory" else "the newest checkpoint",
+                        {"memory": "memory", "mirror": "the mirrors"}.get(record["state"], "the newest checkpoint"),
                         f" ({record['recomputed_steps']} steps to compute again)" if record["recomputed_steps"] else
                         "", self.global_batch * self.cfg.train.grad_accumulation)
 
@@ -346,8 +376,33 @@ class Live:
                         record["joined"], step, ", ".join(sorted(set(record["hosts"]))), world.size,
                         record["pause_s"], record["ready_s"])
 
+    def _attach_mirror(self, world: World) -> None:
+        """``fault.replicas=1``: the mirror set up for this world; at the first, where there is nothing to mirror,
+        rank 0 says why (the options are final here: ``dist.memory_cap_gb`` may have chosen ``dist.zero``)."""
+        if not self.cfg.fault.replicas:
+            return
+        if self.mirror is None and not self._mirror_decided:
+            self._mirror_decided = True
+            why = self._no_mirror(world)
+            if not why:
+                self.mirror = Mirror()
+            elif world.is_main:
+                (log.warning if self.mode != "shrink" else log.info)("fault.replicas=1: no mirror is kept: %s", why)
+        if self.mirror is not None:
+            self.mirror.attach(world)
+
+    def _no_mirror(self, world: World) -> str:
+        """Why ``fault.replicas=1`` keeps no mirror in this job ('': it keeps one)."""
+        if self.mode != "shrink":
+            ft = self.mpi.describe() if self.mpi is not None else "no ULFM"
+            return f"fault.recovery={self.cfg.fault.recovery} restarts the job from the newest checkpoint here ({ft})"
+        if self.replicated:
+            return "every rank holds the whole state (dist.zero=0 without int8), which the survivors keep"
+        return "one rank has no other to keep its state" if world.size < 2 else ""
+
     def summary(self) -> dict[str, Any]:
         """summary.json's ``recovery``."""
         return {"recovery": {"mode": self.mode, "mpi": {} if self.mpi is None else asdict(self.mpi),
-                             "recoveries": self.recoveries, "grows": self.grows}}
+                             "recoveries": self.recoveries, "grows": self.grows,
+                             **({"mirror": self.mirror.summary()} if self.mirror is not None else {})}}
 

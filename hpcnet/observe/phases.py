@@ -11,6 +11,7 @@ charged to the phase named at its end, so the phases of a step add up to the ste
 - ``optimizer``: clipping and the update;
 - ``checkpoint``: the part of a save the step waits for (the snapshot, when saving in the background);
 - ``eval``: evaluation;
+- ``mirror``: ``fault.replicas=1``'s copy of the state and its exchange with the keeper (``hpcnet.fault.mirror``);
 - ``other``: the rest (logging, heartbeats, fault injection, balancing).
 
 Marks cost a clock read and a dict update, about a microsecond; nothing is synchronised (on CUDA the phases are the
@@ -21,7 +22,7 @@ the wait). ``tracing`` also keeps every piece with its start time, for ``hpcnet.
 import time
 from typing import Any
 
-PHASES = ("data", "forward", "backward", "comm", "optimizer", "checkpoint", "eval", "other")
+PHASES = ("data", "forward", "backward", "comm", "optimizer", "checkpoint", "eval", "mirror", "other")
 
 
 class PhaseClock:

@@ -15,11 +15,10 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from hpcnet.observe.phases import PHASES
 from hpcnet.observe.stats import jitter_pct
 from hpcnet.report.read import Launch, Run, recovery_s
 
-PHASES = ("data", "forward", "backward", "comm", "optimizer", "checkpoint", "eval", "other")
-"""The trainer's step phases in step order (docs/outputs.md)."""
 MAX_RANKS_SHOWN = 32
 """Per-rank plots of bigger jobs show the 16 slowest and the 16 fastest ranks (by median step)."""
 METRICS_ALL = "run with run.metrics=all to get every rank"

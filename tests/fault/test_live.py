@@ -13,6 +13,7 @@ from hpcnet.data.sampler import GlobalBatchSampler
 from hpcnet.errors import RestartableError, exit_code_of
 from hpcnet.fault import live as live_module
 from hpcnet.fault.live import Carried, Live, _digest
+from hpcnet.fault.mirror import Mirror, layout, nbytes, views
 from hpcnet.fault.survive import Shrunk
 from hpcnet.stateful import Entries
 
@@ -74,7 +75,7 @@ def test_survivors_at_one_step_keep_their_own_state_and_the_global_batch(monkeyp
     live = _live()
     live.keep(types.SimpleNamespace(entries=lambda: _carried(7, 1, "mine").entries, last_saved_step=4), 7)
     same = _digest(_carried(7, 1, "mine").entries)
-    survivors = Survivors(1, [(7, 7, same)] * 3)
+    survivors = Survivors(1, [(7, 7, same, None)] * 3)
     assert _recover(monkeypatch, live, survivors) is survivors
     assert live.carried.step == 7 and live.carried.entries.rank_state == {"rng": "mine"} and not live.reload
     assert survivors.bcast_root is None  # nothing moved
@@ -90,7 +91,7 @@ def test_a_survivor_behind_the_interrupted_update_takes_the_furthest_ones_state_
     live.carried, live.failed_step = _carried(6, 1, "mine"), 6
     ahead = _carried(7, 2, "theirs")
     mine, theirs = _digest(live.carried.entries), _digest(ahead.entries)
-    survivors = Survivors(0, [(6, 6, mine), (7, 7, theirs), (7, 7, theirs)], held=ahead)
+    survivors = Survivors(0, [(6, 6, mine, None), (7, 7, theirs, None), (7, 7, theirs, None)], held=ahead)
     _recover(monkeypatch, live, survivors)
     assert survivors.bcast_root == 1  # the lowest rank of those furthest
     assert live.carried.step == 7 and torch.equal(live.carried.entries.tensors["model/w"], torch.full((2,), 2.0))
@@ -103,15 +104,49 @@ def test_a_loss_of_sharded_or_per_rank_state_reloads_the_newest_checkpoint(monke
     live = _live(zero, compression)
     live.keep(types.SimpleNamespace(entries=lambda: pytest.fail("no entries taken: they are not the whole state"),
                                     last_saved_step=4), 9)
-    _recover(monkeypatch, live, Survivors(0, [(-1, 9, 0), (-1, 9, 0)]), lost=(2, 3))
+    _recover(monkeypatch, live, Survivors(0, [(-1, 9, 0, None), (-1, 9, 0, None)]), lost=(2, 3))
     assert live.carried is None and live.reload
     assert live.recoveries[0]["state"] == "checkpoint" and live.recoveries[0]["lost"][1] == {"rank": 3, "host": "b"}
+
+
+@pytest.mark.parametrize("keeper_step, state", [(7, "mirror"), (-1, "checkpoint")])
+def test_a_sharded_state_goes_on_from_the_mirrors_where_the_lost_rank_s_keeper_holds_it(monkeypatch, keeper_step,
+                                                                                         state):
+    """fault.replicas=1, stage 2, 2 hosts x 2 (keepers 0->2->1->3->0): rank 3 is lost after step 7 and this rank, 0,
+    its keeper, holds its shard. From the mirrors, rank 3's shard is held by rank 0 of the survivors; with the
+    keeper's mirror still being received when the loss came (-1), every survivor reloads the checkpoint."""
+    live = _live(zero=2)
+    live.cfg.fault.replicas = 1
+    live.mirror = mirror = Mirror()
+    mirror.attach(types.SimpleNamespace(rank=0, hostnames=("a", "a", "b", "b")))
+    mine, lost_shard = torch.full((3,), 1.5), torch.arange(4, dtype=torch.float64)
+    mirror.own = Entries({"model/w": torch.ones(2), "optim/0": mine,
+                          "optim/3": torch.empty(4, dtype=torch.float64, device="meta")},
+                         holders={"optim/0": 0, "optim/3": 3}, meta={"step": 7}, rank_state={"rng": "mine"})
+    mirror._ward_layout = layout(mirror.own, 3)
+    mirror._ward_buffer = torch.zeros(nbytes(mirror._ward_layout), dtype=torch.uint8)
+    views(mirror._ward_buffer, mirror._ward_layout)["optim/3"].copy_(lost_shard)
+    mirror.own_step, mirror.ward_step, mirror.last_saved_step, live.failed_step = 7, keeper_step, 4, 7
+    same = _digest(mirror.own)
+    theirs = {"optim/0": torch.empty(3, device="meta"), "optim/3": torch.empty(4, dtype=torch.float64, device="meta")}
+    assert same == _digest(Entries({"model/w": torch.ones(2), **theirs}, holders=mirror.own.holders))  # rank 1's
+    _recover(monkeypatch, live, Survivors(0, [(-1, 7, 0, (7, keeper_step, 3, same)), (-1, 7, 0, (7, 7, 2, same)),
+                                              (-1, 7, 0, (7, 7, 0, same))]))
+    assert live.recoveries[0]["state"] == state and mirror.own is None  # the lost world's mirror forgotten
+    if state == "checkpoint":
+        assert live.reload and live.carried is None and not live.from_mirrors
+        return
+    carried = live.carried
+    assert live.from_mirrors and not live.reload and (carried.step, carried.last_saved_step) == (7, 4)
+    assert carried.entries.holders == {"optim/0": 0, "optim/3": 0}
+    assert torch.equal(carried.entries.tensors["optim/3"], lost_shard) and carried.entries.tensors["optim/0"] is mine
+    assert carried.entries.rank_state == {"rng": "mine"}
 
 
 def test_survivors_of_whom_one_had_not_started_the_loop_reload(monkeypatch):
     live = _live()
     live.carried, live.failed_step = _carried(7, 1, "mine"), 7
-    _recover(monkeypatch, live, Survivors(0, [(7, 7, _digest(live.carried.entries)), (-1, -1, 0)]))
+    _recover(monkeypatch, live, Survivors(0, [(7, 7, _digest(live.carried.entries), None), (-1, -1, 0, None)]))
     assert live.reload and live.carried is None
 
 
@@ -121,7 +156,7 @@ def test_survivors_whose_memories_differ_at_one_step_reload_rather_than_trust_ei
     live = _live()
     live.carried, live.failed_step = _carried(7, 1, "mine"), 7
     other = _digest(_carried(7, 3, "theirs").entries)
-    _recover(monkeypatch, live, Survivors(0, [(7, 7, _digest(live.carried.entries)), (7, 7, other)]))
+    _recover(monkeypatch, live, Survivors(0, [(7, 7, _digest(live.carried.entries), None), (7, 7, other, None)]))
     assert live.reload and live.carried is None and live.recoveries[0]["state"] == "checkpoint"
 
 
