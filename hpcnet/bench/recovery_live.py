@@ -7,13 +7,15 @@ each contender once, the order alternating from round to round:
 
     live    scripts/cluster.sh ftmpirun (Open MPI 5, ULFM; ``fault.recovery=auto``): the survivors shrink the job and
             go on in their processes, with the state they hold
+    mirrored  the same at ``dist.zero=2`` with ``fault.replicas=1``: the lost rank's shards from its keeper's memory
     warm    python -m hpcnet.launch --standby on -- mpirun $(scripts/cluster.sh env) (the system's Open MPI): the job
             ends and restarts on a parked standby from the newest checkpoint
     cold    the same with --standby off
 
-and a failure-free pair, the same job without the kill under ``cluster.sh ftmpirun`` and ``cluster.sh mpirun``: the
-step time under each MPI.  The kill's time is the victim's own log line ("kills itself"), the step's is rank 0's
-metrics line: one clock, the hosts being namespaces of one machine.
+and the failure-free runs, the same job without the kill: under ``cluster.sh ftmpirun`` and ``cluster.sh mpirun`` (the
+step time under each MPI), and under ``cluster.sh ftmpirun`` at ``dist.zero=2`` with mirrors and without (what the
+mirrors cost a step, and their memory from summary.json).  The kill's time is the victim's own log line ("kills
+itself"), the step's is rank 0's metrics line: one clock, the hosts being namespaces of one machine.
 """
 
 import argparse
@@ -30,15 +32,18 @@ from hpcnet.bench.recovery_cluster import CLUSTER, cluster_cli, cluster_hosts
 from hpcnet.bench.recovery_restart import KILLED, first_event, job_options, log_events, measure_kill, step_gap_s
 from hpcnet.paths import SUMMARY_FILE, attempt_dir, metrics_file, rank_log
 
-CONTENDERS = ("live", "warm", "cold")
-FAILURE_FREE = {"ulfm": "ftmpirun", "ompi4": "mpirun"}
-"""The failure-free pair: its contenders and the ``scripts/cluster.sh`` verb that launches each."""
+CONTENDERS = ("live", "mirrored", "warm", "cold")
+MIRRORED = ("dist.zero=2", "fault.replicas=1")
+"""The mirrored contender's options (and the failure-free run with mirrors)."""
+FAILURE_FREE = {"ulfm": ("ftmpirun", ()), "ompi4": ("mpirun", ()), "plain2": ("ftmpirun", ("dist.zero=2",)),
+                "mirrored2": ("ftmpirun", MIRRORED)}
+"""The failure-free runs: the ``scripts/cluster.sh`` verb that launches each, and its options."""
 RUN_TIMEOUT_S = 600
 GROW_BACK = "not built (issue 46 item 4)"
-TARGETS = {"live_s": 0.5, "live_over_warm": 0.3, "ompi4_over_ulfm": 0.95}
+TARGETS = {"live_s": 0.5, "live_over_warm": 0.3, "ompi4_over_ulfm": 0.95, "mirrored_over_plain": 1.10}
 """Issue 46's targets: live shrink's kill -> next step at most 0.5 s (and no step computed again); live / warm
 restart at most 0.3; the failure-free step time under Open MPI 4.1 over that under the fault-tolerant MPI at least
-0.95 (ULFM's at most about 5% slower)."""
+0.95 (ULFM's at most about 5% slower); the step time with mirrors over that without at most 1.10."""
 
 
 JOB_ENVIRONMENT = {
@@ -128,7 +133,17 @@ def live_figures(run: Path, kill_at: int, victim: int) -> dict[str, Any]:
             "seen_s": rebuilt[0] - record["shrink_s"] - record["rebuild_s"] - killed[0],
             "ready_to_step_s": after[1] - rebuilt[0], "lost": record["lost"], "state": record["state"],
             "shrink_s": record["shrink_s"], "rebuild_s": record["rebuild_s"],
-            "rebuild_phases_s": record.get("rebuild_phases_s")}
+            "rebuild_phases_s": record.get("rebuild_phases_s"), **mirror_figures(run)}
+
+
+def mirror_figures(run: Path) -> dict[str, Any]:
+    """A run's mirrors from its summary.json (its first world's, the largest rank's bytes; none without)."""
+    mirror = json.loads((run / SUMMARY_FILE).read_text()).get("recovery", {}).get("mirror")
+    if not mirror or not mirror["worlds"]:
+        return {}
+    first = mirror["worlds"][0]
+    return {"snapshot_bytes": max(first["snapshot_bytes"]), "ward_bytes": max(first["ward_bytes"]),
+            "capture_s": mirror["capture_s_median"]}
 
 
 def measure_live(out_dir: Path, name: str, job: list[str], args: argparse.Namespace) -> dict[str, Any]:
@@ -155,21 +170,24 @@ def measure_failure_free(out_dir: Path, name: str, verb: str, job: list[str], ar
                          ) -> dict[str, Any]:
     """The job without a fault under ``cluster.sh VERB``: the median time between its steps."""
     run = _train(out_dir, name, verb, job, args)
-    return {"run_dir": str(run), "step_time_s": step_gap_s(step_times(run / metrics_file(0)), args.steps + 1)}
+    return {"run_dir": str(run), "step_time_s": step_gap_s(step_times(run / metrics_file(0)), args.steps + 1),
+            **mirror_figures(run)}
 
 
 def _measure(contender: str, out_dir: Path, name: str, args: argparse.Namespace,
              launcher: tuple[str, ...]) -> dict[str, Any]:
-    if contender == "live":
-        return measure_live(out_dir, name, job_options(args, settle=False), args)
+    if contender in ("live", "mirrored"):
+        return measure_live(out_dir, name, [*job_options(args, settle=False),
+                                            *(MIRRORED if contender == "mirrored" else ())], args)
     if contender in ("warm", "cold"):
         return measure_restart(out_dir, name, job_options(args), args, "on" if contender == "warm" else "off",
                                launcher)
-    return measure_failure_free(out_dir, name, FAILURE_FREE[contender], job_options(args, settle=False), args)
+    verb, options = FAILURE_FREE[contender]
+    return measure_failure_free(out_dir, name, verb, [*job_options(args, settle=False), *options], args)
 
 
 def _rounds(out_dir: Path, args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
-    """``--rounds`` rounds of the three contenders, then the failure-free pair, each in alternating order; every
+    """``--rounds`` rounds of the contenders, then the failure-free runs, each in alternating order; every
     result carries its round, an error in place of figures where a run failed.  Printed as each ends."""
     launcher = ("mpirun", *cluster_cli("env").stdout.split())
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in (*CONTENDERS, *FAILURE_FREE)}
@@ -217,16 +235,18 @@ def paired(results: dict[str, list[dict[str, Any]]], numerator: str, denominator
            ) -> dict[str, float] | None:
     """Median and range of ``numerator``'s figure over ``denominator``'s, round by round, over the rounds where both
     have it (the same minutes of load on both sides); None without such a round."""
-    theirs = {r["round"]: r[key] for r in results[denominator] if "error" not in r and r.get(key)}
-    ratios = [r[key] / theirs[r["round"]] for r in results[numerator]
+    theirs = {r["round"]: r[key] for r in results.get(denominator, []) if "error" not in r and r.get(key)}
+    ratios = [r[key] / theirs[r["round"]] for r in results.get(numerator, [])
               if "error" not in r and r.get(key) is not None and r["round"] in theirs]
     return summarize(ratios) if ratios else None
 
 
 def ratios(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float] | None]:
-    """The targets' ratios: live / warm (kill -> next step), Open MPI 4.1 / ULFM (failure-free step time)."""
+    """The targets' ratios: live / warm (kill -> next step), Open MPI 4.1 / ULFM and with mirrors / without
+    (failure-free step time)."""
     return {"live_over_warm": paired(results, "live", "warm", "kill_to_next_step_s"),
-            "ompi4_over_ulfm": paired(results, "ompi4", "ulfm", "step_time_s")}
+            "ompi4_over_ulfm": paired(results, "ompi4", "ulfm", "step_time_s"),
+            "mirrored_over_plain": paired(results, "mirrored2", "plain2", "step_time_s")}
 
 
 def _verdict(median: float | None, target: float, at_most: bool) -> str:
@@ -247,7 +267,7 @@ def _target_lines(results: dict[str, list[dict[str, Any]]]) -> list[str]:
     if met == "met" and max(recomputed, default=1) != 0:
         met = "not met"
     both = ratios(results)
-    free = {name: _figures(results[name], "step_time_s") for name in FAILURE_FREE}
+    free = {name: _figures(results[name], "step_time_s") for name in ("ulfm", "ompi4")}
     ratio, step_ratio = both["live_over_warm"], both["ompi4_over_ulfm"]
     return [f"live, kill -> next step: target <= {TARGETS['live_s']} s and 0 steps computed again: {met}",
             f"live / warm, kill -> next step, paired by round: {_ratio(ratio)}; target <= "
@@ -256,7 +276,23 @@ def _target_lines(results: dict[str, list[dict[str, Any]]]) -> list[str]:
             f"failure-free step time (ms), the same job without the kill: ULFM (cluster.sh ftmpirun) "
             f"{_span(free['ulfm'], 1, 1000)}, Open MPI 4.1 (cluster.sh mpirun) {_span(free['ompi4'], 1, 1000)}; "
             f"Open MPI 4.1 / ULFM, paired by round: {_ratio(step_ratio)}; target >= {TARGETS['ompi4_over_ulfm']}: "
-            f"{_verdict(step_ratio and step_ratio['median'], TARGETS['ompi4_over_ulfm'], False)}"]
+            f"{_verdict(step_ratio and step_ratio['median'], TARGETS['ompi4_over_ulfm'], False)}",
+            *_mirror_lines(results, both["mirrored_over_plain"])]
+
+
+def _mirror_lines(results: dict[str, list[dict[str, Any]]], ratio: dict[str, float] | None) -> list[str]:
+    """The mirrors' target beside its figures: the step time with mirrors / without, their memory and capture."""
+    if "mirrored2" not in results:
+        return []
+    free = {name: _figures(results[name], "step_time_s") for name in ("plain2", "mirrored2")}
+    memory = [_span(_figures(results["mirrored2"], key), 2, 2**-20) for key in ("snapshot_bytes", "ward_bytes")]
+    return [f"failure-free step time (ms) at dist.zero=2 under ULFM: without mirrors {_span(free['plain2'], 1, 1000)}, "
+            f"with (fault.replicas=1) {_span(free['mirrored2'], 1, 1000)}; with / without, paired by round: "
+            f"{_ratio(ratio)}; target <= {TARGETS['mirrored_over_plain']}: "
+            f"{_verdict(ratio and ratio['median'], TARGETS['mirrored_over_plain'], True)}",
+            f"mirrors' host memory a rank (the largest rank's, MiB): snapshot {memory[0]}, ward's shards "
+            f"{memory[1]}; a capture (copy and exchange, rank 0's median) "
+            f"{_span(_figures(results['mirrored2'], 'capture_s'), 1, 1000)} ms"]
 
 
 def _one_line(error: str) -> str:
@@ -269,20 +305,22 @@ def report(figures: dict[str, Any]) -> str:
     """The table: a column per contender, median (range) over the rounds; the targets beside their figures, the
     failure-free step times, the load; the runs that failed."""
     results = figures["results"]
-    runs = {c: [r for r in results[c] if "error" not in r] for c in CONTENDERS}
+    shown = [c for c in CONTENDERS if c in results]  # a record of before the mirrored contender has none
+    runs = {c: [r for r in results[c] if "error" not in r] for c in shown}
     lost = next((r["lost"][0]["host"] for r in runs["live"] if r.get("lost")), "the last host")
-    header = ["", *(f"{c} (n={len(runs[c])})" for c in CONTENDERS)]
-    rows = [[label, *(_span(_figures(runs[c], key), digits, scale) for c in CONTENDERS)]
+    header = ["", *(f"{c} (n={len(runs[c])})" for c in shown)]
+    rows = [[label, *(_span(_figures(runs[c], key), digits, scale) for c in shown)]
             for key, label, digits, scale in ROWS]
-    rows.append(["standby used", "-", f"{sum(bool(r.get('standby_used')) for r in runs['warm'])}/{len(runs['warm'])}",
-                 "-"])
-    rows.append(["grow back (the survivors' pause)", GROW_BACK, "-", "-"])
+    rows.append(["standby used", *(f"{sum(bool(r.get('standby_used')) for r in runs[c])}/{len(runs[c])}"
+                                   if c == "warm" else "-" for c in shown)])
+    rows.append(["grow back (the survivors' pause)", GROW_BACK, *("-" for _ in shown[1:])])
     v = figures["versions"]
     load = [", ".join(f"{x:.2f}" for x in figures[key]) for key in ("load_average_start", "load_average_end")]
     lines = [f"live recovery against restarts on the local cluster ({', '.join(figures['hosts'])}): {figures['np']} "
              f"ranks, the mlp at dist.zero=0, rank {figures['np'] - 1} ({lost}) killed (-9) after step "
              f"{figures['kill_at']}, a checkpoint every {figures['every_steps']} steps; {figures['rounds']} round(s), "
-             "order alternating; median (range) over the rounds",
+             "order alternating; median (range) over the rounds"
+             + ("; mirrored: live at dist.zero=2 with fault.replicas=1" if "mirrored" in shown else ""),
              f"live: {v['ftmpirun']} (scripts/ftmpirun); warm, cold: hpcnet.launch over {v['mpirun']}; torch "
              f"{v['torch']}, mpi4py {v['mpi4py']}; {' '.join(f'{k}={x}' for k, x in figures['environment'].items())}",
              "", table(header, rows), "", *_target_lines(results),

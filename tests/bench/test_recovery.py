@@ -177,3 +177,23 @@ def test_the_live_table_gives_each_contender_median_and_range_and_the_targets_pa
     assert "load average (1, 5, 15 min): 2.50, 3.00, 3.50 at the start, 4.00, 4.25, 4.50 at the end; runs in /tmp/x" \
         in lines
     assert lines[-2:] == ["1 run(s) failed:", "cold round 2: cold-1: status 1: ... boom"]
+
+
+def test_the_mirrored_contender_has_its_column_and_the_mirrors_target_its_lines():
+    figures = _live_figures()
+    results = figures["results"]
+    results["mirrored"] = [{**run, "state": "mirror", "world_size_after": 3} for run in results["live"]]
+    mib = 2**20
+    results["plain2"] = [{"round": 0, "step_time_s": 0.1}, {"round": 1, "step_time_s": 0.2}]
+    results["mirrored2"] = [{"round": 0, "step_time_s": 0.105, "snapshot_bytes": 14 * mib, "ward_bytes": 7 * mib,
+                             "capture_s": 0.004},
+                            {"round": 1, "step_time_s": 0.25, "snapshot_bytes": 14 * mib, "ward_bytes": 7 * mib,
+                             "capture_s": 0.006}]
+    lines = report(figures).splitlines()
+    assert lines[0].endswith("; mirrored: live at dist.zero=2 with fault.replicas=1")
+    assert lines[3].split() == ["live", "(n=2)", "mirrored", "(n=2)", "warm", "(n=2)", "cold", "(n=1)"]
+    assert ("failure-free step time (ms) at dist.zero=2 under ULFM: without mirrors 150.0 (100.0-200.0), with "
+            "(fault.replicas=1) 177.5 (105.0-250.0); with / without, paired by round: 1.15 (1.05-1.25); target <= 1.1: "
+            "not met") in lines
+    assert ("mirrors' host memory a rank (the largest rank's, MiB): snapshot 14.00, ward's shards 7.00; a capture "
+            "(copy and exchange, rank 0's median) 5.0 (4.0-6.0) ms") in lines
