@@ -93,6 +93,16 @@ def nbytes(tensors: Layout) -> int:
     return offset + torch.Size(shape).numel() * dtype.itemsize
 
 
+def buffer_sizes(entries: Entries, size: int) -> list[int]:
+    """Every rank's buffer bytes, ``nbytes(layout(entries, rank))`` for each of ``size`` ranks in one pass (pure)."""
+    ends = [HEADER] * size
+    for name, tensor in entries.tensors.items():
+        holder = entries.holders.get(name)
+        if holder is not None:
+            ends[holder] = -(-ends[holder] // ALIGN) * ALIGN + tensor.numel() * tensor.element_size()
+    return ends
+
+
 def layout_digest(tensors: Layout) -> int:
     """A checksum of a layout (CRC-32 of its names, offsets, shapes and dtypes)."""
     return zlib.crc32(repr(tensors).encode())
@@ -147,23 +157,28 @@ class Mirror:
         self._send_layout: Layout = []
         self._ward_buffer: torch.Tensor | None = None
         self._ward_layout: Layout = []
+        self.wards: list[int] = []
         self.capture_s: list[float] = []
-        self.bytes: list[tuple[int, int]] = []
-        """Every rank's (S, M) bytes, gathered at this world's first capture."""
         self.worlds: list[dict[str, Any]] = []
-        """Each world's keepers and bytes a rank, from its first capture (summary.json)."""
+        """Each world's keepers and every rank's largest S and M bytes (summary.json)."""
+        self._captures = 0
+        """Of this world."""
 
     def attach(self, world: World) -> None:
         """A new world (the job's first, or one rebuilt): its keeper ring; nothing kept until the next capture."""
         self.keeper, self.rank = keepers(world.hostnames), world.rank
-        self.ward = self.keeper.index(world.rank)
+        self.wards = [self.keeper.index(rank) for rank in range(len(self.keeper))]
+        self.ward, self._captures = self.wards[world.rank], 0
+        if len(self.keeper) > 1:
+            self.worlds.append({"keepers": self.keeper, "snapshot_bytes": [0] * len(self.keeper),
+                                "ward_bytes": [0] * len(self.keeper)})
         self.reset()
 
     def reset(self) -> None:
         """Forget S and M (restored, or of a world gone): the next capture makes new buffers."""
         self.own, self.own_step, self.ward_step = None, -1, -1
         self._send = self._ward_buffer = None
-        self._send_layout, self._ward_layout, self.bytes = [], [], []
+        self._send_layout, self._ward_layout = [], []
 
     def offer(self, digest: int) -> Offer:
         """This survivor's part of the recovery's agreement (``digest``: S's unheld tensors')."""
@@ -196,8 +211,7 @@ class Mirror:
             _check(received, self._ward_buffer, theirs, self.ward, self.rank)
         self.ward_step = step
         self.capture_s.append(time.perf_counter() - t0)
-        if not self.bytes:
-            self._said(comm)
+        self._account(entries)
 
     def restored(self, offers: list[Offer], lost: tuple[int, ...] | list[int], old_size: int) -> Entries:
         """After ``mirrored_step`` agreed: S with the lost ward's tensors from M, held by the survivors' new ranks."""
@@ -208,18 +222,22 @@ class Mirror:
         return Entries(tensors, new_holders(self.own.holders, offers, lost, old_size), self.own.meta,
                        self.own.rank_state)
 
-    def _said(self, comm: Any) -> None:
-        """A world's first capture: every rank's bytes gathered; rank 0 says who keeps whose state, and the cost."""
-        assert self.own is not None and self._ward_buffer is not None
-        own = sum(t.numel() * t.element_size() for t in self.own.tensors.values() if not t.is_meta)
-        self.bytes = comm.allgather((own, self._ward_buffer.numel()))
-        self.worlds.append({"keepers": self.keeper, "snapshot_bytes": [s for s, _ in self.bytes],
-                            "ward_bytes": [m for _, m in self.bytes]})
-        if self.rank == 0:
+    def _account(self, entries: Entries) -> None:
+        """Every rank's S and M bytes, from the entries (no communication), the largest of the world kept; after
+        the world's first step (an optimizer makes its state there), rank 0 says who keeps whose state and the
+        memory it takes."""
+        sizes = buffer_sizes(entries, len(self.keeper))
+        unheld = sum(t.numel() * t.element_size() for name, t in entries.tensors.items() if name not in entries.holders)
+        world = self.worlds[-1]
+        for key, now in (("snapshot_bytes", [unheld + size for size in sizes]),
+                         ("ward_bytes", [sizes[ward] for ward in self.wards])):
+            world[key] = [max(peak, value) for peak, value in zip(world[key], now)]
+        self._captures += 1
+        if self._captures == 2 and self.rank == 0:
             log.info("fault.replicas=1: each rank's state is mirrored on its keeper (%s); host memory a rank: "
                      "snapshot %.3g MiB, ward's mirror %.3g MiB at most", ", ".join(
                          f"{rank}->{keeper}" for rank, keeper in enumerate(self.keeper)),
-                     max(s for s, _ in self.bytes) / 2**20, max(m for _, m in self.bytes) / 2**20)
+                     max(world["snapshot_bytes"]) / 2**20, max(world["ward_bytes"]) / 2**20)
 
     def summary(self) -> dict[str, Any]:
         """summary.json's ``recovery.mirror``: each world's keepers (rank r's at index r) and bytes a rank (S, M), and

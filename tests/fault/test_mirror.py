@@ -12,7 +12,18 @@ from hpcnet.agree import is_agreed
 from hpcnet.config import Config
 from hpcnet.config.load import load_config
 from hpcnet.errors import ConfigError
-from hpcnet.fault.mirror import ALIGN, Mirror, keepers, layout, mirrored_step, nbytes, new_holders, snapshot, views
+from hpcnet.fault.mirror import (
+    ALIGN,
+    Mirror,
+    buffer_sizes,
+    keepers,
+    layout,
+    mirrored_step,
+    nbytes,
+    new_holders,
+    snapshot,
+    views,
+)
 from hpcnet.stateful import Entries
 from hpcnet.world import discover
 
@@ -101,6 +112,7 @@ def test_a_buffer_lays_a_rank_s_tensors_out_aligned_and_views_them_bit_for_bit()
     tensors = layout(theirs, 1)  # as another rank, from its meta tensors
     assert tensors == layout(mine, 1) and [name for name, *_ in tensors] == [f"optim/1/{k}" for k in range(5)]
     assert all(offset % ALIGN == 0 for _, offset, _, _ in tensors)
+    assert buffer_sizes(theirs, 3) == [nbytes(layout(theirs, rank)) for rank in range(3)]
     buffer = torch.empty(nbytes(tensors), dtype=torch.uint8)
     copied = snapshot(mine, views(buffer, tensors))
     unpacked = views(buffer.clone(), tensors)  # what the keeper receives
@@ -142,6 +154,10 @@ def test_each_rank_keeps_its_ward_s_tensors_and_restores_them_for_the_survivors(
         mirror.capture(_State(_entries(rank, size, scale=step)), step, comm, _MONITOR)
     assert (mirror.own_step, mirror.ward_step, mirror.last_saved_step) == (4, 4, 4)
     ward = mirror.ward
+    [world] = mirror.worlds  # the largest of the captures (the second's: longer tensors)
+    unheld = 6 * 4 + 8
+    assert world["ward_bytes"][rank] == nbytes(layout(_entries(ward, size, scale=4), ward))
+    assert world["snapshot_bytes"][rank] == unheld + nbytes(layout(_entries(rank, size, scale=4), rank))
     assert mirror.keeper[ward] == rank and ward != rank
     offers = comm.allgather(mirror.offer(0))
     lost = (comm.allgather(ward)[0],)  # rank 0's ward is lost
