@@ -216,9 +216,9 @@ def _ckpts(directory):
 
 
 def _used(comm, plane, tmp, dataset, name):
-    """A run of 60 steps in ``tmp/ckpt/name`` with checkpoints at 40, 50 and 60 (``_cfg``'s every 10, keep 3)."""
-    run(_cfg(tmp, dataset, name, "model.name=mlp", "train.steps=60", "checkpoint.full_every=1",
-             "checkpoint.keep=3"), comm, plane=plane)
+    """A run of 12 steps in ``tmp/ckpt/name`` with checkpoints at 8, 10 and 12 (every 2, keep 3)."""
+    run(_cfg(tmp, dataset, name, "model.name=mlp", "train.steps=12", "checkpoint.every_steps=2",
+             "checkpoint.full_every=1", "checkpoint.keep=3"), comm, plane=plane)
     comm.Barrier()
     return tmp / "ckpt" / name
 
@@ -229,41 +229,42 @@ def test_a_fresh_run_into_a_used_checkpoint_directory_refuses_and_loses_nothing(
 
     dataset = _dataset(comm, mpi_tmp_path)
     directory = _used(comm, data_plane, mpi_tmp_path, dataset, "used")
-    assert _ckpts(directory) == ["ckpt-0000000040.h5", "ckpt-0000000050.h5", "ckpt-0000000060.h5"]
+    used = ["ckpt-0000000008.h5", "ckpt-0000000010.h5", "ckpt-0000000012.h5"]
+    assert _ckpts(directory) == used
     with pytest.raises(UsageError) as refused:  # no checkpoint.resume
-        run(_cfg(mpi_tmp_path, dataset, "used", "model.name=mlp", "train.steps=30"), comm, plane=data_plane)
-    for words in (str(directory), "step 60", "--resume auto", "run.name", "checkpoint.move_aside=true"):
+        run(_cfg(mpi_tmp_path, dataset, "used", "model.name=mlp", "train.steps=6"), comm, plane=data_plane)
+    for words in (str(directory), "step 12", "--resume auto", "run.name", "checkpoint.move_aside=true"):
         assert words in str(refused.value)
     comm.Barrier()
-    assert _ckpts(directory) == ["ckpt-0000000040.h5", "ckpt-0000000050.h5", "ckpt-0000000060.h5"]
-    assert (directory / "latest").read_text().strip() == "ckpt-0000000060.h5"
+    assert _ckpts(directory) == used
+    assert (directory / "latest").read_text().strip() == "ckpt-0000000012.h5"
     comm.Barrier()
-    run(_cfg(mpi_tmp_path, dataset, "used", "model.name=mlp", "train.steps=30", "checkpoint.full_every=1",
-             "checkpoint.move_aside=true"), comm, plane=data_plane)
+    run(_cfg(mpi_tmp_path, dataset, "used", "model.name=mlp", "train.steps=6", "checkpoint.every_steps=2",
+             "checkpoint.full_every=1", "checkpoint.move_aside=true"), comm, plane=data_plane)
     comm.Barrier()
-    assert _ckpts(directory) == ["ckpt-0000000010.h5", "ckpt-0000000020.h5", "ckpt-0000000030.h5"]
-    assert (directory / "latest").read_text().strip() == "ckpt-0000000030.h5"
+    assert _ckpts(directory) == ["ckpt-0000000002.h5", "ckpt-0000000004.h5", "ckpt-0000000006.h5"]
+    assert (directory / "latest").read_text().strip() == "ckpt-0000000006.h5"
     (aside,) = directory.glob("aside-*-fresh-run")
-    assert _ckpts(aside) == ["ckpt-0000000040.h5", "ckpt-0000000050.h5", "ckpt-0000000060.h5"]
+    assert _ckpts(aside) == used
     comm.Barrier()
 
 
 @pytest.mark.mpi
 def test_a_rollback_sticks_and_resume_auto_goes_by_commit_order(comm, data_plane, mpi_tmp_path):
     dataset = _dataset(comm, mpi_tmp_path)
-    directory = _used(comm, data_plane, mpi_tmp_path, dataset, "rollback")  # checkpoints at 40, 50 and 60
-    args = ["model.name=mlp", "checkpoint.full_every=1", "checkpoint.keep=10"]
-    back = run(_cfg(mpi_tmp_path, dataset, "rollback", *args, "train.steps=50",
-                    f"checkpoint.resume={directory / 'ckpt-0000000040.h5'}"), comm, plane=data_plane)
-    assert back.summary["start_step"] == 40
+    directory = _used(comm, data_plane, mpi_tmp_path, dataset, "rollback")  # checkpoints at 8, 10 and 12
+    args = ["model.name=mlp", "checkpoint.every_steps=2", "checkpoint.full_every=1", "checkpoint.keep=10"]
+    back = run(_cfg(mpi_tmp_path, dataset, "rollback", *args, "train.steps=10",
+                    f"checkpoint.resume={directory / 'ckpt-0000000008.h5'}"), comm, plane=data_plane)
+    assert back.summary["start_step"] == 8
     comm.Barrier()
-    (aside,) = directory.glob("aside-*-rollback-to-step-40")  # the abandoned 50 and 60, out of resume auto's way
-    assert _ckpts(aside) == ["ckpt-0000000050.h5", "ckpt-0000000060.h5"]
-    on = run(_cfg(mpi_tmp_path, dataset, "rollback", *args, "train.steps=55", "checkpoint.resume=auto"), comm,
+    (aside,) = directory.glob("aside-*-rollback-to-step-8")  # the abandoned 10 and 12, out of resume auto's way
+    assert _ckpts(aside) == ["ckpt-0000000010.h5", "ckpt-0000000012.h5"]
+    on = run(_cfg(mpi_tmp_path, dataset, "rollback", *args, "train.steps=11", "checkpoint.resume=auto"), comm,
              plane=data_plane)
-    assert on.summary["start_step"] == 50  # the rolled-back run's 50, not the abandoned 60
+    assert on.summary["start_step"] == 10  # the rolled-back run's 10, not the abandoned 12
     comm.Barrier()
-    assert _ckpts(directory)[-1] == "ckpt-0000000055.h5"
+    assert _ckpts(directory)[-1] == "ckpt-0000000011.h5"
     comm.Barrier()
 
 

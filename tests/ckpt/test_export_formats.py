@@ -294,16 +294,26 @@ def test_a_sharded_runs_hf_export_is_the_one_rank_runs(comm, data_plane, mpi_tmp
     comm.Barrier()
 
 
+_ONE_RANK_EXPORT: dict[str, Path] = {}
+"""The one-rank run's hf export, made once a session: every stage compares against the same one."""
+
+
+def _one_rank_export(tmp):
+    if "hf" not in _ONE_RANK_EXPORT:
+        _, one = _hf_run(tmp / "one", "one", MPI.COMM_SELF)
+        assert _export(one, "--format", "hf", "-o", tmp / "one-hf")[0] == 0
+        _ONE_RANK_EXPORT["hf"] = tmp / "one-hf"
+    return _ONE_RANK_EXPORT["hf"]
+
+
 def _exports(tmp, ckpt):
     """The sharded run's hf export and a one-rank run's, by keys, shapes and dtypes; their config.json; whether
     the checkpoint's two names of the tied weight hold the same values."""
     assert _export(ckpt, "--format", "hf", "-o", tmp / "sharded-hf")[0] == 0
-    _, one = _hf_run(tmp / "one", "one", MPI.COMM_SELF)
-    assert _export(one, "--format", "hf", "-o", tmp / "one-hf")[0] == 0
+    one = _one_rank_export(tmp)
     assert _export(ckpt, "-o", tmp / "sharded.pt")[0] == 0
     saved = torch.load(tmp / "sharded.pt", weights_only=True)
-    return (_keys_shapes(tmp / "one-hf"), _keys_shapes(tmp / "sharded-hf"),
-            json.loads((tmp / "one-hf" / "config.json").read_text()),
+    return (_keys_shapes(one), _keys_shapes(tmp / "sharded-hf"), json.loads((one / "config.json").read_text()),
             json.loads((tmp / "sharded-hf" / "config.json").read_text()),
             torch.equal(saved["lm_head.weight"], saved["transformer.wte.weight"]))
 
