@@ -32,8 +32,10 @@ failure.json.
 a host lost -> the first step on the survivors, the host back -> the first step at the full size.
 
 ``--live``: on the running local cluster, a rank lost and survived in the job (the survivors shrink, under a
-fault-tolerant MPI) against warm and cold restarts, in the same run (``hpcnet.bench.recovery_live``): kill -9 -> the
-next step on the survivors, the steps computed again, the world size after; the failure-free step time under each MPI.
+fault-tolerant MPI; at stage 0 from their memory, at stage 2 from the mirrors of ``fault.replicas=1``) against warm and
+cold restarts, in the same run (``hpcnet.bench.recovery_live``): kill -9 -> the next step on the survivors, the steps
+computed again, the world size after; the failure-free step time under each MPI, and at stage 2 with mirrors and
+without.
 
 ``--startup`` (default on) also times the pieces of a process start on their
 own (mpirun, python, import torch, MPI init, torch._dynamo, which the first
@@ -142,8 +144,9 @@ def _parser() -> argparse.ArgumentParser:
                              "-> first step on the survivors, host back -> first step at full size")
     parser.add_argument("--live", action="store_true",
                         help="on the running local cluster, in the same run: live shrink (scripts/cluster.sh "
-                             "ftmpirun), warm and cold restart (hpcnet.launch) after a kill -9 of a rank of the second "
-                             "host -> the next step; the failure-free step time under both MPIs")
+                             "ftmpirun; also at dist.zero=2 with fault.replicas=1), warm and cold restart "
+                             "(hpcnet.launch) after a kill -9 of a rank of the second host -> the next step; the "
+                             "failure-free step time under both MPIs, and with mirrors / without")
     parser.add_argument("--np", type=int, default=None, help="ranks (default 2; --cluster, --live: 4)")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default 40; --cluster 80)")
     parser.add_argument("--every-steps", type=int, default=10, help="checkpoint.every_steps (default 10)")
