@@ -24,6 +24,7 @@ def clean_env(**extra):
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1", OMPI_MCA_btl_base_warn_component_unused="0",
                OMPI_MCA_mpi_yield_when_idle="1", PYTHONPATH=str(ROOT))
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP workers sleep, as in scripts/test.sh (its reason)
     env.update(extra)
     return env
 
