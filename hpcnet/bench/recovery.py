@@ -34,8 +34,9 @@ a host lost -> the first step on the survivors, the host back -> the first step 
 ``--live``: on the running local cluster, a rank lost and survived in the job (the survivors shrink, under a
 fault-tolerant MPI; at stage 0 from their memory, at stage 2 from the mirrors of ``fault.replicas=1``) against warm and
 cold restarts, in the same run (``hpcnet.bench.recovery_live``): kill -9 -> the next step on the survivors, the steps
-computed again, the world size after; the failure-free step time under each MPI, and at stage 2 with mirrors and
-without.
+computed again, the world size after; live recovery then grows back to the first size (``fault.grow=spawn``): the
+survivors' pauses for the spawn and the join, the replacement's start -> ready; the failure-free step time under
+each MPI, and at stage 2 with mirrors and without.
 
 ``--startup`` (default on) also times the pieces of a process start on their
 own (mpirun, python, import torch, MPI init, torch._dynamo, which the first
@@ -53,7 +54,7 @@ from typing import Any
 
 from hpcnet.bench.common import load_average, summarize, table, write_json
 from hpcnet.bench.recovery_cluster import main_cluster
-from hpcnet.bench.recovery_live import main_live
+from hpcnet.bench.recovery_live import GROW_AFTER_STEPS, main_live
 from hpcnet.bench.recovery_restart import job_options, measure_hang, measure_kill
 
 
@@ -145,7 +146,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--live", action="store_true",
                         help="on the running local cluster, in the same run: live shrink (scripts/cluster.sh "
                              "ftmpirun; also at dist.zero=2 with fault.replicas=1), warm and cold restart "
-                             "(hpcnet.launch) after a kill -9 of a rank of the second host -> the next step; the "
+                             "(hpcnet.launch) after a kill -9 of a rank of the second host -> the next step; live's "
+                             "grow back to the first size (fault.grow=spawn): the survivors' pause; the "
                              "failure-free step time under both MPIs, and with mirrors / without")
     parser.add_argument("--np", type=int, default=None, help="ranks (default 2; --cluster, --live: 4)")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default 40; --cluster 80)")
@@ -206,6 +208,9 @@ def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[
     if args.live:
         if args.np < 2 or args.rounds < 1:
             parser.error("--live needs --np of at least 2 and --rounds of at least 1")
+        if args.kill_at + GROW_AFTER_STEPS + 1 >= args.steps:  # the join after the step past the kill, then these
+            parser.error(f"--live needs --kill-at + {GROW_AFTER_STEPS + 1} < --steps: the replacement joins "
+                         f"{GROW_AFTER_STEPS + 1} steps after the kill")
         return []
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - {"cold", "warm"} or args.trials < 1:

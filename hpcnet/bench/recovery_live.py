@@ -1,21 +1,26 @@
 """Live recovery against restarts on the local cluster (``python -m hpcnet.bench recovery --live``): a kill -9 of one
-rank -> the next step the survivors complete, the steps computed again, the world size after.
+rank -> the next step the survivors complete, the steps computed again, the world size after; for live recovery also
+the grow back to the first size: the survivors' pauses and when the replacement was ready.
 
 On the running local cluster (``scripts/cluster.sh start``), ``--np`` ranks (default 4: 2 hosts x 2), the bench's
 mlp at ``dist.zero=0``, the last rank (on the second host) killing itself after step ``--kill-at``.  Every round runs
 each contender once, the order alternating from round to round:
 
     live    scripts/cluster.sh ftmpirun (Open MPI 5, ULFM; ``fault.recovery=auto``): the survivors shrink the job and
-            go on in their processes, with the state they hold
+            go on in their processes, with the state they hold; then they grow back (``fault.grow=spawn``): a
+            replacement started at the first boundary after the loss joins ``GROW_AFTER_STEPS`` boundaries later
     mirrored  the same at ``dist.zero=2`` with ``fault.replicas=1``: the lost rank's shards from its keeper's memory
     warm    python -m hpcnet.launch --standby on -- mpirun $(scripts/cluster.sh env) (the system's Open MPI): the job
-            ends and restarts on a parked standby from the newest checkpoint
+            ends and restarts on a parked standby from the newest checkpoint, at the first size (no grow back)
     cold    the same with --standby off
 
 and the failure-free runs, the same job without the kill: under ``cluster.sh ftmpirun`` and ``cluster.sh mpirun`` (the
 step time under each MPI), and under ``cluster.sh ftmpirun`` at ``dist.zero=2`` with mirrors and without (what the
 mirrors cost a step, and their memory from summary.json).  The kill's time is the victim's own log line ("kills
-itself"), the step's is rank 0's metrics line: one clock, the hosts being namespaces of one machine.
+itself"), the step's is rank 0's metrics line: one clock, the hosts being namespaces of one machine.  The grow's
+figures are the survivors' record (summary.json's ``recovery.grows``): the pause for the spawn (``spawn_s``), the
+replacement's start -> ready (``ready_s``) and the pause for the join (``pause_s``: merge, hand-over, rebuild).  The
+spawn comes after the next step's log line and the join later still, so neither changes kill -> next step.
 """
 
 import argparse
@@ -24,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +45,17 @@ FAILURE_FREE = {"ulfm": ("ftmpirun", ()), "ompi4": ("mpirun", ()), "plain2": ("f
                 "mirrored2": ("ftmpirun", MIRRORED)}
 """The failure-free runs: the ``scripts/cluster.sh`` verb that launches each, and its options."""
 RUN_TIMEOUT_S = 600
-GROW_BACK = "not built (issue 46 item 4)"
-TARGETS = {"live_s": 0.5, "live_over_warm": 0.3, "ompi4_over_ulfm": 0.95, "mirrored_over_plain": 1.10}
+GROW_AFTER_STEPS = 2
+GROW = ("fault.grow=spawn", f"fault.grow_after_steps={GROW_AFTER_STEPS}")
+"""The live contenders grow back: a replacement started at the first boundary after the shrink (the one after the
+step past the kill) is called in ``GROW_AFTER_STEPS`` boundaries later, the survivors waiting there until it is
+ready (so the join comes at a known step, before the run's end: ``--kill-at`` + 3 < ``--steps``)."""
+TARGETS = {"live_s": 0.5, "live_over_warm": 0.3, "ompi4_over_ulfm": 0.95, "mirrored_over_plain": 1.10,
+           "grow_pause_s": 2.0}
 """Issue 46's targets: live shrink's kill -> next step at most 0.5 s (and no step computed again); live / warm
 restart at most 0.3; the failure-free step time under Open MPI 4.1 over that under the fault-tolerant MPI at least
-0.95 (ULFM's at most about 5% slower); the step time with mirrors over that without at most 1.10."""
+0.95 (ULFM's at most about 5% slower); the step time with mirrors over that without at most 1.10; the survivors'
+pause when a replacement joins at most 2 s."""
 
 
 JOB_ENVIRONMENT = {
@@ -146,11 +158,25 @@ def mirror_figures(run: Path) -> dict[str, Any]:
             "capture_s": mirror["capture_s_median"]}
 
 
+def grow_figures(run: Path, first_size: int) -> dict[str, Any]:
+    """A live run's grow back from its summary.json (the last grow's record, the world size at the end).
+    RuntimeError where the job did not grow back to ``first_size``."""
+    summary = json.loads((run / SUMMARY_FILE).read_text())
+    grows = summary.get("recovery", {}).get("grows", [])
+    if not grows or summary.get("world_size") != first_size:
+        raise RuntimeError(f"{run}: no grow back to {first_size} ranks ({len(grows)} grows, {summary.get('world_size')}"
+                           " ranks at the end)")
+    grow = grows[-1]
+    return {"grow_pause_s": grow["pause_s"], "grow_spawn_s": grow["spawn_s"], "grow_ready_s": grow["ready_s"],
+            "grow_step": grow["step"], "grow_hosts": grow.get("hosts", []), "world_size_end": summary["world_size"]}
+
+
 def measure_live(out_dir: Path, name: str, job: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    """The job under ``cluster.sh ftmpirun``, its last rank killed after ``--kill-at``: ``live_figures``."""
-    run = _train(out_dir, name, "ftmpirun", [*job, f"fault.kill_at_step={args.kill_at}", "fault.only_attempt=1"],
-                 args)
-    return live_figures(run, args.kill_at, args.np - 1)
+    """The job under ``cluster.sh ftmpirun``, its last rank killed after ``--kill-at`` and replaced (``GROW``):
+    ``live_figures`` and ``grow_figures``."""
+    run = _train(out_dir, name, "ftmpirun", [*job, f"fault.kill_at_step={args.kill_at}", "fault.only_attempt=1",
+                                              *GROW], args)
+    return {**live_figures(run, args.kill_at, args.np - 1), **grow_figures(run, args.np)}
 
 
 def measure_restart(out_dir: Path, name: str, job: list[str], args: argparse.Namespace, standby: str,
@@ -213,8 +239,13 @@ ROWS = [("kill_to_next_step_s", "kill -> next step done (s)", 2, 1.0),
         ("world_size_after", "world size after", 0, 1.0),
         ("step_time_before_s", "step time before the kill (ms)", 0, 1000.0),
         ("shrink_s", "shrink (s, the survivors' record)", 3, 1.0),
-        ("rebuild_s", "rebuild (s, the survivors' record)", 2, 1.0)]
-"""The table's rows: a result's key, the label, the digits shown, the scale of the unit."""
+        ("rebuild_s", "rebuild (s, the survivors' record)", 2, 1.0),
+        ("grow_pause_s", "grow back: the survivors' pause, join (s)", 2, 1.0),
+        ("grow_spawn_s", "  the survivors' pause, spawn (s)", 2, 1.0),
+        ("grow_ready_s", "  replacement started -> ready (s)", 2, 1.0),
+        ("world_size_end", "world size at the end", 0, 1.0)]
+"""The table's rows: a result's key, the label, the digits shown, the scale of the unit ('-' where a contender has
+no such figure: the restarts do not grow back, they relaunch at the first size)."""
 
 
 def _span(values: list[float], digits: int = 2, scale: float = 1.0) -> str:
@@ -260,7 +291,8 @@ def _ratio(ratio: dict[str, float] | None) -> str:
 
 
 def _target_lines(results: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """Issue 46's targets beside the figures: live kill -> next step, live / warm, Open MPI 4.1 / ULFM."""
+    """Issue 46's targets beside the figures: live kill -> next step, live / warm, Open MPI 4.1 / ULFM, the grow
+    back's pause, the mirrors' step time."""
     live = _figures(results["live"], "kill_to_next_step_s")
     recomputed = _figures(results["live"], "steps_recomputed")
     met = _verdict(summarize(live)["median"] if live else None, TARGETS["live_s"], True)
@@ -277,7 +309,22 @@ def _target_lines(results: dict[str, list[dict[str, Any]]]) -> list[str]:
             f"{_span(free['ulfm'], 1, 1000)}, Open MPI 4.1 (cluster.sh mpirun) {_span(free['ompi4'], 1, 1000)}; "
             f"Open MPI 4.1 / ULFM, paired by round: {_ratio(step_ratio)}; target >= {TARGETS['ompi4_over_ulfm']}: "
             f"{_verdict(step_ratio and step_ratio['median'], TARGETS['ompi4_over_ulfm'], False)}",
-            *_mirror_lines(results, both["mirrored_over_plain"])]
+            *_grow_lines(results), *_mirror_lines(results, both["mirrored_over_plain"])]
+
+
+def _grow_lines(results: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The grow back's target beside its figures: the survivors' pause at the join, each live contender's median
+    (met where every one is within it), and the spawn's pause besides."""
+    grown = [c for c in ("live", "mirrored") if c in results]
+    pauses = {c: _figures(results[c], "grow_pause_s") for c in grown}
+    medians = [summarize(v)["median"] for v in pauses.values() if v]
+    met = _verdict(max(medians) if len(medians) == len(grown) else None, TARGETS["grow_pause_s"], True)
+    spawn = "; ".join(f"{c} {_span(_figures(results[c], 'grow_spawn_s'))}" for c in grown)
+    hosts = Counter(host for c in grown for r in results[c] if "error" not in r for host in r.get("grow_hosts", []))
+    return [f"grow back, the survivors' pause at the join (s): "
+            f"{'; '.join(f'{c} {_span(pauses[c])}' for c in grown)}; target <= {TARGETS['grow_pause_s']} s: {met} "
+            f"(the pause for the spawn besides, s: {spawn}); the replacements ran on "
+            f"{', '.join(f'{host} ({n})' for host, n in sorted(hosts.items())) or '-'}"]
 
 
 def _mirror_lines(results: dict[str, list[dict[str, Any]]], ratio: dict[str, float] | None) -> list[str]:
@@ -313,13 +360,14 @@ def report(figures: dict[str, Any]) -> str:
             for key, label, digits, scale in ROWS]
     rows.append(["standby used", *(f"{sum(bool(r.get('standby_used')) for r in runs[c])}/{len(runs[c])}"
                                    if c == "warm" else "-" for c in shown)])
-    rows.append(["grow back (the survivors' pause)", GROW_BACK, *("-" for _ in shown[1:])])
     v = figures["versions"]
     load = [", ".join(f"{x:.2f}" for x in figures[key]) for key in ("load_average_start", "load_average_end")]
     lines = [f"live recovery against restarts on the local cluster ({', '.join(figures['hosts'])}): {figures['np']} "
              f"ranks, the mlp at dist.zero=0, rank {figures['np'] - 1} ({lost}) killed (-9) after step "
-             f"{figures['kill_at']}, a checkpoint every {figures['every_steps']} steps; {figures['rounds']} round(s), "
-             "order alternating; median (range) over the rounds"
+             f"{figures['kill_at']}, a checkpoint every {figures['every_steps']} steps; live grows back "
+             f"({' '.join(GROW)}: a replacement started at the first boundary after the loss, called in "
+             f"{GROW_AFTER_STEPS} steps later); {figures['rounds']} round(s), order alternating; median (range) over "
+             "the rounds"
              + ("; mirrored: live at dist.zero=2 with fault.replicas=1" if "mirrored" in shown else ""),
              f"live: {v['ftmpirun']} (scripts/ftmpirun); warm, cold: hpcnet.launch over {v['mpirun']}; torch "
              f"{v['torch']}, mpi4py {v['mpi4py']}; {' '.join(f'{k}={x}' for k, x in figures['environment'].items())}",

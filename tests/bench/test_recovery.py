@@ -9,7 +9,7 @@ import re
 import pytest
 
 from hpcnet.bench.recovery import _checked, _parser, main
-from hpcnet.bench.recovery_live import first_step_after, live_figures, report
+from hpcnet.bench.recovery_live import first_step_after, grow_figures, live_figures, report
 from hpcnet.bench.recovery_restart import job_options, step_gap_s
 
 
@@ -59,6 +59,8 @@ def test_live_runs_four_ranks_in_three_rounds_of_its_own_contenders():
     (["--cluster", "--rounds", "2"], "--rounds is an option of --live only"),
     (["--live", "--rounds", "0"], "--live needs --np of at least 2 and --rounds of at least 1"),
     (["--live", "--np", "1"], "--live needs --np of at least 2"),
+    (["--live", "--kill-at", "37"], "--live needs --kill-at + 3 < --steps: the replacement joins 3 steps after the "
+                                    "kill"),
 ])
 def test_a_bad_option_is_a_usage_error(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -124,13 +126,28 @@ def test_a_live_run_is_read_from_the_victims_kill_line_rank_0s_rebuilt_line_metr
         live_figures(tmp_path, 25, 3)
 
 
+def test_a_live_runs_grow_back_is_read_from_its_last_grow_record_and_must_end_at_the_first_size(tmp_path):
+    grow = {"joined": 1, "world_size": 4, "from_world_size": 3, "step": 28, "started_after_step": 26, "spawn_s": 1.15,
+            "ready_s": 1.4, "pause_s": 0.95, "hosts": ["hpcb"], "resumed_step": 28}
+    (tmp_path / "summary.json").write_text(json.dumps({"world_size": 4, "recovery": {"grows": [grow]}}))
+    assert grow_figures(tmp_path, 4) == {"grow_pause_s": 0.95, "grow_spawn_s": 1.15, "grow_ready_s": 1.4,
+                                         "grow_step": 28, "grow_hosts": ["hpcb"], "world_size_end": 4}
+    (tmp_path / "summary.json").write_text(json.dumps({"world_size": 3, "recovery": {"grows": []}}))
+    with pytest.raises(RuntimeError, match="no grow back to 4 ranks \\(0 grows, 3 ranks at the end\\)"):
+        grow_figures(tmp_path, 4)  # the replacement never joined: the run ended at the shrunk size
+    (tmp_path / "summary.json").write_text(json.dumps({"world_size": 3, "recovery": {"grows": [grow]}}))
+    with pytest.raises(RuntimeError, match="1 grows, 3 ranks at the end"):
+        grow_figures(tmp_path, 4)  # grew back, then lost a rank again
+
+
 def _live_figures():
     """Two rounds; cold's second run failed."""
     def live(round_, total, step_s):
         return {"round": round_, "kill_to_next_step_s": total, "kill_to_new_step_s": total, "steps_recomputed": 0,
                 "seen_s": 0.2, "ready_to_step_s": total - 0.6, "world_size_after": 3, "step_time_before_s": step_s,
                 "lost": [{"rank": 3, "host": "hpcb"}],
-                "shrink_s": 0.012, "rebuild_s": 0.4}
+                "shrink_s": 0.012, "rebuild_s": 0.4, "grow_pause_s": total + 0.5, "grow_spawn_s": 1.1,
+                "grow_ready_s": 1.3 + round_, "grow_hosts": ["hpcb"], "world_size_end": 4}
 
     def restart(round_, total, new, standby):
         return {"round": round_, "kill_to_next_step_s": total, "kill_to_new_step_s": new, "steps_recomputed": 5,
@@ -154,11 +171,12 @@ def test_the_live_table_gives_each_contender_median_and_range_and_the_targets_pa
     lines = text.splitlines()
     assert lines[0].startswith("live recovery against restarts on the local cluster (hpca, hpcb): 4 ranks, the mlp at "
                                "dist.zero=0, rank 3 (hpcb) killed (-9) after step 25, a checkpoint every 10 steps; "
-                               "2 round(s)")
+                               "live grows back (fault.grow=spawn fault.grow_after_steps=2: a replacement started at "
+                               "the first boundary after the loss, called in 2 steps later); 2 round(s)")
     assert lines[1] == ("live: mpirun (Open MPI) 5.0.11 (scripts/ftmpirun); warm, cold: hpcnet.launch over mpirun "
                         "(Open MPI) 4.1.4; torch 2.13.0+cpu, mpi4py 4.1.2; OMPI_MCA_mpi_yield_when_idle=1")
     assert lines[3].split() == ["live", "(n=2)", "warm", "(n=2)", "cold", "(n=1)"]
-    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in lines[5:16])}
+    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in lines[5:19])}
     assert rows == {"kill -> next step done (s)": ["1.20 (1.00-1.40)", "4.45 (4.00-4.90)", "9.00"],
                     "kill -> failure seen (s)": ["0.20", "1.00", "1.00"],
                     "ready -> next step done (s)": ["0.60 (0.40-0.80)", "0.50", "0.50"],
@@ -167,10 +185,15 @@ def test_the_live_table_gives_each_contender_median_and_range_and_the_targets_pa
                     "step time before the kill (ms)": ["62 (60-64)", "70", "70"],
                     "shrink (s, the survivors' record)": ["0.012", "-", "-"],
                     "rebuild (s, the survivors' record)": ["0.40", "-", "-"],
-                    "standby used": ["-", "1/2", "-"],
-                    "grow back (the survivors' pause)": ["not built (issue 46 item 4)", "-", "-"]}
+                    "grow back: the survivors' pause, join (s)": ["1.70 (1.50-1.90)", "-", "-"],
+                    "the survivors' pause, spawn (s)": ["1.10", "-", "-"],
+                    "replacement started -> ready (s)": ["1.80 (1.30-2.30)", "-", "-"],
+                    "world size at the end": ["4", "-", "-"],  # the restarts relaunch at the first size: no grow
+                    "standby used": ["-", "1/2", "-"]}
     assert "live, kill -> next step: target <= 0.5 s and 0 steps computed again: not met" in lines
     assert "live / warm, kill -> next step, paired by round: 0.27 (0.25-0.29); target <= 0.3: met" in lines
+    assert ("grow back, the survivors' pause at the join (s): live 1.70 (1.50-1.90); target <= 2.0 s: met (the pause "
+            "for the spawn besides, s: live 1.10); the replacements ran on hpcb (2)") in lines
     assert ("failure-free step time (ms), the same job without the kill: ULFM (cluster.sh ftmpirun) 150.0 "
             "(100.0-200.0), Open MPI 4.1 (cluster.sh mpirun) 145.0 (96.0-194.0); Open MPI 4.1 / ULFM, paired by "
             "round: 0.96 (0.96-0.97); target >= 0.95: met") in lines
@@ -189,8 +212,14 @@ def test_the_mirrored_contender_has_its_column_and_the_mirrors_target_its_lines(
                              "capture_s": 0.004},
                             {"round": 1, "step_time_s": 0.25, "snapshot_bytes": 14 * mib, "ward_bytes": 7 * mib,
                              "capture_s": 0.006}]
+    results["mirrored"][1]["grow_pause_s"] = 2.5
     lines = report(figures).splitlines()
     assert lines[0].endswith("; mirrored: live at dist.zero=2 with fault.replicas=1")
+    assert ("grow back, the survivors' pause at the join (s): live 1.70 (1.50-1.90); mirrored 2.00 (1.50-2.50); "
+            "target <= 2.0 s: met (the pause for the spawn besides, s: live 1.10; mirrored 1.10); the replacements "
+            "ran on hpcb (4)") in lines
+    results["mirrored"][0]["grow_pause_s"] = 2.2  # mirrored's median over the target: not met for both
+    assert "mirrored 2.35 (2.20-2.50); target <= 2.0 s: not met" in report(figures)
     assert lines[3].split() == ["live", "(n=2)", "mirrored", "(n=2)", "warm", "(n=2)", "cold", "(n=1)"]
     assert ("failure-free step time (ms) at dist.zero=2 under ULFM: without mirrors 150.0 (100.0-200.0), with "
             "(fault.replicas=1) 177.5 (105.0-250.0); with / without, paired by round: 1.15 (1.05-1.25); target <= 1.1: "
