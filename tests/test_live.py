@@ -88,19 +88,33 @@ def test_a_loss_after_the_last_step_s_update_still_ends_with_the_last_step_saved
 
 @pytest.mark.parametrize("zero", [0, 2])
 def test_three_losses_in_a_row_leave_one_rank_that_ends_as_the_uninterrupted_run(ft, data, reference, tmp_path, zero):
-    """4 ranks of 6 samples (the reference's global batch of 24) lose their last rank after steps 3, 7 and 11
+    """4 ranks of 6 samples (the reference's global batch of 24) lose a rank after steps 3, 7 and 11
     (fault.kill_every_steps); the last survivor trains the whole global batch: no hang, no relaunch, the same
     model within the bound. Each time the survivors go on from the step they reached: stage 0 from their memory,
     stage 2 from the mirrors (fault.replicas=1: the lost rank's shards from its keeper, rank 0; the checkpoint path
-    at stage 2 is the single loss's above), nothing computed again."""
+    at stage 2 is the single loss's above), nothing computed again.
+
+    At stage 0 the one lost is rank 0 each time, and replacements are started after each loss that are not called
+    in before the run ends (fault.grow_after_steps=10): the rank 0 that started them is the next one lost, and the
+    next survivor tells them to leave (one whose first message never reached rank 0 waited for good, and the job
+    with it). Under the supervisor: Open MPI's launcher ends with 1 when a replacement leaves without
+    MPI_Finalize, and the run's summary decides."""
     runs = tmp_path / "runs"
-    out = run_job([ft, "-np", "4"], [*train_args(data, runs, "series", f"dist.zero={zero}", "train.batch_size=6",
-                                                 "fault.kill_at_step=3", "fault.kill_every_steps=4",
-                                                 f"fault.replicas={int(zero > 0)}")], tmp_path)
+    launcher = [ft, "-np", "4"]
+    extra = [f"fault.replicas={int(zero > 0)}"]
+    if not zero:
+        launcher = [sys.executable, "-m", "hpcnet.launch", "--backoff-s", "0", "--standby", "off", "--", *launcher]
+        extra += ["fault.rank=0", "fault.grow=spawn", "fault.grow_after_steps=10"]
+    out = run_job(launcher, [*train_args(data, runs, "series", f"dist.zero={zero}", "train.batch_size=6",
+                                         "fault.kill_at_step=3", "fault.kill_every_steps=4", *extra)], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    recovery = summary(runs, "series")["recovery"]
+    [done] = runs.glob("series-*/summary.json") if zero else runs.glob("series-*/attempt-*/summary.json")  # one attempt
+    done = json.loads(done.read_text())
+    recovery = done["recovery"]
     records = recovery["recoveries"]
-    assert [(r["step"], r["world_size"], r["lost"][0]["rank"]) for r in records] == [(3, 3, 3), (7, 2, 2), (11, 1, 1)]
+    lost = [0, 0, 0] if not zero else [3, 2, 1]
+    assert [(r["step"], r["world_size"], r["lost"][0]["rank"]) for r in records] == list(zip((3, 7, 11), (3, 2, 1),
+                                                                                             lost))
     assert [(r["resumed_step"], r["recomputed_steps"], r["state"]) for r in records] == [
         (step, 0, "mirror" if zero else "memory") for step in (3, 7, 11)], records
     assert "the survivor shrank the job" in out.stderr and "global batch 24 kept" in out.stderr
@@ -108,7 +122,10 @@ def test_three_losses_in_a_row_leave_one_rank_that_ends_as_the_uninterrupted_run
         assert "training goes on at step 3 from the mirrors, global batch 24 kept" in out.stderr
         assert [w["keepers"] for w in recovery["mirror"]["worlds"]] == [[1, 2, 3, 0], [1, 2, 0], [1, 0]]
         assert "resume: reading" not in out.stderr
-    assert summary(runs, "series")["steps"] == STEPS
+    else:
+        assert "1 replacement(s) started after step 4" in out.stderr and "2 replacement(s) started after step 8" \
+            in out.stderr and recovery["grows"] == []
+    assert done["steps"] == STEPS
     assert_close(final_tensors(runs, "series"), reference)
 
 

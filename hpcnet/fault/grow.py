@@ -16,7 +16,8 @@ The spawn runs in the training thread, not beside it: a spawn in a thread of its
 trainer's communicator creation and teardown, was seen never to complete under Open MPI 5.0.
 
 A replacement that is no longer wanted (the run ended, or more ranks were lost first) is told to leave by the
-survivors' rank 0, once its first message has arrived (``Replacements.dismiss`` says why).
+survivors' rank 0, once its first message has arrived (``Replacements.dismiss`` says why), or by the next survivor
+where rank 0 was lost.
 """
 
 import logging
@@ -141,17 +142,26 @@ class Replacements:
         for child in children:
             self.inter.send(word, dest=child, tag=WORD_TAG)
 
-    def dismiss(self, rank: int, *, lost: bool) -> None:
-        """Let the replacements go: rank 0 tells each to leave (the others: nothing). It first waits for every
-        replacement's first message (up to ``HELLO_WAIT_S``; a few seconds where ranks were just ``lost``): one
-        that first reaches out after rank 0 is gone would wait in Open MPI's runtime for good, and mpirun with it
-        (``hpcnet.fault.replacement``). No revoke: a replacement passes a revoke on to every survivor, and
-        reaching one that has left waits for good in the same way."""
-        if self.inter is None or rank != 0:
+    def dismiss(self, rank: int, *, lost: bool, gone: tuple[int, ...] = ()) -> None:
+        """Let the replacements go: the lowest rank of the survivors that started them (``rank``: this one's number
+        among those; ``gone``: the ones lost since) tells each to leave, the others nothing.  Rank 0 first waits
+        for every replacement's first message (up to ``HELLO_WAIT_S``; a few seconds where ranks were just
+        ``lost``): one that first reaches out after rank 0 is gone would wait in Open MPI's runtime for good, and
+        mpirun with it (``hpcnet.fault.replacement``).  Where rank 0 itself is gone, the next survivor tells every
+        replacement: they take the word from any survivor, and a failure in the survivors' job is not seen in
+        theirs, so nobody else would.  No revoke: a replacement passes a revoke on to every survivor, and reaching
+        one that has left waits for good in the same way."""
+        if self.inter is None:
             return
-        if not self._heard(HELLO_TAG, LOST_WAIT_S if lost else HELLO_WAIT_S):
-            log.warning("a replacement did not reach rank 0 in time: mpirun may wait for it")
-        self._word(set(range(self.inter.Get_remote_size())) - self._waiting[HELLO_TAG], "leave")
+        teller = next((r for r in range(self.inter.Get_size()) if r not in gone), None)
+        if rank != teller:
+            return
+        children = set(range(self.inter.Get_remote_size()))
+        if teller == 0:
+            if not self._heard(HELLO_TAG, LOST_WAIT_S if lost else HELLO_WAIT_S):
+                log.warning("a replacement did not reach rank 0 in time: mpirun may wait for it")
+            children -= self._waiting[HELLO_TAG]
+        self._word(children, "leave")
 
 
 def join_if_spawned() -> Any:
@@ -159,20 +169,29 @@ def join_if_spawned() -> Any:
     started by survivors; else, once the survivors call it in, the merged communicator. A replacement that is let
     go (or whose survivors are gone) leaves here, with status 0. A replacement that joined ends with MPI_Finalize
     (where the survivors leave without: ``hpcnet.fault.survive.survived_a_loss``) unless it sees a loss itself:
-    Open MPI's launcher takes a spawned process that leaves without it for a failed one."""
+    Open MPI's launcher takes a spawned process that leaves without it for a failed one.
+
+    Its messages to rank 0 are not waited for: rank 0 may have ended before they could leave (a send that sets up
+    a connection to an ended process waits for good), and then the word comes from the next survivor
+    (``Replacements.dismiss``); the replacement leaves at once, without MPI_Finalize, which would wait for them."""
     from mpi4py import MPI
 
     parent = MPI.Comm.Get_parent()
     if parent == MPI.COMM_NULL:
         return None
+    status = MPI.Status()
     try:
-        parent.send(None, dest=0, tag=READY_TAG)
-        while not parent.iprobe(source=0, tag=WORD_TAG):
+        ready = parent.isend(None, dest=0, tag=READY_TAG)
+        while not parent.iprobe(source=MPI.ANY_SOURCE, tag=WORD_TAG):  # rank 0's, or the next survivor's
             time.sleep(POLL_S)
-        word = parent.recv(source=0, tag=WORD_TAG)
+        word = parent.recv(source=MPI.ANY_SOURCE, tag=WORD_TAG, status=status)
     except MPI.Exception:  # the survivors' rank 0 is gone: nothing of the run is here to lose
         MPI.Finalize()  # leaving without it, mpirun would take this process for a failed one and end with 1
         sys.exit(0)
+    if status.Get_source() != 0:  # rank 0 is gone, its messages maybe with it: nothing of the run is here to lose
+        log.info("the survivors' rank 0 is gone: this replacement leaves, as the next survivor says")
+        os._exit(0)
+    ready.wait()
     if word != "join":  # let go: the run ended, or more ranks were lost
         MPI.Finalize()
         sys.exit(0)

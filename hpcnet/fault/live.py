@@ -163,8 +163,8 @@ class Live:
         A failure that lost no rank (a revoke with everyone alive) is raised again."""
         if not self._seen_at:
             self._seen_at = time.perf_counter()
-        self.dismiss(lost=True)  # more ranks are lost: the next rebuild starts replacements for all of them
         shrunk = shrink(comm)
+        self.dismiss(lost=True, gone=shrunk.lost)  # the next rebuild starts replacements for every lost rank
         if not shrunk.lost:
             raise exc
         new = shrunk.comm
@@ -255,10 +255,11 @@ class Live:
         self._seen_at = self._last = time.perf_counter()
         return self.cfg
 
-    def dismiss(self, *, lost: bool = False) -> None:
-        """Let replacements that have not joined go: the run ended, or (``lost``) more ranks were lost first."""
+    def dismiss(self, *, lost: bool = False, gone: tuple[int, ...] = ()) -> None:
+        """Let replacements that have not joined go: the run ended, or (``lost``) more ranks were lost first
+        (``gone``: which, where known: the lowest survivor tells them)."""
         if self.replacements is not None:
-            self.replacements.dismiss(self.world.rank if self.world is not None else 0, lost=lost)
+            self.replacements.dismiss(self.world.rank if self.world is not None else 0, lost=lost, gone=gone)
             self.replacements = None
 
     def grow_flag(self, step: int) -> int:
@@ -271,6 +272,8 @@ class Live:
         if reps.inter is None:
             return int(step > reps.from_step and reps.due())
         after = self.cfg.fault.grow_after_steps
+        if after and step < reps.started_at_step + after:
+            return 0  # a join at a known step, not before: whenever the replacements are ready
         return 2 if reps.ready(GROW_WAIT_S if after and step == reps.started_at_step + after else 0.0) else 0
 
     def start_replacements(self, comm: Any, step: int) -> None:

@@ -17,5 +17,8 @@ if __name__ == "__main__":
 
     from mpi4py import MPI  # MPI_Init: the spawn that started this process completes
 
-    MPI.Comm.Get_parent().send(None, dest=0, tag=HELLO_TAG)
+    # Not waited for: where rank 0 ended before the connection was made, a blocking send would wait for good, and
+    # the next survivor's word to leave (``hpcnet.fault.grow.join_if_spawned``) would never be read.  Kept alive
+    # here, as a global of this module, for as long as the process runs.
+    HELLO = MPI.Comm.Get_parent().isend(None, dest=0, tag=HELLO_TAG)
     runpy.run_module("hpcnet.train", run_name="__main__", alter_sys=True)
