@@ -43,6 +43,10 @@ class Entries:
     """Top-level keys of the checkpoint's meta -> JSON-able values, equal on every rank."""
     rank_state: dict[str, Any] = field(default_factory=dict)
     """Top-level keys of this rank's own JSON state (``/rank_state``)."""
+    synced: set[str] = field(default_factory=set)
+    """Of ``tensors``, those that differ between ranks at a step's end and that the next step makes equal, from rank
+    0's (a model's buffers, which data parallelism broadcasts at every step's start as DDP does): ranks that compare
+    their states in memory (``hpcnet.fault.live``) leave them out."""
 
     def add(self, other: "Entries") -> None:
         """Take ``other``'s entries after these; ValueError when a name or key is offered twice."""
@@ -53,6 +57,7 @@ class Entries:
                 raise ValueError(f"two parts offer {twice[:3]}")
             mine.update(theirs)
         self.holders.update(other.holders)
+        self.synced |= other.synced
 
 
 @dataclass(slots=True)

@@ -36,6 +36,7 @@ class ModelState(Stateful):
     def state_entries(self) -> Entries:
         entries = Entries()
         held = _by_key(self.owned.state_entries()) if self.owned is not None else {}
+        buffers = {name for name, _ in self.model.named_buffers()}
         for key, value in self.model.state_dict().items():
             if key in held:
                 entries.add(held[key])
@@ -43,6 +44,8 @@ class ModelState(Stateful):
             if not isinstance(value, torch.Tensor):
                 raise ValueError(f"model state {key!r} is a {type(value).__name__}, not a tensor; it cannot be saved")
             entries.tensors[f"model/{key}"] = value
+            if key in buffers:
+                entries.synced.add(f"model/{key}")  # DataParallel.sync_buffers at the next step's start
         return entries
 
     def wants(self, name: str) -> bool | None:

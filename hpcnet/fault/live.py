@@ -58,11 +58,13 @@ def _digest(entries: Entries) -> int:
     """A checksum of the tensors of a rank's state that no single rank holds (CRC-32 over their bytes, in order):
     survivors at one step must hold the same. A collective that a dead peer left half done may complete on a
     survivor with its part missing (seen: garbage sizes in a pickled all-gather under Open MPI 5.0's ULFM), so a
-    memory that differs is not trusted."""
+    memory that differs is not trusted. Tensors that differ between ranks until the next step makes them equal
+    (``Entries.synced``: batch norm's statistics) are left out: the rebuilt job's first step gives every survivor
+    the new rank 0's."""
     crc = 0
     for name, tensor in entries.tensors.items():
         crc = zlib.crc32(name.encode(), crc)
-        if name not in entries.holders:
+        if name not in entries.holders and name not in entries.synced:
             crc = zlib.crc32(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy(), crc)
     return crc
 

@@ -68,7 +68,8 @@ def snapshot(entries: Entries, reuse: dict[str, torch.Tensor] | None = None) -> 
         if into is None or into.shape != tensor.shape or into.dtype != tensor.dtype:
             into = torch.empty(tensor.shape, dtype=tensor.dtype)
         tensors[name] = into.copy_(tensor.detach())
-    return Entries(tensors, dict(entries.holders), copy.deepcopy(entries.meta), copy.deepcopy(entries.rank_state))
+    return Entries(tensors, dict(entries.holders), copy.deepcopy(entries.meta), copy.deepcopy(entries.rank_state),
+                   set(entries.synced))
 
 
 def layout(entries: Entries, rank: int) -> Layout:
@@ -220,7 +221,7 @@ class Mirror:
         if self.ward in lost:
             tensors.update(views(self._ward_buffer, self._ward_layout))
         return Entries(tensors, new_holders(self.own.holders, offers, lost, old_size), self.own.meta,
-                       self.own.rank_state)
+                       self.own.rank_state, self.own.synced)
 
     def _account(self, entries: Entries) -> None:
         """Every rank's S and M bytes, from the entries (no communication), the largest of the world kept; after

@@ -160,6 +160,25 @@ def test_survivors_whose_memories_differ_at_one_step_reload_rather_than_trust_ei
     assert live.reload and live.carried is None and live.recoveries[0]["state"] == "checkpoint"
 
 
+def test_survivors_whose_batch_norm_statistics_differ_go_on_from_memory_and_a_parameter_still_decides():
+    """A model's buffers differ between ranks at a step's end (each rank's slice updated them) until the next step
+    broadcasts rank 0's: the survivors of a batch-norm model go on from memory, whatever their statistics; a
+    parameter that differs still sends them to the checkpoint."""
+    from hpcnet.ckpt.parts import ModelState
+
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    models[1](torch.randn(8, 3))  # training mode: its running statistics move, its parameters do not
+    mine, theirs = (ModelState(m).state_entries() for m in models)
+    assert mine.synced == {"model/1.running_mean", "model/1.running_var", "model/1.num_batches_tracked"}
+    assert not torch.equal(mine.tensors["model/1.running_mean"], theirs.tensors["model/1.running_mean"])
+    assert _digest(mine) == _digest(theirs)
+    with torch.no_grad():
+        models[1][0].weight.add_(1e-3)
+    assert _digest(mine) != _digest(ModelState(models[1]).state_entries())
+
+
 def test_a_revoke_that_lost_nobody_raises_the_error_again(monkeypatch):
     live = _live()
     monkeypatch.setattr(live_module, "shrink", lambda comm: Shrunk(Survivors(0, [(-1, -1, 0)] * 4), (), 0.01))
