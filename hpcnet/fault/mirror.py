@@ -72,18 +72,24 @@ def snapshot(entries: Entries, reuse: dict[str, torch.Tensor] | None = None) -> 
                    set(entries.synced))
 
 
-def layout(entries: Entries, rank: int) -> Layout:
-    """The tensors that ``rank`` alone holds, in the entries' order, at aligned offsets of one buffer (pure: the
-    same on every rank, a ``meta`` tensor having its holder's shape and dtype)."""
-    out: Layout = []
-    offset = HEADER
+def layouts(entries: Entries) -> dict[int, Layout]:
+    """Each holder's buffer: the tensors it alone holds, in the entries' order, at aligned offsets (pure: the same on
+    every rank, a ``meta`` tensor having its holder's shape and dtype). One pass over the entries for every rank."""
+    out: dict[int, Layout] = {}
+    ends: dict[int, int] = {}
     for name, tensor in entries.tensors.items():
-        if entries.holders.get(name) != rank:
+        holder = entries.holders.get(name)
+        if holder is None:
             continue
-        offset = -(-offset // ALIGN) * ALIGN
-        out.append((name, offset, tuple(tensor.shape), tensor.dtype))
-        offset += tensor.numel() * tensor.element_size()
+        offset = -(-ends.get(holder, HEADER) // ALIGN) * ALIGN
+        out.setdefault(holder, []).append((name, offset, tuple(tensor.shape), tensor.dtype))
+        ends[holder] = offset + tensor.numel() * tensor.element_size()
     return out
+
+
+def layout(entries: Entries, rank: int) -> Layout:
+    """``rank``'s buffer (``layouts``)."""
+    return layouts(entries).get(rank, [])
 
 
 def nbytes(tensors: Layout) -> int:
@@ -94,14 +100,11 @@ def nbytes(tensors: Layout) -> int:
     return offset + torch.Size(shape).numel() * dtype.itemsize
 
 
-def buffer_sizes(entries: Entries, size: int) -> list[int]:
-    """Every rank's buffer bytes, ``nbytes(layout(entries, rank))`` for each of ``size`` ranks in one pass (pure)."""
-    ends = [HEADER] * size
-    for name, tensor in entries.tensors.items():
-        holder = entries.holders.get(name)
-        if holder is not None:
-            ends[holder] = -(-ends[holder] // ALIGN) * ALIGN + tensor.numel() * tensor.element_size()
-    return ends
+def buffer_sizes(entries: Entries, size: int, every: dict[int, Layout] | None = None) -> list[int]:
+    """Every rank's buffer bytes, ``nbytes(layout(entries, rank))`` for each of ``size`` ranks (``every``: the
+    entries' ``layouts``, where known)."""
+    every = layouts(entries) if every is None else every
+    return [nbytes(every.get(rank, [])) for rank in range(size)]
 
 
 def layout_digest(tensors: Layout) -> int:
@@ -193,7 +196,8 @@ class Mirror:
             return
         t0 = time.perf_counter()
         entries = state.entries()
-        mine = layout(entries, self.rank)
+        every = layouts(entries)
+        mine = every.get(self.rank, [])
         if self._send is None or mine != self._send_layout:
             self._send, self._send_layout = torch.empty(nbytes(mine), dtype=torch.uint8), mine
             self._send[:8].view(torch.int64)[0] = layout_digest(mine)
@@ -202,7 +206,7 @@ class Mirror:
         self.own_step = -1
         self.own = snapshot(entries, reuse)
         self.own_step, self.last_saved_step = step, state.last_saved_step
-        theirs = layout(entries, self.ward)
+        theirs = every.get(self.ward, [])
         if self._ward_buffer is None or theirs != self._ward_layout:
             self._ward_buffer, self._ward_layout = torch.empty(nbytes(theirs), dtype=torch.uint8), theirs
         self.ward_step = -1
@@ -212,7 +216,7 @@ class Mirror:
             _check(received, self._ward_buffer, theirs, self.ward, self.rank)
         self.ward_step = step
         self.capture_s.append(time.perf_counter() - t0)
-        self._account(entries)
+        self._account(entries, every)
 
     def restored(self, offers: list[Offer], lost: tuple[int, ...] | list[int], old_size: int) -> Entries:
         """After ``mirrored_step`` agreed: S with the lost ward's tensors from M, held by the survivors' new ranks."""
@@ -223,11 +227,11 @@ class Mirror:
         return Entries(tensors, new_holders(self.own.holders, offers, lost, old_size), self.own.meta,
                        self.own.rank_state, self.own.synced)
 
-    def _account(self, entries: Entries) -> None:
+    def _account(self, entries: Entries, every: dict[int, Layout]) -> None:
         """Every rank's S and M bytes, from the entries (no communication), the largest of the world kept; after
         the world's first step (an optimizer makes its state there), rank 0 says who keeps whose state and the
         memory it takes."""
-        sizes = buffer_sizes(entries, len(self.keeper))
+        sizes = buffer_sizes(entries, len(self.keeper), every)
         unheld = sum(t.numel() * t.element_size() for name, t in entries.tensors.items() if name not in entries.holders)
         world = self.worlds[-1]
         for key, now in (("snapshot_bytes", [unheld + size for size in sizes]),
